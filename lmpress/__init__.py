@@ -1,0 +1,3 @@
+"""lmpress: compress LLMs, export them, and gate them on quality against the baseline."""
+
+__version__ = "0.1.0"

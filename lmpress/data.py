@@ -1,0 +1,153 @@
+"""Text for calibration and evaluation, and the token windows cut from it.
+
+Sources:
+  builtin:python-docs          the CPython reference text in ``pydoc_data.topics`` (always installed)
+  hf:DATASET[:CONFIG[:SPLIT]]  a hub dataset's ``text`` column, e.g. ``hf:wikitext:wikitext-2-raw-v1``
+  PATH.txt | .jsonl | .parquet a local file (``text`` field / column for jsonl and parquet)
+
+Every text is read as UTF-8 with CRLF turned into LF, tokenized once without
+special tokens; windows and calibration samples are cut from that one stream,
+deterministically for a given seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from lmpress.errors import LmpressInputError
+
+BUILTIN_PYTHON_DOCS = "builtin:python-docs"
+TEXT_SUFFIXES = (".txt", ".raw", ".tokens", ".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Text:
+    source: str
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def load_text(source: str, default_split: str = "test") -> Text:
+    """Read the whole text behind ``source``; a clear error when it is missing or empty."""
+    if source == BUILTIN_PYTHON_DOCS:
+        text = _python_docs()
+    elif source.startswith("builtin:"):
+        raise LmpressInputError(f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS})")
+    elif source.startswith("hf:"):
+        text = _hub_text(source, default_split)
+    else:
+        text = _file_text(Path(source))
+    text = text.replace("\r\n", "\n")
+    if not text.strip():
+        raise LmpressInputError(f"text source {source} is empty")
+    return Text(source, text)
+
+
+def _python_docs() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _file_text(path: Path) -> str:
+    if not path.exists():
+        raise LmpressInputError(f"text file {path} does not exist")
+    if path.suffix not in TEXT_SUFFIXES:
+        raise LmpressInputError(f"text file {path}: unsupported type {path.suffix!r} (use {', '.join(TEXT_SUFFIXES)})")
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        missing = [i for i, row in enumerate(rows) if "text" not in row]
+        if missing:
+            raise LmpressInputError(f"{path}: line {missing[0] + 1} has no 'text' field")
+        return "\n\n".join(str(row["text"]) for row in rows)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if "text" not in table.column_names:
+            raise LmpressInputError(f"{path}: no 'text' column (columns: {', '.join(table.column_names)})")
+        return "\n\n".join(str(t) for t in table.column("text").to_pylist())
+    return path.read_bytes().decode("utf-8")
+
+
+def _hub_text(source: str, default_split: str) -> str:
+    parts = source.removeprefix("hf:").split(":")
+    if not parts[0] or len(parts) > 3:
+        raise LmpressInputError(f"text source {source!r}: expected hf:DATASET[:CONFIG[:SPLIT]]")
+    name, config, split = (parts + [None, None])[:3]
+    try:
+        import datasets
+    except ImportError as e:
+        raise LmpressInputError(f"text source {source} needs the datasets package: pip install datasets") from e
+    try:
+        rows = datasets.load_dataset(name, config, split=split or default_split)
+    except Exception as e:  # datasets raises many types for "unreachable" and "unknown"
+        raise LmpressInputError(
+            f"cannot load dataset {source} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "offline, use a local .txt/.jsonl/.parquet file or builtin:python-docs"
+        ) from e
+    if "text" not in rows.column_names:
+        raise LmpressInputError(f"dataset {source} has no 'text' column (columns: {rows.column_names})")
+    return "\n\n".join(rows["text"])
+
+
+def tokenize(tokenizer, text: Text) -> torch.Tensor:
+    """The whole text as one 1-D stream of token ids, without special tokens."""
+    return _tokenize_cached(tokenizer, text.text)
+
+
+@lru_cache(maxsize=4)
+def _tokenize_cached(tokenizer, text: str) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def token_windows(
+    ids: torch.Tensor,
+    seq_len: int,
+    n_windows: int | None = None,
+    stride: int | None = None,
+    bos_token_id: int | None = None,
+) -> torch.Tensor:
+    """Windows of ``seq_len`` tokens starting every ``stride`` tokens (default: non-overlapping).
+
+    With ``bos_token_id`` each window is BOS followed by ``seq_len - 1`` text tokens.
+    ``n_windows=None`` takes every full window.
+    """
+    stride = stride or seq_len
+    body = seq_len - (bos_token_id is not None)
+    available = 0 if ids.numel() < body else (ids.numel() - body) // stride + 1
+    if available == 0:
+        raise LmpressInputError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}")
+    if n_windows is not None and n_windows > available:
+        raise LmpressInputError(
+            f"text has {ids.numel()} tokens: {available} windows of {seq_len} (stride {stride}), not {n_windows}"
+        )
+    count = available if n_windows is None else n_windows
+    starts = torch.arange(count) * stride
+    windows = ids[starts[:, None] + torch.arange(body)]
+    if bos_token_id is not None:
+        windows = torch.cat([torch.full((count, 1), bos_token_id, dtype=ids.dtype), windows], dim=1)
+    return windows
+
+
+def calibration_samples(ids: torch.Tensor, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``n_samples`` distinct non-overlapping chunks of ``seq_len`` tokens, chosen by ``seed``."""
+    chunks = ids.numel() // seq_len
+    if chunks < n_samples:
+        raise LmpressInputError(
+            f"calibration text too short: {ids.numel()} tokens give {chunks} samples of {seq_len} tokens, "
+            f"{n_samples} requested (use more text, fewer samples or shorter samples)"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(chunks, generator=generator)[:n_samples].sort().values
+    return ids[: chunks * seq_len].view(chunks, seq_len)[chosen].clone()

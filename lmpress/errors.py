@@ -1,0 +1,18 @@
+"""Errors lmpress reports to users, and the exit codes they map to."""
+
+from __future__ import annotations
+
+EXIT_PASS = 0
+EXIT_GATE_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_RUNTIME_ERROR = 3
+
+
+class LmpressInputError(Exception):
+    """A user's mistake: a bad recipe, a missing file, an impossible setting.
+
+    The message is one line that says what is wrong, where, and what would work;
+    the CLI prints it without a traceback and exits with code 2.
+    """
+
+    exit_code = EXIT_BAD_INPUT

@@ -1,0 +1,126 @@
+"""Token-level perplexity over fixed windows of the eval text.
+
+Sample recipe eval:
+
+    eval:
+      text: ../shared/data/wikitext2/wiki.test.raw
+      perplexity: {seq_len: 2048, windows: 20, batch_size: 4}
+
+Perplexity = exp(mean next-token NLL over every scored position). Windows are
+non-overlapping unless ``stride`` is set; with a stride, each window after the
+first scores only its last ``stride`` positions (the ones no earlier window
+scored). This is token-level perplexity, not lm-eval's word perplexity.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+from pydantic import PositiveInt, model_validator
+from torch import nn
+
+from lmpress.data import token_windows
+from lmpress.errors import LmpressInputError
+from lmpress.model import context_length
+from lmpress.progress import QUIET, Bars
+from lmpress.registry import EvalConfig, EvalContext, EvalResult, eval_handler, register_eval
+
+
+@register_eval("perplexity")
+class PerplexityConfig(EvalConfig):
+    seq_len: PositiveInt = 2048
+    windows: PositiveInt | None = 20  # None: every full window of the text
+    stride: PositiveInt | None = None  # None: seq_len (non-overlapping)
+    batch_size: PositiveInt = 4
+    bos: bool = False  # prepend the tokenizer's BOS to each window
+
+    @model_validator(mode="after")
+    def _stride_fits(self) -> PerplexityConfig:
+        if self.stride is not None and self.stride > self.seq_len:
+            raise ValueError(f"stride {self.stride} is longer than seq_len {self.seq_len}")
+        return self
+
+    def metric_names(self) -> list[str]:
+        return ["ppl", "nll", "ppl_tokens_per_s"]
+
+    def windows_for(self, ids: torch.Tensor, tokenizer) -> torch.Tensor:
+        bos = tokenizer.bos_token_id if self.bos else None
+        if self.bos and bos is None:
+            raise LmpressInputError("eval.perplexity.bos: the tokenizer has no BOS token")
+        return token_windows(ids, self.seq_len, self.windows, self.stride, bos)
+
+    def score_from(self, window_index: int) -> int:
+        """First target position (index into the shifted targets) that window ``window_index`` scores."""
+        if self.stride is None or window_index == 0:
+            return 0
+        return self.seq_len - 1 - self.stride
+
+
+def check_context(model: nn.Module, seq_len: int, what: str) -> None:
+    limit = context_length(model)
+    if seq_len > limit:
+        raise LmpressInputError(f"{what}: window of {seq_len} tokens is longer than the model's context ({limit})")
+
+
+@torch.inference_mode()
+def forward_windows(
+    model: nn.Module, windows: torch.Tensor, batch_size: int, bars: Bars = QUIET, label: str = "eval"
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(first_window_index, float32 logits of the batch)`` for every batch of windows."""
+    device = next(model.parameters()).device
+    starts = range(0, windows.shape[0], batch_size)
+    for start in bars.track(starts, label, total=len(starts)):
+        batch = windows[start : start + batch_size].to(device)
+        yield start, model(batch, use_cache=False).logits.float()
+
+
+def token_nll(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Next-token NLL, shape ``(batch, seq_len - 1)``: position t scores token t+1."""
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    return -logprobs.gather(-1, windows[:, 1:, None].to(logits.device)).squeeze(-1)
+
+
+def perplexity(
+    model: nn.Module, windows: torch.Tensor, config: PerplexityConfig, bars: Bars = QUIET
+) -> dict[str, float]:
+    total_nll, scored = 0.0, 0
+    began = time.perf_counter()
+    for start, logits in forward_windows(model, windows, config.batch_size, bars, "perplexity"):
+        nll = token_nll(logits, windows[start : start + logits.shape[0]])
+        for row in range(nll.shape[0]):
+            kept = nll[row, config.score_from(start + row) :]
+            total_nll += kept.double().sum().item()
+            scored += kept.numel()
+    seconds = time.perf_counter() - began
+    mean_nll = total_nll / scored
+    return {
+        "ppl": math.exp(mean_nll),
+        "nll": mean_nll,
+        "ppl_tokens_per_s": windows.numel() / seconds,
+        "scored_tokens": scored,
+        "seconds": seconds,
+    }
+
+
+@eval_handler(PerplexityConfig)
+def run_perplexity(model: nn.Module, tokenizer, config: PerplexityConfig, ctx: EvalContext) -> EvalResult:
+    check_context(model, config.seq_len, "eval.perplexity")
+    windows = config.windows_for(ctx.ids(), tokenizer)
+    result = perplexity(model, windows, config, ctx.bars)
+    protocol = {
+        "text_source": ctx.text.source,
+        "text_sha256": ctx.text.sha256,
+        "text_preprocessing": "UTF-8, CRLF->LF, tokenized once without special tokens",
+        "seq_len": config.seq_len,
+        "stride": config.stride or config.seq_len,
+        "windows": int(windows.shape[0]),
+        "bos": config.bos,
+        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+        "level": "token",
+    }
+    metrics = {k: result[k] for k in ("ppl", "nll", "ppl_tokens_per_s")}
+    details = {k: result[k] for k in ("scored_tokens", "seconds")}
+    return EvalResult(metrics=metrics, details=details, protocol=protocol)

@@ -1,0 +1,1 @@
+"""Writers of the artifacts other servers load."""

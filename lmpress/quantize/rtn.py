@@ -1,0 +1,37 @@
+"""Round-to-nearest weight quantization: min/max scales, no calibration data.
+
+Sample recipe stage:
+
+    - method: rtn
+      bits: 4
+      group_size: 64
+      symmetric: true
+      ignore: [lm_head]
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lmpress.quantize.apply import apply_quantized_weight
+from lmpress.quantize.scheme import quantize_weight_rtn
+from lmpress.quantize.targets import WeightQuantConfig
+from lmpress.registry import StageContext, register_stage, stage_handler
+
+
+@register_stage("rtn")
+class RTNConfig(WeightQuantConfig):
+    method: Literal["rtn"] = "rtn"
+
+
+@stage_handler(RTNConfig)
+@torch.no_grad()
+def run_rtn(model: nn.Module, config: RTNConfig, ctx: StageContext) -> dict:
+    config.check(model)
+    targets = config.targets(model)
+    for name, (module, scheme) in ctx.bars.track(targets.items(), "rtn: layers", total=len(targets)):
+        apply_quantized_weight(model, name, quantize_weight_rtn(module.weight.data, scheme))
+    return {"quantized_layers": len(targets)}

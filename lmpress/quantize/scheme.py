@@ -1,0 +1,127 @@
+"""The integer grid every lmpress weight quantizer shares.
+
+Convention (the one GPTQ checkpoints, vLLM and compressed-tensors use):
+    q     = clamp(round(w / scale) + zero, 0, 2**bits - 1)
+    w_hat = (q - zero) * scale
+Symmetric schemes fix ``zero = 2**(bits-1)`` and ``scale = 2 * max|w| / (2**bits - 1)``;
+asymmetric schemes take ``scale = (max - min) / (2**bits - 1)`` and ``zero = round(-min / scale)``.
+Scales and zeros are per output row and per group of ``group_size`` input columns
+(``group_size == -1``: one group spanning the whole row).
+
+This module is the contract between quantize, export and runtime: tensors in,
+tensors out, no calibration code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    def group_width(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+    def fits(self, in_features: int) -> bool:
+        return self.group_size == -1 or in_features % self.group_size == 0
+
+    def describe(self) -> str:
+        group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+
+
+def compute_qparams(
+    w: torch.Tensor, scheme: QuantScheme, shrink: float | torch.Tensor = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero for each row of ``w`` (shape ``(..., width)``, one group per row).
+
+    ``shrink`` narrows the min/max range (clipping search); returns float tensors
+    of shape ``w.shape[:-1]``; zeros hold integer values.
+    """
+    w = w.float()
+    maxq = scheme.maxq
+    if scheme.symmetric:
+        amax = w.abs().amax(dim=-1) * shrink
+        scale = 2 * amax / maxq
+        zero = torch.full_like(scale, float((maxq + 1) // 2))
+    else:
+        wmin = (w.amin(dim=-1) * shrink).clamp(max=0)
+        wmax = (w.amax(dim=-1) * shrink).clamp(min=0)
+        scale = (wmax - wmin) / maxq
+        zero = torch.round(-wmin / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(0, maxq)
+    # An all-zero group would divide by zero; any positive scale reproduces it exactly.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, zero
+
+
+def quantize_to_int(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Integer codes (as float) of ``w`` on the grid; scale/zero broadcast against ``w``."""
+    return torch.clamp(torch.round(w.float() / scale) + zero, 0, maxq)
+
+
+def dequantize_int(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (q.float() - zero) * scale
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Quantize then dequantize: the float values the quantized weight stands for."""
+    return dequantize_int(quantize_to_int(w, scale, zero, maxq), scale, zero)
+
+
+@dataclass
+class QuantizedWeight:
+    """One linear layer's weight on the integer grid, unpacked.
+
+    ``qweight``: uint8 ``(out, in)``; ``scales``/``zeros``: ``(out, n_groups)``;
+    ``g_idx``: int32 ``(in,)`` group of each input column (act-order), or None when
+    column ``j`` is in group ``j // group_size``.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    scheme: QuantScheme
+    g_idx: torch.Tensor | None = None
+
+    def column_groups(self) -> torch.Tensor:
+        in_features = self.qweight.shape[1]
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        width = self.scheme.group_width(in_features)
+        return torch.arange(in_features) // width
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        groups = self.column_groups()
+        scale = self.scales[:, groups]
+        zero = self.zeros[:, groups]
+        return dequantize_int(self.qweight, scale, zero).to(dtype)
+
+
+def quantize_weight_rtn(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+    """Round-to-nearest quantization of a ``(out, in)`` weight with min/max scales."""
+    out_features, in_features = w.shape
+    if not scheme.fits(in_features):
+        raise ValueError(f"group size {scheme.group_size} does not divide in_features {in_features}")
+    width = scheme.group_width(in_features)
+    grouped = w.float().reshape(out_features, in_features // width, width)
+    scale, zero = compute_qparams(grouped, scheme)
+    q = quantize_to_int(grouped, scale[..., None], zero[..., None], scheme.maxq)
+    return QuantizedWeight(
+        qweight=q.reshape(out_features, in_features).to(torch.uint8),
+        scales=scale,
+        zeros=zero,
+        scheme=scheme,
+    )
