@@ -48,11 +48,16 @@ class StageConfig(StrictConfig):
 class EvalConfig(StrictConfig):
     """Base of one eval in a recipe's ``eval:`` section."""
 
-    # Metrics whose baseline and candidate values are compared (gates may use NAME_ratio / NAME_delta).
-    comparable: ClassVar[bool] = True
+    # Metrics that exist only for a candidate (e.g. KLD against the baseline): gates use them
+    # as they are; every other metric also gets NAME_delta and NAME_ratio (candidate vs baseline).
+    candidate_only: ClassVar[frozenset[str]] = frozenset()
 
     def metric_names(self) -> list[str]:
+        """Every metric this eval reports (the keys of its EvalResult.metrics)."""
         raise NotImplementedError
+
+    def check(self, model: Any) -> None:
+        """Raise LmpressInputError when this eval cannot run on ``model`` (before any work)."""
 
 
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {}

@@ -46,6 +46,9 @@ class PerplexityConfig(EvalConfig):
     def metric_names(self) -> list[str]:
         return ["ppl", "nll", "ppl_tokens_per_s"]
 
+    def check(self, model: nn.Module) -> None:
+        check_context(model, self.seq_len, "eval.perplexity")
+
     def windows_for(self, ids: torch.Tensor, tokenizer) -> torch.Tensor:
         bos = tokenizer.bos_token_id if self.bos else None
         if self.bos and bos is None:
