@@ -1,0 +1,148 @@
+"""The ``lmpress`` command.
+
+    lmpress run RECIPE --out DIR [--set key.path=value ...] [--overwrite] [--resume]
+    lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR]
+
+Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input (one line, no
+traceback), 3 unexpected error (with traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lmpress.errors import EXIT_BAD_INPUT, EXIT_RUNTIME_ERROR, LmpressInputError
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+console = Console()
+err_console = Console(stderr=True)
+
+
+def command(name: str) -> Callable:
+    def decorator(fn: Callable[[argparse.Namespace], int]) -> Callable:
+        COMMANDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmpress", description="Compress LLMs and gate them on quality.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a recipe: stages, export, eval, gates")
+    run.add_argument("recipe", help="recipe YAML file")
+    run.add_argument("--out", required=True, help="output directory (created; must be empty unless --overwrite)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe value, e.g. --set stages[0].bits=8 (repeatable)",
+    )
+    run.add_argument("--overwrite", action="store_true", help="replace a non-empty --out when the run finishes")
+    run.add_argument("--resume", action="store_true", help="continue an interrupted run from its saved state")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    ev = sub.add_parser("eval", help="evaluate a model (or a checkpoint lmpress wrote) with an eval suite")
+    ev.add_argument("model", help="hub id, checkpoint directory, .gguf file or pypkg:PACKAGE/FILE")
+    ev.add_argument(
+        "--suite",
+        help="YAML file with an 'eval:' section (and optional 'gates:'); default: perplexity on builtin:python-docs",
+    )
+    ev.add_argument("--baseline", help="model to compare against (needed for gates on _ratio/_delta metrics)")
+    ev.add_argument("--out", help="write report.json / report.md here")
+    ev.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def print_metrics(report: dict) -> None:
+    from lmpress.evals.report import metric_rows
+
+    table = Table(title="lmpress: baseline vs candidate")
+    for header in ("metric", "baseline", "candidate", "delta", "gate", "verdict"):
+        table.add_column(header)
+    for row in metric_rows(report):
+        table.add_row(*[cell.replace("<br>", "\n").replace("**", "") for cell in row])
+    console.print(table)
+
+
+@command("run")
+def cmd_run(args: argparse.Namespace) -> int:
+    from lmpress.pipeline import run_recipe
+    from lmpress.progress import Bars
+    from lmpress.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    with Bars(enabled=not args.quiet) as bars:
+        result = run_recipe(recipe, args.out, overwrite=args.overwrite, resume=args.resume, bars=bars)
+    print_metrics(result.report)
+    verdict = "[green]PASS" if result.exit_code == 0 else "[red]FAIL"
+    console.print(f"{verdict}[/] report: {Path(args.out) / 'report.md'}")
+    return result.exit_code
+
+
+@command("eval")
+def cmd_eval(args: argparse.Namespace) -> int:
+    import yaml
+
+    from lmpress.evals.suite import evaluate_models
+    from lmpress.progress import Bars
+    from lmpress.recipe import parse_recipe
+
+    raw = {"eval": {"perplexity": {"seq_len": 1024, "windows": 8}}}
+    if args.suite:
+        path = Path(args.suite)
+        if not path.exists():
+            raise LmpressInputError(f"suite {path} does not exist")
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(raw, dict):
+            raise LmpressInputError(f"{path}: a suite is a YAML mapping with an 'eval:' section")
+    recipe = parse_recipe(
+        {"model": args.model, "eval": raw.get("eval"), "gates": raw.get("gates")}, args.suite or "suite"
+    )
+    with Bars(enabled=not args.quiet) as bars:
+        report = evaluate_models(recipe, args.baseline, bars)
+    if args.out:
+        from lmpress.evals.report import write_report
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_report(report, Path(args.out))
+    print_metrics(report)
+    return 0 if report["passed"] else 1
+
+
+def quiet_transformers() -> None:
+    """lmpress draws its own bars; transformers' per-file bars and notices would bury them."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_transformers()
+    try:
+        return COMMANDS[args.command](args)
+    except LmpressInputError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        err_console.print("interrupted; `lmpress run ... --resume` continues from the last saved state")
+        return EXIT_RUNTIME_ERROR
+    except Exception:
+        traceback.print_exc()
+        return EXIT_RUNTIME_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""report.json (for machines) and report.md (for people) of one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lmpress.cache import write_json_atomic
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def metric_rows(report: dict[str, Any]) -> list[list[str]]:
+    """metric | baseline | candidate | delta | gate | verdict, one row per reported metric."""
+    baseline, candidate = report["baseline"]["metrics"], report["candidate"]["metrics"]
+    gates_by_metric: dict[str, list[dict]] = {}
+    for verdict in report["gates"]:
+        base_name = verdict["metric"].removesuffix("_ratio").removesuffix("_delta")
+        gates_by_metric.setdefault(base_name, []).append(verdict)
+    rows = []
+    for name in dict.fromkeys([*baseline, *candidate]):
+        base, cand = baseline.get(name), candidate.get(name)
+        delta = cand - base if isinstance(base, float | int) and isinstance(cand, float | int) else None
+        gates = gates_by_metric.get(name, [])
+        gate_text = "<br>".join(g["gate"] for g in gates) or ""
+        verdict = " ".join("pass" if g["passed"] else "**FAIL**" for g in gates)
+        rows.append([name, _fmt(base), _fmt(cand), _fmt(delta), gate_text, verdict])
+    return rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -> str:
+    gates = report["gates"]
+    failed = [g for g in gates if not g["passed"]]
+    verdict = "PASS" if not failed else "FAIL"
+    parts = [
+        f"# lmpress report: {report['model']['source']}",
+        "",
+        f"**Verdict: {verdict}** ({len(gates) - len(failed)}/{len(gates)} gates passed)",
+        "",
+    ]
+    for g in failed:
+        value = "not reported" if g["value"] is None else _fmt(g["value"])
+        parts.append(f"- gate `{g['gate']}` failed: value {value}, off by {_fmt(abs(g['margin'] or 0))}")
+    if report["stages"]:
+        parts += ["", "## Stages", ""]
+        rows = [[s["method"], s["settings"], _fmt(s["seconds"]), _fmt(s["peak_rss_mb"])] for s in report["stages"]]
+        parts.append(markdown_table(["method", "settings", "seconds", "peak RSS (MB)"], rows))
+    parts += ["", "## Metrics", ""]
+    parts.append(markdown_table(["metric", "baseline", "candidate", "delta", "gate", "verdict"], metric_rows(report)))
+    for title, filename in plots:
+        parts += ["", f"### {title}", "", f"![{title}]({filename})"]
+    if report.get("exports"):
+        parts += ["", "## Exports", ""]
+        rows = [[e["format"], e["path"], _fmt(e["size_mb"])] for e in report["exports"]]
+        parts.append(markdown_table(["format", "directory", "size (MB)"], rows))
+    parts += ["", "## Protocol", ""]
+    for name, protocol in report["candidate"]["protocol"].items():
+        settings = ", ".join(f"{k}={v}" for k, v in protocol.items())
+        parts.append(f"- **{name}**: {settings}")
+    parts.append("- perplexity is token-level (lm-eval's `wikitext` task reports word perplexity, a different number)")
+    return "\n".join(parts) + "\n"
+
+
+def write_report(report: dict[str, Any], out_dir: Path, plots: list[tuple[str, str]] = ()) -> None:
+    write_json_atomic(out_dir / "report.json", report)
+    (out_dir / "report.md").write_text(render_markdown(report, plots), encoding="utf-8")

@@ -1,0 +1,140 @@
+"""Run a recipe's eval suite on a baseline (cached) or a candidate model.
+
+The baseline's results and artifacts (e.g. KLD reference distributions) live in
+``<cache>/baseline/<key>/`` where the key hashes the model fingerprint, the eval's
+name and settings, and the eval text; a second run with the same model and suite
+skips the baseline.
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmpress.cache import cache_root, read_json, sha256_json, write_json_atomic
+from lmpress.data import Text, load_text, tokenize
+from lmpress.evals.gates import Gate, derived_metrics, evaluate_gates
+from lmpress.progress import QUIET, Bars
+from lmpress.registry import EVAL_HANDLERS, EvalConfig, EvalContext, EvalResult
+
+SUITE_VERSION = 1  # bump when an eval's numbers change for the same inputs
+
+
+def baseline_store(fingerprint: str, name: str, config: EvalConfig, text: Text) -> Path:
+    key = sha256_json(
+        {"model": fingerprint, "eval": name, "config": config.model_dump(), "text": text.sha256, "v": SUITE_VERSION}
+    )
+    return cache_root() / "baseline" / key[:24]
+
+
+def run_eval(
+    name: str,
+    config: EvalConfig,
+    model: nn.Module,
+    tokenizer,
+    text: Text,
+    role: str,
+    store: Path,
+    bars: Bars = QUIET,
+) -> EvalResult:
+    ids = cache(lambda: tokenize(tokenizer, text))
+    device = next(model.parameters()).device
+    ctx = EvalContext(text=text, ids=ids, role=role, store=store, bars=bars, device=device)
+    handler = EVAL_HANDLERS[type(config)]
+    return handler(model, tokenizer, config, ctx)
+
+
+def run_suite(
+    evals: dict[str, EvalConfig],
+    text_source: str,
+    model: nn.Module,
+    tokenizer,
+    baseline_fingerprint: str,
+    role: str,
+    bars: Bars = QUIET,
+) -> dict[str, EvalResult]:
+    """Every eval of the suite. ``role="baseline"`` reads and fills the cache; ``"candidate"`` reads its store."""
+    text = load_text(text_source) if evals else None
+    results = {}
+    for name, config in evals.items():
+        store = baseline_store(baseline_fingerprint, name, config, text)
+        if role == "baseline":
+            results[name] = cached_baseline(name, config, model, tokenizer, text, store, bars)
+        else:
+            with torch.inference_mode():
+                results[name] = run_eval(name, config, model, tokenizer, text, role, store, bars)
+    return results
+
+
+def cached_baseline(
+    name: str, config: EvalConfig, model: nn.Module, tokenizer, text: Text, store: Path, bars: Bars
+) -> EvalResult:
+    saved = read_json(store / "result.json")
+    if saved is not None:
+        bars.log(f"baseline {name}: cached in {store}")
+        return EvalResult(**saved)
+    # Compute into a fresh directory and rename, so an interrupted run leaves no half-written store.
+    tmp = store.with_name(store.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with torch.inference_mode():
+        result = run_eval(name, config, model, tokenizer, text, "baseline", tmp, bars)
+    write_json_atomic(tmp / "result.json", result.__dict__)
+    shutil.rmtree(store, ignore_errors=True)
+    tmp.rename(store)
+    return result
+
+
+def merged(results: dict[str, EvalResult], field: str) -> dict[str, Any]:
+    """Metrics of all evals in one flat dict; details and protocols keyed by eval name."""
+    out: dict[str, Any] = {}
+    for name, result in results.items():
+        if field == "metrics":
+            out.update(result.metrics)
+        else:
+            out[name] = getattr(result, field)
+    return out
+
+
+def suite_report(
+    baseline: dict[str, EvalResult], candidate: dict[str, EvalResult], gates: list[Gate]
+) -> dict[str, Any]:
+    """Both sides' metrics, the derived deltas/ratios, and one verdict per gate."""
+    base_metrics, cand_metrics = merged(baseline, "metrics"), merged(candidate, "metrics")
+    derived = derived_metrics(base_metrics, cand_metrics)
+    verdicts = evaluate_gates(gates, {**cand_metrics, **derived})
+    return {
+        "baseline": {k: merged(baseline, k) for k in ("metrics", "details", "protocol")},
+        "candidate": {k: merged(candidate, k) for k in ("metrics", "details", "protocol")},
+        "derived": derived,
+        "gates": verdicts,
+        "passed": all(v["passed"] for v in verdicts),
+    }
+
+
+def evaluate_models(recipe, baseline_source: str | None, bars: Bars = QUIET) -> dict[str, Any]:
+    """``lmpress eval``: the recipe's suite on its model, against ``baseline_source`` when given."""
+    from lmpress.model import load_model
+
+    spec = recipe.model
+    evals = recipe.eval.evals
+    candidate = load_model(spec.source, spec.dtype, spec.revision, spec.trust_remote_code)
+    for config in evals.values():
+        config.check(candidate.model)
+    if baseline_source:
+        base = load_model(baseline_source, spec.dtype, spec.revision, spec.trust_remote_code)
+        fingerprint, role = base.fingerprint, "candidate"
+        base_results = run_suite(evals, recipe.eval.text, base.model, base.tokenizer, fingerprint, "baseline", bars)
+        del base
+    else:
+        base_results, fingerprint, role = {}, candidate.fingerprint, "baseline"
+    cand_results = run_suite(evals, recipe.eval.text, candidate.model, candidate.tokenizer, fingerprint, role, bars)
+    report = suite_report(base_results, cand_results, recipe.gates)
+    report["model"] = {"source": spec.source, "checkpoint": str(candidate.path), "baseline": baseline_source}
+    report["stages"], report["exports"], report["recipe"] = [], [], recipe.as_dict()
+    return report

