@@ -92,7 +92,32 @@ _OPT = Anatomy(
     families=("opt",),
 )
 
-ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT) for family in a.families}
+# Mixture-of-experts families: per-expert linears exist once lmpress.moe.unfuse_experts
+# has split the fused expert parameters; ``*`` in a name matches the expert index.
+_MOE_ATTENTION = _LLAMA.sequential[:2]
+_MIXTRAL = Anatomy(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    sequential=_MOE_ATTENTION
+    + (
+        (
+            "mlp.experts.*.gate_proj",
+            "mlp.experts.*.up_proj",
+            "mlp.shared_expert.gate_proj",
+            "mlp.shared_expert.up_proj",
+            "mlp.shared_expert_gate",
+        ),
+        ("mlp.experts.*.down_proj", "mlp.shared_expert.down_proj"),
+    )
+    + _LLAMA.sequential[2:],
+    scaling_pairs=_LLAMA.scaling_pairs[:2],
+    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
+    families=("mixtral", "qwen2_moe"),
+)
+
+ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT, _MIXTRAL) for family in a.families}
 
 
 def get_anatomy(model: nn.Module) -> Anatomy:

@@ -1,0 +1,403 @@
+"""The layer-by-layer calibration engine every one-shot method shares (GPTQ, AWQ; later SmoothQuant, SparseGPT, Wanda).
+
+1. The inputs of the first decoder layer are captured for every calibration
+   sample (hidden states and the keyword arguments the layer receives: attention
+   mask, position ids, rotary cos/sin) by running the model up to layer 0 and
+   leaving it by an exception.
+2. Each layer in turn is moved to the compute device and handed to the method as
+   a :class:`LayerSession`. The method gathers statistics with
+   :meth:`LayerSession.forward` (pre-hooks on the linears it watches; each batch
+   stops as soon as every watched linear has seen its input) and writes its result
+   with :meth:`LayerSession.apply`. Groups from ``anatomy.sequential`` are handled
+   in dependency order, so a group's statistics come from inputs produced by
+   already-quantized predecessors ("true sequential").
+3. The layer's outputs are recomputed with the modified weights and become the
+   next layer's inputs. Activations between layers are kept in float16 (float32
+   for a batch whose values float16 cannot hold).
+4. After each layer its state (quantized weights, changed parameters) and the
+   next layer's inputs are written atomically to the stage's state directory, so
+   an interrupted run resumes from the last finished layer and ends bit-identical.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.model import Anatomy, decoder_layers, get_anatomy, layer_linears
+from lmpress.moe import set_calibrate_all
+from lmpress.quantize.apply import apply_quantized_weight
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+from lmpress.registry import StageContext
+
+FLOAT16_LIMIT = 60000.0
+STATE_VERSION = 1
+
+InputHook = Callable[[str, int, tuple, dict], None]
+
+
+class _StopForward(Exception):
+    """Raised from a hook to leave a forward pass once the needed inputs are seen."""
+
+
+class LayerwiseMethod(Protocol):
+    """A one-shot method: ``process_layer`` gathers statistics and modifies one decoder layer."""
+
+    name: str
+    warnings: list[str]
+
+    def process_layer(self, session: LayerSession) -> None: ...
+
+
+def compact(x: torch.Tensor) -> torch.Tensor:
+    """float16 when it holds ``x``'s range, else float32 (storage between passes)."""
+    x = x.detach()
+    if x.dtype == torch.float16 or not x.is_floating_point():
+        return x
+    if x.numel() and x.abs().amax().item() > FLOAT16_LIMIT:
+        return x.float()
+    return x.to(torch.float16)
+
+
+def check_finite(x: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(x).all():
+        bad = "NaN" if torch.isnan(x).any() else "inf"
+        raise LmpressInputError(
+            f"{bad} in the calibration activations at {where}: the model's float weights or the "
+            "calibration text produce non-finite values there (check the checkpoint and dtype; float16 "
+            "models overflow more easily than bfloat16/float32)"
+        )
+
+
+def _first_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple | list):
+        return type(obj)(_move(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class LayerInputs:
+    """What one decoder layer receives, per calibration batch."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]]
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(
+    model: nn.Module, calibration: torch.Tensor, batch_size: int, device: torch.device
+) -> LayerInputs:
+    anatomy = get_anatomy(model)
+    layer0 = decoder_layers(model)[0]
+    captured = LayerInputs([], [])
+
+    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = _first_input(args, kwargs)
+        check_finite(hidden, f"the input of decoder layer 0 ({anatomy.layers}.0)")
+        captured.hidden.append(compact(hidden).cpu())
+        kept = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
+        captured.kwargs.append(_move(kept, torch.device("cpu")))
+        raise _StopForward
+
+    pre = [model.get_submodule(name) for name in anatomy.pre_layer_modules if _has_submodule(model, name)]
+    for module in pre:
+        module.to(device)
+    handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for batch in calibration.split(batch_size):
+            try:
+                model(batch.to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+        for module in pre:
+            module.to("cpu")
+    if len(captured.hidden) != len(calibration.split(batch_size)):
+        raise LmpressInputError(f"{model.config.model_type}: the model never reached decoder layer 0")
+    return captured
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def expand_groups(anatomy: Anatomy, names: Iterable[str]) -> list[list[str]]:
+    """``anatomy.sequential`` with ``*`` patterns expanded over ``names``, keeping only present linears."""
+    names = list(names)
+    groups, covered = [], set()
+    for patterns in anatomy.sequential:
+        group = [n for n in names if n not in covered and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        covered.update(group)
+        if group:
+            groups.append(group)
+    missing = [n for n in names if n not in covered]
+    if missing:
+        raise LmpressInputError(
+            f"the layer-wise engine cannot place linear layer(s) {', '.join(missing)} in the "
+            f"{anatomy.families[0]} anatomy's sequential order; add them to ignore"
+        )
+    return groups
+
+
+@dataclass
+class LayerSession:
+    """One decoder layer on the compute device, with its calibration inputs."""
+
+    index: int
+    layer: nn.Module
+    prefix: str  # full module name of the layer followed by "."
+    targets: dict[str, QuantScheme]  # relative linear name -> scheme, in module order
+    groups: list[list[str]]  # targets in dependency order (one group when not true-sequential)
+    inputs: LayerInputs
+    device: torch.device
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)
+    model: nn.Module | None = None
+
+    def linear(self, name: str) -> nn.Linear:
+        return self.layer.get_submodule(name)
+
+    def batches(self) -> Iterable[tuple[torch.Tensor, dict]]:
+        dtype = next(self.layer.parameters()).dtype
+        for hidden, kwargs in zip(self.inputs.hidden, self.inputs.kwargs, strict=True):
+            yield hidden.to(self.device, dtype), _move(kwargs, self.device)
+
+    @torch.no_grad()
+    def forward(self, watch: Iterable[str], on_input: InputHook) -> None:
+        """One pass over the calibration batches calling ``on_input(name, batch, args, kwargs)``
+        before each watched submodule runs; a batch stops once every watched module has run.
+
+        Mixture-of-experts blocks run every expert on every token during this pass.
+        """
+        watch = list(dict.fromkeys(watch))
+        seen: set[str] = set()
+        fired: set[str] = set()
+        current = [0]  # batch index, read by the hooks
+
+        def hook_for(name: str) -> Callable:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                on_input(name, current[0], args, kwargs)
+                fired.add(name)
+                seen.add(name)
+                if len(fired) == len(watch):
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layer.get_submodule(n).register_forward_pre_hook(hook_for(n), with_kwargs=True) for n in watch]
+        set_calibrate_all(self.layer, True)
+        try:
+            for batch_index, (hidden, kwargs) in enumerate(self.batches()):
+                current[0] = batch_index
+                fired.clear()
+                try:
+                    self.layer(hidden, **kwargs)
+                except _StopForward:
+                    pass
+        finally:
+            set_calibrate_all(self.layer, False)
+            for h in handles:
+                h.remove()
+        never = [n for n in watch if n not in seen]
+        if never:
+            raise RuntimeError(f"layer {self.index}: {', '.join(never)} never ran during the calibration pass")
+
+    @torch.no_grad()
+    def outputs(self) -> LayerInputs:
+        """The layer's outputs on every batch with its current weights: the next layer's inputs."""
+        hidden_out = []
+        for hidden, kwargs in self.batches():
+            out = self.layer(hidden, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            check_finite(out, f"the output of decoder layer {self.index} ({self.prefix.rstrip('.')})")
+            hidden_out.append(compact(out).cpu())
+        return LayerInputs(hidden_out, self.inputs.kwargs)
+
+    def apply(self, name: str, qweight: QuantizedWeight) -> None:
+        """Put ``qweight`` in place of linear ``name`` (relative to the layer) and record it for resume."""
+        bias = self.linear(name).bias
+        if bias is not None:
+            self.biases[name] = bias.detach().cpu().clone()
+        self.quantized[name] = qweight
+        apply_quantized_weight(self.layer, name, qweight)
+
+
+class LayerState:
+    """Finished layers and the next layer's inputs in a stage's state directory (safetensors, atomic)."""
+
+    def __init__(self, directory: Path, fingerprint: str) -> None:
+        self.dir = Path(directory)
+        self.fingerprint = fingerprint
+        self.progress_path = self.dir / "progress.json"
+
+    def done_layers(self) -> int:
+        """How many layers a previous run finished (0 when there is no state); refuses a foreign state."""
+        if not self.progress_path.exists():
+            return 0
+        progress = json.loads(self.progress_path.read_text())
+        if progress.get("fingerprint") != self.fingerprint:
+            raise LmpressInputError(
+                f"cannot resume from {self.dir}: it was written for a different model, calibration data "
+                "or stage config (fingerprint mismatch); run without --resume to start over"
+            )
+        return int(progress["done_layers"])
+
+    def clear(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for p in self.dir.iterdir():
+            if p.is_file() and (p.suffix == ".safetensors" or p.name == "progress.json"):
+                p.unlink()
+
+    def save_layer(self, session: LayerSession, next_inputs: LayerInputs) -> None:
+        tensors, meta = {}, {}
+        for name, q in session.quantized.items():
+            tensors[f"q.{name}.qweight"] = q.qweight
+            tensors[f"q.{name}.scales"] = q.scales
+            tensors[f"q.{name}.zeros"] = q.zeros
+            if q.g_idx is not None:
+                tensors[f"q.{name}.g_idx"] = q.g_idx
+            meta[name] = json.dumps([q.scheme.bits, q.scheme.group_size, q.scheme.symmetric])
+        for name, bias in session.biases.items():
+            tensors[f"b.{name}"] = bias
+        owned = tuple(f"{n}." for n in session.quantized)
+        for name, p in list(session.layer.named_parameters()) + list(session.layer.named_buffers()):
+            if not name.startswith(owned):
+                tensors[f"p.{name}"] = p.detach().cpu()
+        self._write(f"layer_{session.index:05d}.safetensors", tensors, meta)
+        inputs = {f"h.{i}": h.contiguous() for i, h in enumerate(next_inputs.hidden)}
+        self._write(f"inputs_{session.index + 1:05d}.safetensors", inputs, {})
+        tmp = self.progress_path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"version": STATE_VERSION, "fingerprint": self.fingerprint, "done_layers": session.index + 1})
+        )
+        os.replace(tmp, self.progress_path)
+        stale = self.dir / f"inputs_{session.index:05d}.safetensors"
+        stale.unlink(missing_ok=True)
+
+    def _write(self, filename: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        path = self.dir / filename
+        tmp = path.with_name(f".{filename}.tmp")
+        save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, tmp, metadata=meta)
+        os.replace(tmp, path)
+
+    def restore_layer(self, index: int, layer: nn.Module) -> int:
+        """Put finished layer ``index`` back into ``layer``; returns how many linears it quantized."""
+        from safetensors import safe_open
+
+        path = self.dir / f"layer_{index:05d}.safetensors"
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+        for key, value in tensors.items():
+            kind, _, name = key.partition(".")
+            if kind == "p":
+                _set_tensor(layer, name, value)
+            elif kind == "b":
+                layer.get_submodule(name).bias.data.copy_(value)
+        for name, scheme in meta.items():
+            bits, group_size, symmetric = json.loads(scheme)
+            qweight = QuantizedWeight(
+                qweight=tensors[f"q.{name}.qweight"],
+                scales=tensors[f"q.{name}.scales"],
+                zeros=tensors[f"q.{name}.zeros"],
+                scheme=QuantScheme(bits, group_size, symmetric),
+                g_idx=tensors.get(f"q.{name}.g_idx"),
+            )
+            apply_quantized_weight(layer, name, qweight)
+        return len(meta)
+
+    def load_inputs(self, index: int, kwargs: list[dict]) -> LayerInputs:
+        tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
+        return LayerInputs([tensors[f"h.{i}"] for i in range(len(tensors))], kwargs)
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    getattr(owner, attr).data.copy_(value)
+
+
+def run_layerwise(
+    model: nn.Module,
+    method: LayerwiseMethod,
+    scheme_for: Callable[[str], QuantScheme | None],
+    ctx: StageContext,
+    true_sequential: bool = True,
+    batch_size: int = 8,
+) -> dict:
+    """Run ``method`` over every decoder layer of ``model`` (in place); returns a summary for the stage report.
+
+    ``scheme_for(full_module_name)`` gives a linear's scheme, or None to leave it alone.
+    """
+    start_time = time.perf_counter()
+    anatomy = get_anatomy(model)
+    layers = decoder_layers(model)
+    state = LayerState(ctx.state_dir, ctx.fingerprint)
+    done = state.done_layers() if ctx.resume else 0
+    if not ctx.resume:
+        state.clear()
+    calibration = ctx.calibration()
+    if calibration.dim() != 2 or calibration.numel() == 0:
+        raise LmpressInputError(
+            f"calibration data must be (n_samples, seq_len) token ids, got {tuple(calibration.shape)}"
+        )
+    device = ctx.device
+    quantized = 0
+    for index in range(done):
+        quantized += state.restore_layer(index, layers[index])
+    if done < len(layers):
+        inputs = capture_first_layer_inputs(model, calibration, batch_size, device)
+        if done:
+            inputs = state.load_inputs(done, inputs.kwargs)
+
+    for index in ctx.bars.track(range(done, len(layers)), f"{method.name}: layers", total=len(layers) - done):
+        layer = layers[index]
+        prefix = f"{anatomy.layers}.{index}."
+        targets = {}
+        for name in layer_linears(layer):
+            scheme = scheme_for(prefix + name)
+            if scheme is not None:
+                targets[name] = scheme
+        groups = expand_groups(anatomy, targets)
+        if not true_sequential and groups:
+            groups = [[n for g in groups for n in g]]
+        layer.to(device)
+        session = LayerSession(index, layer, prefix, targets, groups, inputs, device, model=model)
+        method.process_layer(session)
+        inputs = session.outputs()
+        layer.to("cpu")
+        quantized += len(session.quantized)
+        state.save_layer(session, inputs)
+
+    return {
+        "layers": len(layers),
+        "quantized_linears": quantized,
+        "resumed_at_layer": done if ctx.resume else None,
+        "seconds": round(time.perf_counter() - start_time, 2),
+        "calibration": list(calibration.shape),
+        "warnings": list(method.warnings),
+    }

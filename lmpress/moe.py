@@ -1,0 +1,97 @@
+"""Per-expert linear layers for mixture-of-experts blocks whose experts are fused.
+
+transformers 5 stores the experts of Mixtral and Qwen2-MoE as two 3-D parameters,
+``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``. Weight quantizers
+work on ``nn.Linear`` modules, so :func:`unfuse_experts` replaces each fused
+experts module with :class:`UnfusedExperts`, a ``ModuleList`` of per-expert
+``gate_proj`` / ``up_proj`` / ``down_proj`` linears (module names
+``mlp.experts.{e}.gate_proj``...) computing the same function.
+
+With ``calibrate_all`` set, every expert runs on every token so that calibration
+statistics reach experts the router sends few or no tokens; the block's output is
+still the routed mixture.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+
+
+class ExpertMLP(nn.Module):
+    """One gated expert: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, act_fn: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class UnfusedExperts(nn.ModuleList):
+    """Drop-in replacement for a fused experts module: ``forward(hidden, top_k_index, top_k_weights)``."""
+
+    calibrate_all: bool = False
+
+    @classmethod
+    def from_fused(cls, fused: nn.Module, name: str) -> UnfusedExperts:
+        gate_up, down = fused.gate_up_proj, fused.down_proj
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2]:
+            raise LmpressInputError(
+                f"experts module {name}: gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} "
+                "is not the (E, 2I, H) / (E, H, I) layout lmpress can split into per-expert linears"
+            )
+        n_experts, two_i, hidden = gate_up.shape
+        inter = two_i // 2
+        experts = cls()
+        for e in range(n_experts):
+            expert = ExpertMLP(hidden, inter, fused.act_fn, gate_up.dtype).to(gate_up.device)
+            expert.gate_proj.weight.data.copy_(gate_up.data[e, :inter])
+            expert.up_proj.weight.data.copy_(gate_up.data[e, inter:])
+            expert.down_proj.weight.data.copy_(down.data[e])
+            experts.append(expert)
+        return experts
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self):
+            top_k_pos, token_idx = torch.where(top_k_index == e)
+            if self.calibrate_all:
+                y = expert(hidden_states)[token_idx]
+            elif token_idx.numel() == 0:
+                continue
+            else:
+                y = expert(hidden_states[token_idx])
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and isinstance(
+        getattr(module, "down_proj", None), nn.Parameter
+    )
+
+
+def unfuse_experts(model: nn.Module) -> int:
+    """Replace every fused experts module in ``model`` by per-expert linears; returns how many were replaced."""
+    fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+    for name, module in fused:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, UnfusedExperts.from_fused(module, name))
+    return len(fused)
+
+
+def set_calibrate_all(module: nn.Module, on: bool) -> None:
+    for m in module.modules():
+        if isinstance(m, UnfusedExperts):
+            m.calibrate_all = on
