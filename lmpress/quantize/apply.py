@@ -1,18 +1,33 @@
-"""Put a quantized weight into the model in place of a float nn.Linear weight."""
+"""Put a quantized weight into the model in place of a float nn.Linear."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from lmpress.quantize.qlinear import QuantizedLinear, quantized_linear_from
 from lmpress.quantize.scheme import QuantizedWeight
 
 
-def apply_quantized_weight(model: nn.Module, name: str, qweight: QuantizedWeight) -> None:
-    """Replace the weight of linear ``name`` with the values ``qweight`` stands for.
+def apply_quantized_weight(model: nn.Module, name: str, qweight: QuantizedWeight) -> QuantizedLinear:
+    """Swap the linear layer ``name`` (relative to ``model``) for a QuantizedLinear holding ``qweight``.
 
-    The unpacked integer form is kept on the module as ``quantized_weight`` so
-    exporters can write it without re-deriving scales.
+    The replacement keeps the bias, the device and the place in the module tree, so
+    the model's forward keeps working; it holds the packed codes that exporters write.
+    Applying again to an already quantized layer replaces its weight.
     """
-    linear = model.get_submodule(name)
-    linear.weight.data.copy_(qweight.dequantize(linear.weight.dtype))
-    linear.quantized_weight = qweight
+    if not name:
+        raise ValueError("apply_quantized_weight needs the name of a submodule, not the model itself")
+    parent_name, _, child_name = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child_name)
+    if isinstance(old, QuantizedLinear):
+        linear = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None, device=old.qweight.device)
+        if old.bias is not None:
+            linear.bias.data.copy_(old.bias.data)
+        old = linear
+    if not isinstance(old, nn.Linear):
+        raise TypeError(f"{name} is a {type(old).__name__}, not an nn.Linear")
+    replacement = quantized_linear_from(old, qweight)
+    replacement.train(old.training)
+    setattr(parent, child_name, replacement)
+    return replacement

@@ -1,0 +1,219 @@
+"""A linear layer that holds its weight packed on the integer grid.
+
+``QuantizedLinear`` keeps the codes bit-packed along the input axis (the
+compressed-tensors ``weight_packed`` layout, see ``pack.py``), per-group scales and
+integer zeros, the act-order ``g_idx`` and the float bias. Its forward either
+dequantizes (reference path: exactly the values ``QuantizedWeight.dequantize``
+gives) or, on CPU, runs torch's packed kernels where the layout allows:
+
+- 4 bits, groups of 32/64/128/256 columns (or any multiple of 32, per-channel
+  included, by repeating scales), out_features divisible by 16:
+  ``_weight_int4pack_mm_for_cpu``, which computes ``w = (q - 8) * scale + offset``
+  per group, so ``offset = (8 - zero) * scale`` gives ``(q - zero) * scale``.
+  Act-order layers run it on the input columns sorted by group.
+- 8 bits, one group per row: ``_weight_int8pack_mm`` on ``q - 128`` (int8) with the
+  row scales; a zero other than 128 adds ``sum(x) * (128 - zero) * scale``.
+
+They are used for inputs of at most ``KERNEL_MAX_ROWS`` rows (decoding); everything
+else, inputs that need gradients, and ``kernel="reference"`` take the reference path.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lmpress.quantize.pack import pack_int32, packed_length, unpack_int32
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, dequantize_int
+
+KernelMode = Literal["auto", "reference"]
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+# torch's CPU packed kernels are GEMV kernels: their time grows linearly with the rows of x
+# (measured, torch 2.13, 1536x576: 4-bit ~3 ms at 1 row, ~130 ms at 64 rows, while
+# dequantize + dense matmul stays ~2-3 ms), so only decode-sized inputs take them.
+KERNEL_MAX_ROWS = 2
+
+
+def trivial_g_idx(g_idx: torch.Tensor | None, in_features: int, scheme: QuantScheme) -> bool:
+    """True when ``g_idx`` is absent or says what the group size already says (no act-order)."""
+    if g_idx is None:
+        return True
+    expected = torch.arange(in_features, device=g_idx.device) // scheme.group_width(in_features)
+    return bool(torch.equal(g_idx.long(), expected))
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W_hat.T + b`` with ``W_hat`` stored as packed integer codes, scales and zeros."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme,
+        bias: bool = False,
+        scale_dtype: torch.dtype = torch.float32,
+        act_order: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not scheme.fits(in_features):
+            raise ValueError(f"group size {scheme.group_size} does not divide in_features {in_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scheme = scheme
+        self.kernel: KernelMode = "auto"
+        n_groups = in_features // scheme.group_width(in_features)
+        words = packed_length(in_features, scheme.bits)
+        self.register_buffer("qweight", torch.zeros(out_features, words, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.ones(out_features, n_groups, dtype=scale_dtype, device=device))
+        self.register_buffer("zeros", torch.zeros(out_features, n_groups, dtype=torch.uint8, device=device))
+        g_idx = torch.zeros(in_features, dtype=torch.int32, device=device) if act_order else None
+        self.register_buffer("g_idx", g_idx)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self._kernel_cache: tuple | None = None
+
+    @classmethod
+    def from_quantized_weight(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        out_features, in_features = qw.qweight.shape
+        act_order = not trivial_g_idx(qw.g_idx, in_features, qw.scheme)
+        module = cls(
+            in_features,
+            out_features,
+            qw.scheme,
+            bias=bias is not None,
+            scale_dtype=qw.scales.dtype,
+            act_order=act_order,
+            device=qw.qweight.device,
+        )
+        module.qweight.copy_(pack_int32(qw.qweight, qw.scheme.bits, dim=1))
+        module.scales.copy_(qw.scales)
+        module.zeros.copy_(qw.zeros.round().to(torch.uint8))
+        if act_order:
+            module.g_idx.copy_(qw.g_idx)
+        if bias is not None:
+            module.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        return module
+
+    def extra_repr(self) -> str:
+        act = ", act-order" if self.g_idx is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}{act}"
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes, ``(out, in)`` uint8."""
+        return unpack_int32(self.qweight, self.scheme.bits, self.in_features, dim=1)
+
+    def unpack(self) -> QuantizedWeight:
+        return QuantizedWeight(
+            qweight=self.codes(),
+            scales=self.scales.clone(),
+            zeros=self.zeros.float(),
+            scheme=self.scheme,
+            g_idx=None if self.g_idx is None else self.g_idx.clone(),
+        )
+
+    @property
+    def quantized_weight(self) -> QuantizedWeight:
+        return self.unpack()
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(q - zero) * scale``, bit for bit what ``self.unpack().dequantize(dtype)`` gives."""
+        if self.g_idx is not None:
+            return self.unpack().dequantize(dtype)
+        n_groups = self.scales.shape[1]
+        codes = self.codes().view(self.out_features, n_groups, -1)
+        weight = dequantize_int(codes, self.scales[..., None], self.zeros[..., None].float())
+        return weight.reshape(self.out_features, self.in_features).to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        self._kernel_cache = None
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if (
+            self.kernel == "auto"
+            and rows <= KERNEL_MAX_ROWS
+            and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        ):
+            y = self._kernel_forward(x)
+            if y is not None:
+                return y
+        return nn.functional.linear(x, self.dequantized_weight(x.dtype), self._bias_as(x))
+
+    def _bias_as(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.to(x.dtype)
+
+    # CPU kernels ------------------------------------------------------------------------
+
+    def kernel_name(self) -> str:
+        """Which path ``forward`` takes on CPU: "int4", "int8" or "reference"."""
+        if self.kernel == "reference":
+            return "reference"
+        cache = self._prepared()
+        return cache[0] if cache is not None else "reference"
+
+    def _prepared(self) -> tuple | None:
+        if self._kernel_cache is None:
+            self._kernel_cache = self._prepare_kernel() or ("reference",)
+        return None if self._kernel_cache[0] == "reference" else self._kernel_cache
+
+    def _prepare_kernel(self) -> tuple | None:
+        if self.qweight.device.type != "cpu":
+            return None
+        bits, width = self.scheme.bits, self.scheme.group_width(self.in_features)
+        if bits == 8 and self.scales.shape[1] == 1:
+            codes = self.codes().to(torch.int16)
+            scale = self.scales[:, 0].float()
+            offset = (128.0 - self.zeros[:, 0].float()) * scale
+            return ("int8", (codes - 128).to(torch.int8), scale, offset if bool((self.zeros != 128).any()) else None)
+        if bits == 4 and self.out_features % 16 == 0 and width % 32 == 0:
+            kernel_group = width if width in INT4_GROUP_SIZES else 32
+            codes, scales, zeros = self.codes(), self.scales.float(), self.zeros.float()
+            perm = None
+            if self.g_idx is not None:
+                counts = torch.bincount(self.g_idx.long(), minlength=scales.shape[1])
+                if not bool((counts == width).all()):
+                    return None
+                perm = torch.argsort(self.g_idx.long(), stable=True)
+                codes = codes[:, perm]
+            repeat = width // kernel_group
+            scales = scales.repeat_interleave(repeat, dim=1)
+            offsets = (8.0 - zeros.repeat_interleave(repeat, dim=1)) * scales
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            scale_offset = torch.stack([scales.t(), offsets.t()], dim=-1).contiguous()
+            return ("int4", packed, kernel_group, scale_offset, perm)
+        return None
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        cache = self._prepared()
+        if cache is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        flat = x.reshape(-1, self.in_features)
+        if cache[0] == "int8":
+            _, weight, scale, offset = cache
+            y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), weight, scale.to(x.dtype))
+            if offset is not None:
+                y = y + flat.sum(dim=-1, keepdim=True) * offset.to(x.dtype)
+        else:
+            _, packed, group, scale_offset, perm = cache
+            if perm is not None:
+                flat = flat[:, perm]
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed, group, scale_offset.to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantized_linear_from(linear: nn.Linear, qw: QuantizedWeight) -> QuantizedLinear:
+    """A QuantizedLinear standing in for ``linear`` (its bias kept) with weight ``qw``."""
+    if tuple(qw.qweight.shape) != (linear.out_features, linear.in_features):
+        raise ValueError(
+            f"quantized weight shape {tuple(qw.qweight.shape)} does not match the linear layer "
+            f"({linear.out_features}, {linear.in_features})"
+        )
+    bias = None if linear.bias is None else linear.bias.data
+    module = QuantizedLinear.from_quantized_weight(qw, bias)
+    return module.to(linear.weight.device)
