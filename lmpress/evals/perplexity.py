@@ -10,13 +10,18 @@ Perplexity = exp(mean next-token NLL over every scored position). Windows are
 non-overlapping unless ``stride`` is set; with a stride, each window after the
 first scores only its last ``stride`` positions (the ones no earlier window
 scored). This is token-level perplexity, not lm-eval's word perplexity.
+
+With a ``kld`` section (``perplexity: {..., kld: {top_k: 64}}``) the same pass
+also stores the baseline's distributions or scores the candidate's KL divergence
+from them (lmpress.evals.kld): perplexity and KLD share one forward pass.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 import torch
 from pydantic import PositiveInt, model_validator
@@ -24,6 +29,15 @@ from torch import nn
 
 from lmpress.data import token_windows
 from lmpress.errors import LmpressInputError
+from lmpress.evals.kld import (
+    KLD_METRICS,
+    BaselineWriter,
+    CandidateScorer,
+    KLDConfig,
+    store_path,
+    vocab_digest,
+    windows_digest,
+)
 from lmpress.model import context_length
 from lmpress.progress import QUIET, Bars
 from lmpress.registry import EvalConfig, EvalContext, EvalResult, eval_handler, register_eval
@@ -36,6 +50,10 @@ class PerplexityConfig(EvalConfig):
     stride: PositiveInt | None = None  # None: seq_len (non-overlapping)
     batch_size: PositiveInt = 4
     bos: bool = False  # prepend the tokenizer's BOS to each window
+    kld: KLDConfig | None = None  # also KL(baseline || candidate) in the same pass
+
+    # Metrics only the candidate has (no baseline value, so no _ratio/_delta gates).
+    candidate_only: ClassVar[frozenset[str]] = frozenset([*KLD_METRICS, "kld_tokens_per_s"])
 
     @model_validator(mode="after")
     def _stride_fits(self) -> PerplexityConfig:
@@ -44,7 +62,8 @@ class PerplexityConfig(EvalConfig):
         return self
 
     def metric_names(self) -> list[str]:
-        return ["ppl", "nll", "ppl_tokens_per_s"]
+        kld = [*self.kld.metric_names(), "kld_tokens_per_s"] if self.kld else []
+        return ["ppl", "nll", "ppl_tokens_per_s", *kld]
 
     def check(self, model: nn.Module) -> None:
         check_context(model, self.seq_len, "eval.perplexity")
@@ -86,17 +105,31 @@ def token_nll(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
     return -logprobs.gather(-1, windows[:, 1:, None].to(logits.device)).squeeze(-1)
 
 
+WindowConsumer = Callable[[int, torch.Tensor], None]  # (window index, scored positions' log-probs)
+
+
 def perplexity(
-    model: nn.Module, windows: torch.Tensor, config: PerplexityConfig, bars: Bars = QUIET
+    model: nn.Module,
+    windows: torch.Tensor,
+    config: PerplexityConfig,
+    bars: Bars = QUIET,
+    consumer: WindowConsumer | None = None,
 ) -> dict[str, float]:
-    total_nll, scored = 0.0, 0
+    """Perplexity over ``windows``; ``consumer`` sees every window's scored log-probabilities in the same pass."""
+    total_nll, scored, consumer_seconds = 0.0, 0, 0.0
     began = time.perf_counter()
     for start, logits in forward_windows(model, windows, config.batch_size, bars, "perplexity"):
-        nll = token_nll(logits, windows[start : start + logits.shape[0]])
-        for row in range(nll.shape[0]):
-            kept = nll[row, config.score_from(start + row) :]
-            total_nll += kept.double().sum().item()
-            scored += kept.numel()
+        targets = windows[start : start + logits.shape[0], 1:].to(logits.device)
+        for row in range(logits.shape[0]):
+            first = config.score_from(start + row)
+            logprobs = torch.log_softmax(logits[row, first:-1], dim=-1)
+            total_nll -= logprobs.gather(-1, targets[row, first:, None]).double().sum().item()
+            scored += logprobs.shape[0]
+            if consumer is not None:
+                tick = time.perf_counter()
+                consumer(start + row, logprobs)
+                consumer_seconds += time.perf_counter() - tick
+        del logits
     seconds = time.perf_counter() - began
     mean_nll = total_nll / scored
     return {
@@ -105,25 +138,54 @@ def perplexity(
         "ppl_tokens_per_s": windows.numel() / seconds,
         "scored_tokens": scored,
         "seconds": seconds,
+        "consumer_seconds": consumer_seconds,
     }
+
+
+def window_protocol(ctx: EvalContext, tokenizer, windows: torch.Tensor, **settings) -> dict:
+    """How a set of token windows was cut from the eval text: enough to reproduce them."""
+    return {
+        "text_source": ctx.text.source,
+        "text_sha256": ctx.text.sha256,
+        "text_preprocessing": "UTF-8, CRLF->LF, documents joined as in the file, tokenized once without special tokens",
+        **settings,
+        "windows": int(windows.shape[0]),
+        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+        "tokenizer_sha256": vocab_digest(tokenizer),
+        "windows_sha256": windows_digest(windows),
+        "level": "token",
+    }
+
+
+def vocab_size(model: nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
 @eval_handler(PerplexityConfig)
 def run_perplexity(model: nn.Module, tokenizer, config: PerplexityConfig, ctx: EvalContext) -> EvalResult:
-    check_context(model, config.seq_len, "eval.perplexity")
+    config.check(model)
     windows = config.windows_for(ctx.ids(), tokenizer)
-    result = perplexity(model, windows, config, ctx.bars)
-    protocol = {
-        "text_source": ctx.text.source,
-        "text_sha256": ctx.text.sha256,
-        "text_preprocessing": "UTF-8, CRLF->LF, tokenized once without special tokens",
-        "seq_len": config.seq_len,
-        "stride": config.stride or config.seq_len,
-        "windows": int(windows.shape[0]),
-        "bos": config.bos,
-        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
-        "level": "token",
-    }
+    consumer: BaselineWriter | CandidateScorer | None = None
+    if config.kld is not None:
+        path = store_path(ctx.store, config.kld)
+        if ctx.role == "baseline":
+            consumer = BaselineWriter(path, config.kld, windows, tokenizer, vocab_size(model))
+        else:
+            consumer = CandidateScorer(path, windows, tokenizer, vocab_size(model))
+    result = perplexity(model, windows, config, ctx.bars, consumer)
+    protocol = window_protocol(
+        ctx, tokenizer, windows, seq_len=config.seq_len, stride=config.stride or config.seq_len, bos=config.bos
+    )
     metrics = {k: result[k] for k in ("ppl", "nll", "ppl_tokens_per_s")}
     details = {k: result[k] for k in ("scored_tokens", "seconds")}
+    if config.kld is not None:
+        protocol["kld"] = f"stored baseline top-{config.kld.top_k} log-probs (fp16) + rest mass, same windows"
+        details["kld_seconds"] = result["consumer_seconds"]
+        if isinstance(consumer, BaselineWriter):
+            consumer.save()
+        elif isinstance(consumer, CandidateScorer):
+            kld_metrics, kld_details = consumer.result()
+            metrics |= kld_metrics
+            metrics["kld_tokens_per_s"] = result["ppl_tokens_per_s"]
+            details |= kld_details
     return EvalResult(metrics=metrics, details=details, protocol=protocol)

@@ -1,0 +1,163 @@
+import math
+
+import pytest
+import torch
+
+from lmpress.errors import LmpressInputError
+from lmpress.evals.kld import (
+    KLDConfig,
+    coarse_kld,
+    coarse_logprobs,
+    exact_kld,
+    log_rest_mass,
+    score_candidate,
+    summarize_baseline,
+)
+from lmpress.evals.perplexity import PerplexityConfig, forward_windows, run_perplexity
+from tests.evals.conftest import make_ctx, perturbed
+
+
+def _logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _pair(positions=512, vocab=2000, peak=4.0, noise=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = peak * torch.randn(positions, vocab, generator=g)
+    cand = base + noise * torch.randn(positions, vocab, generator=g)
+    return _logprobs(base), _logprobs(cand)
+
+
+def _stored_kld(base: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+    s = summarize_baseline(base, k)
+    kld, _ = score_candidate(cand, s["top_ids"], s["top_logprobs"], s["log_rest"])
+    return kld
+
+
+def test_exact_kld_matches_torch_reference():
+    base, cand = _pair(positions=64, vocab=300)
+    reference = torch.nn.functional.kl_div(cand, base, log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(exact_kld(base, cand), reference.double(), rtol=1e-5, atol=1e-7)
+
+
+def test_stored_kld_is_a_lower_bound_whose_error_shrinks_with_k():
+    base, cand = _pair()
+    exact = exact_kld(base, cand)
+    errors = []
+    for k in (8, 64, 512, 1999):
+        approx = _stored_kld(base, cand, k)
+        # Coarse-graining never increases KL; fp32 normalization of the log-softmax moves it by < 1e-5.
+        assert torch.all(approx <= exact + 1e-5)
+        errors.append(((exact - approx) / exact).abs().mean().item())
+    assert errors == sorted(errors, reverse=True)
+    assert errors[1] < 0.08  # k=64 of 2000 tokens on these synthetic distributions (6.4%)
+    assert errors[-1] < 1e-4  # k = vocab - 1: the rest is one token, nothing is lost
+
+
+def test_stored_kld_error_equals_rest_term():
+    """The shortfall is p_rest * KL(P_rest || Q_rest): check the stored value against that decomposition."""
+    base, cand = _pair(positions=32, vocab=500)
+    k = 50
+    top = base.topk(k, dim=-1).indices
+    mask = torch.ones_like(base, dtype=torch.bool).scatter_(-1, top, False)
+    p_rest = (base.exp() * mask).sum(-1)
+    cond_p = torch.where(mask, base, -math.inf) - torch.log(p_rest)[:, None]
+    q_rest = (cand.exp() * mask).sum(-1)
+    cond_q = torch.where(mask, cand, -math.inf) - torch.log(q_rest)[:, None]
+    cond_kl = (cond_p.exp() * torch.where(mask, cond_p - cond_q, 0.0)).sum(-1)
+    expected = exact_kld(base, cand) - p_rest.double() * cond_kl.double()
+    torch.testing.assert_close(_stored_kld(base, cand, k), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_identical_distributions_score_zero():
+    base, _ = _pair(positions=16, vocab=100)
+    s = summarize_baseline(base, 10)
+    kld, agree = score_candidate(base, s["top_ids"], s["top_logprobs"], s["log_rest"])
+    assert torch.all(kld == 0) and torch.all(agree)
+
+
+def test_rest_mass_and_grid_normalization():
+    base, _ = _pair(positions=8, vocab=50)
+    top = base.topk(5, dim=-1).values
+    torch.testing.assert_close(log_rest_mass(top).exp() + top.exp().sum(-1), torch.ones(8), rtol=0, atol=1e-5)
+    grid = coarse_logprobs(top, log_rest_mass(top))
+    torch.testing.assert_close(grid.exp().sum(-1), torch.ones(8, dtype=torch.float64))
+    assert torch.all(coarse_kld(grid, grid) == 0)
+
+
+def _run(model, tokenizer, text, role, store, config):
+    return run_perplexity(model, tokenizer, config, make_ctx(text, tokenizer, role, store))
+
+
+CONFIG = PerplexityConfig(seq_len=128, windows=6, batch_size=4, kld=KLDConfig(top_k=383))
+
+
+def test_identical_model_kld_zero_agreement_one(tiny, docs_text, tmp_path):
+    model, tokenizer = tiny
+    base = _run(model, tokenizer, docs_text, "baseline", tmp_path, CONFIG)
+    assert "kld_mean" not in base.metrics
+    cand = _run(model, tokenizer, docs_text, "candidate", tmp_path, CONFIG)
+    assert cand.metrics["kld_max"] == 0.0
+    assert cand.metrics["top1_agreement"] == 1.0
+    assert cand.metrics["ppl"] == pytest.approx(base.metrics["ppl"], rel=1e-9)
+    assert sum(cand.details["kld_histogram"]["counts"]) == cand.details["kld_positions"] == 6 * 127
+
+
+def test_candidate_kld_matches_exact_full_vocabulary(tiny, docs_text, tmp_path):
+    model, tokenizer = tiny
+    candidate = perturbed(model, 2.0)
+    config = CONFIG.model_copy(update={"stride": 64})  # overlapping windows: only the new positions count
+    _run(model, tokenizer, docs_text, "baseline", tmp_path, config)
+    result = _run(candidate, tokenizer, docs_text, "candidate", tmp_path, config)
+
+    windows = config.windows_for(make_ctx(docs_text, tokenizer, "x", tmp_path).ids(), tokenizer)
+    exact, agree = [], []
+    pairs = zip(forward_windows(model, windows, 4), forward_windows(candidate, windows, 4), strict=True)
+    for (start, lb), (_, lc) in pairs:
+        for row in range(lb.shape[0]):
+            first = config.score_from(start + row)
+            p, q = _logprobs(lb[row, first:-1]), _logprobs(lc[row, first:-1])
+            exact.append(exact_kld(p, q))
+            agree.append(p.argmax(-1) == q.argmax(-1))
+    exact = torch.cat(exact)
+    assert result.details["kld_positions"] == exact.numel() == 127 + 5 * 64
+    assert result.metrics["kld_mean"] == pytest.approx(exact.mean().item(), rel=2e-3)
+    assert result.metrics["kld_p99"] == pytest.approx(torch.quantile(exact, 0.99).item(), rel=2e-2)
+    assert result.metrics["kld_max"] == pytest.approx(exact.max().item(), rel=2e-3)
+    assert result.metrics["top1_agreement"] == pytest.approx(torch.cat(agree).double().mean().item())
+    assert 0 < result.metrics["top1_agreement"] < 1
+
+
+def test_other_tokenizer_is_refused(tiny, docs_text, tmp_path):
+    import copy
+
+    model, tokenizer = tiny
+    _run(model, tokenizer, docs_text, "baseline", tmp_path, CONFIG)
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<extra-token>"])
+    with pytest.raises(LmpressInputError, match="tokenizer differs"):
+        _run(model, other, docs_text, "candidate", tmp_path, CONFIG)
+
+
+def test_other_vocabulary_size_is_refused(tiny, docs_text, tmp_path):
+    import copy
+
+    model, tokenizer = tiny
+    _run(model, tokenizer, docs_text, "baseline", tmp_path, CONFIG)
+    bigger = copy.deepcopy(model)
+    bigger.resize_token_embeddings(model.config.vocab_size + 8)
+    with pytest.raises(LmpressInputError, match="vocabulary has .* entries"):
+        _run(bigger, tokenizer, docs_text, "candidate", tmp_path, CONFIG)
+
+
+def test_missing_store_is_a_clear_error(tiny, docs_text, tmp_path):
+    model, tokenizer = tiny
+    with pytest.raises(LmpressInputError, match="run the baseline"):
+        _run(model, tokenizer, docs_text, "candidate", tmp_path, CONFIG)
+
+
+def test_metric_names_and_candidate_only():
+    assert "kld_p99" not in PerplexityConfig().metric_names()
+    names = CONFIG.metric_names()
+    assert {"ppl", "kld_mean", "kld_p99", "top1_agreement"} <= set(names)
+    assert "ppl" not in CONFIG.candidate_only and "kld_mean" in CONFIG.candidate_only
