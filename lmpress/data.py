@@ -120,11 +120,12 @@ def token_windows(
 ) -> torch.Tensor:
     """Windows of ``seq_len`` tokens starting every ``stride`` tokens (default: non-overlapping).
 
-    With ``bos_token_id`` each window is BOS followed by ``seq_len - 1`` text tokens.
+    With ``bos_token_id`` each window is BOS followed by ``seq_len - 1`` text tokens (and the
+    default stride is ``seq_len - 1``, so the text pieces still tile the stream).
     ``n_windows=None`` takes every full window.
     """
-    stride = stride or seq_len
     body = seq_len - (bos_token_id is not None)
+    stride = stride or body
     available = 0 if ids.numel() < body else (ids.numel() - body) // stride + 1
     if available == 0:
         raise LmpressInputError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}")

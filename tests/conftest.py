@@ -50,8 +50,9 @@ def save_tiny_model(path: Path, family: str = "llama", seed: int = 0, **override
 
     tokenizer = _train_tokenizer()
     vocab = len(tokenizer)
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if family == "llama":
-        config = LlamaConfig(
+        settings = dict(
             vocab_size=vocab,
             hidden_size=128,
             intermediate_size=256,
@@ -60,11 +61,10 @@ def save_tiny_model(path: Path, family: str = "llama", seed: int = 0, **override
             num_key_value_heads=2,
             max_position_embeddings=512,
             tie_word_embeddings=True,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
         )
+        config = LlamaConfig(**{**settings, **special, **overrides})
     elif family == "opt":
-        config = OPTConfig(
+        settings = dict(
             vocab_size=vocab,
             hidden_size=128,
             ffn_dim=256,
@@ -72,14 +72,11 @@ def save_tiny_model(path: Path, family: str = "llama", seed: int = 0, **override
             num_attention_heads=4,
             max_position_embeddings=512,
             word_embed_proj_dim=128,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
             pad_token_id=1,
         )
+        config = OPTConfig(**{**settings, **special, **overrides})
     else:
         raise ValueError(family)
-    for key, value in overrides.items():
-        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+import torch
+
+from lmpress.data import calibration_samples, load_text, token_windows
+from lmpress.errors import LmpressInputError
+
+
+def test_builtin_python_docs_is_deterministic():
+    a, b = load_text("builtin:python-docs"), load_text("builtin:python-docs")
+    assert len(a.text) > 100_000 and a.sha256 == b.sha256 and "\r\n" not in a.text
+
+
+def test_local_files(tmp_path):
+    (tmp_path / "a.txt").write_bytes("line one\r\nline two\r\n".encode())
+    assert load_text(str(tmp_path / "a.txt")).text == "line one\nline two\n"
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ["x", "y"]))
+    assert load_text(str(tmp_path / "b.jsonl")).text == "x\n\ny"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["p", "q"]}), tmp_path / "c.parquet")
+    assert load_text(str(tmp_path / "c.parquet")).text == "p\n\nq"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("missing.txt", None, "does not exist"),
+        ("empty.txt", "  \n", "is empty"),
+        ("bad.jsonl", '{"txt": 1}\n', "no 'text' field"),
+        ("bad.csv", "a,b", "unsupported type"),
+    ],
+)
+def test_bad_text_sources(tmp_path, name, content, message):
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    with pytest.raises(LmpressInputError, match=message):
+        load_text(str(tmp_path / name))
+    with pytest.raises(LmpressInputError, match="unknown builtin"):
+        load_text("builtin:nope")
+
+
+def test_windows_are_non_overlapping_and_counted():
+    ids = torch.arange(100)
+    windows = token_windows(ids, 10, 3)
+    assert windows.tolist()[1] == list(range(10, 20)) and windows.shape == (3, 10)
+    assert token_windows(ids, 10).shape == (10, 10)
+    assert token_windows(ids, 10, stride=5).shape == (19, 10)
+    with_bos = token_windows(ids, 10, 2, bos_token_id=-1)
+    assert with_bos[1].tolist() == [-1, *range(9, 18)]
+    with pytest.raises(LmpressInputError, match="10 windows of 10"):
+        token_windows(ids, 10, 11)
+    with pytest.raises(LmpressInputError, match="fewer than one window"):
+        token_windows(ids, 200)
+
+
+def test_calibration_samples_are_seeded_distinct_chunks():
+    ids = torch.arange(1000)
+    a, b, c = (calibration_samples(ids, 8, 50, seed) for seed in (0, 0, 1))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    starts = a[:, 0]
+    assert len(set(starts.tolist())) == 8 and all(s % 50 == 0 for s in starts.tolist())
+    with pytest.raises(LmpressInputError, match="calibration text too short"):
+        calibration_samples(ids, 30, 50, 0)

@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from lmpress.errors import LmpressInputError
+from lmpress.model import decoder_layers, get_anatomy, layer_linears, load_model, resolve_checkpoint
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_opt_dir"])
+def test_anatomy_finds_every_linear(request, fixture):
+    loaded = load_model(str(request.getfixturevalue(fixture)))
+    model, anatomy = loaded.model, get_anatomy(loaded.model)
+    layers = decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    linears = layer_linears(layers[0])
+    listed = [name for group in anatomy.sequential for name in group]
+    assert sorted(listed) == sorted(linears)
+    for source, targets in anatomy.scaling_pairs:
+        assert layers[0].get_submodule(source) is not None and all(t in linears for t in targets)
+    for path in (anatomy.embed, anatomy.final_norm, anatomy.lm_head, *anatomy.pre_layer_modules):
+        model.get_submodule(path)
+    assert len(loaded.fingerprint) == 64
+
+
+def test_fingerprint_follows_the_weights(tiny_llama_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_dir, copy)
+    assert load_model(str(copy)).fingerprint == load_model(str(tiny_llama_dir)).fingerprint
+    model = AutoModelForCausalLM.from_pretrained(copy)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1)
+    model.save_pretrained(copy)
+    assert load_model(str(copy)).fingerprint != load_model(str(tiny_llama_dir)).fingerprint
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(LmpressInputError, match="architecture 'gpt2' is not supported"):
+        get_anatomy(AutoModelForCausalLM.from_pretrained(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("/nonexistent/model", "does not exist"),
+        ("./relative/missing.gguf", "does not exist"),
+        ("lmpress-tests/certainly-not-a-repo-4821", "hub"),
+        ("pypkg:no_such_package_xyz/model.gguf", "is not installed"),
+    ],
+)
+def test_bad_model_sources(source, message):
+    with pytest.raises(LmpressInputError, match=message):
+        resolve_checkpoint(source)
+
+
+def test_not_gguf_and_not_a_checkpoint(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not gguf")
+    with pytest.raises(LmpressInputError, match="is not a GGUF file"):
+        resolve_checkpoint(str(fake))
+    with pytest.raises(LmpressInputError, match="no config.json"):
+        resolve_checkpoint(str(tmp_path))

@@ -1,0 +1,158 @@
+"""End to end through the CLI on a tiny random Llama: outputs, gates, exit codes, bad input."""
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from lmpress.cache import sha256_file
+from lmpress.cli import main
+from lmpress.export.manifest import verify_manifest
+from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+
+
+def write_recipe(tmp_path, model_dir, **changes) -> str:
+    recipe = {
+        "model": str(model_dir),
+        "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
+        "stages": [{"method": "rtn", "bits": 8, "group_size": 32}],
+        "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 128, "windows": 4, "batch_size": 2}},
+        "gates": ["ppl_ratio <= 1.05", "ppl_delta <= 5"],
+    }
+    recipe.update(changes)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def reference_ppl(model, tokenizer, seq_len: int, n: int) -> float:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: seq_len * n]).view(n, seq_len)
+    with torch.no_grad():
+        logits = model(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return math.exp(loss.item())
+
+
+def test_run_writes_model_reports_manifest_and_passes(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    assert main(["run", write_recipe(tmp_path, tiny_llama_dir), "--out", str(out), "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] and [g["passed"] for g in report["gates"]] == [True, True]
+    assert "| ppl |" in (out / "report.md").read_text()
+    assert verify_manifest(out) == []
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {"hf/model.safetensors", "report.json", "report.md"} <= {f["path"] for f in manifest["files"]}
+    assert manifest["recipe"]["stages"][0]["bits"] == 8 and "torch" in manifest["versions"]
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert math.isclose(report["baseline"]["metrics"]["ppl"], reference_ppl(original, tokenizer, 128, 4), rel_tol=1e-4)
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf")
+    q_proj = original.model.layers[1].self_attn.q_proj.weight
+    expected = quantize_weight_rtn(q_proj, QuantScheme(8, 32, True)).dequantize()
+    assert torch.equal(exported.model.layers[1].self_attn.q_proj.weight, expected)
+    assert math.isclose(report["candidate"]["metrics"]["ppl"], reference_ppl(exported, tokenizer, 128, 4), rel_tol=1e-4)
+
+
+def test_failed_gate_exits_1_and_says_which(tiny_llama_dir, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tiny_llama_dir, stages=[{"method": "rtn", "bits": 2, "group_size": -1}])
+    out = tmp_path / "run"
+    assert main(["run", recipe, "--out", str(out), "--quiet", "--set", "gates[1]=ppl_delta <= 0.001"]) == 1
+    report = json.loads((out / "report.json").read_text())
+    failed = [g for g in report["gates"] if not g["passed"]]
+    assert [g["gate"] for g in failed] == ["ppl_ratio <= 1.05", "ppl_delta <= 0.001"]
+    assert failed[1]["margin"] < 0
+    assert "Verdict: FAIL" in (out / "report.md").read_text()
+
+
+def test_second_run_reuses_baseline_and_is_bit_identical(tiny_llama_dir, tmp_path):
+    recipe = write_recipe(tmp_path, tiny_llama_dir)
+    assert main(["run", recipe, "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    cached = list((tmp_path / "cache" / "baseline").glob("*/result.json"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    assert main(["run", recipe, "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert cached[0].stat().st_mtime_ns == stamp
+    a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in "ab")
+    assert a["candidate"]["metrics"]["ppl"] == b["candidate"]["metrics"]["ppl"]
+    assert sha256_file(tmp_path / "a/hf/model.safetensors") == sha256_file(tmp_path / "b/hf/model.safetensors")
+
+
+def test_overwrite_replaces_only_at_the_end(tiny_llama_dir, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    recipe = write_recipe(tmp_path, tiny_llama_dir)
+    assert main(["run", recipe, "--out", str(out), "--quiet"]) == 2
+    assert (out / "keep.txt").read_text() == "mine"
+    assert main(["run", recipe, "--out", str(out), "--quiet", "--overwrite"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "report.json").exists()
+    assert not list(tmp_path.glob(".run.*"))
+
+
+BAD_INPUT = {
+    "malformed yaml": ("text", "model: [unclosed\n", "malformed YAML"),
+    "unknown key": ({"colour": "red"}, None, "colour: unknown key"),
+    "unknown method": ({"stages": [{"method": "quantum"}]}, None, "unknown method 'quantum'"),
+    "bits 5": ({"stages": [{"method": "rtn", "bits": 5}]}, None, "stages[0].bits: 5 is not one of 2, 3, 4, 8"),
+    "group size": ({"stages": [{"method": "rtn", "group_size": 64}]}, "narrow", "group_size 64 does not divide"),
+    "missing model": ({"model": "/no/such/model"}, None, "model path /no/such/model does not exist"),
+    "hub offline": ({"model": "lmpress-tests/not-a-repo-4821"}, None, "hub"),
+    "not gguf": ({"model": "FAKE_GGUF"}, None, "is not a GGUF file"),
+    "empty text": ({"eval": {"text": "EMPTY_TXT", "perplexity": {"seq_len": 64, "windows": 1}}}, None, "is empty"),
+    "missing text": ({"data": {"source": "/no/such.txt"}}, None, "text file /no/such.txt does not exist"),
+    "window too long": ({"eval": {"perplexity": {"seq_len": 4096}}}, None, "longer than the model's context (512)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_exits_2_with_one_line_and_keeps_existing_output(case, tiny_llama_dir, tmp_path, capsys):
+    changes, variant, message = BAD_INPUT[case]
+    model_dir = tiny_llama_dir
+    if variant == "narrow":
+        from tests.conftest import save_tiny_model
+
+        model_dir = save_tiny_model(tmp_path / "narrow", hidden_size=96, intermediate_size=192)
+    if changes == "text":
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(variant)
+    else:
+        (tmp_path / "fake.gguf").write_bytes(b"not a gguf file")
+        (tmp_path / "empty.txt").write_text("")
+        subst = {"FAKE_GGUF": str(tmp_path / "fake.gguf"), "EMPTY_TXT": str(tmp_path / "empty.txt")}
+        text = yaml.safe_dump(changes)
+        for key, value in subst.items():
+            text = text.replace(key, value)
+        recipe = write_recipe(tmp_path, model_dir, **yaml.safe_load(text))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--out", str(out), "--quiet", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_unexpected_error_exits_3_with_traceback(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    from lmpress.quantize.rtn import RTNConfig
+    from lmpress.registry import STAGE_HANDLERS
+
+    def broken(model, config, ctx):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setitem(STAGE_HANDLERS, RTNConfig, broken)
+    assert main(["run", write_recipe(tmp_path, tiny_llama_dir), "--out", str(tmp_path / "r"), "--quiet"]) == 3
+    assert "Traceback" in capsys.readouterr().err

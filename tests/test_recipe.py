@@ -1,0 +1,85 @@
+import pytest
+
+from lmpress.errors import LmpressInputError
+from lmpress.quantize.rtn import RTNConfig
+from lmpress.recipe import apply_override, load_recipe, parse_recipe
+
+BASE = {
+    "model": "some/model",
+    "stages": [{"method": "rtn", "bits": 4, "group_size": 64}],
+    "eval": {"perplexity": {"seq_len": 256, "windows": 2}},
+    "gates": ["ppl_ratio <= 1.05"],
+}
+
+
+def error_of(raw) -> str:
+    with pytest.raises(LmpressInputError) as info:
+        parse_recipe(raw, origin="r.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_valid_recipe_has_typed_stages_evals_and_gates():
+    recipe = parse_recipe(BASE)
+    assert recipe.model.source == "some/model" and recipe.model.dtype == "float32"
+    assert isinstance(recipe.stages[0], RTNConfig) and recipe.stages[0].group_size == 64
+    assert recipe.stages[0].ignore == ["lm_head"]
+    assert recipe.eval.evals["perplexity"].seq_len == 256
+    assert str(recipe.gates[0]) == "ppl_ratio <= 1.05"
+    assert recipe.as_dict()["stages"][0]["bits"] == 4
+
+
+def test_bits_5_names_the_path_and_the_choices():
+    raw = {**BASE, "stages": [{"method": "rtn"}, {"method": "rtn", "bits": 5}]}
+    assert error_of(raw) == "r.yaml: stages[1].bits: 5 is not one of 2, 3, 4, 8"
+
+
+def test_unknown_key_is_an_error_with_a_suggestion():
+    message = error_of({**BASE, "stages": [{"method": "rtn", "bitz": 4}]})
+    assert message.startswith("r.yaml: stages[0].bitz: unknown key (did you mean 'bits'?)")
+    assert "group_size" in message
+    assert "data.sampels" in error_of({**BASE, "data": {"sampels": 3}})
+    assert error_of({**BASE, "extra_section": 1}).startswith("r.yaml: extra_section: unknown key")
+
+
+def test_unknown_method_lists_known_methods():
+    message = error_of({**BASE, "stages": [{"method": "gptx"}]})
+    assert "stages[0].method: unknown method 'gptx'" in message and "rtn" in message
+
+
+def test_unknown_eval_and_bad_gate_metric():
+    assert "eval.perplexitty: unknown eval (did you mean 'perplexity'?)" in error_of({**BASE, "eval": {"perplexitty": {}}})
+    message = error_of({**BASE, "gates": ["kld_mean <= 0.1"]})
+    assert "gates[0]: metric 'kld_mean' is not computed" in message and "ppl_ratio" in message
+    assert "is not a gate" in error_of({**BASE, "gates": ["ppl is small"]})
+
+
+def test_impossible_values():
+    assert "data.samples" in error_of({**BASE, "data": {"samples": 0}})
+    assert "eval.perplexity: stride 16 is longer" in error_of({**BASE, "eval": {"perplexity": {"seq_len": 8, "stride": 16}}})
+    assert "export.formats" in error_of({**BASE, "export": {"formats": ["tflite"]}})
+    assert "ignore" in error_of({**BASE, "stages": [{"method": "rtn", "ignore": ["("]}]})
+
+
+def test_malformed_yaml_says_where(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: x\nstages:\n  - method: rtn\n   bits: 4\n")
+    with pytest.raises(LmpressInputError, match=r"bad.yaml: malformed YAML at line 4"):
+        load_recipe(path)
+    with pytest.raises(LmpressInputError, match="does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_set_overrides(tmp_path):
+    raw = {"model": "a/b", "stages": [{"method": "rtn", "bits": 4}]}
+    assert apply_override(raw, "stages[0].bits=8")["stages"][0]["bits"] == 8
+    assert apply_override(raw, "stages.0.symmetric=false")["stages"][0]["symmetric"] is False
+    assert apply_override(raw, "data.seed=3")["data"] == {"seed": 3}
+    with pytest.raises(LmpressInputError, match="does not exist"):
+        apply_override(raw, "stages[3].bits=8")
+    with pytest.raises(LmpressInputError, match="expected key.path=value"):
+        apply_override(raw, "nonsense")
+    path = tmp_path / "r.yaml"
+    path.write_text("model: a/b\nstages: [{method: rtn}]\n")
+    assert load_recipe(path, ["stages[0].group_size=-1"]).stages[0].group_size == -1
