@@ -1,0 +1,128 @@
+import re
+
+import pytest
+import torch
+
+from lmpress.errors import LmpressInputError
+from lmpress.evals import longctx
+from lmpress.evals.longctx import (
+    PasskeyConfig,
+    PositionNLLConfig,
+    answered_key,
+    greedy_decode,
+    passkey_prompt,
+    passkey_trials,
+    run_passkey,
+    run_position_nll,
+)
+from lmpress.evals.perplexity import token_nll
+from tests.evals.conftest import make_ctx
+
+SMALL = PasskeyConfig(lengths=[256, 384, 512], depths=[0, 0.5, 1], trials=2, max_new_tokens=4)
+
+
+def test_prompt_fits_and_hides_the_key_at_its_depth(tiny):
+    _, tokenizer = tiny
+    for length in SMALL.lengths:
+        positions = []
+        for depth in SMALL.depths:
+            ids = passkey_prompt(tokenizer, length, depth, 48151, answer_room=4)
+            assert len(ids) == length - 4
+            text = tokenizer.decode(ids)
+            assert text.count("48151") == 2 and text.endswith("The pass key is")
+            positions.append(text.index("48151"))
+            if depth == 0:
+                assert text.startswith(longctx.INTRO + longctx.NEEDLE.format(key=48151))
+            if depth == 1:
+                assert text.endswith(longctx.NEEDLE.format(key=48151) + longctx.QUESTION)
+        assert positions == sorted(positions) and len(set(positions)) == 3
+
+
+def test_same_seed_same_keys_other_seed_other_keys():
+    keys = [k for *_, k in passkey_trials(SMALL)]
+    assert keys == [k for *_, k in passkey_trials(SMALL.model_copy())]
+    assert keys != [k for *_, k in passkey_trials(SMALL.model_copy(update={"seed": 1}))]
+    assert len(keys) == 3 * 3 * 2 and all(10000 <= k <= 99999 for k in keys)
+
+
+def test_answered_key():
+    assert answered_key(" 48151. Remember") == 48151
+    assert answered_key(" 4815 1") == 4815
+    assert answered_key(" unknown") is None
+
+
+def test_greedy_decode_matches_hf_generate(tiny):
+    model, tokenizer = tiny
+    prompt = passkey_prompt(tokenizer, 256, 0.5, 12345, answer_room=6)
+    ours = greedy_decode(model, prompt, 6, eos_id=None)
+    reference = model.generate(
+        torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :]
+    assert ours == reference.tolist()
+
+
+def test_passkey_scores_exact_matches_into_the_grid(tiny, docs_text, tmp_path, monkeypatch):
+    """A stand-in decoder that answers right only at depth 0 and 0.5 of the shortest length."""
+    model, tokenizer = tiny
+
+    def fake_decode(model, prompt, max_new_tokens, eos_id):
+        text = tokenizer.decode(prompt)
+        key = re.search(r"pass key is (\d+)", text).group(1)
+        depth = text.index(key) / len(text)
+        right = len(prompt) < 256 and depth < 0.7
+        return tokenizer(f" {key if right else '11111'}.", add_special_tokens=False)["input_ids"]
+
+    monkeypatch.setattr(longctx, "greedy_decode", fake_decode)
+    result = run_passkey(model, tokenizer, SMALL, make_ctx(docs_text, tokenizer, "candidate", tmp_path))
+    assert result.metrics["passkey_accuracy_256"] == pytest.approx(2 / 3)
+    assert result.metrics["passkey_accuracy_384"] == result.metrics["passkey_accuracy_512"] == 0
+    assert result.metrics["passkey_accuracy"] == pytest.approx(4 / 18)
+    assert result.details["passkey_grid"]["accuracy"] == [[1.0, 0, 0], [1.0, 0, 0], [0, 0, 0]]
+    assert set(result.metrics) == set(SMALL.metric_names())
+    assert result.protocol["seed"] == 0 and result.protocol["lengths"] == [256, 384, 512]
+
+
+def test_passkey_runs_the_real_decoder(tiny, docs_text, tmp_path):
+    model, tokenizer = tiny
+    config = PasskeyConfig(lengths=[256], depths=[0.5], trials=1, max_new_tokens=3)
+    result = run_passkey(model, tokenizer, config, make_ctx(docs_text, tokenizer, "baseline", tmp_path))
+    (sample,) = result.details["passkey_samples"]
+    assert sample["prompt_tokens"] == 253 and isinstance(sample["answer"], str)
+    assert result.metrics["passkey_accuracy"] in (0.0, 1.0)
+
+
+def test_passkey_longer_than_context_is_refused(tiny, docs_text, tmp_path):
+    model, tokenizer = tiny
+    config = PasskeyConfig(lengths=[256, 1024])
+    with pytest.raises(LmpressInputError, match=r"\[1024\] exceed the model's context of 512"):
+        run_passkey(model, tokenizer, config, make_ctx(docs_text, tokenizer, "baseline", tmp_path))
+
+
+def test_nll_by_position_matches_direct_computation(tiny, docs_text, tmp_path):
+    model, tokenizer = tiny
+    config = PositionNLLConfig(seq_len=512, documents=2, edges=[0, 64, 256, 1024])
+    assert config.metric_names() == ["nll_pos_0_64", "nll_pos_64_256", "nll_pos_256_512"]
+    ctx = make_ctx(docs_text, tokenizer, "baseline", tmp_path)
+    result = run_position_nll(model, tokenizer, config, ctx)
+    docs = ctx.ids()[:1024].view(2, 512)
+    with torch.no_grad():
+        nll = token_nll(model(docs).logits, docs)  # nll[:, t] predicts the token at position t + 1
+    for (a, b), name in zip(config.buckets(), config.metric_names(), strict=True):
+        expected = nll[:, max(a, 1) - 1 : b - 1].mean().item()
+        assert result.metrics[name] == pytest.approx(expected, rel=1e-5)
+    assert [row["bucket"] for row in result.details["nll_by_position"]] == ["0-64", "64-256", "256-512"]
+    assert result.protocol["seq_len"] == 512 and result.protocol["windows"] == 2
+
+
+def test_nll_by_position_longer_than_context_is_refused(tiny):
+    model, _ = tiny
+    with pytest.raises(LmpressInputError, match="exceeds the model's context of 512"):
+        PositionNLLConfig(seq_len=1024).check(model)
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        PasskeyConfig(depths=[0.5, 1.5])
+    with pytest.raises(ValueError, match="start at 0"):
+        PositionNLLConfig(edges=[512, 1024])
+    assert PositionNLLConfig(seq_len=8192).metric_names()[-1] == "nll_pos_4k_8k"
