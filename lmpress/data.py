@@ -52,6 +52,17 @@ def load_text(source: str, default_split: str = "test") -> Text:
     return Text(source, text)
 
 
+def check_text_source(source: str) -> None:
+    """Fail fast on a local text file that is missing or empty (before any long work)."""
+    if source.startswith(("builtin:", "hf:")):
+        return
+    path = Path(source)
+    if not path.exists():
+        raise LmpressInputError(f"text file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise LmpressInputError(f"text source {source} is empty")
+
+
 def _python_docs() -> str:
     from pydoc_data.topics import topics
 

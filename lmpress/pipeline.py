@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from lmpress.cache import sha256_json
-from lmpress.data import calibration_samples, load_text, tokenize
+from lmpress.data import calibration_samples, check_text_source, load_text, tokenize
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.report import write_report
 from lmpress.evals.suite import run_suite, suite_report
@@ -130,6 +130,8 @@ def run_recipe(
     """Run ``recipe`` into ``out``; the exit code says whether every gate passed."""
     out = Path(out)
     began = time.perf_counter()
+    check_text_source(recipe.data.source)
+    check_text_source(recipe.eval.text)
     partial = prepare_output(out, overwrite, resume)
     spec = recipe.model
     bars.log(f"loading {spec.source}")
