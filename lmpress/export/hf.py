@@ -1,15 +1,42 @@
-"""The modified model as an ordinary Hugging Face checkpoint (dense float weights, safetensors)."""
+"""The modified model as an ordinary Hugging Face checkpoint (dense float weights, safetensors).
+
+Quantized layers are written as the float weights they stand for, under the
+original ``<layer>.weight`` names, so any transformers install loads the result.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.registry import register_exporter
+
+
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every QuantizedLinear's packed buffers replaced by its dequantized weight."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedLinear):
+            continue
+        prefix = f"{name}." if name else ""
+        for buffer in ("qweight", "scales", "zeros", "g_idx"):
+            state.pop(prefix + buffer, None)
+        dtype = module.bias.dtype if module.bias is not None else _float_dtype(model)
+        state[prefix + "weight"] = module.dequantized_weight(dtype)
+    return state
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
 
 
 @register_exporter("hf")
 def export_hf(model: nn.Module, tokenizer, out_dir: Path) -> None:
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, state_dict=dense_state_dict(model), safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

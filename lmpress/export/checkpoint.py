@@ -1,0 +1,297 @@
+"""What the quantized-checkpoint writers (gptq, awq, compressed_tensors) and their readers share.
+
+A quantized checkpoint here is a Hugging Face model directory: ``config.json``
+with a ``quantization_config``, the tokenizer files, and ``model.safetensors``
+holding every tensor under its Hugging Face name; quantized linear layers are
+stored as the format's packed tensors instead of ``<layer>.weight``.
+
+Readers turn a checkpoint back into lmpress's one internal form, a
+``QuantizedWeight`` per quantized layer (``load_quantized_checkpoint``), or into a
+model whose quantized layers are ``QuantizedLinear`` modules (``load_quantized_model``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.quantize.apply import apply_quantized_weight
+from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
+from lmpress.quantize.scheme import QuantizedWeight
+
+SAFETENSORS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+QUANTIZED_BUFFERS = ("qweight", "scales", "zeros", "g_idx")
+
+# quantization_config.quant_method -> the reader of that format: (config, tensors) -> {layer: QuantizedWeight}
+Reader = Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, QuantizedWeight]]
+READERS: dict[str, Reader] = {}
+# quantization_config.quant_method -> the tensor names that hold a quantized layer's weight (all but bias)
+PACKED_SUFFIXES: dict[str, tuple[str, ...]] = {}
+
+
+def register_reader(quant_method: str, packed_suffixes: tuple[str, ...]) -> Callable[[Reader], Reader]:
+    def decorator(fn: Reader) -> Reader:
+        READERS[quant_method] = fn
+        PACKED_SUFFIXES[quant_method] = packed_suffixes
+        return fn
+
+    return decorator
+
+
+# Writing ------------------------------------------------------------------------------------
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def require_quantized_layers(model: nn.Module, fmt: str) -> dict[str, QuantizedLinear]:
+    layers = quantized_layers(model)
+    if not layers:
+        raise LmpressInputError(
+            f"export {fmt}: the model has no quantized layers; add a quantization stage (rtn, gptq, awq) "
+            "before this export, or export format 'hf' for a dense checkpoint"
+        )
+    return layers
+
+
+def unquantized_linears(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def unpacked_layers(model: nn.Module, fmt: str) -> dict[str, QuantizedWeight]:
+    """Every quantized layer's weight, with act-order dropped where ``g_idx`` is trivial."""
+    result = {}
+    for name, module in require_quantized_layers(model, fmt).items():
+        qw = module.unpack()
+        if qw.g_idx is not None and trivial_g_idx(qw.g_idx, module.in_features, qw.scheme):
+            qw.g_idx = None
+        result[name] = qw
+    return result
+
+
+def dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every persistent tensor of ``model`` outside the quantized layers' packed buffers.
+
+    Tensors sharing storage (tied embeddings) are written once, under the first name.
+    """
+    packed = {f"{name}.{b}" for name in quantized_layers(model) for b in QUANTIZED_BUFFERS}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for key, tensor in model.state_dict().items():
+        if key in packed:
+            continue
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if identity in seen:
+            continue
+        seen.add(identity)
+        tensors[key] = tensor.detach().cpu().contiguous()
+    return tensors
+
+
+def fp16_scales(scales: torch.Tensor, layer: str, fmt: str) -> torch.Tensor:
+    """Scales as float16 (what GPTQ and AWQ checkpoints hold); refuses values float16 cannot hold."""
+    half = scales.to(torch.float16)
+    if not bool(torch.isfinite(half).all()) or bool(((half == 0) & (scales != 0)).any()):
+        raise LmpressInputError(
+            f"export {fmt}: {layer} has scales outside float16's range "
+            f"[{scales.abs().min().item():.3g}, {scales.abs().max().item():.3g}]; "
+            "export compressed-tensors (float32 scales) instead"
+        )
+    return half
+
+
+def model_config_dict(model: nn.Module, quantization_config: dict[str, Any], untie: bool) -> dict[str, Any]:
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["quantization_config"] = quantization_config
+    if untie:
+        config["tie_word_embeddings"] = False
+    return config
+
+
+def write_checkpoint(
+    out_dir: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    tensors: dict[str, torch.Tensor],
+    quantization_config: dict[str, Any],
+) -> None:
+    """Write ``tensors``, config.json (with ``quantization_config``), the generation config and tokenizer."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(dict(sorted(tensors.items())), out_dir / SAFETENSORS_NAME, metadata={"format": "pt"})
+    # A quantized lm_head no longer shares the embedding's storage: consumers must not re-tie it.
+    untie = "lm_head.weight" not in tensors and any(k.startswith("lm_head.") for k in tensors)
+    config = model_config_dict(model, quantization_config, untie)
+    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def escape_name(name: str) -> str:
+    """A regular expression that matches exactly the module ``name``."""
+    return "^" + re.escape(name) + "$"
+
+
+# Reading ------------------------------------------------------------------------------------
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    config_path = path / CONFIG_NAME
+    if not config_path.is_file():
+        raise LmpressInputError(f"{path}: no {CONFIG_NAME}; expected a checkpoint directory")
+    try:
+        return json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LmpressInputError(f"{config_path}: not valid JSON ({e})") from e
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    path = Path(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise LmpressInputError(f"{index}: not a safetensors index ({e})") from e
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / SAFETENSORS_NAME
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise LmpressInputError(f"{path}: no .safetensors weights")
+    return found
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one file; a damaged or truncated file is a one-line LmpressInputError."""
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise LmpressInputError(f"{file}: missing")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own error types and OSError for damaged files
+        raise LmpressInputError(
+            f"{file}: not a readable safetensors file (damaged or truncated?): {_first_line(e)}"
+        ) from e
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        tensors.update(read_safetensors(file))
+    return tensors
+
+
+def quant_method(config: dict[str, Any]) -> str | None:
+    qc = config.get("quantization_config") or config.get("compression_config")
+    return None if not qc else str(qc.get("quant_method", "unknown"))
+
+
+def require_tensor(tensors: dict[str, torch.Tensor], key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if key not in tensors:
+        raise LmpressInputError(f"checkpoint has no tensor {key!r} (incomplete or not this format)")
+    tensor = tensors[key]
+    if dtype is not None and tensor.dtype != dtype:
+        raise LmpressInputError(f"checkpoint tensor {key!r} is {tensor.dtype}, expected {dtype}")
+    return tensor
+
+
+def check_shape(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise LmpressInputError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+def group_count(in_features: int, group_size: int, layer: str) -> int:
+    if group_size == -1:
+        return 1
+    if group_size <= 0 or in_features % group_size:
+        raise LmpressInputError(f"{layer}: group size {group_size} does not divide in_features {in_features}")
+    return in_features // group_size
+
+
+def words_for(length: int, bits: int) -> int:
+    return math.ceil(length * bits / 32)
+
+
+def _load_parts(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+    import lmpress.methods  # noqa: F401  (fills READERS)
+
+    config = read_config(path)
+    method = quant_method(config)
+    if method is None:
+        raise LmpressInputError(f"{path}: config.json has no quantization_config (a dense checkpoint?)")
+    if method not in READERS:
+        raise LmpressInputError(f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READERS)})")
+    return config, read_tensors(path), method
+
+
+def load_quantized_checkpoint(path: str | Path) -> dict[str, QuantizedWeight]:
+    """Every quantized layer of the checkpoint at ``path``, by module name."""
+    config, tensors, method = _load_parts(Path(path))
+    return READERS[method](config, tensors)
+
+
+def load_quantized_model(path: str | Path) -> nn.Module:
+    """The checkpoint at ``path`` as a transformers model whose quantized layers are QuantizedLinear.
+
+    The float model is built first (random init) and its linears then swapped, so
+    peak memory is that of the dense model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config_dict, tensors, method = _load_parts(path)
+    layers = READERS[method](config_dict, tensors)
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    for name, qw in layers.items():
+        apply_quantized_weight(model, name, qw)
+    suffixes = PACKED_SUFFIXES[method]
+    packed = {f"{name}.{suffix}" for name in layers for suffix in suffixes}
+    dense = {k: v for k, v in tensors.items() if k not in packed}
+    held = {f"{name}.{buffer}" for name in layers for buffer in QUANTIZED_BUFFERS}
+    expected = {k: v for k, v in model.state_dict().items() if k not in held}
+    unexpected = sorted(set(dense) - set(expected))
+    if unexpected:
+        raise LmpressInputError(f"{path}: tensor {unexpected[0]!r} belongs to no module of the model")
+    tied = {k for k in expected if k not in dense and k.startswith("lm_head.")}
+    missing = sorted(set(expected) - set(dense) - tied)
+    if missing:
+        raise LmpressInputError(f"{path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    for key, value in dense.items():
+        if tuple(expected[key].shape) != tuple(value.shape):
+            raise LmpressInputError(
+                f"{path}: {key!r} has shape {tuple(value.shape)}, the model expects {tuple(expected[key].shape)}"
+            )
+    model.load_state_dict(dense, strict=False)
+    if tied and not getattr(config, "tie_word_embeddings", False):
+        raise LmpressInputError(f"{path}: checkpoint lacks {sorted(tied)[0]!r} and the config does not tie it")
+    return model.eval()

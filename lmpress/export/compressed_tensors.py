@@ -1,0 +1,213 @@
+"""compressed-tensors ``pack-quantized`` checkpoints, as llm-compressor writes them and vLLM reads them.
+
+Per quantized layer ``L`` (see ``quantize/pack.py`` for the bit layout):
+
+- ``L.weight_packed`` int32 ``(out, ceil(in*bits/32))``: codes packed along the input axis;
+- ``L.weight_scale`` ``(out, n_groups)`` in the scales' dtype (float32 from lmpress's quantizers);
+- ``L.weight_zero_point`` int32 ``(ceil(out*bits/32), n_groups)``: asymmetric layers only;
+- ``L.weight_shape`` int64 ``[out, in]``;
+- ``L.bias`` where the layer has one.
+
+compressed-tensors codes are signed (``c - 2**(bits-1)``), with symmetric layers'
+zero point 0: lmpress's symmetric zero ``2**(bits-1)`` is that same point.
+``quantization_config`` has one config group per distinct scheme: ``targets:
+["Linear"]`` with the float linears in ``ignore`` when the whole model uses one
+scheme, explicit module names otherwise. compressed-tensors dropped act-order
+``g_idx`` (``actorder: group``), so act-order layers cannot be written here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.export.checkpoint import (
+    check_shape,
+    dense_tensors,
+    group_count,
+    register_reader,
+    require_tensor,
+    unpacked_layers,
+    unquantized_linears,
+    write_checkpoint,
+)
+from lmpress.quantize.pack import (
+    PACKABLE_BITS,
+    ct_pack_weight,
+    ct_pack_zero_point,
+    ct_unpack_weight,
+    ct_unpack_zero_point,
+    packed_length,
+)
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+from lmpress.registry import register_exporter
+
+FORMAT = "compressed-tensors"
+PACK_QUANTIZED = "pack-quantized"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+# The version of compressed-tensors whose config layout this writer follows.
+CT_CONFIG_VERSION = "0.20.0"
+
+
+def weight_args(scheme: QuantScheme) -> dict[str, Any]:
+    """compressed-tensors ``QuantizationArgs`` of a weight scheme."""
+    return {
+        "num_bits": scheme.bits,
+        "type": "int",
+        "symmetric": scheme.symmetric,
+        "group_size": None if scheme.group_size == -1 else scheme.group_size,
+        "strategy": "channel" if scheme.group_size == -1 else "group",
+        "dynamic": False,
+        "actorder": None,
+        "block_structure": None,
+        "observer": "minmax",
+    }
+
+
+def ct_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one layer."""
+    bits = qw.scheme.bits
+    tensors = {
+        f"{name}.weight_packed": ct_pack_weight(qw.qweight, bits),
+        f"{name}.weight_scale": qw.scales.contiguous(),
+        f"{name}.weight_shape": torch.tensor(list(qw.qweight.shape), dtype=torch.int64),
+    }
+    if not qw.scheme.symmetric:
+        tensors[f"{name}.weight_zero_point"] = ct_pack_zero_point(qw.zeros.round(), bits)
+    return tensors
+
+
+def _check_layer(name: str, qw: QuantizedWeight) -> None:
+    if qw.scheme.bits not in PACKABLE_BITS:
+        raise LmpressInputError(f"export {FORMAT}: {name} has {qw.scheme.bits}-bit weights; pack-quantized holds 1-8")
+    if qw.g_idx is not None:
+        raise LmpressInputError(
+            f"export {FORMAT}: {name} uses act-order (g_idx), which compressed-tensors no longer stores; "
+            "export gptq, or quantize with static groups"
+        )
+    if qw.scheme.symmetric and not bool((qw.zeros == 2 ** (qw.scheme.bits - 1)).all()):
+        raise LmpressInputError(f"export {FORMAT}: {name} is marked symmetric but its zeros are not 2**(bits-1)")
+
+
+def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedWeight]) -> dict[str, Any]:
+    by_scheme: dict[QuantScheme, list[str]] = {}
+    for name, qw in layers.items():
+        by_scheme.setdefault(qw.scheme, []).append(name)
+    float_linears = unquantized_linears(model)
+    if len(by_scheme) == 1:
+        groups = [(next(iter(by_scheme)), ["Linear"])]
+    else:
+        groups = list(by_scheme.items())
+    config_groups = {
+        f"group_{i}": {
+            "targets": targets,
+            "weights": weight_args(scheme),
+            "input_activations": None,
+            "output_activations": None,
+            "format": PACK_QUANTIZED,
+        }
+        for i, (scheme, targets) in enumerate(groups)
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": PACK_QUANTIZED,
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": float_linears,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": CT_CONFIG_VERSION,
+    }
+
+
+@register_exporter(FORMAT)
+def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
+    layers = unpacked_layers(model, FORMAT)
+    for name, qw in layers.items():
+        _check_layer(name, qw)
+    tensors = dense_tensors(model)
+    for name, qw in layers.items():
+        tensors.update(ct_tensors(name, qw))
+    write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers))
+
+
+def _matches(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return name == target
+
+
+def layer_weight_args(qc: dict[str, Any], name: str) -> dict[str, Any]:
+    """The ``weights`` args that apply to layer ``name``: a target naming it beats a class target."""
+    if any(_matches(name, pattern) for pattern in qc.get("ignore") or []):
+        raise LmpressInputError(f"{FORMAT} checkpoint: {name} has packed weights but is in the ignore list")
+    by_class = None
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights")
+        if not weights:
+            continue
+        for target in group.get("targets", []):
+            if _matches(name, target):
+                return weights
+            if not target.startswith("re:") and "." not in target and target[:1].isupper():
+                by_class = by_class or weights
+    if by_class is None:
+        raise LmpressInputError(f"{FORMAT} checkpoint: no config group targets {name}")
+    return by_class
+
+
+def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
+    if args.get("type", "int") != "int" or args.get("strategy") not in ("group", "channel"):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name} uses {args.get('type')} {args.get('strategy')} weights; "
+            "lmpress reads int weights with group or channel scales"
+        )
+    if args.get("actorder") == "group":
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name} uses act-order group (g_idx), which lmpress does not read"
+        )
+    group_size = -1 if args["strategy"] == "channel" else int(args["group_size"])
+    return QuantScheme(int(args["num_bits"]), group_size, bool(args.get("symmetric", True)))
+
+
+@register_reader("compressed-tensors", SUFFIXES)
+def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    qc = config["quantization_config"]
+    if qc.get("format") not in (PACK_QUANTIZED, "mixed-precision"):
+        raise LmpressInputError(f"{FORMAT} checkpoint: format {qc.get('format')!r}; lmpress reads {PACK_QUANTIZED}")
+    for group_name, group in (qc.get("config_groups") or {}).items():
+        if group.get("format") not in (PACK_QUANTIZED, None):
+            raise LmpressInputError(f"{FORMAT} checkpoint: config group {group_name} is not {PACK_QUANTIZED}")
+    layers = {}
+    for key in sorted(k for k in tensors if k.endswith(".weight_packed")):
+        name = key.removesuffix(".weight_packed")
+        scheme = _scheme_of(layer_weight_args(qc, name), name)
+        packed = require_tensor(tensors, key, torch.int32)
+        shape = require_tensor(tensors, f"{name}.weight_shape").tolist()
+        if len(shape) != 2:
+            raise LmpressInputError(f"{FORMAT} checkpoint: {name}.weight_shape is {shape}, expected [out, in]")
+        out_features, in_features = (int(v) for v in shape)
+        n_groups = group_count(in_features, scheme.group_size, name)
+        check_shape(key, packed, (out_features, packed_length(in_features, scheme.bits)))
+        scales = require_tensor(tensors, f"{name}.weight_scale")
+        check_shape(f"{name}.weight_scale", scales, (out_features, n_groups))
+        if scheme.symmetric:
+            zeros = torch.full((out_features, n_groups), float(2 ** (scheme.bits - 1)))
+        else:
+            packed_zeros = require_tensor(tensors, f"{name}.weight_zero_point", torch.int32)
+            check_shape(f"{name}.weight_zero_point", packed_zeros, (packed_length(out_features, scheme.bits), n_groups))
+            zeros = ct_unpack_zero_point(packed_zeros, scheme.bits, out_features).float()
+        layers[name] = QuantizedWeight(
+            qweight=ct_unpack_weight(packed, scheme.bits, in_features),
+            scales=scales.contiguous(),
+            zeros=zeros,
+            scheme=scheme,
+        )
+    return layers
