@@ -38,5 +38,15 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 
 @register_exporter("hf")
 def export_hf(model: nn.Module, tokenizer, out_dir: Path) -> None:
-    model.save_pretrained(out_dir, state_dict=dense_state_dict(model), safe_serialization=True)
+    config = model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    # A quantized lm_head no longer equals the embedding: write it untied so loaders keep it.
+    untie = tied and isinstance(model.get_output_embeddings(), QuantizedLinear)
+    if untie:
+        config.tie_word_embeddings = False
+    try:
+        model.save_pretrained(out_dir, state_dict=dense_state_dict(model), safe_serialization=True)
+    finally:
+        if untie:
+            config.tie_word_embeddings = True
     tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,199 @@
+"""``lmpress inspect ARTIFACT``: what a checkpoint holds, read back from disk.
+
+``inspect_artifact`` accepts a checkpoint directory (GPTQ, AWQ, compressed-tensors
+or a dense Hugging Face checkpoint) or a run's output directory (one checkpoint
+per subdirectory, plus manifest.json); ``render_inspect`` turns the result into
+rich tables. Quantized checkpoints are decoded by lmpress's readers, so a
+damaged file is reported here as it would be on load.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from lmpress.errors import LmpressInputError
+from lmpress.export.checkpoint import (
+    CONFIG_NAME,
+    READERS,
+    quant_method,
+    read_config,
+    read_tensors,
+)
+
+MANIFEST = "manifest.json"
+
+
+def _size_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _single_or_list(values: list[Any]) -> Any:
+    distinct = sorted(set(values), key=str)
+    return distinct[0] if len(distinct) == 1 else distinct
+
+
+def _inspect_checkpoint(path: Path) -> dict[str, Any]:
+    import lmpress.methods  # noqa: F401  (fills READERS)
+
+    config = read_config(path)
+    tensors = read_tensors(path)
+    method = quant_method(config)
+    info: dict[str, Any] = {
+        "path": str(path),
+        "size_bytes": _size_on_disk(path),
+        "architecture": (config.get("architectures") or [config.get("model_type", "?")])[0],
+    }
+    if method is None:
+        n_params = sum(t.numel() for t in tensors.values())
+        info |= {
+            "format": "hf",
+            "quantized_layers": 0,
+            "parameters": n_params,
+            "dtypes": _single_or_list([str(t.dtype).removeprefix("torch.") for t in tensors.values()]),
+            "layers": [],
+        }
+        return info
+    if method not in READERS:
+        raise LmpressInputError(f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READERS)})")
+    qc = config["quantization_config"]
+    layers = READERS[method](config, tensors)
+    rows = []
+    for name, qw in layers.items():
+        out_features, in_features = qw.qweight.shape
+        stored = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.rpartition(".")[0] == name)
+        rows.append(
+            {
+                "name": name,
+                "shape": [out_features, in_features],
+                "bits": qw.scheme.bits,
+                "group_size": qw.scheme.group_size,
+                "sym": qw.scheme.symmetric,
+                "act_order": qw.g_idx is not None,
+                "bytes": stored,
+                "bits_per_weight": round(8 * stored / (out_features * in_features), 3),
+            }
+        )
+    quantized_bytes = sum(r["bytes"] for r in rows)
+    quantized_weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
+    info |= {
+        "format": "compressed-tensors" if method == "compressed-tensors" else method,
+        "quantized_layers": len(rows),
+        "bits": _single_or_list([r["bits"] for r in rows]) if rows else None,
+        "group_size": _single_or_list([r["group_size"] for r in rows]) if rows else None,
+        "sym": _single_or_list([r["sym"] for r in rows]) if rows else None,
+        "act_order": any(r["act_order"] for r in rows),
+        "quantized_weights": quantized_weights,
+        "quantized_bytes": quantized_bytes,
+        "other_bytes": sum(t.numel() * t.element_size() for t in tensors.values()) - quantized_bytes,
+        "layers": rows,
+    }
+    if method == "gptq":
+        info["checkpoint_format"] = qc.get("checkpoint_format", "gptq")
+    if method == "awq":
+        info["version"] = qc.get("version", "gemm")
+    if method == "compressed-tensors":
+        info["ct_format"] = qc.get("format")
+    return info
+
+
+def inspect_artifact(path: str | Path) -> dict[str, Any]:
+    """Format, bits, group size, symmetry, act-order, size on disk and a per-layer summary of ``path``."""
+    path = Path(path)
+    if not path.exists():
+        raise LmpressInputError(f"{path}: no such file or directory")
+    if path.is_file():
+        raise LmpressInputError(
+            f"{path}: inspect reads checkpoint directories (gptq, awq, compressed-tensors, hf) or a run's output"
+        )
+    if (path / CONFIG_NAME).is_file():
+        return _inspect_checkpoint(path)
+    children = sorted(p for p in path.iterdir() if p.is_dir() and (p / CONFIG_NAME).is_file())
+    if not children:
+        raise LmpressInputError(f"{path}: neither a checkpoint (no {CONFIG_NAME}) nor a run directory with checkpoints")
+    info: dict[str, Any] = {
+        "format": "run",
+        "path": str(path),
+        "size_bytes": _size_on_disk(path),
+        "artifacts": [_inspect_checkpoint(child) for child in children],
+    }
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        try:
+            info["manifest_files"] = len(json.loads(manifest.read_text()).get("files", []))
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise LmpressInputError(f"{manifest}: not valid JSON ({e})") from e
+    return info
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _summary_table(info: dict[str, Any]) -> Table:
+    table = Table(title=f"{info['path']}", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    keys = (
+        "format",
+        "checkpoint_format",
+        "version",
+        "ct_format",
+        "architecture",
+        "bits",
+        "group_size",
+        "sym",
+        "act_order",
+        "quantized_layers",
+        "parameters",
+        "dtypes",
+    )
+    for key in keys:
+        if key in info and info[key] is not None:
+            table.add_row(key, str(info[key]))
+    table.add_row("size on disk", _mb(info["size_bytes"]))
+    if info.get("quantized_weights"):
+        table.add_row("quantized tensors", _mb(info["quantized_bytes"]))
+        table.add_row("other tensors", _mb(info["other_bytes"]))
+        table.add_row("bits per quantized weight", f"{8 * info['quantized_bytes'] / info['quantized_weights']:.3f}")
+    return table
+
+
+def _layer_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="quantized layers")
+    for column in ("layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    for r in rows:
+        table.add_row(
+            r["name"],
+            "x".join(str(v) for v in r["shape"]),
+            str(r["bits"]),
+            "channel" if r["group_size"] == -1 else str(r["group_size"]),
+            "yes" if r["sym"] else "no",
+            "yes" if r["act_order"] else "no",
+            f"{r['bytes'] / 1e3:.1f} kB",
+            f"{r['bits_per_weight']:.3f}",
+        )
+    return table
+
+
+def render_inspect(info: dict[str, Any]) -> Group:
+    """Rich tables for ``inspect_artifact``'s result: a summary, then one row per quantized layer."""
+    parts: list[Any] = []
+    for artifact in info["artifacts"] if info["format"] == "run" else [info]:
+        parts.append(_summary_table(artifact))
+        if artifact["layers"]:
+            parts.append(_layer_table(artifact["layers"]))
+    return Group(*parts)
+
+
+def render_inspect_text(info: dict[str, Any], width: int = 120) -> str:
+    """``render_inspect`` as plain text."""
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None).print(render_inspect(info))
+    return buffer.getvalue()
