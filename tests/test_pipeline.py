@@ -158,3 +158,24 @@ def test_unexpected_error_exits_3_with_traceback(tiny_llama_dir, tmp_path, capsy
     monkeypatch.setitem(STAGE_HANDLERS, RTNConfig, broken)
     assert main(["run", write_recipe(tmp_path, tiny_llama_dir), "--out", str(tmp_path / "r"), "--quiet"]) == 3
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_eval_command_compares_a_checkpoint_with_its_baseline(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", write_recipe(tmp_path, tiny_llama_dir), "--out", str(out), "--quiet"]) == 0
+    run_report = json.loads((out / "report.json").read_text())
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 128, "windows": 4, "batch_size": 2}},
+                "gates": ["ppl_ratio <= 1.05"],
+            }
+        )
+    )
+    args = ["eval", str(out / "hf"), "--suite", str(suite), "--baseline", str(tiny_llama_dir), "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "ev")]) == 0
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert report["baseline"]["metrics"]["ppl"] == run_report["baseline"]["metrics"]["ppl"]
+    assert math.isclose(report["candidate"]["metrics"]["ppl"], run_report["candidate"]["metrics"]["ppl"], rel_tol=1e-5)
+    assert main(["eval", str(out / "hf"), "--suite", str(tmp_path / "nope.yaml")]) == 2

@@ -1,0 +1,53 @@
+"""The Python API: the same pieces the CLI uses, on in-memory models."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lmpress.data import calibration_samples, load_text, tokenize
+from lmpress.errors import LmpressInputError
+from lmpress.progress import QUIET, Bars
+from lmpress.recipe import DataSpec, _validate
+from lmpress.registry import STAGE_CONFIGS, STAGE_HANDLERS, StageContext
+
+
+def quantize(
+    model: nn.Module,
+    tokenizer: Any = None,
+    method: str = "rtn",
+    data: DataSpec | dict | None = None,
+    state_dir: str | Path | None = None,
+    bars: Bars = QUIET,
+    **settings: Any,
+) -> dict:
+    """Run one stage (``rtn``, ``gptq``, ``awq``, ...) on ``model`` in place; returns its summary.
+
+    ``settings`` are the stage's recipe keys (``bits=4, group_size=64``); calibrated
+    methods need ``tokenizer`` and take their text from ``data`` (a recipe ``data:`` section).
+    """
+    if method not in STAGE_CONFIGS:
+        raise LmpressInputError(f"unknown method {method!r} (known: {', '.join(sorted(STAGE_CONFIGS))})")
+    config = _validate(STAGE_CONFIGS[method], {"method": method, **settings}, "quantize()", ())
+    spec = data if isinstance(data, DataSpec) else DataSpec(**(data or {}))
+
+    def calibration():
+        if tokenizer is None:
+            raise LmpressInputError(f"method {method!r} needs calibration data: pass tokenizer=")
+        ids = tokenize(tokenizer, load_text(spec.source, default_split="train"))
+        return calibration_samples(ids, spec.samples, spec.seq_len, spec.seed)
+
+    config.check(model)
+    with tempfile.TemporaryDirectory() as scratch:
+        ctx = StageContext(
+            calibration=calibration,
+            state_dir=Path(state_dir or scratch),
+            resume=False,
+            fingerprint="api",
+            bars=bars,
+        )
+        ctx.state_dir.mkdir(parents=True, exist_ok=True)
+        return STAGE_HANDLERS[type(config)](model, config, ctx)
