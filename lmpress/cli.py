@@ -2,6 +2,7 @@
 
     lmpress run RECIPE --out DIR [--set key.path=value ...] [--overwrite] [--resume]
     lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR]
+    lmpress inspect ARTIFACT [--json]
 
 Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input (one line, no
 traceback), 3 unexpected error (with traceback).
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--baseline", help="model to compare against (needed for gates on _ratio/_delta metrics)")
     ev.add_argument("--out", help="write report.json / report.md here")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
+    ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
+    ins.add_argument("artifact", help="a checkpoint directory (gptq, awq, compressed-tensors, hf) or a run directory")
+    ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
 
@@ -118,6 +122,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
         write_report(report, Path(args.out))
     print_metrics(report)
     return 0 if report["passed"] else 1
+
+
+@command("inspect")
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from lmpress.export.inspect import inspect_artifact, render_inspect
+
+    info = inspect_artifact(args.artifact)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        console.print(render_inspect(info))
+    return 0
 
 
 def quiet_transformers() -> None:

@@ -179,3 +179,15 @@ def test_eval_command_compares_a_checkpoint_with_its_baseline(tiny_llama_dir, tm
     assert report["baseline"]["metrics"]["ppl"] == run_report["baseline"]["metrics"]["ppl"]
     assert math.isclose(report["candidate"]["metrics"]["ppl"], run_report["candidate"]["metrics"]["ppl"], rel_tol=1e-5)
     assert main(["eval", str(out / "hf"), "--suite", str(tmp_path / "nope.yaml")]) == 2
+
+
+def test_inspect_command_reads_a_run(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path, tiny_llama_dir, export={"formats": ["hf", "gptq"]})
+    assert main(["run", recipe, "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    formats = {a["format"]: a for a in info["artifacts"]}
+    assert set(formats) == {"hf", "gptq"} and formats["gptq"]["bits"] == 8 and formats["gptq"]["group_size"] == 32
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
