@@ -1,0 +1,39 @@
+"""Fixtures for the export tests: the tiny Llama quantized in place by RTN, and a writer runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import lmpress.methods  # noqa: F401
+from lmpress.quantize.rtn import RTNConfig, run_rtn
+from lmpress.registry import EXPORTERS, StageContext
+
+
+@pytest.fixture
+def quantized_tiny(tiny_llama_dir, tmp_path):
+    """``quantize(**rtn_config) -> (model, tokenizer)``: a fresh tiny Llama with RTN applied."""
+
+    def quantize(**rtn_config):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        ctx = StageContext(calibration=lambda: None, state_dir=tmp_path / "state", resume=False, fingerprint="x")
+        run_rtn(model, RTNConfig(**rtn_config), ctx)
+        return model, tokenizer
+
+    return quantize
+
+
+@pytest.fixture
+def export(tmp_path):
+    """``export(fmt, model, tokenizer) -> Path``: run the registered writer into a fresh directory."""
+
+    def run(fmt: str, model, tokenizer) -> Path:
+        out = tmp_path / f"out-{fmt}-{len(list(tmp_path.glob('out-*')))}"
+        out.mkdir()
+        EXPORTERS[fmt](model, tokenizer, out)
+        return out
+
+    return run

@@ -1,0 +1,121 @@
+import pytest
+import torch
+from torch import nn
+
+from lmpress.quantize.apply import apply_quantized_weight
+from lmpress.quantize.qlinear import QuantizedLinear, quantized_linear_from
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, quantize_weight_rtn
+
+
+def act_order_weight(w: torch.Tensor, scheme: QuantScheme, seed: int = 0) -> QuantizedWeight:
+    """A quantized weight whose groups are scattered over the input columns, as GPTQ act-order leaves them."""
+    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(seed))
+    grouped = quantize_weight_rtn(w[:, perm], scheme)
+    codes = torch.empty_like(grouped.qweight)
+    codes[:, perm] = grouped.qweight
+    g_idx = torch.empty(w.shape[1], dtype=torch.int32)
+    g_idx[perm] = (torch.arange(w.shape[1]) // scheme.group_width(w.shape[1])).to(torch.int32)
+    return QuantizedWeight(codes, grouped.scales, grouped.zeros, scheme, g_idx)
+
+
+def linear(out_features=64, in_features=256, bias=True, seed=0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
+    return float(10 * torch.log10(reference.pow(2).sum() / (reference - other).pow(2).sum().clamp_min(1e-30)))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_unpack_returns_what_was_packed(bits, symmetric):
+    qw = quantize_weight_rtn(linear().weight.data, QuantScheme(bits, 64, symmetric))
+    module = QuantizedLinear.from_quantized_weight(qw)
+    back = module.unpack()
+    assert torch.equal(back.qweight, qw.qweight)
+    assert torch.equal(back.scales, qw.scales)
+    assert torch.equal(back.zeros, qw.zeros)
+    assert back.scheme == qw.scheme and back.g_idx is None
+    assert module.qweight.dtype == torch.int32 and module.qweight.shape == (64, 256 * bits // 32)
+    assert torch.equal(module.dequantized_weight(), qw.dequantize())
+
+
+def test_act_order_layer_keeps_g_idx_and_dequantizes_bit_for_bit():
+    qw = act_order_weight(linear().weight.data, QuantScheme(4, 32, False))
+    module = QuantizedLinear.from_quantized_weight(qw)
+    assert torch.equal(module.g_idx, qw.g_idx)
+    assert torch.equal(module.dequantized_weight(), qw.dequantize())
+
+
+KERNEL_CASES = [
+    # bits, group size, symmetric, act-order, kernel
+    (4, 32, True, False, "int4"),
+    (4, 64, False, False, "int4"),
+    (4, 128, True, False, "int4"),
+    (4, -1, False, False, "int4"),  # per channel: scales repeated over groups of 32
+    (4, 64, True, True, "int4"),  # act-order: input columns sorted by group
+    (8, -1, True, False, "int8"),
+    (8, -1, False, False, "int8"),  # zero != 128: row-sum correction
+]
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric,act_order,kernel", KERNEL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_match_the_dequantized_reference(bits, group_size, symmetric, act_order, kernel, dtype):
+    lin = linear(out_features=64, in_features=256)
+    scheme = QuantScheme(bits, group_size, symmetric)
+    qw = act_order_weight(lin.weight.data, scheme) if act_order else quantize_weight_rtn(lin.weight.data, scheme)
+    module = quantized_linear_from(lin, qw)
+    assert module.kernel_name() == kernel
+    x = torch.randn(2, 1, 256).to(dtype)  # decode-sized: 2 rows
+    with torch.no_grad():
+        fast = module(x)
+        module.kernel = "reference"
+        reference = module(x)
+    assert fast.dtype == dtype and fast.shape == (2, 1, 64)
+    assert sqnr_db(reference.float(), fast.float()) > (60 if dtype == torch.float32 else 30)
+
+
+@pytest.mark.parametrize(
+    "bits,group_size,out_features,rows",
+    [(3, 32, 64, 1), (2, 64, 64, 1), (8, 64, 64, 1), (4, 64, 24, 1), (4, 64, 64, 16)],
+)
+def test_layouts_the_kernels_cannot_take_use_the_reference_exactly(bits, group_size, out_features, rows):
+    lin = linear(out_features=out_features)
+    qw = quantize_weight_rtn(lin.weight.data, QuantScheme(bits, group_size, True))
+    module = quantized_linear_from(lin, qw)
+    x = torch.randn(rows, 256)
+    with torch.no_grad():
+        assert torch.equal(module(x), nn.functional.linear(x, qw.dequantize(), lin.bias))
+
+
+def test_inputs_that_need_gradients_take_the_reference_path():
+    lin = linear()
+    module = quantized_linear_from(lin, quantize_weight_rtn(lin.weight.data, QuantScheme(4, 64, True)))
+    x = torch.randn(1, 256, requires_grad=True)
+    module(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_apply_swaps_the_linear_and_keeps_bias_and_forward():
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 32, bias=False))
+    x = torch.randn(5, 256)
+    qw = quantize_weight_rtn(model[0].weight.data, QuantScheme(4, 32, False))
+    bias = model[0].bias.detach().clone()
+    fake = nn.functional.linear(x, qw.dequantize(), bias)
+    module = apply_quantized_weight(model, "0", qw)
+    assert model[0] is module and isinstance(module, QuantizedLinear)
+    assert torch.equal(module.bias, bias)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), fake)
+    again = quantize_weight_rtn(model[2].weight.data, QuantScheme(8, -1, True))
+    apply_quantized_weight(model, "2", again)
+    requantized = quantize_weight_rtn(qw.dequantize(), QuantScheme(8, 64, True))
+    apply_quantized_weight(model, "0", requantized)  # an already quantized layer takes a new weight
+    assert model[0].scheme == QuantScheme(8, 64, True)
+    assert torch.equal(model[0].bias, bias)
+    with pytest.raises(TypeError, match="not an nn.Linear"):
+        apply_quantized_weight(model, "1", qw)
+    with pytest.raises(ValueError, match="does not match"):
+        apply_quantized_weight(nn.Sequential(nn.Linear(128, 64)), "0", qw)
