@@ -26,6 +26,7 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable
 
 import torch
 from pydantic import Field, PositiveInt, field_validator
@@ -142,8 +143,14 @@ def _keeps_last_logits(model: nn.Module) -> dict:
 
 
 @torch.inference_mode()
-def greedy_decode(model: nn.Module, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
-    """Greedy continuation of ``prompt`` with the model's KV cache."""
+def greedy_decode(
+    model: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None,
+    stop: Callable[[list[int]], bool] | None = None,
+) -> list[int]:
+    """Greedy continuation of ``prompt`` with the model's KV cache, until EOS, ``stop(tokens)`` or the limit."""
     device = next(model.parameters()).device
     keep = _keeps_last_logits(model)
     out = model(torch.tensor([prompt], device=device), use_cache=True, **keep)
@@ -151,7 +158,7 @@ def greedy_decode(model: nn.Module, prompt: list[int], max_new_tokens: int, eos_
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
         generated.append(token)
-        if token == eos_id or len(generated) == max_new_tokens:
+        if token == eos_id or len(generated) == max_new_tokens or (stop is not None and stop(generated)):
             break
         out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True, **keep)
     return generated
