@@ -25,6 +25,7 @@ Codes are unsigned integers in ``[0, 2**bits)`` held in any integer dtype.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -91,6 +92,14 @@ def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = -1) ->
         # No code straddles a word: shift each word by every code position at once.
         shifts = torch.arange(0, WORD_BITS, bits, dtype=torch.int32, device=words.device)
         codes = (words.unsqueeze(-1) >> shifts) & (2**bits - 1)
+        return codes.reshape(rows, -1)[:, :length].to(torch.uint8).movedim(-1, dim).contiguous()
+    if bits == 3 and sys.byteorder == "little":
+        # 3 bytes of the little-endian stream hold exactly 8 codes: read them a byte triple at a time.
+        padded = torch.nn.functional.pad(words, (0, -n_words % 3)).contiguous()
+        triples = padded.view(torch.uint8).reshape(rows, -1, 3).to(torch.int32)
+        stream = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=words.device)
+        codes = (stream.unsqueeze(-1) >> shifts) & 0x7
         return codes.reshape(rows, -1)[:, :length].to(torch.uint8).movedim(-1, dim).contiguous()
     words = words.to(torch.int64) & 0xFFFFFFFF
     n_blocks = math.ceil(n_words / bits)
