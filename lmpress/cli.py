@@ -1,7 +1,8 @@
 """The ``lmpress`` command.
 
     lmpress run RECIPE --out DIR [--set key.path=value ...] [--overwrite] [--resume]
-    lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR]
+    lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE]
+    lmpress compare RUN_A RUN_B
     lmpress inspect ARTIFACT [--json]
 
 Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input (one line, no
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace a non-empty --out when the run finishes")
     run.add_argument("--resume", action="store_true", help="continue an interrupted run from its saved state")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument("--junit", metavar="FILE", help="also write the gates as JUnit XML (one test case per gate)")
 
     ev = sub.add_parser("eval", help="evaluate a model (or a checkpoint lmpress wrote) with an eval suite")
     ev.add_argument("model", help="hub id, checkpoint directory, .gguf file or pypkg:PACKAGE/FILE")
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--baseline", help="model to compare against (needed for gates on _ratio/_delta metrics)")
     ev.add_argument("--out", help="write report.json / report.md here")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
+    ev.add_argument("--junit", metavar="FILE", help="also write the gates as JUnit XML (one test case per gate)")
+    cmp = sub.add_parser("compare", help="two runs' metrics side by side (refused when their protocols differ)")
+    cmp.add_argument("run_a", help="run directory (or its report.json)")
+    cmp.add_argument("run_b", help="run directory (or its report.json)")
     ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
     ins.add_argument("artifact", help="a checkpoint directory (gptq, awq, compressed-tensors, hf) or a run directory")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -89,6 +95,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     with Bars(enabled=not args.quiet) as bars:
         result = run_recipe(recipe, args.out, overwrite=args.overwrite, resume=args.resume, bars=bars)
     print_metrics(result.report)
+    if args.junit:
+        from lmpress.evals.junit import write_junit
+
+        write_junit(result.report["gates"], args.junit)
     verdict = "[green]PASS" if result.exit_code == 0 else "[red]FAIL"
     console.print(f"{verdict}[/] report: {Path(args.out) / 'report.md'}")
     return result.exit_code
@@ -120,8 +130,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_report(report, Path(args.out))
+    if args.junit:
+        from lmpress.evals.junit import write_junit
+
+        write_junit(report["gates"], args.junit)
     print_metrics(report)
     return 0 if report["passed"] else 1
+
+
+@command("compare")
+def cmd_compare(args: argparse.Namespace) -> int:
+    from lmpress.evals.compare import compare_runs
+
+    console.print(compare_runs(args.run_a, args.run_b), markup=False, highlight=False, soft_wrap=True)
+    return 0
 
 
 @command("inspect")

@@ -75,4 +75,8 @@ def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -
 
 def write_report(report: dict[str, Any], out_dir: Path, plots: list[tuple[str, str]] = ()) -> None:
     write_json_atomic(out_dir / "report.json", report)
+    if not plots:
+        from lmpress.evals.plots import write_plots
+
+        plots = write_plots(report, out_dir)
     (out_dir / "report.md").write_text(render_markdown(report, plots), encoding="utf-8")
