@@ -63,7 +63,7 @@ class UnfusedExperts(nn.ModuleList):
     ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for e, expert in enumerate(self):
-            top_k_pos, token_idx = torch.where(top_k_index == e)
+            token_idx, top_k_pos = torch.where(top_k_index == e)
             if self.calibrate_all:
                 y = expert(hidden_states)[token_idx]
             elif token_idx.numel() == 0:

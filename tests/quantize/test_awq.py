@@ -1,0 +1,123 @@
+"""AWQ: exact folding, scale and clip searches, and error below RTN."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+from lmpress.data import calibration_samples, load_text, tokenize
+from lmpress.layerwise import LayerSession, capture_first_layer_inputs, expand_groups
+from lmpress.model import decoder_layers, get_anatomy, load_model
+from lmpress.quantize.awq import AWQConfig, AWQMethod, run_awq
+from lmpress.quantize.awq_search import apply_clip, fold_scales, search_clip
+from lmpress.quantize.rtn import RTNConfig, run_rtn
+from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+from lmpress.registry import StageContext
+
+
+def calibration_for(tokenizer, n: int = 8, seq_len: int = 32) -> torch.Tensor:
+    return calibration_samples(tokenize(tokenizer, load_text("builtin:python-docs")), n, seq_len, seed=0)
+
+
+def with_salient_channels(model) -> None:
+    """A few input channels with large activations, as real LLMs have (random tiny models do not)."""
+    g = torch.Generator().manual_seed(3)
+    for layer in decoder_layers(model):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data[torch.randperm(128, generator=g)[:6]] *= 25
+
+
+def layer0_session(model, calibration, config) -> LayerSession:
+    inputs = capture_first_layer_inputs(model, calibration, batch_size=4, device=torch.device("cpu"))
+    layer = decoder_layers(model)[0]
+    targets = {
+        n: config.scheme_for(f"model.layers.0.{n}") for n, m in layer.named_modules() if hasattr(m, "in_features")
+    }
+    groups = expand_groups(get_anatomy(model), targets)
+    return LayerSession(0, layer, "model.layers.0.", targets, groups, inputs, torch.device("cpu"), model=model)
+
+
+@torch.no_grad()
+def layer_outputs(session: LayerSession) -> torch.Tensor:
+    """In float32: the engine's own outputs are stored in float16."""
+    return torch.cat([session.layer(hidden, **kwargs) for hidden, kwargs in session.batches()])
+
+
+def context(tmp_path, calibration) -> StageContext:
+    return StageContext(calibration=lambda: calibration, state_dir=tmp_path / "s", resume=False, fingerprint="f")
+
+
+def test_fold_scales_keeps_the_float_function(tiny_llama_dir):
+    loaded = load_model(str(tiny_llama_dir))
+    model = loaded.model
+    config = AWQConfig(bits=4, group_size=32)
+    session = layer0_session(model, calibration_for(loaded.tokenizer), config)
+    before = layer_outputs(session)
+    layer = session.layer
+    g = torch.Generator().manual_seed(0)
+    s1, s2 = torch.rand(128, generator=g) * 4 + 0.1, torch.rand(256, generator=g) * 4 + 0.1
+    fold_scales(layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], s1)
+    fold_scales(layer.mlp.up_proj, [layer.mlp.down_proj], s2)
+    torch.testing.assert_close(layer_outputs(session), before, rtol=1e-5, atol=1e-5)
+
+
+def test_awq_search_leaves_the_float_function_unchanged(tiny_llama_dir):
+    loaded = load_model(str(tiny_llama_dir))
+    model = loaded.model
+    with_salient_channels(model)
+    config = AWQConfig(bits=4, group_size=32, clip=False)
+    session = layer0_session(model, calibration_for(loaded.tokenizer), config)
+    before = layer_outputs(session)
+    norm_before = session.layer.input_layernorm.weight.detach().clone()
+    method = AWQMethod(config)
+    method.scale_and_clip(session)
+    assert not torch.equal(session.layer.input_layernorm.weight, norm_before)  # scales were folded
+    assert max(method.alphas) > 0
+    assert method.skipped_pairs == {"self_attn.v_proj -> self_attn.o_proj"}  # GQA: 64 values, 128 o_proj inputs
+    torch.testing.assert_close(layer_outputs(session), before, rtol=1e-5, atol=1e-5)
+
+
+def test_clip_search_never_loses_to_no_clipping():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g)
+    w[:, 3] *= 6
+    x = torch.randn(256, 64, generator=g)
+    scheme = QuantScheme(3, 32, True)
+    shrink = search_clip(w, x, scheme)
+    linear = torch.nn.Linear(64, 48, bias=False)
+    linear.weight.data = w.clone()
+    apply_clip(linear, shrink, scheme)
+    clipped = quantize_weight_rtn(linear.weight.data, scheme).dequantize()
+    plain = quantize_weight_rtn(w, scheme).dequantize()
+    err = lambda q: ((x @ (w - q).T) ** 2).mean().item()  # noqa: E731
+    assert (shrink < 1).any()
+    assert err(clipped) < err(plain)
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "gptq"])
+def test_awq_error_is_below_rtn(tiny_llama_dir, tmp_path, rounding):
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer, n=16)
+
+    def quantized_nll(run, config):
+        model = load_model(str(tiny_llama_dir)).model
+        with_salient_channels(model)
+        summary = run(model, config, context(tmp_path / config.method, calibration))
+        with torch.no_grad():
+            reference = load_model(str(tiny_llama_dir)).model
+            with_salient_channels(reference)
+            target = torch.softmax(reference(calibration).logits, -1)
+            logits = model(calibration).logits
+        return torch.nn.functional.kl_div(torch.log_softmax(logits, -1), target, reduction="batchmean").item(), summary
+
+    rtn_kl, _ = quantized_nll(run_rtn, RTNConfig(bits=3, group_size=32))
+    awq_kl, summary = quantized_nll(run_awq, AWQConfig(bits=3, group_size=32, rounding=rounding, search_samples=16))
+    assert summary["quantized_linears"] == 14
+    assert awq_kl < 0.8 * rtn_kl, (awq_kl, rtn_kl)
+
+
+def test_gptq_keys_need_gptq_rounding():
+    with pytest.raises(pydantic.ValidationError, match="act_order only apply with rounding: gptq"):
+        AWQConfig(act_order=True)
+    assert AWQConfig(act_order=True, rounding="gptq").act_order

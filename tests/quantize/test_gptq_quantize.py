@@ -1,0 +1,137 @@
+"""GPTQ's tensor math against RTN and its own invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.quantize.gptq_quantize import (
+    HessianAccumulator,
+    gptq_quantize_layer,
+    inverse_hessian_factor,
+    layer_output_error,
+    search_qparams_mse,
+)
+from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize, quantize_weight_rtn
+
+
+def correlated_inputs(tokens: int = 2048, cols: int = 256, seed: int = 0) -> torch.Tensor:
+    """Activations like an LLM's: correlated channels with a few large ones."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(cols, cols, generator=g) / cols**0.5 + torch.eye(cols)
+    x = torch.randn(tokens, cols, generator=g) @ mix
+    x[:, :4] *= 10
+    return x
+
+
+def hessian(x: torch.Tensor) -> torch.Tensor:
+    acc = HessianAccumulator(x.shape[1])
+    for chunk in x.split(300):  # in uneven pieces: the running mean must not depend on them
+        acc.add(chunk)
+    return acc.H
+
+
+@pytest.fixture(scope="module")
+def layer():
+    x = correlated_inputs()
+    w = torch.randn(192, 256, generator=torch.Generator().manual_seed(1)) * 0.05
+    return w, x, hessian(x)
+
+
+def test_hessian_is_twice_the_mean_outer_product():
+    x = correlated_inputs(tokens=500, cols=32)
+    torch.testing.assert_close(hessian(x), 2 * x.T @ x / 500, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "scheme, options",
+    [
+        (QuantScheme(4, 64, True), {}),
+        (QuantScheme(4, 64, True), {"act_order": True}),
+        (QuantScheme(4, 64, True), {"act_order": True, "static_groups": True}),
+        (QuantScheme(3, 32, False), {"act_order": True, "mse": True}),
+        (QuantScheme(2, 64, False), {}),
+        (QuantScheme(8, -1, True), {"act_order": True}),
+    ],
+)
+def test_gptq_output_error_is_below_rtn(layer, scheme, options):
+    w, x, H = layer
+    quantized, info = gptq_quantize_layer(w, H, scheme, **options)
+    gptq_error = layer_output_error(w, quantized.dequantize(), x)
+    rtn_error = layer_output_error(w, quantize_weight_rtn(w, scheme).dequantize(), x)
+    assert info["damp"] == 0.01
+    assert gptq_error < 0.8 * rtn_error, (gptq_error, rtn_error)
+    assert quantized.qweight.dtype == torch.uint8 and int(quantized.qweight.max()) <= scheme.maxq
+
+
+def test_act_order_g_idx_follows_the_hessian_diagonal(layer):
+    w, x, H = layer
+    quantized, _ = gptq_quantize_layer(w, H, QuantScheme(4, 32, True), act_order=True)
+    order = torch.argsort(torch.diag(H), descending=True, stable=True)
+    assert quantized.g_idx.dtype == torch.int32
+    assert torch.equal(quantized.g_idx[order].long(), torch.arange(256) // 32)
+    assert torch.bincount(quantized.g_idx.long()).tolist() == [32] * 8
+    # the dequantized weight uses each column's own group
+    manual = (quantized.qweight.float() - quantized.zeros[:, quantized.g_idx.long()]) * quantized.scales[
+        :, quantized.g_idx.long()
+    ]
+    assert torch.equal(quantized.dequantize(), manual)
+
+
+def test_static_groups_keep_original_group_scales_and_need_no_g_idx(layer):
+    w, x, H = layer
+    scheme = QuantScheme(4, 64, True)
+    quantized, _ = gptq_quantize_layer(w, H, scheme, act_order=True, static_groups=True)
+    assert quantized.g_idx is None
+    expected, _ = compute_qparams(w.reshape(192, 4, 64), scheme)
+    torch.testing.assert_close(quantized.scales, expected)
+
+
+def test_same_inputs_give_bit_identical_results(layer):
+    w, x, H = layer
+    first, _ = gptq_quantize_layer(w, H, QuantScheme(4, 64, True), act_order=True, mse=True)
+    second, _ = gptq_quantize_layer(w.clone(), H.clone(), QuantScheme(4, 64, True), act_order=True, mse=True)
+    assert torch.equal(first.qweight, second.qweight)
+    assert torch.equal(first.scales, second.scales)
+    assert torch.equal(first.g_idx, second.g_idx)
+
+
+def test_dead_inputs_get_zero_weights(layer):
+    w, x, _ = layer
+    x = x.clone()
+    x[:, 10:20] = 0
+    quantized, info = gptq_quantize_layer(w, hessian(x), QuantScheme(4, 64, True))
+    assert info["dead_columns"] == 10
+    assert torch.all(quantized.dequantize()[:, 10:20] == 0)
+
+
+def test_dampening_is_raised_when_cholesky_fails():
+    block = torch.tensor([[1.0, 1.5], [1.5, 1.0]])  # eigenvalues 2.5 and -0.5
+    H = torch.block_diag(*[block] * 8)
+    U, damp = inverse_hessian_factor(H, 0.01)
+    assert damp == 1.0
+    assert torch.isfinite(U).all()
+    w = torch.randn(8, 16)
+    _, info = gptq_quantize_layer(w, H, QuantScheme(4, -1, True))
+    assert info["damp"] == 1.0
+
+
+def test_mse_scales_never_lose_to_min_max():
+    w = torch.randn(64, 128) * torch.rand(64, 1)
+    w[:, 0] *= 8  # outliers make the full range wasteful
+    for scheme in (QuantScheme(4, 128, True), QuantScheme(3, 128, False)):
+
+        def err(scale, zero, scheme=scheme):
+            return (fake_quantize(w, scale[:, None], zero[:, None], scheme.maxq) - w).abs().pow(2.4).sum(-1)
+
+        mse_err = err(*search_qparams_mse(w, scheme))
+        minmax_err = err(*compute_qparams(w, scheme))
+        assert torch.all(mse_err <= minmax_err + 1e-6)
+        assert mse_err.sum() < 0.9 * minmax_err.sum()
+
+
+def test_shape_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="does not divide"):
+        gptq_quantize_layer(torch.randn(4, 96), torch.eye(96), QuantScheme(4, 64, True))
+    with pytest.raises(ValueError, match="Hessian shape"):
+        gptq_quantize_layer(torch.randn(4, 64), torch.eye(32), QuantScheme(4, 64, True))
