@@ -110,3 +110,35 @@ def test_act_order_is_refused(quantized_tiny, export):
     apply_quantized_weight(model, name, act_order_weight(module.dequantized_weight(), QuantScheme(4, 32, True)))
     with pytest.raises(LmpressInputError, match="act-order"):
         export("compressed-tensors", model, tokenizer)
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, False), (3, 64, True), (8, -1, False)])
+def test_lmpress_reads_what_compressed_tensors_compresses(quantized_tiny, export, bits, group_size, symmetric):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import save_file
+
+    from lmpress.export.compressed_tensors import weight_args
+
+    model, tokenizer = quantized_tiny(bits=bits, group_size=group_size, symmetric=symmetric)
+    out = export("compressed-tensors", model, tokenizer)
+    tensors = load_file(out / "model.safetensors")
+    for name, module in quantized_layers(model).items():
+        qw = module.unpack()
+        scheme = QuantizationScheme(targets=["Linear"], weights=weight_args(qw.scheme))
+        offset = 2 ** (bits - 1)
+        state = {
+            "weight": qw.dequantize(),
+            "weight_scale": qw.scales,
+            "weight_zero_point": (qw.zeros - offset).to(torch.int8),
+        }
+        for key in [k for k in tensors if k.startswith(name + ".weight_")]:
+            del tensors[key]
+        for key, value in PackedQuantizationCompressor.compress(state, scheme).items():
+            tensors[f"{name}.{key}"] = value
+    save_file(tensors, out / "model.safetensors")
+    back = load_quantized_checkpoint(out)
+    for name, module in quantized_layers(model).items():
+        assert torch.equal(back[name].qweight, module.codes()), name
+        assert torch.equal(back[name].zeros, module.zeros.float()), name
