@@ -39,8 +39,16 @@ ROWS: dict[str, tuple[str, dict | None, float | None]] = {
         24.76,
     ),
     "awq-w4-g64": (
-        "W4 g64 AWQ + GPTQ rounding (sym)",
-        {"method": "awq", "bits": 4, "group_size": 64, "rounding": "gptq", "act_order": True, "mse": True},
+        "W4 g64 AWQ + GPTQ rounding (sym, act-order with static groups, MSE scales)",
+        {
+            "method": "awq",
+            "bits": 4,
+            "group_size": 64,
+            "rounding": "gptq",
+            "act_order": True,
+            "static_groups": True,
+            "mse": True,
+        },
         24.76,
     ),
     "gptq-w3-g64": (
