@@ -89,6 +89,7 @@ def test_mixed_schemes_get_one_config_group_each(quantized_tiny, export):
         assert torch.equal(weights[name], module.dequantized_weight()), name
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
 def test_transformers_loads_and_decompresses_the_checkpoint(quantized_tiny, export):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
