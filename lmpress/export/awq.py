@@ -23,18 +23,21 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.checkpoint import (
+    act_order_g_idx,
     check_shape,
     dense_tensors,
     fp16_scales,
     group_count,
     register_reader,
+    require_quantized_layers,
     require_tensor,
-    unpacked_layers,
+    unpack_layer,
     unquantized_linears,
     write_checkpoint,
 )
 from lmpress.model import get_anatomy
 from lmpress.quantize.pack import awq_pack, awq_unpack
+from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import register_exporter
 
@@ -43,25 +46,25 @@ AWQ_BITS = 4
 SUFFIXES = ("qweight", "qzeros", "scales")
 
 
-def _check_layers(model: nn.Module, layers: dict[str, QuantizedWeight]) -> int:
+def _check_layers(model: nn.Module, layers: dict[str, QuantizedLinear]) -> int:
     """Refuse what AWQ GEMM cannot hold; returns the model's one group size."""
     try:
         layer_prefix = get_anatomy(model).layers + "."
     except LmpressInputError:
         layer_prefix = ""
     group_sizes: dict[int, str] = {}
-    for name, qw in layers.items():
-        out_features, in_features = qw.qweight.shape
-        if qw.scheme.bits != AWQ_BITS:
+    for name, module in layers.items():
+        scheme, out_features = module.scheme, module.out_features
+        if scheme.bits != AWQ_BITS:
             raise LmpressInputError(
-                f"export awq: {name} has {qw.scheme.bits}-bit weights; AWQ GEMM holds 4-bit weights only "
+                f"export awq: {name} has {scheme.bits}-bit weights; AWQ GEMM holds 4-bit weights only "
                 "(export gptq or compressed-tensors instead)"
             )
-        if qw.g_idx is not None:
+        if act_order_g_idx(module) is not None:
             raise LmpressInputError(
                 f"export awq: {name} uses act-order (g_idx), which AWQ cannot hold; export gptq instead"
             )
-        if qw.scheme.group_size == -1:
+        if scheme.group_size == -1:
             raise LmpressInputError(
                 f"export awq: {name} is quantized per channel (group_size -1); AWQ needs a group size (32/64/128)"
             )
@@ -71,7 +74,7 @@ def _check_layers(model: nn.Module, layers: dict[str, QuantizedWeight]) -> int:
             raise LmpressInputError(
                 f"export awq: {name} is quantized, but AWQ quantizes decoder layers only; add it to the stage's ignore"
             )
-        group_sizes.setdefault(qw.scheme.group_size, name)
+        group_sizes.setdefault(scheme.group_size, name)
     if len(group_sizes) > 1:
         described = ", ".join(f"{g} ({n})" for g, n in group_sizes.items())
         raise LmpressInputError(f"export awq: AWQ holds one group size per model, this one has {described}")
@@ -89,11 +92,11 @@ def awq_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 @register_exporter(FORMAT)
 def export_awq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
-    layers = unpacked_layers(model, FORMAT)
+    layers = require_quantized_layers(model, FORMAT)
     group_size = _check_layers(model, layers)
     tensors = dense_tensors(model)
-    for name, qw in layers.items():
-        tensors.update(awq_tensors(name, qw))
+    for name, module in layers.items():
+        tensors.update(awq_tensors(name, unpack_layer(module)))
     quantization_config = {
         "quant_method": "awq",
         "version": "gemm",

@@ -69,15 +69,20 @@ def unquantized_linears(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def unpacked_layers(model: nn.Module, fmt: str) -> dict[str, QuantizedWeight]:
-    """Every quantized layer's weight, with act-order dropped where ``g_idx`` is trivial."""
-    result = {}
-    for name, module in require_quantized_layers(model, fmt).items():
-        qw = module.unpack()
-        if qw.g_idx is not None and trivial_g_idx(qw.g_idx, module.in_features, qw.scheme):
-            qw.g_idx = None
-        result[name] = qw
-    return result
+def act_order_g_idx(module: QuantizedLinear) -> torch.Tensor | None:
+    """The layer's ``g_idx``, or None when it only repeats what the group size says (no act-order)."""
+    g_idx = module.g_idx
+    if g_idx is None or trivial_g_idx(g_idx, module.in_features, module.scheme):
+        return None
+    return g_idx
+
+
+def unpack_layer(module: QuantizedLinear) -> QuantizedWeight:
+    """One layer's codes, unpacked: writers unpack one layer at a time, never the whole model's codes."""
+    qw = module.unpack()
+    if act_order_g_idx(module) is None:
+        qw.g_idx = None
+    return qw
 
 
 def dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -27,23 +27,24 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.checkpoint import (
+    act_order_g_idx,
     check_shape,
     dense_tensors,
     group_count,
     register_reader,
+    require_quantized_layers,
     require_tensor,
-    unpacked_layers,
     unquantized_linears,
     write_checkpoint,
 )
 from lmpress.quantize.pack import (
     PACKABLE_BITS,
-    ct_pack_weight,
     ct_pack_zero_point,
     ct_unpack_weight,
     ct_unpack_zero_point,
     packed_length,
 )
+from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import register_exporter
 
@@ -69,35 +70,38 @@ def weight_args(scheme: QuantScheme) -> dict[str, Any]:
     }
 
 
-def ct_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The compressed-tensors tensors of one layer."""
-    bits = qw.scheme.bits
+def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one layer.
+
+    QuantizedLinear keeps its codes in exactly the ``weight_packed`` layout, so they are copied, not repacked.
+    """
     tensors = {
-        f"{name}.weight_packed": ct_pack_weight(qw.qweight, bits),
-        f"{name}.weight_scale": qw.scales.contiguous(),
-        f"{name}.weight_shape": torch.tensor(list(qw.qweight.shape), dtype=torch.int64),
+        f"{name}.weight_packed": module.qweight.detach().cpu().clone(),
+        f"{name}.weight_scale": module.scales.detach().cpu().clone(),
+        f"{name}.weight_shape": torch.tensor([module.out_features, module.in_features], dtype=torch.int64),
     }
-    if not qw.scheme.symmetric:
-        tensors[f"{name}.weight_zero_point"] = ct_pack_zero_point(qw.zeros.round(), bits)
+    if not module.scheme.symmetric:
+        tensors[f"{name}.weight_zero_point"] = ct_pack_zero_point(module.zeros.cpu(), module.scheme.bits)
     return tensors
 
 
-def _check_layer(name: str, qw: QuantizedWeight) -> None:
-    if qw.scheme.bits not in PACKABLE_BITS:
-        raise LmpressInputError(f"export {FORMAT}: {name} has {qw.scheme.bits}-bit weights; pack-quantized holds 1-8")
-    if qw.g_idx is not None:
+def _check_layer(name: str, module: QuantizedLinear) -> None:
+    scheme = module.scheme
+    if scheme.bits not in PACKABLE_BITS:
+        raise LmpressInputError(f"export {FORMAT}: {name} has {scheme.bits}-bit weights; pack-quantized holds 1-8")
+    if act_order_g_idx(module) is not None:
         raise LmpressInputError(
             f"export {FORMAT}: {name} uses act-order (g_idx), which compressed-tensors no longer stores; "
             "export gptq, or quantize with static groups"
         )
-    if qw.scheme.symmetric and not bool((qw.zeros == 2 ** (qw.scheme.bits - 1)).all()):
+    if scheme.symmetric and not bool((module.zeros == 2 ** (scheme.bits - 1)).all()):
         raise LmpressInputError(f"export {FORMAT}: {name} is marked symmetric but its zeros are not 2**(bits-1)")
 
 
-def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedWeight]) -> dict[str, Any]:
+def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dict[str, Any]:
     by_scheme: dict[QuantScheme, list[str]] = {}
-    for name, qw in layers.items():
-        by_scheme.setdefault(qw.scheme, []).append(name)
+    for name, module in layers.items():
+        by_scheme.setdefault(module.scheme, []).append(name)
     float_linears = unquantized_linears(model)
     if len(by_scheme) == 1:
         groups = [(next(iter(by_scheme)), ["Linear"])]
@@ -129,12 +133,12 @@ def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedWeight])
 
 @register_exporter(FORMAT)
 def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
-    layers = unpacked_layers(model, FORMAT)
-    for name, qw in layers.items():
-        _check_layer(name, qw)
+    layers = require_quantized_layers(model, FORMAT)
+    for name, module in layers.items():
+        _check_layer(name, module)
     tensors = dense_tensors(model)
-    for name, qw in layers.items():
-        tensors.update(ct_tensors(name, qw))
+    for name, module in layers.items():
+        tensors.update(ct_tensors(name, module))
     write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers))
 
 

@@ -31,14 +31,16 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.checkpoint import (
+    act_order_g_idx,
     check_shape,
     dense_tensors,
     escape_name,
     fp16_scales,
     group_count,
     register_reader,
+    require_quantized_layers,
     require_tensor,
-    unpacked_layers,
+    unpack_layer,
     unquantized_linears,
     write_checkpoint,
 )
@@ -50,6 +52,7 @@ from lmpress.quantize.pack import (
     gptq_unpack_qzeros,
     packed_length,
 )
+from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import register_exporter
 
@@ -60,14 +63,13 @@ GPTQ_BITS = (2, 3, 4, 8)
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
-def _layer_key(qw: QuantizedWeight) -> tuple[int, int, bool, bool]:
-    scheme = qw.scheme
-    return (scheme.bits, scheme.group_size, scheme.symmetric, qw.g_idx is not None)
+def _layer_key(module: QuantizedLinear) -> tuple[int, int, bool, bool]:
+    scheme = module.scheme
+    return (scheme.bits, scheme.group_size, scheme.symmetric, act_order_g_idx(module) is not None)
 
 
-def _check_layer(name: str, qw: QuantizedWeight) -> None:
-    out_features, in_features = qw.qweight.shape
-    bits = qw.scheme.bits
+def _check_layer(name: str, module: QuantizedLinear) -> None:
+    in_features, bits = module.in_features, module.scheme.bits
     if bits not in GPTQ_BITS:
         raise LmpressInputError(f"export gptq: {name} has {bits}-bit weights; GPTQ holds {GPTQ_BITS} bits")
     if in_features * bits % 32:
@@ -79,7 +81,6 @@ def _check_layer(name: str, qw: QuantizedWeight) -> None:
 
 def gptq_tensors(name: str, qw: QuantizedWeight, v1: bool) -> dict[str, torch.Tensor]:
     """The four GPTQ tensors of one layer."""
-    _check_layer(name, qw)
     bits = qw.scheme.bits
     return {
         f"{name}.qweight": gptq_pack_qweight(qw.qweight, bits),
@@ -97,17 +98,17 @@ def _in_decoder_layers(model: nn.Module, name: str) -> bool:
     return name.startswith(prefix)
 
 
-def base_key(layers: dict[str, QuantizedWeight]) -> tuple[int, int, bool, bool]:
+def base_key(layers: dict[str, QuantizedLinear]) -> tuple[int, int, bool, bool]:
     """The most common (bits, group_size, sym, act-order) among ``layers``; ties go to the earliest layer's."""
-    keys = [_layer_key(qw) for qw in layers.values()]
+    keys = [_layer_key(module) for module in layers.values()]
     counts = Counter(keys)
     return max(counts, key=lambda k: (counts[k], -keys.index(k)))
 
 
 def gptq_quantization_config(
-    model: nn.Module, layers: dict[str, QuantizedWeight], checkpoint_format: str
+    model: nn.Module, layers: dict[str, QuantizedLinear], checkpoint_format: str
 ) -> dict[str, Any]:
-    keys = {name: _layer_key(qw) for name, qw in layers.items()}
+    keys = {name: _layer_key(module) for name, module in layers.items()}
     base = base_key(layers)
     bits, group_size, sym, desc_act = base
     dynamic: dict[str, dict[str, Any]] = {}
@@ -143,14 +144,14 @@ def gptq_quantization_config(
 
 @register_exporter(FORMAT)
 def export_gptq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
-    layers = unpacked_layers(model, FORMAT)
-    for name, qw in layers.items():
-        _check_layer(name, qw)
+    layers = require_quantized_layers(model, FORMAT)
+    for name, module in layers.items():
+        _check_layer(name, module)
     if "lm_head" in layers and _layer_key(layers["lm_head"]) != base_key(layers):
         raise LmpressInputError(
             "export gptq: a quantized lm_head must use the same scheme as the other layers in GPTQ checkpoints"
         )
-    zero_zero = [name for name, qw in layers.items() if bool((qw.zeros.round() == 0).any())]
+    zero_zero = [name for name, module in layers.items() if bool((module.zeros == 0).any())]
     checkpoint_format = "gptq_v2" if zero_zero else "gptq"
     if zero_zero:
         log.warning(
@@ -160,8 +161,8 @@ def export_gptq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
             zero_zero[0],
         )
     tensors = dense_tensors(model)
-    for name, qw in layers.items():
-        tensors.update(gptq_tensors(name, qw, v1=checkpoint_format == "gptq"))
+    for name, module in layers.items():
+        tensors.update(gptq_tensors(name, unpack_layer(module), v1=checkpoint_format == "gptq"))
     write_checkpoint(out_dir, model, tokenizer, tensors, gptq_quantization_config(model, layers, checkpoint_format))
 
 

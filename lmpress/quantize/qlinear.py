@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmpress.quantize.pack import pack_int32, packed_length, unpack_int32
+from lmpress.quantize.pack import ct_pack_weight, ct_unpack_weight, packed_length
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, dequantize_int
 
 KernelMode = Literal["auto", "bf16", "reference"]
@@ -91,7 +91,7 @@ class QuantizedLinear(nn.Module):
             act_order=act_order,
             device=qw.qweight.device,
         )
-        module.qweight.copy_(pack_int32(qw.qweight, qw.scheme.bits, dim=1))
+        module.qweight.copy_(ct_pack_weight(qw.qweight, qw.scheme.bits))
         module.scales.copy_(qw.scales)
         module.zeros.copy_(qw.zeros.round().to(torch.uint8))
         if act_order:
@@ -106,7 +106,7 @@ class QuantizedLinear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """The integer codes, ``(out, in)`` uint8."""
-        return unpack_int32(self.qweight, self.scheme.bits, self.in_features, dim=1)
+        return ct_unpack_weight(self.qweight, self.scheme.bits, self.in_features)
 
     def unpack(self) -> QuantizedWeight:
         return QuantizedWeight(
