@@ -131,8 +131,13 @@ class QuantizedLinear(nn.Module):
         return weight.reshape(self.out_features, self.in_features).to(dtype)
 
     def _apply(self, fn, recurse=True):
+        # model.to(dtype) / .half() would round the scales; they are part of the quantized
+        # weight, so only their device follows the module (the bias follows dtype casts).
+        scales = self.scales
         self._kernel_cache = None
-        return super()._apply(fn, recurse)
+        result = super()._apply(fn, recurse)
+        self.scales = scales.to(device=self.scales.device)
+        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel_applies(x):

@@ -134,3 +134,32 @@ def test_apply_swaps_the_linear_and_keeps_bias_and_forward():
         apply_quantized_weight(model, "1", qw)
     with pytest.raises(ValueError, match="does not match"):
         apply_quantized_weight(nn.Sequential(nn.Linear(128, 64)), "0", qw)
+
+
+def test_dtype_casts_keep_the_scales_exact():
+    lin = linear()
+    qw = quantize_weight_rtn(lin.weight.data, QuantScheme(4, 64, False))
+    module = quantized_linear_from(lin, qw).to(torch.bfloat16)
+    assert module.scales.dtype == torch.float32 and torch.equal(module.scales, qw.scales)
+    assert module.bias.dtype == torch.bfloat16
+    assert torch.equal(module.dequantized_weight(), qw.dequantize())
+
+
+def test_a_bfloat16_model_decodes_through_the_kernels_like_the_reference(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            apply_quantized_weight(model, name, quantize_weight_rtn(module.weight.data, QuantScheme(4, 32, True)))
+    model.to(torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 14 and all(m.kernel_name() == "int4" for m in layers)
+    ids = torch.tensor([[1, 7, 42, 99, 3, 250]])
+    with torch.no_grad():
+        fast = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        for m in layers:
+            m.kernel = "reference"
+        reference = [model(fast.sequences[:, : ids.shape[1] + i]).logits[:, -1] for i in range(6)]
+    for step, logits in enumerate(fast.logits):
+        assert sqnr_db(reference[step].float(), logits.float()) > 25, step
