@@ -113,3 +113,32 @@ def test_act_order_is_refused(quantized_tiny, export):
     apply_quantized_weight(model, name, act_order_weight(module.dequantized_weight(), QuantScheme(4, 32, True)))
     with pytest.raises(LmpressInputError, match="act-order"):
         export("awq", model, tokenizer)
+
+
+@pytest.mark.parametrize("group_size,symmetric", [(32, False), (64, True)])
+def test_compressed_tensors_awq_converter_reads_the_checkpoint(quantized_tiny, export, group_size, symmetric):
+    """compressed-tensors' AutoAWQ GEMM converter (an installed AWQ reader), then its own decompressor."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from safetensors.torch import load_file as load_torch
+
+    model, tokenizer = quantized_tiny(bits=4, group_size=group_size, symmetric=symmetric)
+    out = export("awq", model, tokenizer)
+    converter = AutoAWQConverter.from_autoawq_config(
+        json.loads((out / "config.json").read_text())["quantization_config"]
+    )
+    converted = converter.process(load_torch(out / "model.safetensors"))
+    scheme = converter.update_config(None).config_groups["config_group_0"]
+    for name, qw in expected_layers(model).items():
+        local = {k.removeprefix(name + "."): v for k, v in converted.items() if k.startswith(name + ".weight_")}
+        codes = unpack_from_int32(local["weight_packed"], 4, local["weight_shape"]) + 8
+        n_groups = qw.scales.shape[1]
+        zeros = unpack_from_int32(local["weight_zero_point"], 4, (qw.qweight.shape[0], n_groups), packed_dim=0) + 8
+        assert torch.equal(codes.to(torch.uint8), qw.qweight), name
+        assert torch.equal(zeros.float(), qw.zeros), name
+        assert torch.equal(local["weight_scale"], qw.scales), name
+        # compressed-tensors dequantizes in the scales' dtype (float16), so compare at float16 precision
+        weight = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+        assert torch.allclose(weight.float(), qw.dequantize(), rtol=1e-3, atol=1e-4), name
