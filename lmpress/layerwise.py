@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.model import Anatomy, decoder_layers, get_anatomy, layer_linears
+from lmpress.model import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.moe import set_calibrate_all
 from lmpress.quantize.apply import apply_quantized_weight
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
@@ -369,6 +369,11 @@ def run_layerwise(
     if calibration.dim() != 2 or calibration.numel() == 0:
         raise LmpressInputError(
             f"calibration data must be (n_samples, seq_len) token ids, got {tuple(calibration.shape)}"
+        )
+    if calibration.shape[1] > context_length(model):
+        raise LmpressInputError(
+            f"calibration samples of {calibration.shape[1]} tokens are longer than the model's context "
+            f"({context_length(model)}); lower data.seq_len"
         )
     device = ctx.device
     quantized = 0

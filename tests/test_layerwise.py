@@ -148,3 +148,10 @@ def test_an_architecture_the_engine_cannot_walk_is_refused(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
     with pytest.raises(LmpressInputError, match="'gpt2' is not supported"):
         run_gptq(model, GPTQConfig(bits=4, group_size=32), context(tmp_path, torch.zeros(2, 8, dtype=torch.long)))
+
+
+def test_calibration_longer_than_the_context_is_refused(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    too_long = torch.zeros(2, 600, dtype=torch.long)  # the tiny model's context is 512
+    with pytest.raises(LmpressInputError, match="longer than the model's context"):
+        run_gptq(loaded.model, GPTQConfig(bits=4, group_size=32), context(tmp_path, too_long))
