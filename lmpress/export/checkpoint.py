@@ -13,7 +13,6 @@ model whose quantized layers are ``QuantizedLinear`` modules (``load_quantized_m
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -238,10 +237,6 @@ def group_count(in_features: int, group_size: int, layer: str) -> int:
     if group_size <= 0 or in_features % group_size:
         raise LmpressInputError(f"{layer}: group size {group_size} does not divide in_features {in_features}")
     return in_features // group_size
-
-
-def words_for(length: int, bits: int) -> int:
-    return math.ceil(length * bits / 32)
 
 
 def _load_parts(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:

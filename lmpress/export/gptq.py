@@ -20,6 +20,7 @@ which GPTQModel and transformers read, and a warning says so.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import re
 from collections import Counter
@@ -57,6 +58,14 @@ from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import register_exporter
 
 log = logging.getLogger(__name__)
+
+
+def lmpress_version() -> str:
+    try:
+        return importlib.metadata.version("lmpress")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
 
 FORMAT = "gptq"
 GPTQ_BITS = (2, 3, 4, 8)
@@ -129,13 +138,11 @@ def gptq_quantization_config(
         "group_size": group_size,
         "desc_act": desc_act,
         "sym": sym,
-        "static_groups": False,
         "true_sequential": True,
-        "damp_percent": 0.01,
         "lm_head": "lm_head" in layers,
         "checkpoint_format": checkpoint_format,
         "pack_dtype": "int32",
-        "meta": {"quantizer": ["lmpress"]},
+        "meta": {"quantizer": [f"lmpress:{lmpress_version()}"]},
     }
     if dynamic:
         config["dynamic"] = dynamic
