@@ -23,11 +23,14 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.checkpoint import (
+    PlannedLayer,
     act_order_g_idx,
     check_shape,
     dense_tensors,
     fp16_scales,
     group_count,
+    plan_of,
+    register_plan_check,
     register_reader,
     require_quantized_layers,
     require_tensor,
@@ -37,7 +40,6 @@ from lmpress.export.checkpoint import (
 )
 from lmpress.model import get_anatomy
 from lmpress.quantize.pack import awq_pack, awq_unpack
-from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import register_exporter
 
@@ -46,30 +48,27 @@ AWQ_BITS = 4
 SUFFIXES = ("qweight", "qzeros", "scales")
 
 
-def _check_layers(model: nn.Module, layers: dict[str, QuantizedLinear]) -> int:
+@register_plan_check(FORMAT)
+def check_awq_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> int:
     """Refuse what AWQ GEMM cannot hold; returns the model's one group size."""
     try:
         layer_prefix = get_anatomy(model).layers + "."
     except LmpressInputError:
         layer_prefix = ""
     group_sizes: dict[int, str] = {}
-    for name, module in layers.items():
-        scheme, out_features = module.scheme, module.out_features
+    for name, layer in plan.items():
+        scheme = layer.scheme
         if scheme.bits != AWQ_BITS:
             raise LmpressInputError(
                 f"export awq: {name} has {scheme.bits}-bit weights; AWQ GEMM holds 4-bit weights only "
                 "(export gptq or compressed-tensors instead)"
             )
-        if act_order_g_idx(module) is not None:
-            raise LmpressInputError(
-                f"export awq: {name} uses act-order (g_idx), which AWQ cannot hold; export gptq instead"
-            )
         if scheme.group_size == -1:
             raise LmpressInputError(
                 f"export awq: {name} is quantized per channel (group_size -1); AWQ needs a group size (32/64/128)"
             )
-        if out_features % 8:
-            raise LmpressInputError(f"export awq: {name} has {out_features} outputs; AWQ packs multiples of 8")
+        if layer.out_features % 8:
+            raise LmpressInputError(f"export awq: {name} has {layer.out_features} outputs; AWQ packs multiples of 8")
         if layer_prefix and not name.startswith(layer_prefix):
             raise LmpressInputError(
                 f"export awq: {name} is quantized, but AWQ quantizes decoder layers only; add it to the stage's ignore"
@@ -93,7 +92,12 @@ def awq_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 @register_exporter(FORMAT)
 def export_awq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     layers = require_quantized_layers(model, FORMAT)
-    group_size = _check_layers(model, layers)
+    group_size = check_awq_plan(model, plan_of(layers))
+    for name, module in layers.items():
+        if act_order_g_idx(module) is not None:
+            raise LmpressInputError(
+                f"export awq: {name} uses act-order (g_idx), which AWQ cannot hold; export gptq instead"
+            )
     tensors = dense_tensors(model)
     for name, module in layers.items():
         tensors.update(awq_tensors(name, unpack_layer(module)))

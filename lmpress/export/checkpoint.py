@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch import nn
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.apply import apply_quantized_weight
 from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
-from lmpress.quantize.scheme import QuantizedWeight
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 
 SAFETENSORS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -45,6 +46,49 @@ def register_reader(quant_method: str, packed_suffixes: tuple[str, ...]) -> Call
         return fn
 
     return decorator
+
+
+# Planning: what a format can hold, checked before any quantization runs ----------------------
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    """One linear layer as a format sees it before (or after) quantization."""
+
+    scheme: QuantScheme
+    in_features: int
+    out_features: int
+
+
+# format -> check(model, {layer: PlannedLayer}) raising LmpressInputError for what the format cannot hold
+PLAN_CHECKS: dict[str, Callable[[nn.Module, dict[str, PlannedLayer]], None]] = {}
+
+
+def register_plan_check(fmt: str) -> Callable[[Callable], Callable]:
+    def decorator(fn: Callable) -> Callable:
+        PLAN_CHECKS[fmt] = fn
+        return fn
+
+    return decorator
+
+
+def check_export_plan(fmt: str, model: nn.Module, targets: dict[str, tuple[nn.Module, QuantScheme]]) -> None:
+    """Refuse, before any work, a format that cannot hold the layers the stages will quantize.
+
+    ``targets`` is what ``WeightQuantConfig.targets(model)`` returns (merged over the
+    recipe's quantization stages). Act-order is only known after quantization and is
+    checked when writing.
+    """
+    check = PLAN_CHECKS.get(fmt)
+    if check is None:
+        return
+    plan = {name: PlannedLayer(scheme, m.in_features, m.out_features) for name, (m, scheme) in targets.items()}
+    if plan:
+        check(model, plan)
+
+
+def plan_of(layers: dict[str, QuantizedLinear]) -> dict[str, PlannedLayer]:
+    return {name: PlannedLayer(m.scheme, m.in_features, m.out_features) for name, m in layers.items()}
 
 
 # Writing ------------------------------------------------------------------------------------

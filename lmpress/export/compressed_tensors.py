@@ -27,10 +27,13 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.checkpoint import (
+    PlannedLayer,
     act_order_g_idx,
     check_shape,
     dense_tensors,
     group_count,
+    plan_of,
+    register_plan_check,
     register_reader,
     require_quantized_layers,
     require_tensor,
@@ -85,10 +88,17 @@ def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@register_plan_check(FORMAT)
+def check_ct_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
+    for name, layer in plan.items():
+        if layer.scheme.bits not in PACKABLE_BITS:
+            raise LmpressInputError(
+                f"export {FORMAT}: {name} has {layer.scheme.bits}-bit weights; lmpress packs {PACKABLE_BITS}"
+            )
+
+
 def _check_layer(name: str, module: QuantizedLinear) -> None:
     scheme = module.scheme
-    if scheme.bits not in PACKABLE_BITS:
-        raise LmpressInputError(f"export {FORMAT}: {name} has {scheme.bits}-bit weights; pack-quantized holds 1-8")
     if act_order_g_idx(module) is not None:
         raise LmpressInputError(
             f"export {FORMAT}: {name} uses act-order (g_idx), which compressed-tensors no longer stores; "
@@ -134,6 +144,7 @@ def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedLinear])
 @register_exporter(FORMAT)
 def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     layers = require_quantized_layers(model, FORMAT)
+    check_ct_plan(model, plan_of(layers))
     for name, module in layers.items():
         _check_layer(name, module)
     tensors = dense_tensors(model)

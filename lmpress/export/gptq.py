@@ -32,12 +32,15 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.checkpoint import (
+    PlannedLayer,
     act_order_g_idx,
     check_shape,
     dense_tensors,
     escape_name,
     fp16_scales,
     group_count,
+    plan_of,
+    register_plan_check,
     register_reader,
     require_quantized_layers,
     require_tensor,
@@ -77,15 +80,17 @@ def _layer_key(module: QuantizedLinear) -> tuple[int, int, bool, bool]:
     return (scheme.bits, scheme.group_size, scheme.symmetric, act_order_g_idx(module) is not None)
 
 
-def _check_layer(name: str, module: QuantizedLinear) -> None:
-    in_features, bits = module.in_features, module.scheme.bits
-    if bits not in GPTQ_BITS:
-        raise LmpressInputError(f"export gptq: {name} has {bits}-bit weights; GPTQ holds {GPTQ_BITS} bits")
-    if in_features * bits % 32:
-        raise LmpressInputError(
-            f"export gptq: {name} has in_features {in_features}, which {bits}-bit GPTQ cannot pack "
-            f"(needs a multiple of {32 // bits if 32 % bits == 0 else 32})"
-        )
+@register_plan_check(FORMAT)
+def check_gptq_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
+    for name, layer in plan.items():
+        bits = layer.scheme.bits
+        if bits not in GPTQ_BITS:
+            raise LmpressInputError(f"export gptq: {name} has {bits}-bit weights; GPTQ holds {GPTQ_BITS} bits")
+        if layer.in_features * bits % 32:
+            raise LmpressInputError(
+                f"export gptq: {name} has in_features {layer.in_features}, which {bits}-bit GPTQ cannot pack "
+                f"(needs a multiple of {32 // bits if 32 % bits == 0 else 32})"
+            )
 
 
 def gptq_tensors(name: str, qw: QuantizedWeight, v1: bool) -> dict[str, torch.Tensor]:
@@ -152,8 +157,7 @@ def gptq_quantization_config(
 @register_exporter(FORMAT)
 def export_gptq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     layers = require_quantized_layers(model, FORMAT)
-    for name, module in layers.items():
-        _check_layer(name, module)
+    check_gptq_plan(model, plan_of(layers))
     if "lm_head" in layers and _layer_key(layers["lm_head"]) != base_key(layers):
         raise LmpressInputError(
             "export gptq: a quantized lm_head must use the same scheme as the other layers in GPTQ checkpoints"

@@ -31,3 +31,22 @@ def test_reader_refuses_dense_and_unknown_checkpoints(quantized_tiny, export):
     (dense / "config.json").write_text("{broken")
     with pytest.raises(LmpressInputError, match="not valid JSON"):
         load_quantized_checkpoint(dense)
+
+
+def test_export_plans_are_checked_before_any_quantization(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lmpress.export.checkpoint import check_export_plan, quantized_layers
+    from lmpress.quantize.rtn import RTNConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    eight_bit = RTNConfig(bits=8, group_size=32).targets(model)
+    with pytest.raises(LmpressInputError, match="AWQ GEMM holds 4-bit weights only"):
+        check_export_plan("awq", model, eight_bit)
+    mixed_groups = RTNConfig(bits=4, group_size=32, overrides={".*down_proj": {"group_size": 64}}).targets(model)
+    with pytest.raises(LmpressInputError, match="one group size per model"):
+        check_export_plan("awq", model, mixed_groups)
+    for fmt in ("gptq", "compressed-tensors", "hf"):
+        check_export_plan(fmt, model, eight_bit)
+    check_export_plan("awq", model, RTNConfig(bits=4, group_size=64).targets(model))
+    assert not quantized_layers(model)  # checking a plan changes nothing
