@@ -249,6 +249,24 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         ) from e
 
 
+def read_tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Each tensor's safetensors dtype ("F32", "I32", ...) and shape, from the file headers only."""
+    from safetensors import safe_open
+
+    headers = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    view = f.get_slice(key)
+                    headers[key] = (view.get_dtype(), list(view.get_shape()))
+        except Exception as e:  # see read_safetensors
+            raise LmpressInputError(
+                f"{file}: not a readable safetensors file (damaged or truncated?): {_first_line(e)}"
+            ) from e
+    return headers
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from lmpress.export.checkpoint import (
     READERS,
     quant_method,
     read_config,
+    read_tensor_headers,
     read_tensors,
 )
 
@@ -42,7 +44,6 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
     import lmpress.methods  # noqa: F401  (fills READERS)
 
     config = read_config(path)
-    tensors = read_tensors(path)
     method = quant_method(config)
     info: dict[str, Any] = {
         "path": str(path),
@@ -50,15 +51,16 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         "architecture": (config.get("architectures") or [config.get("model_type", "?")])[0],
     }
     if method is None:
-        n_params = sum(t.numel() for t in tensors.values())
+        headers = read_tensor_headers(path)
         info |= {
             "format": "hf",
             "quantized_layers": 0,
-            "parameters": n_params,
-            "dtypes": _single_or_list([str(t.dtype).removeprefix("torch.") for t in tensors.values()]),
+            "parameters": sum(math.prod(shape) for _, shape in headers.values()),
+            "dtypes": _single_or_list([dtype for dtype, _ in headers.values()]),
             "layers": [],
         }
         return info
+    tensors = read_tensors(path)
     if method not in READERS:
         raise LmpressInputError(f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READERS)})")
     qc = config["quantization_config"]

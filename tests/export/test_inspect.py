@@ -49,10 +49,11 @@ def test_missing_paths_and_non_checkpoints_are_input_errors(tmp_path):
         inspect_artifact(tmp_path)
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "hf"])
 @pytest.mark.parametrize("damage", ["truncate", "garble_header", "empty"])
-def test_damaged_safetensors_is_a_one_line_input_error(quantized_tiny, export, damage):
+def test_damaged_safetensors_is_a_one_line_input_error(quantized_tiny, export, damage, fmt):
     model, tokenizer = quantized_tiny(bits=4, group_size=32)
-    out = export("gptq", model, tokenizer)
+    out = export(fmt, model, tokenizer)
     weights = out / "model.safetensors"
     data = weights.read_bytes()
     if damage == "truncate":
@@ -61,7 +62,7 @@ def test_damaged_safetensors_is_a_one_line_input_error(quantized_tiny, export, d
         weights.write_bytes(data[:8] + b"{not json" + data[17:])
     else:
         weights.write_bytes(b"")
-    for read in (load_quantized_checkpoint, inspect_artifact):
+    for read in (load_quantized_checkpoint, inspect_artifact) if fmt == "gptq" else (inspect_artifact,):
         with pytest.raises(LmpressInputError) as info:
             read(out)
         message = str(info.value)
