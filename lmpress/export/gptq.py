@@ -228,6 +228,8 @@ def read_gptq(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[
         qzeros = require_tensor(tensors, f"{name}.qzeros", torch.int32)
         check_shape(f"{name}.qzeros", qzeros, (n_groups, packed_length(out_features, scheme.bits)))
         zeros = gptq_unpack_qzeros(qzeros, scheme.bits, out_features, v1=v1)
+        if int(zeros.max()) > 255:
+            raise LmpressInputError(f"gptq checkpoint: {name} has zero points of 256 (v1 cannot store a zero of 0)")
         g_idx = tensors.get(f"{name}.g_idx")
         if g_idx is not None:
             check_shape(f"{name}.g_idx", g_idx, (in_features,))

@@ -81,6 +81,8 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_quantized_weight(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
         out_features, in_features = qw.qweight.shape
+        if qw.zeros.numel() and not (0 <= float(qw.zeros.min()) and float(qw.zeros.max()) <= 255):
+            raise ValueError(f"zero points must lie in [0, 255], got [{qw.zeros.min()}, {qw.zeros.max()}]")
         act_order = not trivial_g_idx(qw.g_idx, in_features, qw.scheme)
         module = cls(
             in_features,
