@@ -119,10 +119,6 @@ class QuantizedLinear(nn.Module):
             g_idx=None if self.g_idx is None else self.g_idx.clone(),
         )
 
-    @property
-    def quantized_weight(self) -> QuantizedWeight:
-        return self.unpack()
-
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``(q - zero) * scale``, bit for bit what ``self.unpack().dequantize(dtype)`` gives."""
         if self.g_idx is not None:
