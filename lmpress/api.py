@@ -1,4 +1,7 @@
-"""The Python API: the same pieces the CLI uses, on in-memory models."""
+"""The Python API: the same pieces the CLI uses, on in-memory models.
+
+(``quantize_model``, not ``quantize``: ``lmpress.quantize`` is the subpackage.)
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from lmpress.recipe import DataSpec, _validate
 from lmpress.registry import STAGE_CONFIGS, STAGE_HANDLERS, StageContext
 
 
-def quantize(
+def quantize_model(
     model: nn.Module,
     tokenizer: Any = None,
     method: str = "rtn",
@@ -31,7 +34,7 @@ def quantize(
     """
     if method not in STAGE_CONFIGS:
         raise LmpressInputError(f"unknown method {method!r} (known: {', '.join(sorted(STAGE_CONFIGS))})")
-    config = _validate(STAGE_CONFIGS[method], {"method": method, **settings}, "quantize()", ())
+    config = _validate(STAGE_CONFIGS[method], {"method": method, **settings}, "quantize_model()", ())
     spec = data if isinstance(data, DataSpec) else DataSpec(**(data or {}))
 
     def calibration():

@@ -24,9 +24,11 @@ from lmpress.data import calibration_samples, check_text_source, load_text, toke
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.report import write_report
 from lmpress.evals.suite import run_suite, suite_report
+from lmpress.export.checkpoint import check_export_plan
 from lmpress.export.manifest import write_manifest
 from lmpress.model import LoadedModel, load_model
 from lmpress.progress import QUIET, Bars
+from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.recipe import Recipe
 from lmpress.registry import EXPORTERS, STAGE_HANDLERS, StageContext
 
@@ -67,6 +69,17 @@ def finalize_output(partial: Path, out: Path) -> None:
         shutil.rmtree(old)
     else:
         partial.rename(out)
+
+
+def check_plan(recipe: Recipe, model: nn.Module) -> None:
+    """Everything that can be refused before work starts: stage settings and export formats."""
+    targets = {}
+    for stage in recipe.stages:
+        stage.check(model)
+        if isinstance(stage, WeightQuantConfig):
+            targets.update(stage.targets(model))
+    for fmt in recipe.export.formats:
+        check_export_plan(fmt, model, targets)
 
 
 def run_stages(loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool, bars: Bars) -> list[dict]:
@@ -136,8 +149,7 @@ def run_recipe(
     spec = recipe.model
     bars.log(f"loading {spec.source}")
     loaded = load_model(spec.source, spec.dtype, spec.revision, spec.trust_remote_code)
-    for stage in recipe.stages:
-        stage.check(loaded.model)
+    check_plan(recipe, loaded.model)
     for config in recipe.eval.evals.values():
         config.check(loaded.model)
 

@@ -191,3 +191,22 @@ def test_inspect_command_reads_a_run(tiny_llama_dir, tmp_path, capsys):
     formats = {a["format"]: a for a in info["artifacts"]}
     assert set(formats) == {"hf", "gptq"} and formats["gptq"]["bits"] == 8 and formats["gptq"]["group_size"] == 32
     assert main(["inspect", str(tmp_path / "missing")]) == 2
+
+
+def test_export_format_that_cannot_hold_the_scheme_is_refused_before_work(tiny_llama_dir, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tiny_llama_dir, export={"formats": ["awq"]})  # AWQ GEMM holds 4-bit only
+    assert main(["run", recipe, "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    assert "awq" in capsys.readouterr().err.lower()
+    assert not list((tmp_path / "cache").glob("baseline/*"))  # refused before the baseline eval
+
+
+def test_python_api_quantize_model(tiny_llama_dir):
+    import lmpress
+    from lmpress.quantize.qlinear import QuantizedLinear
+
+    loaded = lmpress.load_model(str(tiny_llama_dir))
+    summary = lmpress.quantize_model(loaded.model, loaded.tokenizer, method="rtn", bits=4, group_size=32)
+    assert summary["quantized_layers"] == 14
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    with pytest.raises(lmpress.LmpressInputError, match="unknown method"):
+        lmpress.quantize_model(loaded.model, method="nope")
