@@ -177,6 +177,7 @@ class LayerSession:
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
     biases: dict[str, torch.Tensor] = field(default_factory=dict)
     model: nn.Module | None = None
+    _packed: dict[str, nn.Module] = field(default_factory=dict)
 
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
@@ -243,12 +244,26 @@ class LayerSession:
         return LayerInputs(hidden_out, self.inputs.kwargs)
 
     def apply(self, name: str, qweight: QuantizedWeight) -> None:
-        """Put ``qweight`` in place of linear ``name`` (relative to the layer) and record it for resume."""
-        bias = self.linear(name).bias
-        if bias is not None:
-            self.biases[name] = bias.detach().cpu().clone()
+        """Put ``qweight`` in place of linear ``name`` (relative to the layer) and record it for resume.
+
+        Until :meth:`finish`, a plain float linear holding the quantized layer's
+        dequantized weight stands in for it, so the remaining calibration passes do
+        not dequantize packed weights on every call.
+        """
+        linear = self.linear(name)
+        if linear.bias is not None:
+            self.biases[name] = linear.bias.detach().cpu().clone()
         self.quantized[name] = qweight
-        apply_quantized_weight(self.layer, name, qweight)
+        packed = apply_quantized_weight(self.layer, name, qweight)
+        self._packed[name] = packed
+        linear.weight.data = packed.dequantized_weight(linear.weight.dtype).to(linear.weight.device)
+        _set_submodule(self.layer, name, linear)
+
+    def finish(self) -> None:
+        """Put the quantized modules in place of their float stand-ins."""
+        for name, packed in self._packed.items():
+            _set_submodule(self.layer, name, packed)
+        self._packed.clear()
 
 
 class LayerState:
@@ -340,6 +355,11 @@ class LayerState:
         return LayerInputs([tensors[f"h.{i}"] for i in range(len(tensors))], kwargs)
 
 
+def _set_submodule(module: nn.Module, name: str, child: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(parent_name) if parent_name else module, attr, child)
+
+
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
@@ -399,6 +419,7 @@ def run_layerwise(
         session = LayerSession(index, layer, prefix, targets, groups, inputs, device, model=model)
         method.process_layer(session)
         inputs = session.outputs()
+        session.finish()
         layer.to("cpu")
         quantized += len(session.quantized)
         state.save_layer(session, inputs)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, fake_quantize
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ def search_qparams_mse(
     shrinks = shrinks.reshape(-1, *([1] * (w.dim() - 1)))
     # All shrink factors at once: (n_shrink, *w.shape[:-1]) candidates, the first minimum wins.
     scale, zero = compute_qparams(w, scheme, shrinks)
-    err = (fake_quantize(w[None], scale[..., None], zero[..., None], scheme.maxq) - w[None]).abs_().pow_(norm).sum(-1)
+    scale_, zero_ = scale[..., None], zero[..., None]
+    # fake_quantize(w) - w, computed in place on one buffer
+    err = torch.div(w[None], scale_).round_().add_(zero_).clamp_(0, scheme.maxq).sub_(zero_).mul_(scale_)
+    err = err.sub_(w[None]).abs_().pow_(norm).sum(-1)
     best = err.argmin(dim=0, keepdim=True)
     return scale.gather(0, best)[0], zero.gather(0, best)[0]
 
@@ -91,7 +94,7 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, 
     while True:
         L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * eye)
         if info.item() == 0:
-            Hinv = torch.cholesky_inverse(L)
+            Hinv = torch.cholesky_solve(eye, L)  # (H + λI)⁻¹; several times faster than cholesky_inverse on CPU
             U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
             if info.item() == 0 and torch.isfinite(U).all():
                 return U, damp
