@@ -154,10 +154,19 @@ def main() -> int:
         path = row_dir / f"{name}.json"
         if args.reuse and path.exists() and json.loads(path.read_text()).get("stage") == ROWS[name][1]:
             continue
+        lock = row_dir / f"{name}.running"
+        try:
+            lock.touch(exist_ok=False)  # another invocation is measuring this row: leave it to that one
+        except FileExistsError:
+            print(f"skipping {name}: {lock} exists (being measured elsewhere)", file=sys.stderr, flush=True)
+            continue
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=REPO, check=False
-        )
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=REPO, check=False
+            )
+        finally:
+            lock.unlink(missing_ok=True)
         if done.returncode != 0:
             print(done.stderr[-4000:], file=sys.stderr)
             return done.returncode
