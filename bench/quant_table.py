@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -91,6 +92,7 @@ def measure_row(name: str) -> dict:
             summary = STAGE_HANDLERS[type(config)](model, config, ctx)
             seconds = time.perf_counter() - began
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    load_average = os.getloadavg()[0]
     test_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw")))
     windows = token_windows(test_ids, EVAL["seq_len"], EVAL["windows"])
     result = perplexity(model, windows, PerplexityConfig(**EVAL, batch_size=1))
@@ -103,25 +105,31 @@ def measure_row(name: str) -> dict:
         "peak_rss_mb": peak_rss_mb,
         "eval_seconds": result["seconds"],
         "summary": summary,
+        "load_average": load_average,
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
 
 
 def render(rows: list[dict]) -> str:
-    base = next((r["ppl"] for r in rows if r["row"] == "fp32"), None)
+    """The markdown table: every row of ``ROWS``, measured or marked as not measured."""
+    measured = {r["row"]: r for r in rows}
+    base = measured["fp32"]["ppl"] if "fp32" in measured else None
     lines = [
         "| scheme | ppl | delta vs FP32 | quant seconds | peak RSS (MB) | goal | met |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in rows:
-        goal = ROWS[r["row"]][2]
-        delta = "" if base is None or r["row"] == "fp32" else f"{r['ppl'] - base:+.2f}"
+    for name, (label, _, goal) in ROWS.items():
+        goal_text = "measured" if goal is None else f"ppl <= {goal}"
+        r = measured.get(name)
+        if r is None:
+            lines.append(f"| {label} | not measured | | | | {goal_text} | not measured |")
+            continue
+        delta = "" if base is None or name == "fp32" else f"{r['ppl'] - base:+.2f}"
         secs = "" if r["quant_seconds"] is None else f"{r['quant_seconds']:.0f}"
         rss = "" if r["quant_seconds"] is None else f"{r['peak_rss_mb']:.0f}"
-        goal_text = "measured" if goal is None else f"ppl <= {goal}"
         met = "" if goal is None else ("yes" if r["ppl"] <= goal else "NO")
-        lines.append(f"| {r['label']} | {r['ppl']:.2f} | {delta} | {secs} | {rss} | {goal_text} | {met} |")
+        lines.append(f"| {label} | {r['ppl']:.2f} | {delta} | {secs} | {rss} | {goal_text} | {met} |")
     notes = [
         "",
         f"SmolLM2-135M-Instruct (FP32), calibration {CALIBRATION['n_samples']} x {CALIBRATION['seq_len']} tokens of "
@@ -129,6 +137,13 @@ def render(rows: list[dict]) -> str:
         f"{EVAL['seq_len']} tokens of wiki.test.raw. Each row in its own process; peak RSS includes loading the "
         "FP32 model and is read before the eval.",
     ]
+    loads = [f"{ROWS[r['row']][0]}: {r['load_average']:.1f}" for r in rows if r.get("load_average") is not None]
+    if loads:
+        notes.append(
+            f"Machine: {os.cpu_count()} cores; 1-minute load average when each quantization ended "
+            f"({'; '.join(loads)}). A load above the core count means other jobs shared the CPU and the "
+            "seconds are inflated accordingly."
+        )
     return "\n".join(lines + notes) + "\n"
 
 
