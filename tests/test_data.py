@@ -13,7 +13,7 @@ def test_builtin_python_docs_is_deterministic():
 
 
 def test_local_files(tmp_path):
-    (tmp_path / "a.txt").write_bytes("line one\r\nline two\r\n".encode())
+    (tmp_path / "a.txt").write_bytes(b"line one\r\nline two\r\n")
     assert load_text(str(tmp_path / "a.txt")).text == "line one\nline two\n"
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ["x", "y"]))
     assert load_text(str(tmp_path / "b.jsonl")).text == "x\n\ny"

@@ -49,7 +49,9 @@ def test_unknown_method_lists_known_methods():
 
 
 def test_unknown_eval_and_bad_gate_metric():
-    assert "eval.perplexitty: unknown eval (did you mean 'perplexity'?)" in error_of({**BASE, "eval": {"perplexitty": {}}})
+    assert "eval.perplexitty: unknown eval (did you mean 'perplexity'?)" in error_of(
+        {**BASE, "eval": {"perplexitty": {}}}
+    )
     message = error_of({**BASE, "gates": ["kld_mean <= 0.1"]})
     assert "gates[0]: metric 'kld_mean' is not computed" in message and "ppl_ratio" in message
     assert "is not a gate" in error_of({**BASE, "gates": ["ppl is small"]})
@@ -57,7 +59,9 @@ def test_unknown_eval_and_bad_gate_metric():
 
 def test_impossible_values():
     assert "data.samples" in error_of({**BASE, "data": {"samples": 0}})
-    assert "eval.perplexity: stride 16 is longer" in error_of({**BASE, "eval": {"perplexity": {"seq_len": 8, "stride": 16}}})
+    assert "eval.perplexity: stride 16 is longer" in error_of(
+        {**BASE, "eval": {"perplexity": {"seq_len": 8, "stride": 16}}}
+    )
     assert "export.formats" in error_of({**BASE, "export": {"formats": ["tflite"]}})
     assert "ignore" in error_of({**BASE, "stages": [{"method": "rtn", "ignore": ["("]}]})
 

@@ -31,8 +31,11 @@ def test_rtn_stage_quantizes_every_target_except_ignored(tiny_llama_dir, tmp_pat
 def test_group_size_that_does_not_divide_names_layers_and_working_sizes(tmp_path):
     from tests.conftest import save_tiny_model
 
-    path = save_tiny_model(tmp_path / "m", hidden_size=96, intermediate_size=192, num_attention_heads=4,
-                           num_key_value_heads=2)
+    path = save_tiny_model(
+        tmp_path / "m", hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2
+    )
     model = load_model(str(path)).model
-    with pytest.raises(LmpressInputError, match=r"group_size 64 does not divide .* group sizes that fit them: \[-1, 32\]"):
+    with pytest.raises(
+        LmpressInputError, match=r"group_size 64 does not divide .* group sizes that fit them: \[-1, 32\]"
+    ):
         run_rtn(model, RTNConfig(bits=4, group_size=64), context(tmp_path))
