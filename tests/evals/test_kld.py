@@ -161,3 +161,39 @@ def test_metric_names_and_candidate_only():
     names = CONFIG.metric_names()
     assert {"ppl", "kld_mean", "kld_p99", "top1_agreement"} <= set(names)
     assert "ppl" not in CONFIG.candidate_only and "kld_mean" in CONFIG.candidate_only
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_smollm2_w8_kld_small_and_stored_form_close_to_exact(smollm2_dir, wikitext_dir, tmp_path):
+    import copy
+
+    from lmpress.data import load_text
+    from lmpress.model import load_model
+    from lmpress.quantize.rtn import RTNConfig, run_rtn
+    from lmpress.registry import StageContext
+
+    loaded = load_model(str(smollm2_dir))
+    text = load_text(str(wikitext_dir / "wiki.test.raw"))
+    config = PerplexityConfig(seq_len=2048, windows=2, batch_size=1, kld=KLDConfig(top_k=64))
+    base = _run(loaded.model, loaded.tokenizer, text, "baseline", tmp_path, config)
+    same = _run(loaded.model, loaded.tokenizer, text, "candidate", tmp_path, config)
+    assert same.metrics["kld_max"] == 0 and same.metrics["top1_agreement"] == 1
+    assert same.metrics["ppl"] == pytest.approx(base.metrics["ppl"], rel=1e-6)
+
+    w8 = copy.deepcopy(loaded.model)
+    ctx = StageContext(calibration=lambda: None, state_dir=tmp_path / "rtn", resume=False, fingerprint="t")
+    run_rtn(w8, RTNConfig(bits=8, group_size=-1), ctx)
+    result = _run(w8, loaded.tokenizer, text, "candidate", tmp_path, config)
+    assert 0 < result.metrics["kld_mean"] < 0.01
+    assert result.metrics["kld_p99"] > result.metrics["kld_mean"]
+    assert result.metrics["top1_agreement"] > 0.95
+
+    windows = config.windows_for(make_ctx(text, loaded.tokenizer, "x", tmp_path).ids(), loaded.tokenizer)[:1]
+    with torch.inference_mode():
+        p = _logprobs(loaded.model(windows).logits[0, :-1])
+        q = _logprobs(w8(windows).logits[0, :-1])
+    exact = exact_kld(p, q)
+    stored = _stored_kld(p, q, 64)
+    assert torch.all(stored <= exact + 1e-5)
+    assert stored.mean().item() == pytest.approx(exact.mean().item(), rel=0.05)
