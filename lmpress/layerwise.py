@@ -14,6 +14,9 @@
 3. The layer's outputs are recomputed with the modified weights and become the
    next layer's inputs. Activations between layers are kept in float16 (float32
    for a batch whose values float16 cannot hold).
+   A block (``anatomy.blocks``: attention, MLP) whose linears are all finished is
+   computed once on every batch and its outputs replayed in the later passes of
+   the layer, so each pass recomputes only what changed since the last one.
 4. After each layer its state (quantized weights, changed parameters) and the
    next layer's inputs are written atomically to the stage's state directory, so
    an interrupted run resumes from the last finished layer and ends bit-identical.
@@ -25,7 +28,8 @@ import fnmatch
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,33 +69,39 @@ def compact(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     if x.dtype == torch.float16 or not x.is_floating_point():
         return x
-    if x.numel() and x.abs().amax().item() > FLOAT16_LIMIT:
+    if x.numel() and max(-x.amin().item(), x.amax().item()) > FLOAT16_LIMIT:
         return x.float()
     return x.to(torch.float16)
 
 
 def check_finite(x: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(x).all():
-        bad = "NaN" if torch.isnan(x).any() else "inf"
-        raise LmpressInputError(
-            f"{bad} in the calibration activations at {where}: the model's float weights or the "
-            "calibration text produce non-finite values there (check the checkpoint and dtype; float16 "
-            "models overflow more easily than bfloat16/float32)"
-        )
+    # One reduction decides the common case; a non-finite sum may still be an overflow of finite values.
+    if torch.isfinite(x.sum(dtype=torch.float32)) or torch.isfinite(x).all():
+        return
+    bad = "NaN" if torch.isnan(x).any() else "inf"
+    raise LmpressInputError(
+        f"{bad} in the calibration activations at {where}: the model's float weights or the "
+        "calibration text produce non-finite values there (check the checkpoint and dtype; float16 "
+        "models overflow more easily than bfloat16/float32)"
+    )
 
 
 def _first_input(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _move(obj: Any, device: torch.device) -> Any:
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return fn(obj)
     if isinstance(obj, tuple | list):
-        return type(obj)(_move(o, device) for o in obj)
+        return type(obj)(_map_tensors(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: _move(v, device) for k, v in obj.items()}
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    return _map_tensors(obj, lambda t: t.to(device))
 
 
 @dataclass
@@ -177,7 +187,10 @@ class LayerSession:
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
     biases: dict[str, torch.Tensor] = field(default_factory=dict)
     model: nn.Module | None = None
+    blocks: tuple[str, ...] = ()  # anatomy.blocks present in this layer
+    independent_groups: bool = True  # no linear of a group reads another's output (false when groups are merged)
     _packed: dict[str, nn.Module] = field(default_factory=dict)
+    _replay: dict[str, list[Any]] = field(default_factory=dict)  # finished block -> its output per batch
 
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
@@ -189,11 +202,16 @@ class LayerSession:
             yield hidden.to(self.device, dtype), _move(kwargs, self.device)
 
     @torch.no_grad()
-    def forward(self, watch: Iterable[str], on_input: InputHook, limit: int | None = None) -> None:
+    def forward(
+        self, watch: Iterable[str], on_input: InputHook, limit: int | None = None, skip_watched: bool = False
+    ) -> None:
         """One pass over the calibration batches (the first ``limit`` of them, or all) calling
         ``on_input(name, batch, args, kwargs)`` before each watched submodule runs; a batch
         stops once every watched module has run.
 
+        ``skip_watched``: the watched linears return zeros instead of computing their
+        outputs, for a group whose members never read each other's outputs (one of
+        ``anatomy.sequential``'s groups).
         Mixture-of-experts blocks run every expert on every token during this pass.
         """
         watch = list(dict.fromkeys(watch))
@@ -214,20 +232,28 @@ class LayerSession:
 
             return hook
 
-        handles = [self.layer.get_submodule(n).register_forward_pre_hook(hook_for(n), with_kwargs=True) for n in watch]
+        modules = {n: self.layer.get_submodule(n) for n in watch}
+        handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in modules.items()]
+        if skip_watched:
+            for module in modules.values():
+                module.forward = _zeros_like_output(module)
         set_calibrate_all(self.layer, True)
         try:
-            for batch_index, (hidden, kwargs) in enumerate(self.batches(limit)):
-                current[0] = batch_index
-                fired.clear()
-                try:
-                    self.layer(hidden, **kwargs)
-                except _StopForward:
-                    pass
+            with self._replaying(current, full_pass=limit is None, busy=watch):
+                for batch_index, (hidden, kwargs) in enumerate(self.batches(limit)):
+                    current[0] = batch_index
+                    fired.clear()
+                    try:
+                        self.layer(hidden, **kwargs)
+                    except _StopForward:
+                        pass
         finally:
             set_calibrate_all(self.layer, False)
             for h in handles:
                 h.remove()
+            if skip_watched:
+                for module in modules.values():
+                    del module.forward
         never = [n for n in watch if n not in seen]
         if never:
             raise RuntimeError(f"layer {self.index}: {', '.join(never)} never ran during the calibration pass")
@@ -236,12 +262,50 @@ class LayerSession:
     def outputs(self) -> LayerInputs:
         """The layer's outputs on every batch with its current weights: the next layer's inputs."""
         hidden_out = []
-        for hidden, kwargs in self.batches():
-            out = self.layer(hidden, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            check_finite(out, f"the output of decoder layer {self.index} ({self.prefix.rstrip('.')})")
-            hidden_out.append(compact(out).cpu())
+        current = [0]
+        with self._replaying(current, full_pass=True, busy=()):
+            for batch_index, (hidden, kwargs) in enumerate(self.batches()):
+                current[0] = batch_index
+                out = self.layer(hidden, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                check_finite(out, f"the output of decoder layer {self.index} ({self.prefix.rstrip('.')})")
+                hidden_out.append(compact(out).cpu())
         return LayerInputs(hidden_out, self.inputs.kwargs)
+
+    def _finished(self, block: str) -> bool:
+        """Whether every target linear of ``block`` is quantized (and there is at least one)."""
+        inside = [n for n in self.targets if n.startswith(block + ".")]
+        return bool(inside) and all(n in self.quantized for n in inside)
+
+    @contextmanager
+    def _replaying(self, current: list[int], full_pass: bool, busy: Iterable[str]) -> Iterator[None]:
+        """During a full pass: replay finished blocks recorded earlier, record those finished since.
+
+        A finished block's input no longer changes either: everything before it in
+        the layer belongs to earlier groups of ``anatomy.sequential``.
+        """
+        busy = list(busy)
+        n_batches = len(self.inputs.hidden)
+        handles, replaced = [], []
+        for block in self.blocks if full_pass else ():
+            if not self._finished(block) or any(n.startswith(block + ".") for n in busy):
+                continue
+            module = self.layer.get_submodule(block)
+            recorded = self._replay.get(block)
+            if recorded is not None and len(recorded) == n_batches:
+                dtype = next(self.layer.parameters()).dtype
+                module.forward = _replay_from(recorded, current, self.device, dtype)
+                replaced.append(module)
+            else:
+                self._replay[block] = recorded = []
+                handles.append(module.register_forward_hook(_recorder(recorded)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for module in replaced:
+                del module.forward
 
     def apply(self, name: str, qweight: QuantizedWeight) -> None:
         """Put ``qweight`` in place of linear ``name`` (relative to the layer) and record it for resume.
@@ -264,6 +328,28 @@ class LayerSession:
         for name, packed in self._packed.items():
             _set_submodule(self.layer, name, packed)
         self._packed.clear()
+        self._replay.clear()
+
+
+def _zeros_like_output(linear: nn.Module) -> Callable:
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], linear.out_features)
+
+    return forward
+
+
+def _recorder(store: list) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        store.append(_map_tensors(output, lambda t: compact(t).cpu() if t.is_floating_point() else t.cpu()))
+
+    return hook
+
+
+def _replay_from(store: list, current: list[int], device: torch.device, dtype: torch.dtype) -> Callable:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return _map_tensors(store[current[0]], lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device))
+
+    return forward
 
 
 class LayerState:
@@ -372,7 +458,7 @@ def run_layerwise(
     scheme_for: Callable[[str], QuantScheme | None],
     ctx: StageContext,
     true_sequential: bool = True,
-    batch_size: int = 8,
+    batch_size: int = 4,
 ) -> dict:
     """Run ``method`` over every decoder layer of ``model`` (in place); returns a summary for the stage report.
 
@@ -416,7 +502,11 @@ def run_layerwise(
         if not true_sequential and groups:
             groups = [[n for g in groups for n in g]]
         layer.to(device)
-        session = LayerSession(index, layer, prefix, targets, groups, inputs, device, model=model)
+        blocks = tuple(b for b in anatomy.blocks if _has_submodule(layer, b))
+        session = LayerSession(
+            index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
+            independent_groups=true_sequential,
+        )  # fmt: skip
         method.process_layer(session)
         inputs = session.outputs()
         session.finish()

@@ -35,6 +35,9 @@ class Anatomy:
     ``scaling_pairs``: (module whose output feeds the linears, the linears); the
     module is a norm or a linear whose output channels can absorb per-channel
     scales (AWQ, SmoothQuant).
+    ``blocks``: submodules of a decoder layer whose output depends only on what
+    they are called with (attention without a KV cache, the MLP); the engine
+    replays a finished block's outputs instead of recomputing them.
     """
 
     layers: str
@@ -45,6 +48,7 @@ class Anatomy:
     scaling_pairs: tuple[tuple[str, tuple[str, ...]], ...]
     # Modules outside the decoder layers that the first layer's inputs pass through.
     pre_layer_modules: tuple[str, ...] = ()
+    blocks: tuple[str, ...] = ()
     norm_kind: str = "rms"
     families: tuple[str, ...] = field(default=())
 
@@ -67,6 +71,7 @@ _LLAMA = Anatomy(
         ("mlp.up_proj", ("mlp.down_proj",)),
     ),
     pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
+    blocks=("self_attn", "mlp"),
     families=("llama", "mistral", "qwen2", "qwen3"),
 )
 
@@ -88,6 +93,7 @@ _OPT = Anatomy(
         ("fc1", ("fc2",)),
     ),
     pre_layer_modules=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+    blocks=("self_attn",),
     norm_kind="layer",
     families=("opt",),
 )
@@ -114,6 +120,7 @@ _MIXTRAL = Anatomy(
     + _LLAMA.sequential[2:],
     scaling_pairs=_LLAMA.scaling_pairs[:2],
     pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
+    blocks=("self_attn", "mlp"),
     families=("mixtral", "qwen2_moe"),
 )
 

@@ -47,7 +47,7 @@ class GPTQRounding(WeightQuantConfig):
     static_groups: bool = False
     mse: bool = False
     true_sequential: bool = True
-    batch_size: int = Field(8, ge=1, description="calibration samples per forward pass")
+    batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
 
 
 @register_stage("gptq")
@@ -83,7 +83,7 @@ def collect_hessians(session: LayerSession, names: list[str]) -> dict[str, Hessi
         hessians[name].add(x)
         by_input[key] = (x, hessians[name])
 
-    session.forward(names, on_input)
+    session.forward(names, on_input, skip_watched=session.independent_groups)
     return hessians
 
 

@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 MSE_GRID = 100
 MSE_MAX_SHRINK = 0.8
 MSE_NORM = 2.4
+MSE_CHUNK = 8
 MAX_DAMP = 1.0
+GRAM_BLOCK = 256
 
 
 class HessianAccumulator:
@@ -51,7 +53,17 @@ class HessianAccumulator:
         self.H *= self.n / (self.n + m)
         self.n += m
         x = x * math.sqrt(2 / self.n)
-        self.H.addmm_(x.T, x)
+        add_gram(self.H, x)
+
+
+def add_gram(H: torch.Tensor, x: torch.Tensor, block: int = GRAM_BLOCK) -> None:
+    """H += xᵀx computing only the blocks on and above the diagonal (xᵀx is symmetric), then mirroring."""
+    cols = x.shape[1]
+    for i in range(0, cols, block):
+        j = min(i + block, cols)
+        strip = x[:, i:j].T @ x[:, i:]  # rows i:j, columns i:
+        H[i:j, i:] += strip
+        H[j:, i:j] += strip[:, j - i :].T
 
 
 def search_qparams_mse(
@@ -67,16 +79,27 @@ def search_qparams_mse(
     the norm 2.4 follow the reference GPTQ implementation's ``mse`` option.
     """
     w = w.float()
-    shrinks = 1 - torch.arange(int(max_shrink * grid), device=w.device, dtype=torch.float32) / grid
-    shrinks = shrinks.reshape(-1, *([1] * (w.dim() - 1)))
-    # All shrink factors at once: (n_shrink, *w.shape[:-1]) candidates, the first minimum wins.
-    scale, zero = compute_qparams(w, scheme, shrinks)
-    scale_, zero_ = scale[..., None], zero[..., None]
-    # fake_quantize(w) - w, computed in place on one buffer
-    err = torch.div(w[None], scale_).round_().add_(zero_).clamp_(0, scheme.maxq).sub_(zero_).mul_(scale_)
-    err = err.sub_(w[None]).abs_().pow_(norm).sum(-1)
-    best = err.argmin(dim=0, keepdim=True)
-    return scale.gather(0, best)[0], zero.gather(0, best)[0]
+    candidates = 1 - torch.arange(int(max_shrink * grid), device=w.device, dtype=torch.float32) / grid
+    best_err = best_scale = best_zero = None
+    # A few shrink factors at a time keeps the (n_shrink, *w.shape) buffer in cache; strict "<" across
+    # chunks and argmin's first index within one keep the first minimum, as one search over all would.
+    for shrinks in candidates.split(MSE_CHUNK):
+        shrinks = shrinks.reshape(-1, *([1] * (w.dim() - 1)))
+        scale, zero = compute_qparams(w, scheme, shrinks)
+        scale_, zero_ = scale[..., None], zero[..., None]
+        # fake_quantize(w) - w, computed in place on one buffer
+        err = torch.div(w[None], scale_).round_().add_(zero_).clamp_(0, scheme.maxq).sub_(zero_).mul_(scale_)
+        err = err.sub_(w[None]).abs_().pow_(norm).sum(-1)
+        err, best = err.min(dim=0, keepdim=True)
+        scale, zero = scale.gather(0, best)[0], zero.gather(0, best)[0]
+        if best_err is None:
+            best_err, best_scale, best_zero = err[0], scale, zero
+            continue
+        better = err[0] < best_err
+        best_err = torch.where(better, err[0], best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
 
 
 def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +181,8 @@ def gptq_quantize_layer(
     codes_t = torch.zeros(cols, rows, dtype=torch.uint8, device=Wt.device)
     scale_g = zero_g = None
     current_group = -1
-    with _single_thread():
+    threads = torch.get_num_threads()
+    with _threads(1):
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2].clone()
@@ -173,7 +197,8 @@ def gptq_quantize_layer(
                     if col % width == 0:
                         # Group parameters from the current (already error-compensated) weights.
                         current = torch.cat([W1[i:], Wt[i2:]])[:width]
-                        scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
+                        with _threads(threads):  # the scale search is one large tensor op
+                            scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
                 if g != current_group:
                     scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
                 w = W1[i]
@@ -202,14 +227,14 @@ def gptq_quantize_layer(
 
 
 @contextmanager
-def _single_thread() -> Iterator[None]:
+def _threads(n: int) -> Iterator[None]:
     """GPTQ's column loop is thousands of tiny vector ops; thread hand-offs cost more than they save there."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def layer_output_error(W: torch.Tensor, W_hat: torch.Tensor, X: torch.Tensor) -> float:
