@@ -41,6 +41,7 @@ from torch import nn
 from lmpress.errors import LmpressInputError
 from lmpress.model import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.moe import set_calibrate_all
+from lmpress.pages import drop_file_pages, trim_heap
 from lmpress.quantize.apply import apply_quantized_weight
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import StageContext
@@ -188,18 +189,20 @@ class LayerSession:
     biases: dict[str, torch.Tensor] = field(default_factory=dict)
     model: nn.Module | None = None
     blocks: tuple[str, ...] = ()  # anatomy.blocks present in this layer
+    fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()  # anatomy.fed_only_by present in this layer
     independent_groups: bool = True  # no linear of a group reads another's output (false when groups are merged)
     _packed: dict[str, nn.Module] = field(default_factory=dict)
     _replay: dict[str, list[Any]] = field(default_factory=dict)  # finished block -> its output per batch
+    _fed: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # linear -> its input per batch
 
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
 
     def batches(self, limit: int | None = None) -> Iterable[tuple[torch.Tensor, dict]]:
         dtype = next(self.layer.parameters()).dtype
-        pairs = list(zip(self.inputs.hidden, self.inputs.kwargs, strict=True))[:limit]
-        for hidden, kwargs in pairs:
-            yield hidden.to(self.device, dtype), _move(kwargs, self.device)
+        count = len(self.inputs.hidden) if limit is None else min(limit, len(self.inputs.hidden))
+        for i in range(count):
+            yield self.inputs.hidden[i].to(self.device, dtype), _move(self.inputs.kwargs[i], self.device)
 
     @torch.no_grad()
     def forward(
@@ -260,16 +263,23 @@ class LayerSession:
 
     @torch.no_grad()
     def outputs(self) -> LayerInputs:
-        """The layer's outputs on every batch with its current weights: the next layer's inputs."""
+        """The layer's outputs on every batch with its current weights: the next layer's inputs.
+
+        This is the layer's last pass: each batch's input and recorded activations
+        are released as soon as the batch is done.
+        """
         hidden_out = []
         current = [0]
-        with self._replaying(current, full_pass=True, busy=()):
+        with self._replaying(current, full_pass=True, busy=(), record=False):
             for batch_index, (hidden, kwargs) in enumerate(self.batches()):
                 current[0] = batch_index
+                self.inputs.hidden[batch_index] = None
                 out = self.layer(hidden, **kwargs)
                 out = out[0] if isinstance(out, tuple) else out
                 check_finite(out, f"the output of decoder layer {self.index} ({self.prefix.rstrip('.')})")
                 hidden_out.append(compact(out).cpu())
+                for store in (*self._replay.values(), *self._fed.values()):
+                    store[batch_index] = None
         return LayerInputs(hidden_out, self.inputs.kwargs)
 
     def _finished(self, block: str) -> bool:
@@ -278,27 +288,49 @@ class LayerSession:
         return bool(inside) and all(n in self.quantized for n in inside)
 
     @contextmanager
-    def _replaying(self, current: list[int], full_pass: bool, busy: Iterable[str]) -> Iterator[None]:
-        """During a full pass: replay finished blocks recorded earlier, record those finished since.
+    def _replaying(
+        self, current: list[int], full_pass: bool, busy: Iterable[str], record: bool = True
+    ) -> Iterator[None]:
+        """During a full pass: replay what finished linears computed in an earlier pass, record what they compute now.
 
-        A finished block's input no longer changes either: everything before it in
-        the layer belongs to earlier groups of ``anatomy.sequential``.
+        - a finished block's output (``blocks``): its input no longer changes either,
+          since everything before it in the layer belongs to earlier groups of
+          ``anatomy.sequential``;
+        - the input of a linear whose producers are finished (``fed_only_by``): the
+          producers then return zeros and the linear reads the recorded input.
         """
         busy = list(busy)
         n_batches = len(self.inputs.hidden)
+        dtype = next(self.layer.parameters()).dtype
         handles, replaced = [], []
+
+        def replace_forward(module: nn.Module, forward: Callable) -> None:
+            module.forward = forward
+            replaced.append(module)
+
         for block in self.blocks if full_pass else ():
             if not self._finished(block) or any(n.startswith(block + ".") for n in busy):
                 continue
             module = self.layer.get_submodule(block)
             recorded = self._replay.get(block)
             if recorded is not None and len(recorded) == n_batches:
-                dtype = next(self.layer.parameters()).dtype
-                module.forward = _replay_from(recorded, current, self.device, dtype)
-                replaced.append(module)
-            else:
+                replace_forward(module, _replay_from(recorded, current, self.device, dtype))
+            elif record:
                 self._replay[block] = recorded = []
                 handles.append(module.register_forward_hook(_recorder(recorded)))
+        for consumer, producers in self.fed_only_by if full_pass else ():
+            if not all(p in self.quantized for p in producers):
+                continue
+            module = self.layer.get_submodule(consumer)
+            recorded = self._fed.get(consumer)
+            if recorded is not None and len(recorded) == n_batches and consumer not in busy:
+                for producer in producers:
+                    replace_forward(self.layer.get_submodule(producer), _zeros_like_output(self.linear(producer)))
+                handles.append(module.register_forward_pre_hook(_input_from(recorded, current, self.device, dtype)))
+            elif record and (recorded is None or len(recorded) != n_batches):
+                self._fed[consumer] = recorded = []
+                # Before the calibration hooks, which may end the batch at this linear.
+                handles.append(module.register_forward_pre_hook(_input_recorder(recorded), prepend=True))
         try:
             yield
         finally:
@@ -320,8 +352,10 @@ class LayerSession:
         self.quantized[name] = qweight
         packed = apply_quantized_weight(self.layer, name, qweight)
         self._packed[name] = packed
+        float_weight = linear.weight.data
         linear.weight.data = packed.dequantized_weight(linear.weight.dtype).to(linear.weight.device)
         _set_submodule(self.layer, name, linear)
+        drop_file_pages(float_weight)
 
     def finish(self) -> None:
         """Put the quantized modules in place of their float stand-ins."""
@@ -329,6 +363,7 @@ class LayerSession:
             _set_submodule(self.layer, name, packed)
         self._packed.clear()
         self._replay.clear()
+        self._fed.clear()
 
 
 def _zeros_like_output(linear: nn.Module) -> Callable:
@@ -341,6 +376,20 @@ def _zeros_like_output(linear: nn.Module) -> Callable:
 def _recorder(store: list) -> Callable:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         store.append(_map_tensors(output, lambda t: compact(t).cpu() if t.is_floating_point() else t.cpu()))
+
+    return hook
+
+
+def _input_recorder(store: list) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> None:
+        store.append(compact(args[0]).cpu())
+
+    return hook
+
+
+def _input_from(store: list, current: list[int], device: torch.device, dtype: torch.dtype) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (store[current[0]].to(device, dtype), *args[1:])
 
     return hook
 
@@ -503,9 +552,10 @@ def run_layerwise(
             groups = [[n for g in groups for n in g]]
         layer.to(device)
         blocks = tuple(b for b in anatomy.blocks if _has_submodule(layer, b))
+        fed_only_by = tuple((c, p) for c, p in anatomy.fed_only_by if all(_has_submodule(layer, n) for n in (c, *p)))
         session = LayerSession(
             index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
-            independent_groups=true_sequential,
+            fed_only_by=fed_only_by, independent_groups=true_sequential,
         )  # fmt: skip
         method.process_layer(session)
         inputs = session.outputs()
@@ -513,6 +563,7 @@ def run_layerwise(
         layer.to("cpu")
         quantized += len(session.quantized)
         state.save_layer(session, inputs)
+        trim_heap()
 
     return {
         "layers": len(layers),

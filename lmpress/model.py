@@ -38,6 +38,9 @@ class Anatomy:
     ``blocks``: submodules of a decoder layer whose output depends only on what
     they are called with (attention without a KV cache, the MLP); the engine
     replays a finished block's outputs instead of recomputing them.
+    ``fed_only_by``: (linear, the linears its input is computed from, whose
+    outputs go nowhere else): the engine replays the linear's recorded input and
+    skips those producers once they are finished.
     """
 
     layers: str
@@ -49,6 +52,7 @@ class Anatomy:
     # Modules outside the decoder layers that the first layer's inputs pass through.
     pre_layer_modules: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ()
+    fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()
     norm_kind: str = "rms"
     families: tuple[str, ...] = field(default=())
 
@@ -72,6 +76,7 @@ _LLAMA = Anatomy(
     ),
     pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
     blocks=("self_attn", "mlp"),
+    fed_only_by=(("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),),
     families=("llama", "mistral", "qwen2", "qwen3"),
 )
 
@@ -94,6 +99,7 @@ _OPT = Anatomy(
     ),
     pre_layer_modules=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
     blocks=("self_attn",),
+    fed_only_by=(("fc2", ("fc1",)),),
     norm_kind="layer",
     families=("opt",),
 )

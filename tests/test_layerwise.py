@@ -81,26 +81,28 @@ def test_each_linear_is_computed_once_per_pass_that_needs_it(tiny_llama_dir, tmp
     run_gptq(model, GPTQConfig(bits=4, group_size=32, batch_size=4), context(tmp_path, calibration))
     # Per batch: the q/k/v pass stops at v's input and skips q/k; the o pass computes q/k/v; the gate/up
     # pass computes the finished attention block once and records it; the down pass replays attention
-    # and computes gate/up; the output pass computes the finished MLP.
-    assert computed == {"q_proj": 2 * 2, "v_proj": 2 * 2, "o_proj": 1 * 2, "gate_proj": 2 * 2, "down_proj": 1 * 2}
+    # and computes gate/up, recording down's input; the output pass replays that input and computes down.
+    assert computed == {"q_proj": 2 * 2, "v_proj": 2 * 2, "o_proj": 1 * 2, "gate_proj": 1 * 2, "down_proj": 1 * 2}
 
 
-def test_replayed_blocks_give_the_outputs_of_a_full_recomputation(tiny_llama_dir, tmp_path, monkeypatch):
-    loaded = load_model(str(tiny_llama_dir))
+@pytest.mark.parametrize("family_dir", ["tiny_llama_dir", "tiny_opt_dir"])
+def test_replayed_blocks_give_the_outputs_of_a_full_recomputation(family_dir, request, tmp_path, monkeypatch):
+    loaded = load_model(str(request.getfixturevalue(family_dir)))
     model = loaded.model
     calibration = calibration_for(loaded.tokenizer)
     kept = {}
     outputs = LayerSession.outputs
 
     def keep_outputs(session):
-        kept[session.index] = outputs(session)
-        return kept[session.index]
+        result = outputs(session)
+        kept[session.index] = list(result.hidden)  # the next layer's last pass releases the list's items
+        return result
 
     monkeypatch.setattr(LayerSession, "outputs", keep_outputs)
     run_gptq(model, GPTQConfig(bits=4, group_size=32, batch_size=4), context(tmp_path, calibration))
     inputs = capture_first_layer_inputs(model, calibration, 4, torch.device("cpu"))
     layer = decoder_layers(model)[0]
-    for hidden, kwargs, got in zip(inputs.hidden, inputs.kwargs, kept[0].hidden, strict=True):
+    for hidden, kwargs, got in zip(inputs.hidden, inputs.kwargs, kept[0], strict=True):
         want = layer(hidden.float(), **kwargs)
         want = want[0] if isinstance(want, tuple) else want
         # The replayed attention output was stored in float16: agreement to float16 rounding.
