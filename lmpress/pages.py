@@ -1,15 +1,16 @@
 """Give memory pages back to the kernel during long layer-wise runs.
 
-Float weights read from a memory-mapped checkpoint:
-
-transformers loads a safetensors checkpoint as a private file mapping: a
-layer's float weights become resident as the layer-wise engine reads them, and
+Float weights: transformers loads a safetensors checkpoint as a private file
+mapping, so a layer's float weights become resident as the layer-wise engine reads them, and
 stay counted in the process's RSS after quantized weights replace them, so
 without this the RSS grows by the whole float model over a run. ``madvise(
 MADV_DONTNEED)`` on a private *file* mapping discards our copy of the pages; a
 later read would fault the checkpoint's bytes back in from the file. It is only
 applied to such mappings (anonymous memory would read back as zeros) and only to
 whole pages inside the tensor.
+
+The heap: freed activation buffers stay with the allocator; ``trim_heap`` hands
+them back between layers.
 """
 
 from __future__ import annotations
