@@ -57,7 +57,7 @@ def search_scales(
     scale and the loss of every α on the grid.
     """
     reference = block()
-    originals = [linear.weight.data.clone() for linear in linears]
+    originals = [linear.weight.data for linear in linears]  # each trial assigns new tensors; these stay intact
     losses: list[float] = []
     best, best_loss = torch.ones_like(x_mean, dtype=torch.float32), float("inf")
     try:
