@@ -375,7 +375,7 @@ def _zeros_like_output(linear: nn.Module) -> Callable:
 
 def _recorder(store: list) -> Callable:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        store.append(_map_tensors(output, lambda t: compact(t).cpu() if t.is_floating_point() else t.cpu()))
+        store.append(_map_tensors(output, lambda t: compact(t).cpu()))
 
     return hook
 

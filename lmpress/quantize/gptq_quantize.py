@@ -81,7 +81,7 @@ def search_qparams_mse(
     w = w.float()
     candidates = 1 - torch.arange(int(max_shrink * grid), device=w.device, dtype=torch.float32) / grid
     best_err = best_scale = best_zero = None
-    # A few shrink factors at a time keeps the (n_shrink, *w.shape) buffer in cache; strict "<" across
+    # A few shrink factors at a time bounds the (n_shrink, *w.shape) buffer's memory; strict "<" across
     # chunks and argmin's first index within one keep the first minimum, as one search over all would.
     for shrinks in candidates.split(MSE_CHUNK):
         shrinks = shrinks.reshape(-1, *([1] * (w.dim() - 1)))
@@ -228,7 +228,8 @@ def gptq_quantize_layer(
 
 @contextmanager
 def _threads(n: int) -> Iterator[None]:
-    """GPTQ's column loop is thousands of tiny vector ops; thread hand-offs cost more than they save there."""
+    """Run with ``n`` threads: GPTQ's column loop is thousands of tiny vector ops (one thread), its
+    group scale search one large tensor op (all threads)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
