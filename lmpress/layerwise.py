@@ -12,8 +12,9 @@
    in dependency order, so a group's statistics come from inputs produced by
    already-quantized predecessors ("true sequential").
 3. The layer's outputs are recomputed with the modified weights and become the
-   next layer's inputs. Activations between layers are kept in float16 (float32
-   for a batch whose values float16 cannot hold).
+   next layer's inputs, written over the layer's inputs batch by batch.
+   Activations between passes are kept in float16 (float32 for a batch whose
+   values float16 cannot hold), each kind in one slab (``lmpress.activations``).
    A block (``anatomy.blocks``: attention, MLP) whose linears are all finished is
    computed once on every batch and its outputs replayed in the later passes of
    the layer, so each pass recomputes only what changed since the last one.
@@ -38,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from lmpress.activations import BatchStore, map_tensors
 from lmpress.errors import LmpressInputError
 from lmpress.model import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.moe import set_calibrate_all
@@ -46,7 +48,6 @@ from lmpress.quantize.apply import apply_quantized_weight
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import StageContext
 
-FLOAT16_LIMIT = 60000.0
 STATE_VERSION = 1
 
 InputHook = Callable[[str, int, tuple, dict], None]
@@ -65,16 +66,6 @@ class LayerwiseMethod(Protocol):
     def process_layer(self, session: LayerSession) -> None: ...
 
 
-def compact(x: torch.Tensor) -> torch.Tensor:
-    """float16 when it holds ``x``'s range, else float32 (storage between passes)."""
-    x = x.detach()
-    if x.dtype == torch.float16 or not x.is_floating_point():
-        return x
-    if x.numel() and max(-x.amin().item(), x.amax().item()) > FLOAT16_LIMIT:
-        return x.float()
-    return x.to(torch.float16)
-
-
 def check_finite(x: torch.Tensor, where: str) -> None:
     # One reduction decides the common case; a non-finite sum may still be an overflow of finite values.
     if torch.isfinite(x.sum(dtype=torch.float32)) or torch.isfinite(x).all():
@@ -91,25 +82,15 @@ def _first_input(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple | list):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    return obj
-
-
 def _move(obj: Any, device: torch.device) -> Any:
-    return _map_tensors(obj, lambda t: t.to(device))
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 @dataclass
 class LayerInputs:
     """What one decoder layer receives, per calibration batch."""
 
-    hidden: list[torch.Tensor]
+    hidden: BatchStore
     kwargs: list[dict[str, Any]]
 
 
@@ -119,12 +100,13 @@ def capture_first_layer_inputs(
 ) -> LayerInputs:
     anatomy = get_anatomy(model)
     layer0 = decoder_layers(model)[0]
-    captured = LayerInputs([], [])
+    batches = calibration.split(batch_size)
+    captured = LayerInputs(BatchStore([len(b) for b in batches]), [])
 
     def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = _first_input(args, kwargs)
         check_finite(hidden, f"the input of decoder layer 0 ({anatomy.layers}.0)")
-        captured.hidden.append(compact(hidden).cpu())
+        captured.hidden[len(captured.kwargs)] = hidden
         kept = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
         captured.kwargs.append(_move(kept, torch.device("cpu")))
         raise _StopForward
@@ -134,7 +116,7 @@ def capture_first_layer_inputs(
         module.to(device)
     handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        for batch in calibration.split(batch_size):
+        for batch in batches:
             try:
                 model(batch.to(device), use_cache=False)
             except _StopForward:
@@ -143,7 +125,7 @@ def capture_first_layer_inputs(
         handle.remove()
         for module in pre:
             module.to("cpu")
-    if len(captured.hidden) != len(calibration.split(batch_size)):
+    if len(captured.hidden) != len(batches):
         raise LmpressInputError(f"{model.config.model_type}: the model never reached decoder layer 0")
     return captured
 
@@ -192,8 +174,8 @@ class LayerSession:
     fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()  # anatomy.fed_only_by present in this layer
     independent_groups: bool = True  # no linear of a group reads another's output (false when groups are merged)
     _packed: dict[str, nn.Module] = field(default_factory=dict)
-    _replay: dict[str, list[Any]] = field(default_factory=dict)  # finished block -> its output per batch
-    _fed: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # linear -> its input per batch
+    _replay: dict[str, BatchStore] = field(default_factory=dict)  # finished block -> its output per batch
+    _fed: dict[str, BatchStore] = field(default_factory=dict)  # linear -> its input per batch
 
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
@@ -235,6 +217,7 @@ class LayerSession:
 
             return hook
 
+        trim_heap()  # what the previous pass and the method freed, before this pass records more
         modules = {n: self.layer.get_submodule(n) for n in watch}
         handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in modules.items()]
         if skip_watched:
@@ -265,22 +248,19 @@ class LayerSession:
     def outputs(self) -> LayerInputs:
         """The layer's outputs on every batch with its current weights: the next layer's inputs.
 
-        This is the layer's last pass: each batch's input and recorded activations
-        are released as soon as the batch is done.
+        This is the layer's last pass: each batch's output is written over its
+        input, so the inputs' slab carries the next layer's inputs.
         """
-        hidden_out = []
+        trim_heap()
         current = [0]
         with self._replaying(current, full_pass=True, busy=(), record=False):
             for batch_index, (hidden, kwargs) in enumerate(self.batches()):
                 current[0] = batch_index
-                self.inputs.hidden[batch_index] = None
                 out = self.layer(hidden, **kwargs)
                 out = out[0] if isinstance(out, tuple) else out
                 check_finite(out, f"the output of decoder layer {self.index} ({self.prefix.rstrip('.')})")
-                hidden_out.append(compact(out).cpu())
-                for store in (*self._replay.values(), *self._fed.values()):
-                    store[batch_index] = None
-        return LayerInputs(hidden_out, self.inputs.kwargs)
+                self.inputs.hidden[batch_index] = out
+        return self.inputs
 
     def _finished(self, block: str) -> bool:
         """Whether every target linear of ``block`` is quantized (and there is at least one)."""
@@ -316,8 +296,8 @@ class LayerSession:
             if recorded is not None and len(recorded) == n_batches:
                 replace_forward(module, _replay_from(recorded, current, self.device, dtype))
             elif record:
-                self._replay[block] = recorded = []
-                handles.append(module.register_forward_hook(_recorder(recorded)))
+                self._replay[block] = recorded = BatchStore(self.inputs.hidden.rows)
+                handles.append(module.register_forward_hook(_recorder(recorded, current)))
         for consumer, producers in self.fed_only_by if full_pass else ():
             if not all(p in self.quantized for p in producers):
                 continue
@@ -328,9 +308,9 @@ class LayerSession:
                     replace_forward(self.layer.get_submodule(producer), _zeros_like_output(self.linear(producer)))
                 handles.append(module.register_forward_pre_hook(_input_from(recorded, current, self.device, dtype)))
             elif record and (recorded is None or len(recorded) != n_batches):
-                self._fed[consumer] = recorded = []
+                self._fed[consumer] = recorded = BatchStore(self.inputs.hidden.rows)
                 # Before the calibration hooks, which may end the batch at this linear.
-                handles.append(module.register_forward_pre_hook(_input_recorder(recorded), prepend=True))
+                handles.append(module.register_forward_pre_hook(_input_recorder(recorded, current), prepend=True))
         try:
             yield
         finally:
@@ -373,30 +353,30 @@ def _zeros_like_output(linear: nn.Module) -> Callable:
     return forward
 
 
-def _recorder(store: list) -> Callable:
+def _recorder(store: BatchStore, current: list[int]) -> Callable:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        store.append(_map_tensors(output, lambda t: compact(t).cpu()))
+        store[current[0]] = output
 
     return hook
 
 
-def _input_recorder(store: list) -> Callable:
+def _input_recorder(store: BatchStore, current: list[int]) -> Callable:
     def hook(module: nn.Module, args: tuple) -> None:
-        store.append(compact(args[0]).cpu())
+        store[current[0]] = args[0]
 
     return hook
 
 
-def _input_from(store: list, current: list[int], device: torch.device, dtype: torch.dtype) -> Callable:
+def _input_from(store: BatchStore, current: list[int], device: torch.device, dtype: torch.dtype) -> Callable:
     def hook(module: nn.Module, args: tuple) -> tuple:
         return (store[current[0]].to(device, dtype), *args[1:])
 
     return hook
 
 
-def _replay_from(store: list, current: list[int], device: torch.device, dtype: torch.dtype) -> Callable:
+def _replay_from(store: BatchStore, current: list[int], device: torch.device, dtype: torch.dtype) -> Callable:
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return _map_tensors(store[current[0]], lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device))
+        return map_tensors(store[current[0]], lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device))
 
     return forward
 
@@ -487,7 +467,7 @@ class LayerState:
 
     def load_inputs(self, index: int, kwargs: list[dict]) -> LayerInputs:
         tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
-        return LayerInputs([tensors[f"h.{i}"] for i in range(len(tensors))], kwargs)
+        return LayerInputs(BatchStore.of([tensors[f"h.{i}"] for i in range(len(tensors))]), kwargs)
 
 
 def _set_submodule(module: nn.Module, name: str, child: nn.Module) -> None:

@@ -9,8 +9,8 @@ later read would fault the checkpoint's bytes back in from the file. It is only
 applied to such mappings (anonymous memory would read back as zeros) and only to
 whole pages inside the tensor.
 
-The heap: freed activation buffers stay with the allocator; ``trim_heap`` hands
-them back between layers.
+The heap: freed temporaries stay with the allocator; ``trim_heap`` hands them
+back between passes.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def drop_file_pages(tensor: torch.Tensor) -> bool:
 def trim_heap() -> None:
     """Return the heap's free pages to the kernel (glibc ``malloc_trim``).
 
-    Each layer leaves the allocator holding freed activation buffers scattered
-    through the heap; trimming between layers keeps that from piling up.
+    Each calibration pass leaves the allocator holding freed temporaries scattered
+    through the heap; trimming between passes keeps that from piling up.
     """
     if _libc is not None:
         _libc.malloc_trim(0)

@@ -49,7 +49,7 @@ def test_next_layer_inputs_are_the_quantized_model_activations(tiny_llama_dir, t
 
     class Recording(GPTQMethod):
         def process_layer(self, session):
-            seen[session.index] = torch.cat(session.inputs.hidden).float()
+            seen[session.index] = torch.cat(list(session.inputs.hidden)).float()
             super().process_layer(session)
 
     config = GPTQConfig(bits=4, group_size=32)
@@ -95,7 +95,7 @@ def test_replayed_blocks_give_the_outputs_of_a_full_recomputation(family_dir, re
 
     def keep_outputs(session):
         result = outputs(session)
-        kept[session.index] = list(result.hidden)  # the next layer's last pass releases the list's items
+        kept[session.index] = [h.clone() for h in result.hidden]  # the next layer writes its outputs over these
         return result
 
     monkeypatch.setattr(LayerSession, "outputs", keep_outputs)

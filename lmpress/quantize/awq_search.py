@@ -155,4 +155,6 @@ def apply_clip(linear: nn.Linear, shrink: torch.Tensor, scheme: QuantScheme) -> 
         low = grouped.amin(-1).clamp(max=0) * shrink
         high = grouped.amax(-1).clamp(min=0) * shrink
     clipped = torch.maximum(torch.minimum(grouped, high[..., None]), low[..., None])
-    linear.weight.data = clipped.reshape(w.shape).to(w.dtype)
+    # In place: the weight may be a page of the memory-mapped checkpoint, which the
+    # layer-wise engine gives back once it is quantized; a new tensor would keep it resident.
+    w.copy_(clipped.reshape(w.shape))

@@ -1,0 +1,95 @@
+"""Calibration activations that the layer-wise engine keeps between passes, one slab per kind.
+
+Per calibration batch the engine keeps a layer's input, a finished block's output
+or a linear's input. :class:`BatchStore` puts the batches of one kind in one
+float16 slab, allocated once for all of them: a slab this size is its own memory
+mapping, handed back whole to the kernel when the store is dropped. Kept one
+tensor per batch instead, each batch's copy is carved out of the heap between
+that batch's temporaries, so the next batch's temporaries no longer fit there and
+the heap grows by about one temporary per batch (on SmolLM2's down_proj pass,
+~270 MB of free heap pages that a peak RSS counts).
+
+A batch whose values float16 cannot hold is kept apart in float32, and so is
+anything that does not line up with the slab (another shape, integer tensors).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+FLOAT16_LIMIT = 60000.0
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` (a tensor, or tuples/lists/dicts of them) with ``fn`` applied to every tensor."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple | list):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def fits_float16(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float16 or not x.numel() or max(-x.amin().item(), x.amax().item()) <= FLOAT16_LIMIT
+
+
+def compact(x: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``x`` in float16 when that holds its range, else float32 (non-float tensors as they are)."""
+    x = x.detach()
+    if not x.is_floating_point():
+        return x.cpu()
+    return x.to("cpu", torch.float16 if fits_float16(x) else torch.float32, copy=True)
+
+
+class BatchStore:
+    """One value per calibration batch (a tensor or a tuple/list/dict of them), indexed by batch.
+
+    ``rows`` are the samples in each batch; a tensor whose first dimension is its
+    batch's row count goes into the slab of its position in the value.
+    ``len(store)`` counts the batches stored so far.
+    """
+
+    def __init__(self, rows: Sequence[int]) -> None:
+        self.rows = list(rows)
+        self.offsets = [0, *itertools.accumulate(self.rows)]
+        self._slabs: dict[int, torch.Tensor] = {}  # tensor position within a value -> slab over all batches
+        self._values: dict[int, Any] = {}
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> BatchStore:
+        store = cls([t.shape[0] for t in tensors])
+        for i, t in enumerate(tensors):
+            store[i] = t
+        return store
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._values[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._values[i] for i in range(len(self.rows)) if i in self._values)
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        position = itertools.count()
+        self._values[i] = map_tensors(value, lambda t: self._keep(i, next(position), t))
+
+    def _keep(self, i: int, position: int, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach()
+        if not (x.is_floating_point() and x.dim() and x.shape[0] == self.rows[i] and fits_float16(x)):
+            return compact(x)
+        slab = self._slabs.get(position)
+        if slab is None:
+            slab = self._slabs[position] = torch.empty(self.offsets[-1], *x.shape[1:], dtype=torch.float16)
+        if slab.shape[1:] != x.shape[1:]:
+            return compact(x)
+        view = slab[self.offsets[i] : self.offsets[i + 1]]
+        view.copy_(x)
+        return view
