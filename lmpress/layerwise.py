@@ -30,7 +30,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -173,6 +173,7 @@ class LayerSession:
     blocks: tuple[str, ...] = ()  # anatomy.blocks present in this layer
     fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()  # anatomy.fed_only_by present in this layer
     independent_groups: bool = True  # no linear of a group reads another's output (false when groups are merged)
+    attention: str | None = None  # anatomy.attention, when present in this layer
     _packed: dict[str, nn.Module] = field(default_factory=dict)
     _replay: dict[str, BatchStore] = field(default_factory=dict)  # finished block -> its output per batch
     _fed: dict[str, BatchStore] = field(default_factory=dict)  # linear -> its input per batch
@@ -277,12 +278,16 @@ class LayerSession:
           since everything before it in the layer belongs to earlier groups of
           ``anatomy.sequential``;
         - the input of a linear whose producers are finished (``fed_only_by``): the
-          producers then return zeros and the linear reads the recorded input.
+          producers then return zeros and the linear reads the recorded input; when
+          that linear is the attention's output projection, the attention kernel's
+          result is discarded too, so a kernel returning zeros stands in for it.
+        A linear's recorded input is dropped once its block's output is replayed.
         """
         busy = list(busy)
         n_batches = len(self.inputs.hidden)
         dtype = next(self.layer.parameters()).dtype
-        handles, replaced = [], []
+        handles, replaced, replayed = [], [], []
+        contexts = ExitStack()
 
         def replace_forward(module: nn.Module, forward: Callable) -> None:
             module.forward = forward
@@ -295,11 +300,15 @@ class LayerSession:
             recorded = self._replay.get(block)
             if recorded is not None and len(recorded) == n_batches:
                 replace_forward(module, _replay_from(recorded, current, self.device, dtype))
+                replayed.append(block + ".")
             elif record:
                 self._replay[block] = recorded = BatchStore(self.inputs.hidden.rows)
                 handles.append(module.register_forward_hook(_recorder(recorded, current)))
         for consumer, producers in self.fed_only_by if full_pass else ():
             if not all(p in self.quantized for p in producers):
+                continue
+            if consumer.startswith(tuple(replayed)):
+                self._fed.pop(consumer, None)
                 continue
             module = self.layer.get_submodule(consumer)
             recorded = self._fed.get(consumer)
@@ -307,12 +316,15 @@ class LayerSession:
                 for producer in producers:
                     replace_forward(self.layer.get_submodule(producer), _zeros_like_output(self.linear(producer)))
                 handles.append(module.register_forward_pre_hook(_input_from(recorded, current, self.device, dtype)))
+                if self.attention and consumer.startswith(self.attention + "."):
+                    contexts.enter_context(_attention_discarded(self.layer.get_submodule(self.attention)))
             elif record and (recorded is None or len(recorded) != n_batches):
                 self._fed[consumer] = recorded = BatchStore(self.inputs.hidden.rows)
                 # Before the calibration hooks, which may end the batch at this linear.
                 handles.append(module.register_forward_pre_hook(_input_recorder(recorded, current), prepend=True))
         try:
-            yield
+            with contexts:
+                yield
         finally:
             for h in handles:
                 h.remove()
@@ -344,6 +356,35 @@ class LayerSession:
         self._packed.clear()
         self._replay.clear()
         self._fed.clear()
+
+
+DISCARDED_ATTENTION = "lmpress_discarded"
+
+
+def _zeros_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """An attention kernel whose result is never read: zeros in the (batch, q_len, heads, head_dim) layout."""
+    batch, heads, q_len, _ = query.shape
+    return query.new_zeros(batch, q_len, heads, value.shape[-1]), None
+
+
+@contextmanager
+def _attention_discarded(attention: nn.Module) -> Iterator[None]:
+    """Run ``attention`` (a transformers attention module) with :func:`_zeros_attention` as its kernel."""
+    config = getattr(attention, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DISCARDED_ATTENTION, _zeros_attention)
+    before = config._attn_implementation
+    config._attn_implementation = DISCARDED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def _zeros_like_output(linear: nn.Module) -> Callable:
@@ -533,9 +574,10 @@ def run_layerwise(
         layer.to(device)
         blocks = tuple(b for b in anatomy.blocks if _has_submodule(layer, b))
         fed_only_by = tuple((c, p) for c, p in anatomy.fed_only_by if all(_has_submodule(layer, n) for n in (c, *p)))
+        attention = anatomy.attention if anatomy.attention and _has_submodule(layer, anatomy.attention) else None
         session = LayerSession(
             index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
-            fed_only_by=fed_only_by, independent_groups=true_sequential,
+            fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention,
         )  # fmt: skip
         method.process_layer(session)
         inputs = session.outputs()

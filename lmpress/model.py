@@ -41,6 +41,8 @@ class Anatomy:
     ``fed_only_by``: (linear, the linears its input is computed from, whose
     outputs go nowhere else): the engine replays the linear's recorded input and
     skips those producers once they are finished.
+    ``attention``: the attention module; while its output projection's input is
+    replayed, the engine skips its attention kernel as well.
     """
 
     layers: str
@@ -53,6 +55,7 @@ class Anatomy:
     pre_layer_modules: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ()
     fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    attention: str | None = None
     norm_kind: str = "rms"
     families: tuple[str, ...] = field(default=())
 
@@ -76,7 +79,11 @@ _LLAMA = Anatomy(
     ),
     pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
     blocks=("self_attn", "mlp"),
-    fed_only_by=(("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),),
+    fed_only_by=(
+        ("self_attn.o_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    ),
+    attention="self_attn",
     families=("llama", "mistral", "qwen2", "qwen3"),
 )
 
@@ -99,7 +106,11 @@ _OPT = Anatomy(
     ),
     pre_layer_modules=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
     blocks=("self_attn",),
-    fed_only_by=(("fc2", ("fc1",)),),
+    fed_only_by=(
+        ("self_attn.out_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("fc2", ("fc1",)),
+    ),
+    attention="self_attn",
     norm_kind="layer",
     families=("opt",),
 )
@@ -127,6 +138,9 @@ _MIXTRAL = Anatomy(
     scaling_pairs=_LLAMA.scaling_pairs[:2],
     pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
     blocks=("self_attn", "mlp"),
+    # Not down_proj: calibration runs every expert on every token, which is not the routed input.
+    fed_only_by=_LLAMA.fed_only_by[:1],
+    attention="self_attn",
     families=("mixtral", "qwen2_moe"),
 )
 

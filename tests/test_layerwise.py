@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AttentionInterface
 
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
@@ -78,11 +79,24 @@ def test_each_linear_is_computed_once_per_pass_that_needs_it(tiny_llama_dir, tmp
         return linear_forward(module, x)
 
     monkeypatch.setattr(torch.nn.Linear, "forward", counting_forward)
+    kernel = model.config._attn_implementation
+    attention_forward = AttentionInterface._global_mapping[kernel]
+
+    def counting_attention(module, *args, **kwargs):  # the attention kernel, computing its result
+        computed["attention"] += module is layer.self_attn
+        return attention_forward(module, *args, **kwargs)
+
+    computed["attention"] = 0
+    monkeypatch.setitem(AttentionInterface._global_mapping, kernel, counting_attention)
     run_gptq(model, GPTQConfig(bits=4, group_size=32, batch_size=4), context(tmp_path, calibration))
-    # Per batch: the q/k/v pass stops at v's input and skips q/k; the o pass computes q/k/v; the gate/up
-    # pass computes the finished attention block once and records it; the down pass replays attention
-    # and computes gate/up, recording down's input; the output pass replays that input and computes down.
-    assert computed == {"q_proj": 2 * 2, "v_proj": 2 * 2, "o_proj": 1 * 2, "gate_proj": 1 * 2, "down_proj": 1 * 2}
+    # Per batch: the q/k/v pass stops at v's input and skips q/k; the o pass computes q/k/v, recording o's
+    # input; the gate/up pass computes o on that input (skipping q/k/v and the attention kernel) and records
+    # the attention block's output; the down pass replays it and computes gate/up, recording down's input;
+    # the output pass replays that input and computes down.
+    assert computed == {
+        "q_proj": 1 * 2, "v_proj": 1 * 2, "o_proj": 1 * 2, "gate_proj": 1 * 2, "down_proj": 1 * 2, "attention": 1 * 2,
+    }  # fmt: skip
+    assert model.config._attn_implementation == kernel
 
 
 @pytest.mark.parametrize("family_dir", ["tiny_llama_dir", "tiny_opt_dir"])

@@ -95,6 +95,16 @@ def test_clip_search_never_loses_to_no_clipping():
     assert err(clipped) < err(plain)
 
 
+def test_clipping_writes_into_the_weight_the_layer_already_holds():
+    # The engine gives back the pages of the (memory-mapped) weight tensor a linear holds when it is
+    # quantized; a clip that swapped in a new tensor would leave the original resident.
+    linear = torch.nn.Linear(64, 48, bias=False)
+    weight = linear.weight.data
+    apply_clip(linear, torch.full((48, 2), 0.5), QuantScheme(4, 32, True))
+    assert linear.weight.data.data_ptr() == weight.data_ptr()
+    assert weight.abs().amax() < 0.5 * 1 / 8 + 1e-6  # nn.Linear's init bound is 1/sqrt(64)
+
+
 @pytest.mark.parametrize("rounding", ["rtn", "gptq"])
 def test_awq_error_is_below_rtn(tiny_llama_dir, tmp_path, rounding):
     loaded = load_model(str(tiny_llama_dir))
