@@ -585,7 +585,6 @@ def run_layerwise(
         layer.to("cpu")
         quantized += len(session.quantized)
         state.save_layer(session, inputs)
-        trim_heap()
 
     return {
         "layers": len(layers),
