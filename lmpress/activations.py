@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lmpress.pages import advise_huge_pages
 
 FLOAT16_LIMIT = 60000.0
 
@@ -88,8 +91,17 @@ class BatchStore:
         slab = self._slabs.get(position)
         if slab is None:
             slab = self._slabs[position] = torch.empty(self.offsets[-1], *x.shape[1:], dtype=torch.float16)
+            advise_huge_pages(slab)
         if slab.shape[1:] != x.shape[1:]:
             return compact(x)
         view = slab[self.offsets[i] : self.offsets[i + 1]]
         view.copy_(x)
         return view
+
+
+@dataclass
+class LayerInputs:
+    """What one decoder layer receives, per calibration batch."""
+
+    hidden: BatchStore
+    kwargs: list[dict[str, Any]]

@@ -20,7 +20,6 @@ after the block once per block (Eq. 3, "lazy batch updates").
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,37 +32,42 @@ log = logging.getLogger(__name__)
 MSE_GRID = 100
 MSE_MAX_SHRINK = 0.8
 MSE_NORM = 2.4
-MSE_CHUNK = 8
+MSE_CHUNK_ELEMENTS = 2**19
 MAX_DAMP = 1.0
 GRAM_BLOCK = 256
 
 
 class HessianAccumulator:
-    """Running mean of 2 x xᵀ over every token seen: H = 2/n Σ x xᵀ (float32)."""
+    """Running mean of 2 x xᵀ over every token seen: H = 2/n Σ x xᵀ (float32).
 
-    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
-        self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+    Only the blocks on and above the diagonal are accumulated (xᵀx is symmetric);
+    reading ``H`` mirrors them below.
+    """
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu", block: int = GRAM_BLOCK) -> None:
+        self._H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.n = 0
+        self.block = block
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         m = x.shape[0]
         if m == 0:
             return
-        self.H *= self.n / (self.n + m)
-        self.n += m
-        x = x * math.sqrt(2 / self.n)
-        add_gram(self.H, x)
+        keep, self.n = self.n / (self.n + m), self.n + m
+        cols = x.shape[1]
+        for i in range(0, cols, self.block):
+            j = min(i + self.block, cols)
+            # rows i:j, columns i: of (n_old H + 2 xᵀx) / n_new, in place
+            self._H[i:j, i:].addmm_(x[:, i:j].T, x[:, i:], beta=keep, alpha=2 / self.n)
 
-
-def add_gram(H: torch.Tensor, x: torch.Tensor, block: int = GRAM_BLOCK) -> None:
-    """H += xᵀx computing only the blocks on and above the diagonal (xᵀx is symmetric), then mirroring."""
-    cols = x.shape[1]
-    for i in range(0, cols, block):
-        j = min(i + block, cols)
-        strip = x[:, i:j].T @ x[:, i:]  # rows i:j, columns i:
-        H[i:j, i:] += strip
-        H[j:, i:j] += strip[:, j - i :].T
+    @property
+    def H(self) -> torch.Tensor:
+        cols = self._H.shape[0]
+        for i in range(0, cols, self.block):
+            j = min(i + self.block, cols)
+            self._H[j:, i:j] = self._H[i:j, j:].T
+        return self._H
 
 
 def search_qparams_mse(
@@ -76,30 +80,30 @@ def search_qparams_mse(
     """Scale and zero per row of ``w`` minimising Σ|w - fake_quant(w)|^norm over shrunk min/max ranges.
 
     The grid of range shrink factors 1, 1 - 1/grid, ... down to 1 - max_shrink and
-    the norm 2.4 follow the reference GPTQ implementation's ``mse`` option.
+    the norm 2.4 follow the reference GPTQ implementation's ``mse`` option; the
+    first minimum wins a tie.
     """
     w = w.float()
-    candidates = 1 - torch.arange(int(max_shrink * grid), device=w.device, dtype=torch.float32) / grid
-    best_err = best_scale = best_zero = None
-    # A few shrink factors at a time bounds the (n_shrink, *w.shape) buffer's memory; strict "<" across
-    # chunks and argmin's first index within one keep the first minimum, as one search over all would.
-    for shrinks in candidates.split(MSE_CHUNK):
-        shrinks = shrinks.reshape(-1, *([1] * (w.dim() - 1)))
-        scale, zero = compute_qparams(w, scheme, shrinks)
-        scale_, zero_ = scale[..., None], zero[..., None]
-        # fake_quantize(w) - w, computed in place on one buffer
-        err = torch.div(w[None], scale_).round_().add_(zero_).clamp_(0, scheme.maxq).sub_(zero_).mul_(scale_)
-        err = err.sub_(w[None]).abs_().pow_(norm).sum(-1)
-        err, best = err.min(dim=0, keepdim=True)
-        scale, zero = scale.gather(0, best)[0], zero.gather(0, best)[0]
-        if best_err is None:
-            best_err, best_scale, best_zero = err[0], scale, zero
-            continue
-        better = err[0] < best_err
-        best_err = torch.where(better, err[0], best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-    return best_scale, best_zero
+    shrinks = 1 - torch.arange(int(max_shrink * grid), device=w.device, dtype=torch.float32) / grid
+    scales, zeros = compute_qparams(w, scheme, shrinks.reshape(-1, *([1] * (w.dim() - 1))))
+    # A few candidates at a time bound the (candidates, *w.shape) buffer.
+    chunk = max(1, MSE_CHUNK_ELEMENTS // w.numel())
+    errors = []
+    for scale, zero in zip(scales.split(chunk), zeros.split(chunk), strict=True):
+        scale = scale[..., None]
+        # fake_quantize(w) - w in place on one buffer; a symmetric grid's zero is a constant
+        q = torch.div(w[None], scale).round_()
+        if scheme.symmetric:
+            mid = (scheme.maxq + 1) // 2
+            q.clamp_(-mid, scheme.maxq - mid)
+        else:
+            zero = zero[..., None]
+            q.add_(zero).clamp_(0, scheme.maxq).sub_(zero)
+        err = q.mul_(scale).sub_(w[None]).abs_()
+        # |err|^norm as exp(norm log|err|): half the time of pow with a fractional exponent on CPU
+        errors.append(err.log_().mul_(norm).exp_().sum(-1))
+    best = torch.cat(errors).argmin(dim=0, keepdim=True)
+    return scales.gather(0, best)[0], zeros.gather(0, best)[0]
 
 
 def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +182,9 @@ def gptq_quantize_layer(
     # Column-major working copies: column j of W is row j of Wt, so each step reads contiguous memory.
     Wt = W.T.contiguous()
     del W
-    codes_t = torch.zeros(cols, rows, dtype=torch.uint8, device=Wt.device)
+    codes_t = torch.zeros(cols, rows, device=Wt.device)  # integer values, as uint8 once at the end
+    static = static_groups or width == cols
+    column_group = (perm // width).tolist() if static else None
     scale_g = zero_g = None
     current_group = -1
     threads = torch.get_num_threads()
@@ -186,12 +192,14 @@ def gptq_quantize_layer(
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2].clone()
-            Err1 = torch.zeros_like(W1)
+            Err1 = torch.empty_like(W1)
             Hinv1 = Hinv[i1:i2, i1:i2]
-            for i in range(i2 - i1):
+            diagonal = Hinv1.diagonal().tolist()
+            # Row views made once per block: the loop body is a few tiny ops per column.
+            for i, (w, q, err, hinv_row) in enumerate(zip(W1, codes_t[i1:i2], Err1, Hinv1, strict=True)):
                 col = i1 + i
-                if static_groups or width == cols:
-                    g = perm[col].item() // width
+                if static:
+                    g = column_group[col]
                 else:
                     g = col // width
                     if col % width == 0:
@@ -201,16 +209,14 @@ def gptq_quantize_layer(
                             scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
                 if g != current_group:
                     scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
-                w = W1[i]
-                q = torch.div(w, scale_g).round_().add_(zero_g).clamp_(0, maxq)
-                codes_t[col] = q.to(torch.uint8)
-                err = q.sub_(zero_g).mul_(scale_g).neg_().add_(w).div_(Hinv1[i, i])
+                torch.div(w, scale_g, out=q).round_().add_(zero_g).clamp_(0, maxq)
+                # (w - dequantized) / [H_F⁻¹]_qq, written as (dequantized - w) / -[H_F⁻¹]_qq
+                torch.sub(q, zero_g, out=err).mul_(scale_g).sub_(w).div_(-diagonal[i])
                 # Eq. 2 restricted to the block: update the block's remaining columns now.
-                W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
-                Err1[i] = err
+                W1[i + 1 :].addr_(hinv_row[i + 1 :], err, alpha=-1)
             # Eq. 3: one batched update of every column after the block.
             Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
-    codes = codes_t.T
+    codes = codes_t.T.to(torch.uint8)
 
     g_idx = None
     if act_order:

@@ -1,0 +1,125 @@
+"""A layer-wise stage's resumable state: finished layers and the next layer's inputs.
+
+After each layer the engine writes the layer's quantized weights, the parameters
+the method changed and the next layer's inputs to the stage's state directory
+(safetensors, each file written atomically, ``progress.json`` last), so an
+interrupted run resumes from the last finished layer and ends bit-identical. The
+state carries a fingerprint of the model, calibration data and stage config; a
+resume against a different one is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lmpress.activations import BatchStore, LayerInputs
+from lmpress.errors import LmpressInputError
+from lmpress.quantize.apply import apply_quantized_weight
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+
+if TYPE_CHECKING:
+    from lmpress.layerwise import LayerSession
+
+STATE_VERSION = 1
+
+
+class LayerState:
+    """Finished layers and the next layer's inputs in a stage's state directory (safetensors, atomic)."""
+
+    def __init__(self, directory: Path, fingerprint: str) -> None:
+        self.dir = Path(directory)
+        self.fingerprint = fingerprint
+        self.progress_path = self.dir / "progress.json"
+
+    def done_layers(self) -> int:
+        """How many layers a previous run finished (0 when there is no state); refuses a foreign state."""
+        if not self.progress_path.exists():
+            return 0
+        progress = json.loads(self.progress_path.read_text())
+        if progress.get("fingerprint") != self.fingerprint:
+            raise LmpressInputError(
+                f"cannot resume from {self.dir}: it was written for a different model, calibration data "
+                "or stage config (fingerprint mismatch); run without --resume to start over"
+            )
+        return int(progress["done_layers"])
+
+    def clear(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for p in self.dir.iterdir():
+            if p.is_file() and (p.suffix == ".safetensors" or p.name == "progress.json"):
+                p.unlink()
+
+    def save_layer(self, session: LayerSession, next_inputs: LayerInputs) -> None:
+        tensors, meta = {}, {}
+        for name, q in session.quantized.items():
+            tensors[f"q.{name}.qweight"] = q.qweight
+            tensors[f"q.{name}.scales"] = q.scales
+            tensors[f"q.{name}.zeros"] = q.zeros
+            if q.g_idx is not None:
+                tensors[f"q.{name}.g_idx"] = q.g_idx
+            meta[name] = json.dumps([q.scheme.bits, q.scheme.group_size, q.scheme.symmetric])
+        for name, bias in session.biases.items():
+            tensors[f"b.{name}"] = bias
+        owned = tuple(f"{n}." for n in session.quantized)
+        for name, p in list(session.layer.named_parameters()) + list(session.layer.named_buffers()):
+            if not name.startswith(owned):
+                tensors[f"p.{name}"] = p.detach().cpu()
+        self._write(f"layer_{session.index:05d}.safetensors", tensors, meta)
+        inputs = {f"h.{i}": h.contiguous() for i, h in enumerate(next_inputs.hidden)}
+        self._write(f"inputs_{session.index + 1:05d}.safetensors", inputs, {})
+        tmp = self.progress_path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"version": STATE_VERSION, "fingerprint": self.fingerprint, "done_layers": session.index + 1})
+        )
+        os.replace(tmp, self.progress_path)
+        stale = self.dir / f"inputs_{session.index:05d}.safetensors"
+        stale.unlink(missing_ok=True)
+
+    def _write(self, filename: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        path = self.dir / filename
+        tmp = path.with_name(f".{filename}.tmp")
+        save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, tmp, metadata=meta)
+        os.replace(tmp, path)
+
+    def restore_layer(self, index: int, layer: nn.Module) -> int:
+        """Put finished layer ``index`` back into ``layer``; returns how many linears it quantized."""
+        from safetensors import safe_open
+
+        path = self.dir / f"layer_{index:05d}.safetensors"
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+        for key, value in tensors.items():
+            kind, _, name = key.partition(".")
+            if kind == "p":
+                _set_tensor(layer, name, value)
+            elif kind == "b":
+                layer.get_submodule(name).bias.data.copy_(value)
+        for name, scheme in meta.items():
+            bits, group_size, symmetric = json.loads(scheme)
+            qweight = QuantizedWeight(
+                qweight=tensors[f"q.{name}.qweight"],
+                scales=tensors[f"q.{name}.scales"],
+                zeros=tensors[f"q.{name}.zeros"],
+                scheme=QuantScheme(bits, group_size, symmetric),
+                g_idx=tensors.get(f"q.{name}.g_idx"),
+            )
+            apply_quantized_weight(layer, name, qweight)
+        return len(meta)
+
+    def load_inputs(self, index: int, kwargs: list[dict]) -> LayerInputs:
+        tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
+        return LayerInputs(BatchStore.of([tensors[f"h.{i}"] for i in range(len(tensors))]), kwargs)
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    getattr(owner, attr).data.copy_(value)
