@@ -184,22 +184,27 @@ class LayerSession:
 
         ``skip_watched``: the watched linears return zeros instead of computing their
         outputs, for a group whose members never read each other's outputs (one of
-        ``anatomy.sequential``'s groups).
+        ``anatomy.sequential``'s groups); when they all read one tensor in the first
+        batch (q/k/v, gate/up), later batches end at the first of them.
         Mixture-of-experts blocks run every expert on every token during this pass.
         """
         watch = list(dict.fromkeys(watch))
         seen: set[str] = set()
         fired: set[str] = set()
         current = [0]  # batch index, read by the hooks
+        shared = _SharedInput(len(watch))
 
         def hook_for(name: str) -> Callable:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                check_finite(
-                    _first_input(args, kwargs), f"the input of {self.prefix}{name} (decoder layer {self.index})"
-                )
-                on_input(name, current[0], args, kwargs)
-                fired.add(name)
-                seen.add(name)
+                x = _first_input(args, kwargs)
+                check_finite(x, f"the input of {self.prefix}{name} (decoder layer {self.index})")
+                names = watch if shared.proven else [name]
+                if current[0] == 0:
+                    shared.observe(x, args, kwargs)
+                for n in names:
+                    on_input(n, current[0], args, kwargs)
+                fired.update(names)
+                seen.update(names)
                 if len(fired) == len(watch):
                     raise _StopForward
 
@@ -220,6 +225,8 @@ class LayerSession:
                         self.layer(hidden, **kwargs)
                     except _StopForward:
                         pass
+                    if batch_index == 0:
+                        shared.proven = skip_watched and shared.complete()
         finally:
             set_calibrate_all(self.layer, False)
             for h in handles:
@@ -266,7 +273,9 @@ class LayerSession:
         - the input of a linear whose producers are finished (``fed_only_by``): the
           producers then return zeros and the linear reads the recorded input; when
           that linear is the attention's output projection, the attention kernel's
-          result is discarded too, so a kernel returning zeros stands in for it.
+          result is discarded too, so a kernel returning zeros stands in for it; when
+          the linear's output is what its block returns (o_proj, down_proj), the block
+          is reduced to that linear once the first batch has shown it.
         A linear's recorded input is dropped once its block's output is replayed.
         """
         busy = list(busy)
@@ -304,6 +313,9 @@ class LayerSession:
                 handles.append(module.register_forward_pre_hook(_input_from(recorded, current, self.device, dtype)))
                 if self.attention and consumer.startswith(self.attention + "."):
                     contexts.enter_context(_attention_discarded(self.layer.get_submodule(self.attention)))
+                block = next((b for b in self.blocks if consumer.startswith(b + ".")), None)
+                if block is not None:
+                    handles.extend(_shortcut_to_output(self.layer.get_submodule(block), module, replace_forward))
             elif record and (recorded is None or len(recorded) != n_batches):
                 self._fed[consumer] = recorded = BatchStore(self.inputs.hidden.rows)
                 # Before the calibration hooks, which may end the batch at this linear.
@@ -342,6 +354,62 @@ class LayerSession:
         self._packed.clear()
         self._replay.clear()
         self._fed.clear()
+
+
+class _SharedInput:
+    """Watches the watched modules' inputs in a calibration pass's first batch: ``same`` while every
+    one of them has read the very tensor the first one read, unmodified (its version unchanged) and
+    as its only argument."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.seen = 0
+        self.same = expected > 1
+        self.proven = False
+        self._first: tuple[torch.Tensor, int] | None = None
+
+    def observe(self, x: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        self.seen += 1
+        alone = len(args) + len(kwargs) == 1
+        if self._first is None:
+            self._first = (x, x._version)
+            self.same = self.same and alone
+        else:
+            first, version = self._first
+            self.same = self.same and alone and x is first and x._version == version
+
+    def complete(self) -> bool:
+        """Whether the first batch showed it: every watched module seen once, all reading that tensor."""
+        self._first = None
+        return self.same and self.seen == self.expected
+
+
+_IGNORED = torch.empty(0)
+
+
+def _shortcut_to_output(block: nn.Module, linear: nn.Module, replace_forward: Callable) -> list:
+    """Hooks that watch ``block``'s first call: when it returns ``linear``'s output itself (alone, or
+    first in a tuple of Nones), the block's forward is replaced by a call of ``linear``, whose
+    pre-hook feeds it its recorded input; everything else the block computes is discarded anyway."""
+    last = {}
+
+    def remember(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        last["output"] = output
+
+    def check(module: nn.Module, args: tuple, output: Any) -> None:
+        produced = last.pop("output", None)
+        for handle in handles:
+            handle.remove()
+        if produced is None:
+            return
+        if output is produced:
+            replace_forward(block, lambda *args, **kwargs: linear(_IGNORED))
+        elif isinstance(output, tuple) and output and output[0] is produced and all(o is None for o in output[1:]):
+            rest = output[1:]
+            replace_forward(block, lambda *args, **kwargs: (linear(_IGNORED), *rest))
+
+    handles = [linear.register_forward_hook(remember), block.register_forward_hook(check)]
+    return handles
 
 
 DISCARDED_ATTENTION = "lmpress_discarded"

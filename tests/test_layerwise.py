@@ -88,13 +88,24 @@ def test_each_linear_is_computed_once_per_pass_that_needs_it(tiny_llama_dir, tmp
 
     computed["attention"] = 0
     monkeypatch.setitem(AttentionInterface._global_mapping, kernel, counting_attention)
+    computed["activation"] = 0  # the MLP's activation, on whatever gate_proj returned
+
+    def count_activation(module, args, output):
+        computed["activation"] += 1
+
+    layer.mlp.act_fn.register_forward_hook(count_activation)
     run_gptq(model, GPTQConfig(bits=4, group_size=32, batch_size=4), context(tmp_path, calibration))
     # Per batch: the q/k/v pass stops at v's input and skips q/k; the o pass computes q/k/v, recording o's
     # input; the gate/up pass computes o on that input (skipping q/k/v and the attention kernel) and records
     # the attention block's output; the down pass replays it and computes gate/up, recording down's input;
     # the output pass replays that input and computes down.
+    # Besides: the first batch of a pass shows that gate/up read one tensor and that the attention block and
+    # the MLP return o_proj's and down_proj's outputs; later batches of the gate/up pass then end at gate's
+    # input, and the MLP of the output pass is down_proj alone. So the activation runs in the down pass (each
+    # batch) and, on the skipped gate's zeros, in the first batch of the gate/up and output passes.
     assert computed == {
         "q_proj": 1 * 2, "v_proj": 1 * 2, "o_proj": 1 * 2, "gate_proj": 1 * 2, "down_proj": 1 * 2, "attention": 1 * 2,
+        "activation": 1 * 2 + 2,
     }  # fmt: skip
     assert model.config._attn_implementation == kernel
 
