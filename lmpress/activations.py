@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from lmpress.pages import advise_huge_pages
-
 FLOAT16_LIMIT = 60000.0
 
 
@@ -91,7 +89,6 @@ class BatchStore:
         slab = self._slabs.get(position)
         if slab is None:
             slab = self._slabs[position] = torch.empty(self.offsets[-1], *x.shape[1:], dtype=torch.float16)
-            advise_huge_pages(slab)
         if slab.shape[1:] != x.shape[1:]:
             return compact(x)
         view = slab[self.offsets[i] : self.offsets[i + 1]]

@@ -210,6 +210,7 @@ class LayerSession:
 
             return hook
 
+        trim_heap()  # what the previous pass and the method freed, before this pass records more
         modules = {n: self.layer.get_submodule(n) for n in watch}
         handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in modules.items()]
         if skip_watched:
@@ -245,7 +246,7 @@ class LayerSession:
         This is the layer's last pass: each batch's output is written over its
         input, so the inputs' slab carries the next layer's inputs.
         """
-        trim_heap()  # once a layer: what the layer's passes and the method freed
+        trim_heap()
         current = [0]
         with self._replaying(current, full_pass=True, busy=(), record=False):
             for batch_index, (hidden, kwargs) in enumerate(self.batches()):

@@ -10,11 +10,7 @@ applied to such mappings (anonymous memory would read back as zeros) and only to
 whole pages inside the tensor.
 
 The heap: freed temporaries stay with the allocator; ``trim_heap`` hands them
-back once a layer (trimming before every pass made each pass fault its
-temporaries' pages in again, ~0.6 s a SmolLM2 layer).
-
-Large buffers written once in full (the engine's activation slabs) are asked for
-transparent huge pages, so filling one takes a fault per 2 MiB instead of per 4 KiB.
+back between passes.
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ import sys
 import torch
 
 MADV_DONTNEED = 4
-MADV_HUGEPAGE = 14
-HUGE_PAGE = 2 << 20
 
 _libc = None
 if sys.platform.startswith("linux"):
@@ -66,23 +60,11 @@ def drop_file_pages(tensor: torch.Tensor) -> bool:
     return _libc.madvise(first, last - first, MADV_DONTNEED) == 0
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask for transparent huge pages under ``tensor`` (the whole 2 MiB pages inside it), before it is
-    first written; a no-op where the kernel does not offer them. Returns True when the advice was taken."""
-    if _libc is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // HUGE_PAGE) * HUGE_PAGE
-    last = end // HUGE_PAGE * HUGE_PAGE
-    return last > first and _libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
-
-
 def trim_heap() -> None:
     """Return the heap's free pages to the kernel (glibc ``malloc_trim``).
 
-    A layer's passes leave the allocator holding freed temporaries scattered through
-    the heap; trimming once a layer keeps that from piling up over a run.
+    Each calibration pass leaves the allocator holding freed temporaries scattered
+    through the heap; trimming between passes keeps that from piling up.
     """
     if _libc is not None:
         _libc.malloc_trim(0)
