@@ -1,7 +1,8 @@
 """Weight-quantization quality table on SmolLM2-135M (issue 3, "Numbers").
 
     python bench/quant_table.py                  # every row, then bench/results/quant_table.md
-    python bench/quant_table.py --rows gptq-w4-g64 --reuse   # one row; keep the others' measurements
+    python bench/quant_table.py --rows gptq-w4-g64           # re-measure one row; the table keeps the others
+    python bench/quant_table.py --reuse                      # measure only rows not measured with these settings
 
 Protocol: calibration = 128 samples x 512 tokens of wiki.valid.tokens (seed 0);
 perplexity = first 20 non-overlapping 2048-token windows of wiki.test.raw (CRLF->LF,

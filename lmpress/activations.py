@@ -37,7 +37,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def fits_float16(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float16 or not x.numel() or max(-x.amin().item(), x.amax().item()) <= FLOAT16_LIMIT
+    if x.dtype == torch.float16 or not x.numel():
+        return True
+    low, high = torch.aminmax(x)
+    return max(-low.item(), high.item()) <= FLOAT16_LIMIT
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from transformers import AttentionInterface
 
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
-from lmpress.layerwise import LayerSession, capture_first_layer_inputs, run_layerwise
+from lmpress.layerwise import LayerSession, _SharedInput, capture_first_layer_inputs, run_layerwise
 from lmpress.model import decoder_layers, load_model
 from lmpress.quantize.gptq import GPTQConfig, GPTQMethod, run_gptq
 from lmpress.registry import StageContext
@@ -205,3 +205,32 @@ def test_calibration_longer_than_the_context_is_refused(tiny_llama_dir, tmp_path
     too_long = torch.zeros(2, 600, dtype=torch.long)  # the tiny model's context is 512
     with pytest.raises(LmpressInputError, match="longer than the model's context"):
         run_gptq(loaded.model, GPTQConfig(bits=4, group_size=32), context(tmp_path, too_long))
+
+
+def test_a_shared_input_is_one_unmodified_tensor_read_by_every_watched_module():
+    x = torch.randn(2, 3)
+    shared = _SharedInput(3)
+    for _ in range(3):
+        shared.observe(x, (x,), {})
+    assert shared.complete()
+
+    modified = _SharedInput(2)
+    modified.observe(x, (x,), {})
+    x.mul_(2)  # an in-place change between two readers: they did not read the same values
+    modified.observe(x, (x,), {})
+    assert not modified.complete()
+
+    other = _SharedInput(2)
+    other.observe(x, (x,), {})
+    other.observe(x.clone(), (x.clone(),), {})
+    assert not other.complete()
+
+    missing = _SharedInput(3)  # a watched module that never ran in the first batch
+    missing.observe(x, (x,), {})
+    missing.observe(x, (x,), {})
+    assert not missing.complete()
+
+    with_kwargs = _SharedInput(2)
+    for _ in range(2):
+        with_kwargs.observe(x, (), {"hidden_states": x, "position_ids": None})
+    assert not with_kwargs.complete()

@@ -130,6 +130,21 @@ def test_mse_scales_never_lose_to_min_max():
         assert mse_err.sum() < 0.9 * minmax_err.sum()
 
 
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 64, True), QuantScheme(3, 64, False), QuantScheme(8, 64, True)])
+def test_mse_search_finds_the_grid_minimum_of_the_reference_error(scheme):
+    """Against the reference's formulation: |w - fake_quant(w)|^2.4 with pow, each shrink factor in turn."""
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(3)) * torch.rand(96, 1) + 0.02
+    w[::7, 5] *= 6
+    errors = []
+    for shrink in 1 - torch.arange(80) / 100:
+        scale, zero = compute_qparams(w, scheme, shrink)
+        errors.append((fake_quantize(w, scale[:, None], zero[:, None], scheme.maxq) - w).abs().pow(2.4).sum(-1))
+    best = torch.stack(errors).min(0).values
+    scale, zero = search_qparams_mse(w, scheme)
+    found = (fake_quantize(w, scale[:, None], zero[:, None], scheme.maxq) - w).abs().pow(2.4).sum(-1)
+    torch.testing.assert_close(found, best, rtol=1e-5, atol=0)
+
+
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="does not divide"):
         gptq_quantize_layer(torch.randn(4, 96), torch.eye(96), QuantScheme(4, 64, True))
