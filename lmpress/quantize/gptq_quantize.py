@@ -167,7 +167,8 @@ def gptq_quantize_layer(
     n_groups = cols // width
     scales = torch.zeros(rows, n_groups, device=W.device)
     zeros = torch.zeros(rows, n_groups, device=W.device)
-    if static_groups or width == cols:
+    static = static_groups or width == cols  # group parameters fixed up front, from the original weights
+    if static:
         for g in range(n_groups):
             scales[:, g], zeros[:, g] = group_qparams(W[:, g * width : (g + 1) * width], scheme, mse)
 
@@ -183,7 +184,6 @@ def gptq_quantize_layer(
     Wt = W.T.contiguous()
     del W
     codes_t = torch.zeros(cols, rows, device=Wt.device)  # integer values, as uint8 once at the end
-    static = static_groups or width == cols
     column_group = (perm // width).tolist() if static else None
     scale_g = zero_g = None
     current_group = -1
@@ -222,7 +222,7 @@ def gptq_quantize_layer(
     if act_order:
         invperm = torch.argsort(perm)
         codes = codes[:, invperm]
-        if not static_groups and width != cols:
+        if not static:
             g_idx = (torch.arange(cols, device=codes.device) // width)[invperm].to(torch.int32)
     quantized = QuantizedWeight(
         qweight=codes.contiguous().cpu(), scales=scales.cpu(), zeros=zeros.cpu(), scheme=scheme, g_idx=g_idx
