@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmpress.cache import cache_root, sha256_file, sha256_json
+from lmpress.cache import cache_root, sha256_file, sha256_json, write_text_atomic
 from lmpress.errors import LmpressInputError
 
 GGUF_MAGIC = b"GGUF"
@@ -186,21 +186,56 @@ def load_model(
     revision: str | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    """Load ``source`` (hub id, local HF directory or .gguf file) with its tokenizer."""
+    """Load ``source`` (hub id, local directory, .gguf file or pypkg:) with its tokenizer.
+
+    A directory lmpress exported loads whatever its format: a dense checkpoint
+    through transformers, a GPTQ / AWQ / compressed-tensors one through lmpress's
+    readers (quantized layers as ``QuantizedLinear``). Inside a run directory the
+    files are first checked against the run's manifest.json.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lmpress.export.checkpoint import load_quantized_model, quant_method, read_config
+    from lmpress.export.manifest import verify_artifact
+
     path = resolve_checkpoint(source, revision)
+    verify_artifact(path)
+    quantized = quant_method(read_config(path)) is not None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=True
-        )
+        if quantized:
+            # GPTQ / AWQ / compressed-tensors exports: lmpress's own readers, no kernels package needed.
+            model = load_quantized_model(path, DTYPES[dtype])
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=True
+            )
     except (OSError, ValueError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LmpressInputError(f"cannot load model from {path}: {first_line}") from e
     model.eval()
     get_anatomy(model)
     return LoadedModel(model, tokenizer, path, checkpoint_fingerprint(path))
+
+
+def model_skeleton(path: Path, trust_remote_code: bool = False) -> nn.Module:
+    """The checkpoint's model built on the meta device: module names and shapes, no weights read.
+
+    Plans (which layers a stage quantizes, what a format can hold) are checked on
+    it before the weights are loaded.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise LmpressInputError(f"cannot read the model config in {path}: {str(e).strip().splitlines()[0]}") from e
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    get_anatomy(model)
+    return model
 
 
 def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
@@ -277,8 +312,7 @@ def checkpoint_fingerprint(path: Path) -> str:
     if memo.exists():
         return memo.read_text().strip()
     fingerprint = sha256_json([(p.name, sha256_file(p)) for p in files])
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(fingerprint)
+    write_text_atomic(memo, fingerprint)
     return fingerprint
 
 

@@ -1,32 +1,38 @@
-"""Run a recipe: load -> baseline eval -> stages -> export -> candidate eval -> gates -> report.
+"""Run a recipe: plan checks -> load -> baseline eval -> stages -> export -> read back -> candidate eval -> gates.
 
 Everything a run writes goes to ``.<out>.partial/`` beside ``--out`` first and is
 renamed into place at the end, so an existing output directory is never half
 overwritten. The partial directory keeps stage state (``state/``) between an
 interrupted run and ``--resume``.
+
+The gate scores what ships: each export is read back from disk and checked
+against the in-memory candidate (``lmpress.export.verify``), and the eval suite
+runs on the first listed format's artifact as read back.
 """
 
 from __future__ import annotations
 
-import resource
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lmpress.cache import sha256_json
-from lmpress.data import calibration_samples, check_text_source, load_text, tokenize
+from lmpress.data import calibration_samples, check_text_source, load_text, token_windows, tokenize
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
+from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
-from lmpress.evals.suite import run_suite, suite_report
-from lmpress.export.checkpoint import check_export_plan
+from lmpress.evals.suite import baseline_identity, run_suite, suite_report
+from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
 from lmpress.export.manifest import write_manifest
-from lmpress.model import LoadedModel, load_model
+from lmpress.export.verify import ExportCheck, check_export, window_ppl
+from lmpress.memory import process_peak_mb, track_peak_rss
+from lmpress.model import LoadedModel, load_model, model_skeleton, resolve_checkpoint
 from lmpress.progress import QUIET, Bars
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.recipe import Recipe
@@ -38,12 +44,6 @@ class RunResult:
     exit_code: int
     out_dir: Path
     report: dict[str, Any]
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 def prepare_output(out: Path, overwrite: bool, resume: bool) -> Path:
@@ -72,7 +72,12 @@ def finalize_output(partial: Path, out: Path) -> None:
 
 
 def check_plan(recipe: Recipe, model: nn.Module) -> None:
-    """Everything that can be refused before work starts: stage settings and export formats."""
+    """Everything that can be refused before work starts: stages, export formats and evals.
+
+    ``model`` may be a skeleton on the meta device (``model_skeleton``): checks read names and shapes only.
+    """
+    for config in recipe.eval.evals.values():
+        config.check(model)
     targets = {}
     for stage in recipe.stages:
         stage.check(model)
@@ -108,14 +113,15 @@ def run_stages(loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool,
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
-        summary = STAGE_HANDLERS[type(stage)](loaded.model, stage, ctx)
+        with track_peak_rss() as peak:
+            summary = STAGE_HANDLERS[type(stage)](loaded.model, stage, ctx)
         settings = ", ".join(f"{k}={v}" for k, v in stage.model_dump(exclude={"method"}).items())
         summaries.append(
             {
                 "method": stage.method,
                 "settings": settings,
                 "seconds": time.perf_counter() - began,
-                "peak_rss_mb": peak_rss_mb(),
+                "peak_rss_mb": peak.mb,  # this stage's own peak, not the process's so far
                 "summary": summary,
             }
         )
@@ -137,39 +143,81 @@ def export_model(model: nn.Module, tokenizer, formats: list[str], partial: Path)
     return exports
 
 
+def first_eval_window(recipe: Recipe, tokenizer) -> torch.Tensor:
+    """The first window the eval suite scores (perplexity's, else 512 tokens of the eval text)."""
+    ids = tokenize(tokenizer, load_text(recipe.eval.text))
+    config = recipe.eval.evals.get("perplexity")
+    if isinstance(config, PerplexityConfig):
+        return config.windows_for(ids, tokenizer)[:1]
+    return token_windows(ids, min(512, ids.numel()), 1)
+
+
+def read_back_exports(
+    loaded: LoadedModel, recipe: Recipe, partial: Path, bars: Bars
+) -> tuple[list[ExportCheck], LoadedModel | None]:
+    """Load each export from disk, check it against the candidate; returns the checks and the first artifact."""
+    if not recipe.export.formats:
+        return [], None
+    window = first_eval_window(recipe, loaded.tokenizer)
+    candidate_ppl = window_ppl(loaded.model, window)
+    checks, shipped = [], None
+    for fmt in recipe.export.formats:
+        bars.log(f"reading back {fmt}/ and checking it against the candidate")
+        artifact = load_model(str(partial / fmt), recipe.model.dtype)
+        check = check_export(fmt, loaded.model, artifact.model, window, candidate_ppl)
+        checks.append(check)
+        if shipped is None:
+            shipped = artifact
+        if not check.passed:
+            bars.log(
+                f"[red]export {fmt} does not match the candidate:[/] {check.weights}; "
+                f"first-window ppl {check.window_ppl:.6g} vs {check.candidate_window_ppl:.6g}"
+            )
+    return checks, shipped
+
+
 def run_recipe(
     recipe: Recipe, out: str | Path, overwrite: bool = False, resume: bool = False, bars: Bars = QUIET
 ) -> RunResult:
     """Run ``recipe`` into ``out``; the exit code says whether every gate passed."""
     out = Path(out)
     began = time.perf_counter()
+    check_recipe_exports(recipe.stages, recipe.export.formats)
     check_text_source(recipe.data.source)
     check_text_source(recipe.eval.text)
-    partial = prepare_output(out, overwrite, resume)
     spec = recipe.model
+    path = resolve_checkpoint(spec.source, spec.revision)
+    check_plan(recipe, model_skeleton(path, spec.trust_remote_code))
+    partial = prepare_output(out, overwrite, resume)
     bars.log(f"loading {spec.source}")
-    loaded = load_model(spec.source, spec.dtype, spec.revision, spec.trust_remote_code)
-    check_plan(recipe, loaded.model)
-    for config in recipe.eval.evals.values():
-        config.check(loaded.model)
+    loaded = load_model(str(path), spec.dtype, spec.revision, spec.trust_remote_code)
 
     evals = recipe.eval.evals
-    baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, loaded.fingerprint, "baseline", bars)
+    identity = baseline_identity(loaded.fingerprint, loaded.model)
+    baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, identity, "baseline", bars)
     stages = run_stages(loaded, recipe, partial, resume, bars)
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
-    candidate = run_suite(
-        evals, recipe.eval.text, loaded.model, loaded.tokenizer, loaded.fingerprint, "candidate", bars
-    )
+    checks, shipped = read_back_exports(loaded, recipe, partial, bars)
+    if shipped is not None:
+        loaded.model = None  # what is scored from here on is the artifact read back from disk
+        scored, measured_on = shipped, f"{recipe.export.formats[0]}/ (the export, read back from disk)"
+    else:
+        scored, measured_on = loaded, "the in-memory candidate (the recipe exports nothing)"
+    candidate = run_suite(evals, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars)
 
     report = {
         "recipe": recipe.as_dict(),
         "model": {"source": spec.source, "checkpoint": str(loaded.path), "fingerprint": loaded.fingerprint},
         **suite_report(baseline, candidate, recipe.gates),
+        "measured_on": {"baseline": f"{spec.source} ({spec.dtype})", "candidate": measured_on},
+        "export_checks": [c.as_dict() for c in checks],
         "stages": stages,
         "exports": exports,
         "seconds": time.perf_counter() - began,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": process_peak_mb(),
     }
+    report["gates"] += [c.as_gate() for c in checks if not c.passed]
+    report["passed"] = all(v["passed"] for v in report["gates"])
     write_report(report, partial)
     metrics = {side: report[side]["metrics"] for side in ("baseline", "candidate")}
     write_manifest(partial, recipe.as_dict(), metrics)

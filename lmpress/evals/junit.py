@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+
+from lmpress.cache import atomic_path
 
 
 def _num(value: float | None) -> str:
@@ -47,7 +48,5 @@ def write_junit(gates: list[dict[str, Any]], path: str | os.PathLike, suite: str
     path.parent.mkdir(parents=True, exist_ok=True)
     tree = ET.ElementTree(junit_xml(gates, suite))
     ET.indent(tree)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         tree.write(f, encoding="utf-8", xml_declaration=True)
-    os.replace(tmp, path)

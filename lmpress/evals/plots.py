@@ -21,6 +21,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lmpress.cache import atomic_path  # noqa: E402
+
+
+def save_figure(fig: plt.Figure, path: Path, **kwargs: Any) -> None:
+    """Save ``fig`` as a PNG at ``path`` atomically, and close it."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, **kwargs)
+    plt.close(fig)
+
 
 def _find(report: dict[str, Any], side: str, key: str) -> Any:
     for details in report.get(side, {}).get("details", {}).values():
@@ -49,8 +58,7 @@ def plot_nll_by_position(baseline: list[dict], candidate: list[dict], path: Path
     bottom.grid(alpha=0.3)
     fig.suptitle("NLL by position")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_passkey(grids: dict[str, dict], path: Path) -> None:
@@ -69,8 +77,7 @@ def plot_passkey(grids: dict[str, dict], path: Path) -> None:
             ax.text(j, i, f"{value:.2g}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
     fig.suptitle("Passkey retrieval")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, bbox_inches="tight")
 
 
 def plot_kld_histogram(histogram: dict, path: Path) -> None:
@@ -88,8 +95,7 @@ def plot_kld_histogram(histogram: dict, path: Path) -> None:
     ax.set_title("Per-token KLD distribution")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:

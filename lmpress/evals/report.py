@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmpress.cache import write_json_atomic
+from lmpress.cache import write_json_atomic, write_text_atomic
 
 
 def _fmt(value: Any) -> str:
@@ -79,4 +79,4 @@ def write_report(report: dict[str, Any], out_dir: Path, plots: list[tuple[str, s
         from lmpress.evals.plots import write_plots
 
         plots = write_plots(report, out_dir)
-    (out_dir / "report.md").write_text(render_markdown(report, plots), encoding="utf-8")
+    write_text_atomic(out_dir / "report.md", render_markdown(report, plots))

@@ -9,6 +9,7 @@ skips the baseline.
 from __future__ import annotations
 
 import shutil
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,28 @@ from lmpress.evals.gates import Gate, derived_metrics, evaluate_gates
 from lmpress.progress import QUIET, Bars
 from lmpress.registry import EVAL_HANDLERS, EvalConfig, EvalContext, EvalResult
 
-SUITE_VERSION = 1  # bump when an eval's numbers change for the same inputs
+SUITE_VERSION = 2  # bump when an eval's numbers change for the same inputs
 
 
-def baseline_store(fingerprint: str, name: str, config: EvalConfig, text: Text) -> Path:
+def baseline_identity(fingerprint: str, model: nn.Module) -> dict[str, Any]:
+    """Everything about the baseline model that changes its numbers: weights, dtype, device, kernels, versions."""
+    import transformers
+
+    param = next(model.parameters())
+    return {
+        "model": fingerprint,
+        "dtype": str(getattr(model, "dtype", param.dtype)),
+        "device": param.device.type,
+        "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def baseline_store(baseline: dict[str, Any], name: str, config: EvalConfig, text: Text) -> Path:
+    """The cache directory of one eval's baseline results and artifacts (e.g. the KLD reference)."""
     key = sha256_json(
-        {"model": fingerprint, "eval": name, "config": config.model_dump(), "text": text.sha256, "v": SUITE_VERSION}
+        {**baseline, "eval": name, "config": config.model_dump(), "text": text.sha256, "v": SUITE_VERSION}
     )
     return cache_root() / "baseline" / key[:24]
 
@@ -54,15 +71,21 @@ def run_suite(
     text_source: str,
     model: nn.Module,
     tokenizer,
-    baseline_fingerprint: str,
+    baseline: str | dict[str, Any],
     role: str,
     bars: Bars = QUIET,
 ) -> dict[str, EvalResult]:
-    """Every eval of the suite. ``role="baseline"`` reads and fills the cache; ``"candidate"`` reads its store."""
+    """Every eval of the suite. ``role="baseline"`` reads and fills the cache; ``"candidate"`` reads its store.
+
+    ``baseline`` is the baseline's ``baseline_identity``, or its checkpoint fingerprint, completed from
+    ``model`` (right for the baseline itself; a candidate should pass the baseline's identity).
+    """
+    if isinstance(baseline, str):
+        baseline = baseline_identity(baseline, model)
     text = load_text(text_source) if evals else None
     results = {}
     for name, config in evals.items():
-        store = baseline_store(baseline_fingerprint, name, config, text)
+        store = baseline_store(baseline, name, config, text)
         if role == "baseline":
             results[name] = cached_baseline(name, config, model, tokenizer, text, store, bars)
         else:
@@ -79,9 +102,8 @@ def cached_baseline(
         bars.log(f"baseline {name}: cached in {store}")
         return EvalResult(**saved)
     # Compute into a fresh directory and rename, so an interrupted run leaves no half-written store.
-    tmp = store.with_name(store.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    store.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=store.parent, prefix=f".{store.name}."))
     with torch.inference_mode():
         result = run_eval(name, config, model, tokenizer, text, "baseline", tmp, bars)
     write_json_atomic(tmp / "result.json", result.__dict__)
@@ -128,13 +150,15 @@ def evaluate_models(recipe, baseline_source: str | None, bars: Bars = QUIET) -> 
         config.check(candidate.model)
     if baseline_source:
         base = load_model(baseline_source, spec.dtype, spec.revision, spec.trust_remote_code)
-        fingerprint, role = base.fingerprint, "candidate"
-        base_results = run_suite(evals, recipe.eval.text, base.model, base.tokenizer, fingerprint, "baseline", bars)
+        identity, role = baseline_identity(base.fingerprint, base.model), "candidate"
+        base_results = run_suite(evals, recipe.eval.text, base.model, base.tokenizer, identity, "baseline", bars)
         del base
     else:
-        base_results, fingerprint, role = {}, candidate.fingerprint, "baseline"
-    cand_results = run_suite(evals, recipe.eval.text, candidate.model, candidate.tokenizer, fingerprint, role, bars)
+        base_results, role = {}, "baseline"
+        identity = baseline_identity(candidate.fingerprint, candidate.model)
+    cand_results = run_suite(evals, recipe.eval.text, candidate.model, candidate.tokenizer, identity, role, bars)
     report = suite_report(base_results, cand_results, recipe.gates)
     report["model"] = {"source": spec.source, "checkpoint": str(candidate.path), "baseline": baseline_source}
+    report["measured_on"] = {"baseline": baseline_source, "candidate": f"{spec.source} ({spec.dtype})"}
     report["stages"], report["exports"], report["recipe"] = [], [], recipe.as_dict()
     return report

@@ -32,6 +32,7 @@ from lmpress.export.checkpoint import (
     plan_of,
     register_plan_check,
     register_reader,
+    register_scheme_check,
     require_quantized_layers,
     require_tensor,
     unpack_layer,
@@ -48,6 +49,17 @@ AWQ_BITS = 4
 SUFFIXES = ("qweight", "qzeros", "scales")
 
 
+@register_scheme_check(FORMAT)
+def awq_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
+    if scheme.bits != AWQ_BITS:
+        return f"{scheme.bits}-bit weights; AWQ GEMM holds 4-bit weights only (export gptq or compressed-tensors)"
+    if scheme.group_size == -1:
+        return "per-channel scales (group_size -1); AWQ GEMM needs a group size (32, 64, 128)"
+    if act_order:
+        return "act-order (g_idx), which AWQ GEMM cannot hold; set static_groups: true, or export gptq"
+    return None
+
+
 @register_plan_check(FORMAT)
 def check_awq_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> int:
     """Refuse what AWQ GEMM cannot hold; returns the model's one group size."""
@@ -58,15 +70,9 @@ def check_awq_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> int:
     group_sizes: dict[int, str] = {}
     for name, layer in plan.items():
         scheme = layer.scheme
-        if scheme.bits != AWQ_BITS:
-            raise LmpressInputError(
-                f"export awq: {name} has {scheme.bits}-bit weights; AWQ GEMM holds 4-bit weights only "
-                "(export gptq or compressed-tensors instead)"
-            )
-        if scheme.group_size == -1:
-            raise LmpressInputError(
-                f"export awq: {name} is quantized per channel (group_size -1); AWQ needs a group size (32/64/128)"
-            )
+        reason = awq_scheme_refusal(scheme, act_order=False)
+        if reason:
+            raise LmpressInputError(f"export awq: {name}: {reason}")
         if layer.out_features % 8:
             raise LmpressInputError(f"export awq: {name} has {layer.out_features} outputs; AWQ packs multiples of 8")
         if layer_prefix and not name.startswith(layer_prefix):

@@ -62,6 +62,40 @@ class PlannedLayer:
 
 # format -> check(model, {layer: PlannedLayer}) raising LmpressInputError for what the format cannot hold
 PLAN_CHECKS: dict[str, Callable[[nn.Module, dict[str, PlannedLayer]], None]] = {}
+# format -> reason(scheme, act_order) it cannot hold such a layer, or None: decided from the recipe alone
+SCHEME_CHECKS: dict[str, Callable[[QuantScheme, bool], str | None]] = {}
+
+
+def register_scheme_check(fmt: str) -> Callable[[Callable], Callable]:
+    def decorator(fn: Callable[[QuantScheme, bool], str | None]) -> Callable:
+        SCHEME_CHECKS[fmt] = fn
+        return fn
+
+    return decorator
+
+
+def scheme_refusal(fmt: str, scheme: QuantScheme, act_order: bool) -> str | None:
+    """Why ``fmt`` cannot hold a layer quantized with ``scheme`` (act-order ``g_idx`` when ``act_order``)."""
+    check = SCHEME_CHECKS.get(fmt)
+    return None if check is None else check(scheme, act_order)
+
+
+def check_recipe_exports(stages: list[Any], formats: list[str]) -> None:
+    """Refuse, from the recipe alone (before any model is loaded), formats that cannot hold a stage's schemes.
+
+    A stage writes act-order ``g_idx`` when it permutes columns (``act_order``)
+    without ``static_groups`` and has more than one group per row.
+    """
+    for i, stage in enumerate(stages):
+        if not hasattr(stage, "planned_schemes"):
+            continue
+        reorders = bool(getattr(stage, "act_order", False)) and not getattr(stage, "static_groups", False)
+        for where, scheme in stage.planned_schemes():
+            act_order = reorders and scheme.group_size != -1
+            for j, fmt in enumerate(formats):
+                reason = scheme_refusal(fmt, scheme, act_order)
+                if reason:
+                    raise LmpressInputError(f"export.formats[{j}] {fmt}: stages[{i}]{where}: {reason}")
 
 
 def register_plan_check(fmt: str) -> Callable[[Callable], Callable]:
@@ -79,10 +113,12 @@ def check_export_plan(fmt: str, model: nn.Module, targets: dict[str, tuple[nn.Mo
     recipe's quantization stages). Act-order is only known after quantization and is
     checked when writing.
     """
-    check = PLAN_CHECKS.get(fmt)
-    if check is None:
-        return
+    check = PLAN_CHECKS.get(fmt, lambda model, plan: None)
     plan = {name: PlannedLayer(scheme, m.in_features, m.out_features) for name, (m, scheme) in targets.items()}
+    for name, layer in plan.items():
+        reason = scheme_refusal(fmt, layer.scheme, act_order=False)
+        if reason:
+            raise LmpressInputError(f"export {fmt}: {name}: {reason}")
     if plan:
         check(model, plan)
 
@@ -319,13 +355,17 @@ def load_quantized_checkpoint(path: str | Path) -> dict[str, QuantizedWeight]:
     return READERS[method](config, tensors)
 
 
-def load_quantized_model(path: str | Path) -> nn.Module:
+def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The checkpoint at ``path`` as a transformers model whose quantized layers are QuantizedLinear.
 
-    The float model is built first (random init) and its linears then swapped, so
-    peak memory is that of the dense model.
+    The model is built from its config without initializing weights (every tensor
+    comes from the checkpoint), its linears swapped for the stored quantized ones,
+    and the remaining tensors loaded; float tensors take ``dtype``, quantized
+    layers keep their stored scales. Needs nothing beyond lmpress's own
+    dependencies (no GPTQ/AWQ kernels package).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     path = Path(path)
     config_dict, tensors, method = _load_parts(path)
@@ -333,9 +373,15 @@ def load_quantized_model(path: str | Path) -> nn.Module:
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
     for name, qw in layers.items():
-        apply_quantized_weight(model, name, qw)
+        try:
+            apply_quantized_weight(model, name, qw)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise LmpressInputError(f"{path}: quantized layer {name!r} does not fit the model ({e})") from e
     suffixes = PACKED_SUFFIXES[method]
     packed = {f"{name}.{suffix}" for name in layers for suffix in suffixes}
     dense = {k: v for k, v in tensors.items() if k not in packed}
@@ -344,7 +390,7 @@ def load_quantized_model(path: str | Path) -> nn.Module:
     unexpected = sorted(set(dense) - set(expected))
     if unexpected:
         raise LmpressInputError(f"{path}: tensor {unexpected[0]!r} belongs to no module of the model")
-    tied = {k for k in expected if k not in dense and k.startswith("lm_head.")}
+    tied = _tied_keys(model) & (set(expected) - set(dense))
     missing = sorted(set(expected) - set(dense) - tied)
     if missing:
         raise LmpressInputError(f"{path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
@@ -354,6 +400,16 @@ def load_quantized_model(path: str | Path) -> nn.Module:
                 f"{path}: {key!r} has shape {tuple(value.shape)}, the model expects {tuple(expected[key].shape)}"
             )
     model.load_state_dict(dense, strict=False)
-    if tied and not getattr(config, "tie_word_embeddings", False):
-        raise LmpressInputError(f"{path}: checkpoint lacks {sorted(tied)[0]!r} and the config does not tie it")
     return model.eval()
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    """State-dict keys whose tensor shares storage with an earlier key (written once, under the first name)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    tied = set()
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if identity in seen:
+            tied.add(key)
+        seen.add(identity)
+    return tied

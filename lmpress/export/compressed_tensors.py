@@ -35,6 +35,7 @@ from lmpress.export.checkpoint import (
     plan_of,
     register_plan_check,
     register_reader,
+    register_scheme_check,
     require_quantized_layers,
     require_tensor,
     unquantized_linears,
@@ -88,13 +89,21 @@ def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@register_scheme_check(FORMAT)
+def ct_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
+    if scheme.bits not in PACKABLE_BITS:
+        return f"{scheme.bits}-bit weights; lmpress packs {PACKABLE_BITS} bits"
+    if act_order:
+        return "act-order (g_idx), which compressed-tensors no longer stores; set static_groups: true, or export gptq"
+    return None
+
+
 @register_plan_check(FORMAT)
 def check_ct_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     for name, layer in plan.items():
-        if layer.scheme.bits not in PACKABLE_BITS:
-            raise LmpressInputError(
-                f"export {FORMAT}: {name} has {layer.scheme.bits}-bit weights; lmpress packs {PACKABLE_BITS}"
-            )
+        reason = ct_scheme_refusal(layer.scheme, act_order=False)
+        if reason:
+            raise LmpressInputError(f"export {FORMAT}: {name}: {reason}")
 
 
 def _check_layer(name: str, module: QuantizedLinear) -> None:

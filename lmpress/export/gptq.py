@@ -42,6 +42,7 @@ from lmpress.export.checkpoint import (
     plan_of,
     register_plan_check,
     register_reader,
+    register_scheme_check,
     require_quantized_layers,
     require_tensor,
     unpack_layer,
@@ -80,12 +81,20 @@ def _layer_key(module: QuantizedLinear) -> tuple[int, int, bool, bool]:
     return (scheme.bits, scheme.group_size, scheme.symmetric, act_order_g_idx(module) is not None)
 
 
+@register_scheme_check(FORMAT)
+def gptq_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
+    if scheme.bits not in GPTQ_BITS:
+        return f"{scheme.bits}-bit weights; GPTQ holds {GPTQ_BITS} bits"
+    return None
+
+
 @register_plan_check(FORMAT)
 def check_gptq_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     for name, layer in plan.items():
         bits = layer.scheme.bits
-        if bits not in GPTQ_BITS:
-            raise LmpressInputError(f"export gptq: {name} has {bits}-bit weights; GPTQ holds {GPTQ_BITS} bits")
+        reason = gptq_scheme_refusal(layer.scheme, act_order=False)
+        if reason:
+            raise LmpressInputError(f"export gptq: {name}: {reason}")
         if layer.in_features * bits % 32:
             raise LmpressInputError(
                 f"export gptq: {name} has in_features {layer.in_features}, which {bits}-bit GPTQ cannot pack "

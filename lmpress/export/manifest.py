@@ -38,14 +38,41 @@ def write_manifest(root: Path, recipe: dict[str, Any], metrics: dict[str, Any]) 
     )
 
 
-def verify_manifest(root: Path) -> list[str]:
-    """Paths whose size or sha256 no longer match the manifest (missing files included)."""
+def verify_manifest(root: Path, prefix: str = "") -> list[str]:
+    """Paths (under ``prefix``) whose size or sha256 no longer match the manifest, missing files included."""
     from lmpress.cache import read_json
 
-    manifest = read_json(root / MANIFEST) or {"files": []}
+    manifest = read_json(Path(root) / MANIFEST)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        from lmpress.errors import LmpressInputError
+
+        raise LmpressInputError(f"{Path(root) / MANIFEST}: not a readable lmpress manifest")
     bad = []
     for entry in manifest["files"]:
-        path = root / entry["path"]
+        if not str(entry.get("path", "")).startswith(prefix):
+            continue
+        path = Path(root) / entry["path"]
         if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
             bad.append(entry["path"])
     return bad
+
+
+def verify_artifact(path: Path) -> None:
+    """Refuse an artifact inside a run directory whose files differ from the run's manifest.json.
+
+    ``path`` is one export (``RUN/gptq``) or a whole run; a directory without a
+    manifest beside or inside it is not checked.
+    """
+    from lmpress.errors import LmpressInputError
+
+    path = Path(path)
+    for root, prefix in ((path, ""), (path.parent, f"{path.name}/")):
+        if (root / MANIFEST).is_file():
+            bad = verify_manifest(root, prefix)
+            if bad:
+                more = f"; {len(bad) - 1} more file(s) differ" if len(bad) > 1 else ""
+                raise LmpressInputError(
+                    f"{root / bad[0]}: does not match {root / MANIFEST} (missing, or its size or sha256 differs: "
+                    f"damaged or changed after the run){more}"
+                )
+            return

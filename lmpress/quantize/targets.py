@@ -64,6 +64,14 @@ class WeightQuantConfig(StageConfig):
                 break
         return QuantScheme(**scheme)
 
+    def planned_schemes(self) -> list[tuple[str, QuantScheme]]:
+        """The stage's scheme and each override's, with the YAML path (relative to the stage) that sets it."""
+        base = {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
+        schemes = [("", QuantScheme(**base))]
+        for pattern, override in self.overrides.items():
+            schemes.append((f".overrides[{pattern!r}]", QuantScheme(**(base | override.model_dump(exclude_none=True)))))
+        return schemes
+
     def targets(self, model: nn.Module) -> dict[str, tuple[nn.Linear, QuantScheme]]:
         """Every nn.Linear of ``model`` this stage quantizes, with its scheme."""
         found = {}

@@ -96,7 +96,7 @@ def test_loaded_model_predicts_like_the_quantized_model(quantized_tiny, export):
     [
         ({"bits": 8, "group_size": 32}, "8-bit weights; AWQ GEMM holds 4-bit weights only"),
         ({"bits": 3, "group_size": 32}, "3-bit weights; AWQ GEMM holds 4-bit weights only"),
-        ({"bits": 4, "group_size": -1}, "per channel"),
+        ({"bits": 4, "group_size": -1}, "per-channel scales"),
         ({"bits": 4, "group_size": 32, "overrides": {".*down_proj": {"group_size": 64}}}, "one group size per model"),
         ({"bits": 4, "group_size": 32, "ignore": []}, "lm_head is quantized"),
     ],

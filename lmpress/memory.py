@@ -1,0 +1,91 @@
+"""Peak resident memory of the process, and of one piece of work within it.
+
+``report.json`` gives each stage the peak RSS reached *during that stage*. On
+Linux the kernel's high-water mark (VmHWM) is reset by writing ``5`` to
+``/proc/self/clear_refs``; elsewhere (or where that file is not writable) a
+sampling thread polls the resident size instead, which can miss spikes shorter
+than its period. Resetting VmHWM also resets ``getrusage``'s ``ru_maxrss``, so
+this module keeps the process-wide peak itself: read it with ``process_peak_mb``.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psutil
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+_SAMPLE_SECONDS = 0.02
+_peak_before_resets_mb = 0.0
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        with open(_STATUS) as f:
+            found = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found.group(1)) / 1024 if found else None
+
+
+def _ru_maxrss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def process_peak_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (across any per-stage resets)."""
+    return max(_peak_before_resets_mb, _vm_hwm_mb() or 0.0, _ru_maxrss_mb())
+
+
+def _reset_high_water_mark() -> bool:
+    global _peak_before_resets_mb
+    _peak_before_resets_mb = process_peak_mb()
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    hwm = _vm_hwm_mb()
+    return hwm is not None and hwm <= psutil.Process().memory_info().rss / (1 << 20) + 1
+
+
+@dataclass
+class PeakRSS:
+    mb: float = 0.0  # filled in when the ``with`` block ends
+
+
+@contextmanager
+def track_peak_rss() -> Iterator[PeakRSS]:
+    """``with track_peak_rss() as peak: work()`` leaves the work's own peak RSS (MiB) in ``peak.mb``."""
+    result = PeakRSS()
+    process = psutil.Process()
+    if _reset_high_water_mark():
+        try:
+            yield result
+        finally:
+            result.mb = _vm_hwm_mb() or 0.0
+        return
+    samples = [process.memory_info().rss]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(_SAMPLE_SECONDS):
+            samples.append(process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        sampler.join()
+        samples.append(process.memory_info().rss)
+        result.mb = max(samples) / (1 << 20)
