@@ -67,3 +67,26 @@ def test_not_gguf_and_not_a_checkpoint(tmp_path):
         resolve_checkpoint(str(fake))
     with pytest.raises(LmpressInputError, match="no config.json"):
         resolve_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
+def test_quantized_exports_load_in_the_requested_dtype_without_extra_packages(tiny_llama_dir, tmp_path, fmt):
+    import lmpress.methods  # noqa: F401
+    from lmpress.api import quantize_model
+    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.registry import EXPORTERS
+
+    loaded = load_model(str(tiny_llama_dir))
+    quantize_model(loaded.model, method="rtn", bits=4, group_size=32)
+    EXPORTERS[fmt](loaded.model, loaded.tokenizer, tmp_path / fmt)
+    ids = torch.arange(40)[None]
+    with torch.no_grad():
+        expected = loaded.model(ids).logits
+    for dtype, tolerance in (("float32", 1e-3), ("bfloat16", 0.1)):
+        back = load_model(str(tmp_path / fmt), dtype)
+        assert back.model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+        assert sum(isinstance(m, QuantizedLinear) for m in back.model.modules()) == 14
+        assert back.model.lm_head.weight is back.model.model.embed_tokens.weight  # tied, as saved
+        with torch.no_grad():
+            logits = back.model(ids).logits.float()
+        assert (logits - expected).abs().max() < tolerance

@@ -58,7 +58,30 @@ def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -
         rows = [[s["method"], s["settings"], _fmt(s["seconds"]), _fmt(s["peak_rss_mb"])] for s in report["stages"]]
         parts.append(markdown_table(["method", "settings", "seconds", "peak RSS (MB)"], rows))
     parts += ["", "## Metrics", ""]
+    measured_on = report.get("measured_on") or {}
+    if measured_on:
+        sides = "; ".join(f"{side}: {what}" for side, what in measured_on.items() if what)
+        parts += [f"Measured on {sides}.", ""]
     parts.append(markdown_table(["metric", "baseline", "candidate", "delta", "gate", "verdict"], metric_rows(report)))
+    if report.get("export_checks"):
+        parts += ["", "## Export checks", ""]
+        parts.append(
+            "Each export read back from disk against the in-memory candidate: weights, and perplexity on the "
+            "first eval window (allowed relative change "
+            f"{_fmt(report['export_checks'][0]['tolerance'])}).\n"
+        )
+        header = ["format", "weights", "max weight change", "window ppl (export / candidate)", "verdict"]
+        rows = [
+            [
+                c["format"],
+                c["weights"],
+                _fmt(c["max_weight_change"]),
+                f"{c['window_ppl']:.6g} / {c['candidate_window_ppl']:.6g}",
+                "pass" if c["passed"] else "**FAIL**",
+            ]
+            for c in report["export_checks"]
+        ]
+        parts.append(markdown_table(header, rows))
     for title, filename in plots:
         parts += ["", f"### {title}", "", f"![{title}]({filename})"]
     if report.get("exports"):

@@ -1,0 +1,41 @@
+"""Per-stage peak RSS: the stage's own peak, not the process's so far."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lmpress.memory import process_peak_mb, track_peak_rss
+
+
+def touch(mb: int) -> np.ndarray:
+    return np.ones(mb << 17)  # float64: 8 bytes each, every page written
+
+
+def test_a_stage_peak_excludes_what_came_before_and_the_process_peak_keeps_it():
+    big = touch(400)
+    before = process_peak_mb()
+    del big
+    with track_peak_rss() as peak:
+        small = touch(50)
+        del small
+    assert peak.mb < before - 200  # the 400 MB spike before the stage is not this stage's
+    assert process_peak_mb() >= before - 2  # ... but the process peak keeps it (the kernel counts RSS loosely)
+    with track_peak_rss() as second:
+        held = touch(150)
+    assert second.mb > peak.mb + 100
+    del held
+
+
+def test_without_a_resettable_high_water_mark_a_sampler_measures_the_peak(monkeypatch):
+    import lmpress.memory
+
+    monkeypatch.setattr(lmpress.memory, "_reset_high_water_mark", lambda: False)
+    with track_peak_rss() as quiet:
+        pass
+    with track_peak_rss() as busy:
+        held = touch(200)
+        import time
+
+        time.sleep(0.1)  # several sampling periods
+    del held
+    assert busy.mb > quiet.mb + 150
