@@ -30,7 +30,9 @@ def test_a_bfloat16_run_does_not_reuse_the_float32_baseline(tiny_llama_dir, tmp_
     ppl = {}
     for dtype in ("float32", "bfloat16", "float32"):
         out = tmp_path / f"run-{dtype}"
-        assert main(["run", str(recipe), "--out", str(out), "--quiet", "--overwrite", f"--set=model.dtype={dtype}"]) == 0
+        assert (
+            main(["run", str(recipe), "--out", str(out), "--quiet", "--overwrite", f"--set=model.dtype={dtype}"]) == 0
+        )
         report = json.loads((out / "report.json").read_text())
         ppl.setdefault(dtype, []).append(report["baseline"]["metrics"]["ppl"])
     assert ppl["bfloat16"][0] != ppl["float32"][0]  # a reused float32 baseline would be equal to the digit
