@@ -95,6 +95,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     with Bars(enabled=not args.quiet) as bars:
         result = run_recipe(recipe, args.out, overwrite=args.overwrite, resume=args.resume, bars=bars)
     print_metrics(result.report)
+    measured_on = result.report.get("measured_on", {}).get("candidate")
+    if measured_on:
+        console.print(f"candidate measured on {measured_on}", highlight=False)
+    for check in result.report.get("export_checks", []):
+        if not check["passed"]:
+            console.print(
+                f"[red]export {check['format']} does not match the candidate:[/] {check['weights']}; "
+                f"first-window ppl {check['window_ppl']:.6g} vs {check['candidate_window_ppl']:.6g}"
+            )
     if args.junit:
         from lmpress.evals.junit import write_junit
 
