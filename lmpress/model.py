@@ -247,7 +247,9 @@ def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
         if expanded.is_file():
             return gguf_to_checkpoint(expanded)
         if not (expanded / "config.json").exists():
-            raise LmpressInputError(f"model directory {expanded} has no config.json (not an HF checkpoint)")
+            exports = sorted(d.name for d in expanded.iterdir() if (d / "config.json").is_file())
+            hint = f"; it holds the exports {', '.join(exports)}: pass {expanded / exports[0]}" if exports else ""
+            raise LmpressInputError(f"model directory {expanded} has no config.json (not an HF checkpoint){hint}")
         return expanded
     if source.endswith(".gguf") or source.startswith((".", "/", "~")) or not HUB_ID.match(source):
         raise LmpressInputError(f"model path {source} does not exist")

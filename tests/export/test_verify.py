@@ -153,3 +153,10 @@ def test_compare_weights_names_the_first_difference(tiny_llama_dir):
     b.model.layers[0].input_layernorm.weight.data.copy_(a.model.layers[0].input_layernorm.weight)
     b.model.layers[1].self_attn.o_proj.scales.mul_(1.01)
     assert "model.layers.1.self_attn.o_proj: scales differ" in compare_weights(a, b)[0]
+
+
+def test_eval_of_a_whole_run_directory_names_its_exports(run_all_formats, capsys):
+    _, out, _ = run_all_formats
+    assert main(["eval", str(out), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "it holds the exports awq, compressed-tensors, gptq, hf" in err and "Traceback" not in err
