@@ -53,14 +53,10 @@ def load_text(source: str, default_split: str = "test") -> Text:
 
 
 def check_text_source(source: str) -> None:
-    """Fail fast on a local text file that is missing or empty (before any long work)."""
+    """Fail fast on a local text file that is missing, empty or unreadable (before any long work)."""
     if source.startswith(("builtin:", "hf:")):
         return
-    path = Path(source)
-    if not path.exists():
-        raise LmpressInputError(f"text file {path} does not exist")
-    if path.stat().st_size == 0:
-        raise LmpressInputError(f"text source {source} is empty")
+    load_text(source)
 
 
 def _python_docs() -> str:
@@ -72,22 +68,56 @@ def _python_docs() -> str:
 def _file_text(path: Path) -> str:
     if not path.exists():
         raise LmpressInputError(f"text file {path} does not exist")
+    if not path.is_file():
+        raise LmpressInputError(f"text file {path} is not a file")
     if path.suffix not in TEXT_SUFFIXES:
         raise LmpressInputError(f"text file {path}: unsupported type {path.suffix!r} (use {', '.join(TEXT_SUFFIXES)})")
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        missing = [i for i, row in enumerate(rows) if "text" not in row]
-        if missing:
-            raise LmpressInputError(f"{path}: line {missing[0] + 1} has no 'text' field")
-        return "\n\n".join(str(row["text"]) for row in rows)
+        return _jsonl_text(path)
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        return _parquet_text(path)
+    return _utf8_text(path)
 
+
+def _utf8_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LmpressInputError(
+            f"text file {path}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); convert it to UTF-8"
+        ) from e
+
+
+def _jsonl_text(path: Path) -> str:
+    """The ``text`` field of every line (one JSON object a line); errors name the line."""
+    texts = []
+    for number, line in enumerate(_utf8_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LmpressInputError(f"{path}: line {number} is not valid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(row, dict):
+            raise LmpressInputError(f"{path}: line {number} is {type(row).__name__}, not a JSON object with 'text'")
+        if "text" not in row:
+            raise LmpressInputError(f"{path}: line {number} has no 'text' field")
+        texts.append(str(row["text"]))
+    return "\n\n".join(texts)
+
+
+def _parquet_text(path: Path) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         table = pq.read_table(path)
-        if "text" not in table.column_names:
-            raise LmpressInputError(f"{path}: no 'text' column (columns: {', '.join(table.column_names)})")
-        return "\n\n".join(str(t) for t in table.column("text").to_pylist())
-    return path.read_bytes().decode("utf-8")
+    except (pa.ArrowException, OSError) as e:
+        raise LmpressInputError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from e
+    if "text" not in table.column_names:
+        raise LmpressInputError(f"{path}: no 'text' column (columns: {', '.join(table.column_names)})")
+    return "\n\n".join(str(t) for t in table.column("text").to_pylist())
 
 
 def _hub_text(source: str, default_split: str) -> str:
