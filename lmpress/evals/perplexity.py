@@ -78,7 +78,7 @@ class PerplexityConfig(EvalConfig):
         """First target position (index into the shifted targets) that window ``window_index`` scores."""
         if self.stride is None or window_index == 0:
             return 0
-        return self.seq_len - 1 - self.stride
+        return max(0, self.seq_len - 1 - self.stride)  # stride == seq_len: nothing overlaps, score every target
 
 
 def check_context(model: nn.Module, seq_len: int, what: str) -> None:
