@@ -190,6 +190,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_checkpoint(source, revision)
+    check_checkpoint_dir(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -217,6 +218,22 @@ def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
     if source.endswith(".gguf") or source.startswith((".", "/", "~")) or not HUB_ID.match(source):
         raise LmpressInputError(f"model path {source} does not exist")
     return download_from_hub(source, revision)
+
+
+def check_checkpoint_dir(path: Path) -> None:
+    """Refuse, in one line, a checkpoint lmpress cannot load: unreadable config.json, an architecture
+    without an anatomy, a damaged or truncated safetensors file (its header is read, not its tensors)."""
+    from lmpress.export.checkpoint import read_config, read_tensor_headers
+
+    config = read_config(path)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise LmpressInputError(f"{path / 'config.json'}: no 'model_type' (not a transformers model config)")
+    if model_type not in ANATOMIES:
+        raise LmpressInputError(
+            f"{path}: architecture {model_type!r} is not supported (lmpress supports: {', '.join(sorted(ANATOMIES))})"
+        )
+    read_tensor_headers(path)
 
 
 def download_from_hub(repo_id: str, revision: str | None) -> Path:
