@@ -85,12 +85,23 @@ def print_metrics(report: dict) -> None:
     console.print(table)
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an --out that is a file or a --junit that is a directory."""
+    out = getattr(args, "out", None)
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise LmpressInputError(f"--out {out} exists and is not a directory")
+    junit = getattr(args, "junit", None)
+    if junit and Path(junit).is_dir():
+        raise LmpressInputError(f"--junit {junit} is a directory; give the XML file to write")
+
+
 @command("run")
 def cmd_run(args: argparse.Namespace) -> int:
     from lmpress.pipeline import run_recipe
     from lmpress.progress import Bars
     from lmpress.recipe import load_recipe
 
+    check_output_paths(args)
     recipe = load_recipe(args.recipe, args.overrides)
     with Bars(enabled=not args.quiet) as bars:
         result = run_recipe(recipe, args.out, overwrite=args.overwrite, resume=args.resume, bars=bars)
@@ -118,6 +129,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from lmpress.progress import Bars
     from lmpress.recipe import parse_recipe, read_yaml_file
 
+    check_output_paths(args)
     raw = {"eval": {"perplexity": {"seq_len": 1024, "windows": 8}}}
     if args.suite:
         raw = read_yaml_file(args.suite, "suite") or {}

@@ -38,10 +38,8 @@ class Text:
 
 def load_text(source: str, default_split: str = "test") -> Text:
     """Read the whole text behind ``source``; a clear error when it is missing or empty."""
-    if source == BUILTIN_PYTHON_DOCS:
-        text = _python_docs()
-    elif source.startswith("builtin:"):
-        raise LmpressInputError(f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS})")
+    if source.startswith("builtin:"):
+        text = _builtin_text(source)
     elif source.startswith("hf:"):
         text = _hub_text(source, default_split)
     else:
@@ -53,10 +51,19 @@ def load_text(source: str, default_split: str = "test") -> Text:
 
 
 def check_text_source(source: str) -> None:
-    """Fail fast on a local text file that is missing, empty or unreadable (before any long work)."""
-    if source.startswith(("builtin:", "hf:")):
-        return
-    load_text(source)
+    """Fail fast on a malformed source, or a local file that is missing, empty or unreadable (before long work)."""
+    if source.startswith("builtin:"):
+        _builtin_text(source)
+    elif source.startswith("hf:"):
+        _hub_parts(source)  # the dataset itself is fetched when it is used
+    else:
+        load_text(source)
+
+
+def _builtin_text(source: str) -> str:
+    if source != BUILTIN_PYTHON_DOCS:
+        raise LmpressInputError(f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS})")
+    return _python_docs()
 
 
 def _python_docs() -> str:
@@ -120,11 +127,17 @@ def _parquet_text(path: Path) -> str:
     return "\n\n".join(str(t) for t in table.column("text").to_pylist())
 
 
-def _hub_text(source: str, default_split: str) -> str:
+def _hub_parts(source: str) -> tuple[str, str | None, str | None]:
+    """``hf:DATASET[:CONFIG[:SPLIT]]`` as (dataset, config, split)."""
     parts = source.removeprefix("hf:").split(":")
     if not parts[0] or len(parts) > 3:
         raise LmpressInputError(f"text source {source!r}: expected hf:DATASET[:CONFIG[:SPLIT]]")
     name, config, split = (parts + [None, None])[:3]
+    return name, config, split
+
+
+def _hub_text(source: str, default_split: str) -> str:
+    name, config, split = _hub_parts(source)
     try:
         import datasets
     except ImportError as e:
