@@ -171,21 +171,25 @@ def token_windows(
     n_windows: int | None = None,
     stride: int | None = None,
     bos_token_id: int | None = None,
+    where: str = "text",
 ) -> torch.Tensor:
     """Windows of ``seq_len`` tokens starting every ``stride`` tokens (default: non-overlapping).
 
     With ``bos_token_id`` each window is BOS followed by ``seq_len - 1`` text tokens (and the
     default stride is ``seq_len - 1``, so the text pieces still tile the stream).
-    ``n_windows=None`` takes every full window.
+    ``n_windows=None`` takes every full window. ``where`` (e.g. ``eval.perplexity``) starts the error messages.
     """
     body = seq_len - (bos_token_id is not None)
     stride = stride or body
     available = 0 if ids.numel() < body else (ids.numel() - body) // stride + 1
     if available == 0:
-        raise LmpressInputError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}")
+        raise LmpressInputError(
+            f"{where}: the text has {ids.numel()} tokens, fewer than one window of {seq_len} (use a longer text)"
+        )
     if n_windows is not None and n_windows > available:
         raise LmpressInputError(
-            f"text has {ids.numel()} tokens: {available} windows of {seq_len} (stride {stride}), not {n_windows}"
+            f"{where}: the text has {ids.numel()} tokens: {available} windows of {seq_len} (stride {stride}), "
+            f"not {n_windows}"
         )
     count = available if n_windows is None else n_windows
     starts = torch.arange(count) * stride

@@ -203,11 +203,11 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
     ("jsonl-malformed-line", with_text("t.jsonl", '{"text": "a"}\n{"text": \n'), "line 2 is not valid JSON", []),
     ("jsonl-without-text", with_text("t.jsonl", '{"text": "a"}\n{"body": "b"}\n'), "line 2 has no 'text'", []),
     ("jsonl-not-an-object", with_text("t.jsonl", '{"text": "a"}\n[1]\n'), "line 2 is list, not a JSON", []),
-    ("text-too-short", with_text("short.txt", "a few words"), "fewer than one window of 64", []),
+    ("text-too-short", with_text("short.txt", "a few words"), "eval.perplexity: the text has 8 tokens, fewer", []),
     (
         "too-many-windows",
         edited(lambda r, e: r["eval"]["perplexity"].update(windows=10**6)),
-        "not 1000000",
+        "eval.perplexity: the text has",
         [],
     ),
     (

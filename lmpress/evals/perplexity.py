@@ -72,7 +72,7 @@ class PerplexityConfig(EvalConfig):
         bos = tokenizer.bos_token_id if self.bos else None
         if self.bos and bos is None:
             raise LmpressInputError("eval.perplexity.bos: the tokenizer has no BOS token")
-        return token_windows(ids, self.seq_len, self.windows, self.stride, bos)
+        return token_windows(ids, self.seq_len, self.windows, self.stride, bos, where="eval.perplexity")
 
     def score_from(self, window_index: int) -> int:
         """First target position (index into the shifted targets) that window ``window_index`` scores."""
