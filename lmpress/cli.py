@@ -85,12 +85,23 @@ def print_metrics(report: dict) -> None:
     console.print(table)
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an --out that is a file or a --junit that is a directory."""
+    out = getattr(args, "out", None)
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise LmpressInputError(f"--out {out} exists and is not a directory")
+    junit = getattr(args, "junit", None)
+    if junit and Path(junit).is_dir():
+        raise LmpressInputError(f"--junit {junit} is a directory; give the XML file to write")
+
+
 @command("run")
 def cmd_run(args: argparse.Namespace) -> int:
     from lmpress.pipeline import run_recipe
     from lmpress.progress import Bars
     from lmpress.recipe import load_recipe
 
+    check_output_paths(args)
     recipe = load_recipe(args.recipe, args.overrides)
     with Bars(enabled=not args.quiet) as bars:
         result = run_recipe(recipe, args.out, overwrite=args.overwrite, resume=args.resume, bars=bars)
@@ -113,25 +124,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def gates_needing_baseline(recipe) -> list[str]:
+    """The gates on ``NAME_ratio``/``NAME_delta`` or on candidate-only metrics (KLD): no baseline, no value."""
+    from lmpress.evals.gates import RELATIVE
+
+    candidate_only = {m for config in recipe.eval.evals.values() for m in config.candidate_only}
+    return [str(g) for g in recipe.gates if g.metric.endswith(RELATIVE) or g.metric in candidate_only]
+
+
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
-    import yaml
-
     from lmpress.evals.suite import evaluate_models
     from lmpress.progress import Bars
-    from lmpress.recipe import parse_recipe
+    from lmpress.recipe import parse_recipe, read_yaml_file
 
+    check_output_paths(args)
     raw = {"eval": {"perplexity": {"seq_len": 1024, "windows": 8}}}
     if args.suite:
-        path = Path(args.suite)
-        if not path.exists():
-            raise LmpressInputError(f"suite {path} does not exist")
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = read_yaml_file(args.suite, "suite") or {}
         if not isinstance(raw, dict):
-            raise LmpressInputError(f"{path}: a suite is a YAML mapping with an 'eval:' section")
+            raise LmpressInputError(f"{args.suite}: a suite is a YAML mapping with an 'eval:' section")
     recipe = parse_recipe(
         {"model": args.model, "eval": raw.get("eval"), "gates": raw.get("gates")}, args.suite or "suite"
     )
+    needing = gates_needing_baseline(recipe)
+    if needing and not args.baseline:
+        raise LmpressInputError(f"{args.suite}: gate '{needing[0]}' compares with a baseline; pass --baseline MODEL")
     with Bars(enabled=not args.quiet) as bars:
         report = evaluate_models(recipe, args.baseline, bars)
     if args.out:

@@ -38,10 +38,8 @@ class Text:
 
 def load_text(source: str, default_split: str = "test") -> Text:
     """Read the whole text behind ``source``; a clear error when it is missing or empty."""
-    if source == BUILTIN_PYTHON_DOCS:
-        text = _python_docs()
-    elif source.startswith("builtin:"):
-        raise LmpressInputError(f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS})")
+    if source.startswith("builtin:"):
+        text = _builtin_text(source)
     elif source.startswith("hf:"):
         text = _hub_text(source, default_split)
     else:
@@ -53,14 +51,19 @@ def load_text(source: str, default_split: str = "test") -> Text:
 
 
 def check_text_source(source: str) -> None:
-    """Fail fast on a local text file that is missing or empty (before any long work)."""
-    if source.startswith(("builtin:", "hf:")):
-        return
-    path = Path(source)
-    if not path.exists():
-        raise LmpressInputError(f"text file {path} does not exist")
-    if path.stat().st_size == 0:
-        raise LmpressInputError(f"text source {source} is empty")
+    """Fail fast on a malformed source, or a local file that is missing, empty or unreadable (before long work)."""
+    if source.startswith("builtin:"):
+        _builtin_text(source)
+    elif source.startswith("hf:"):
+        _hub_parts(source)  # the dataset itself is fetched when it is used
+    else:
+        load_text(source)
+
+
+def _builtin_text(source: str) -> str:
+    if source != BUILTIN_PYTHON_DOCS:
+        raise LmpressInputError(f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS})")
+    return _python_docs()
 
 
 def _python_docs() -> str:
@@ -72,29 +75,69 @@ def _python_docs() -> str:
 def _file_text(path: Path) -> str:
     if not path.exists():
         raise LmpressInputError(f"text file {path} does not exist")
+    if not path.is_file():
+        raise LmpressInputError(f"text file {path} is not a file")
     if path.suffix not in TEXT_SUFFIXES:
         raise LmpressInputError(f"text file {path}: unsupported type {path.suffix!r} (use {', '.join(TEXT_SUFFIXES)})")
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        missing = [i for i, row in enumerate(rows) if "text" not in row]
-        if missing:
-            raise LmpressInputError(f"{path}: line {missing[0] + 1} has no 'text' field")
-        return "\n\n".join(str(row["text"]) for row in rows)
+        return _jsonl_text(path)
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        return _parquet_text(path)
+    return _utf8_text(path)
 
+
+def _utf8_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LmpressInputError(
+            f"text file {path}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); convert it to UTF-8"
+        ) from e
+
+
+def _jsonl_text(path: Path) -> str:
+    """The ``text`` field of every line (one JSON object a line); errors name the line."""
+    texts = []
+    for number, line in enumerate(_utf8_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LmpressInputError(f"{path}: line {number} is not valid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(row, dict):
+            raise LmpressInputError(f"{path}: line {number} is {type(row).__name__}, not a JSON object with 'text'")
+        if "text" not in row:
+            raise LmpressInputError(f"{path}: line {number} has no 'text' field")
+        texts.append(str(row["text"]))
+    return "\n\n".join(texts)
+
+
+def _parquet_text(path: Path) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         table = pq.read_table(path)
-        if "text" not in table.column_names:
-            raise LmpressInputError(f"{path}: no 'text' column (columns: {', '.join(table.column_names)})")
-        return "\n\n".join(str(t) for t in table.column("text").to_pylist())
-    return path.read_bytes().decode("utf-8")
+    except (pa.ArrowException, OSError) as e:
+        raise LmpressInputError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from e
+    if "text" not in table.column_names:
+        raise LmpressInputError(f"{path}: no 'text' column (columns: {', '.join(table.column_names)})")
+    return "\n\n".join(str(t) for t in table.column("text").to_pylist())
 
 
-def _hub_text(source: str, default_split: str) -> str:
+def _hub_parts(source: str) -> tuple[str, str | None, str | None]:
+    """``hf:DATASET[:CONFIG[:SPLIT]]`` as (dataset, config, split)."""
     parts = source.removeprefix("hf:").split(":")
     if not parts[0] or len(parts) > 3:
         raise LmpressInputError(f"text source {source!r}: expected hf:DATASET[:CONFIG[:SPLIT]]")
     name, config, split = (parts + [None, None])[:3]
+    return name, config, split
+
+
+def _hub_text(source: str, default_split: str) -> str:
+    name, config, split = _hub_parts(source)
     try:
         import datasets
     except ImportError as e:
@@ -128,21 +171,25 @@ def token_windows(
     n_windows: int | None = None,
     stride: int | None = None,
     bos_token_id: int | None = None,
+    where: str = "text",
 ) -> torch.Tensor:
     """Windows of ``seq_len`` tokens starting every ``stride`` tokens (default: non-overlapping).
 
     With ``bos_token_id`` each window is BOS followed by ``seq_len - 1`` text tokens (and the
     default stride is ``seq_len - 1``, so the text pieces still tile the stream).
-    ``n_windows=None`` takes every full window.
+    ``n_windows=None`` takes every full window. ``where`` (e.g. ``eval.perplexity``) starts the error messages.
     """
     body = seq_len - (bos_token_id is not None)
     stride = stride or body
     available = 0 if ids.numel() < body else (ids.numel() - body) // stride + 1
     if available == 0:
-        raise LmpressInputError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}")
+        raise LmpressInputError(
+            f"{where}: the text has {ids.numel()} tokens, fewer than one window of {seq_len} (use a longer text)"
+        )
     if n_windows is not None and n_windows > available:
         raise LmpressInputError(
-            f"text has {ids.numel()} tokens: {available} windows of {seq_len} (stride {stride}), not {n_windows}"
+            f"{where}: the text has {ids.numel()} tokens: {available} windows of {seq_len} (stride {stride}), "
+            f"not {n_windows}"
         )
     count = available if n_windows is None else n_windows
     starts = torch.arange(count) * stride

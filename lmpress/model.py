@@ -200,6 +200,7 @@ def load_model(
 
     path = resolve_checkpoint(source, revision)
     verify_artifact(path)
+    check_checkpoint_dir(path)
     quantized = quant_method(read_config(path)) is not None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -226,6 +227,7 @@ def model_skeleton(path: Path, trust_remote_code: bool = False) -> nn.Module:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_checkpoint_dir(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
@@ -254,6 +256,22 @@ def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
     if source.endswith(".gguf") or source.startswith((".", "/", "~")) or not HUB_ID.match(source):
         raise LmpressInputError(f"model path {source} does not exist")
     return download_from_hub(source, revision)
+
+
+def check_checkpoint_dir(path: Path) -> None:
+    """Refuse, in one line, a checkpoint lmpress cannot load: unreadable config.json, an architecture
+    without an anatomy, a damaged or truncated safetensors file (its header is read, not its tensors)."""
+    from lmpress.export.checkpoint import read_config, read_tensor_headers
+
+    config = read_config(path)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise LmpressInputError(f"{path / 'config.json'}: no 'model_type' (not a transformers model config)")
+    if model_type not in ANATOMIES:
+        raise LmpressInputError(
+            f"{path}: architecture {model_type!r} is not supported (lmpress supports: {', '.join(sorted(ANATOMIES))})"
+        )
+    read_tensor_headers(path)
 
 
 def download_from_hub(repo_id: str, revision: str | None) -> Path:

@@ -91,19 +91,38 @@ class Recipe(StrictConfig):
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read, override (``key.path=value``) and validate a recipe file."""
-    path = Path(path)
-    if not path.exists():
-        raise LmpressInputError(f"recipe {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise LmpressInputError(f"{path}: malformed YAML{where}: {problem}") from e
+    raw = read_yaml_file(path, "recipe")
     for override in overrides:
         raw = apply_override(raw, override)
     return parse_recipe(raw, origin=str(path))
+
+
+def read_yaml_file(path: str | Path, what: str) -> Any:
+    """The YAML document in ``path`` (a recipe, a suite); one-line errors for missing, binary or malformed files."""
+    path = Path(path)
+    if not path.exists():
+        raise LmpressInputError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise LmpressInputError(f"{what} {path} is not a file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LmpressInputError(
+            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); a {what} is a YAML file"
+        ) from e
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise LmpressInputError(f"{path}: malformed YAML{yaml_problem(e)}") from e
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """Where and what, for a YAML parse error: `` at line 3, column 5: expected ...``."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{where}: {problem}"
 
 
 def parse_recipe(raw: Any, origin: str = "recipe") -> Recipe:
@@ -145,6 +164,11 @@ def _stage(raw: Any, index: int, origin: str) -> StageConfig:
     if not isinstance(raw, dict) or "method" not in raw:
         raise LmpressInputError(f"{origin}: stages[{index}]: a stage is a mapping with a 'method' key")
     method = raw["method"]
+    if not isinstance(method, str):
+        raise LmpressInputError(
+            f"{origin}: stages[{index}].method: expected one method name, got {method!r} "
+            f"(known: {', '.join(sorted(STAGE_CONFIGS))})"
+        )
     if method not in STAGE_CONFIGS:
         raise LmpressInputError(
             f"{origin}: stages[{index}].method: unknown method {method!r}{_did_you_mean(str(method), STAGE_CONFIGS)} "
@@ -163,7 +187,7 @@ def _eval_spec(raw: Any, origin: str) -> EvalSpec:
         if name not in EVAL_CONFIGS:
             known = ", ".join(["text", *sorted(EVAL_CONFIGS)])
             raise LmpressInputError(
-                f"{origin}: eval.{name}: unknown eval{_did_you_mean(name, EVAL_CONFIGS)} (known: {known})"
+                f"{origin}: eval.{name}: unknown eval{_did_you_mean(str(name), EVAL_CONFIGS)} (known: {known})"
             )
         evals[name] = _validate(EVAL_CONFIGS[name], settings or {}, origin, ("eval", name))
     text = raw.get("text", EvalSpec().text)
@@ -235,7 +259,12 @@ def apply_override(raw: Any, override: str) -> Any:
     parts: list[str | int] = []
     for name, index in _PATH_TOKEN.findall(key.strip()):
         parts.append(int(index) if index else (int(name) if name.isdigit() else name))
-    value = yaml.safe_load(text) if text.strip() else None
+    if not parts:
+        raise LmpressInputError(f"--set {override!r}: expected key.path=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise LmpressInputError(f"--set {override!r}: the value {text!r} is not valid YAML{yaml_problem(e)}") from e
     root = raw if raw is not None else {}
     node = root
     for i, part in enumerate(parts):

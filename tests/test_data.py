@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from lmpress.data import calibration_samples, load_text, token_windows
+from lmpress.data import calibration_samples, check_text_source, load_text, token_windows
 from lmpress.errors import LmpressInputError
 
 
@@ -31,15 +31,32 @@ def test_local_files(tmp_path):
         ("empty.txt", "  \n", "is empty"),
         ("bad.jsonl", '{"txt": 1}\n', "no 'text' field"),
         ("bad.csv", "a,b", "unsupported type"),
+        ("latin1.txt", b"caf\xe9 ok", r"latin1.txt: not UTF-8 \(byte 0xe9 at offset 3\)"),
+        ("latin1.jsonl", b'{"text": "caf\xe9"}', r"latin1.jsonl: not UTF-8 \(byte 0xe9 at offset 13\)"),
+        ("broken.jsonl", '{"text": "a"}\n\n{"text": \n', r"broken.jsonl: line 3 is not valid JSON"),
+        ("list.jsonl", '{"text": "a"}\n["b"]\n', r"list.jsonl: line 2 is list, not a JSON object"),
+        ("string.jsonl", '"just text"\n', r"string.jsonl: line 1 is str, not a JSON object"),
+        ("bad.parquet", "not parquet at all", "not a readable parquet file"),
     ],
 )
 def test_bad_text_sources(tmp_path, name, content, message):
-    if content is not None:
+    if isinstance(content, bytes):
+        (tmp_path / name).write_bytes(content)
+    elif content is not None:
         (tmp_path / name).write_text(content)
     with pytest.raises(LmpressInputError, match=message):
         load_text(str(tmp_path / name))
     with pytest.raises(LmpressInputError, match="unknown builtin"):
         load_text("builtin:nope")
+
+
+def test_check_text_source_reads_local_files_up_front(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"fine text " * 100 + b"\xff")
+    with pytest.raises(LmpressInputError, match="byte 0xff at offset 1000"):
+        check_text_source(str(tmp_path / "bad.txt"))
+    with pytest.raises(LmpressInputError, match="is not a file"):
+        check_text_source(str(tmp_path))
+    check_text_source("hf:anything")  # hub sources are read when used
 
 
 def test_windows_are_non_overlapping_and_counted():

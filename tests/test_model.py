@@ -1,8 +1,17 @@
+import json
+
 import pytest
 import torch
 
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, get_anatomy, layer_linears, load_model, resolve_checkpoint
+from lmpress.model import (
+    check_checkpoint_dir,
+    decoder_layers,
+    get_anatomy,
+    layer_linears,
+    load_model,
+    resolve_checkpoint,
+)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_opt_dir"])
@@ -90,3 +99,48 @@ def test_quantized_exports_load_in_the_requested_dtype_without_extra_packages(ti
         with torch.no_grad():
             logits = back.model(ids).logits.float()
         assert (logits - expected).abs().max() < tolerance
+
+
+def copy_checkpoint(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_check_checkpoint_dir_names_the_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # no weights at all: refused first
+    with pytest.raises(LmpressInputError, match=r"architecture 'gpt2' is not supported \(lmpress supports: llama,"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("{not json", "config.json: not valid JSON"),
+        ("[1, 2]", "no 'model_type'"),
+        ('{"vocab_size": 3}', "no 'model_type'"),
+    ],
+)
+def test_check_checkpoint_dir_refuses_a_bad_config(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(LmpressInputError, match=message):
+        check_checkpoint_dir(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 10])
+def test_truncated_safetensors_is_refused_before_loading(tiny_llama_dir, tmp_path, keep):
+    check_checkpoint_dir(tiny_llama_dir)
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    with pytest.raises(LmpressInputError, match=r"model.safetensors: not a readable safetensors file"):
+        load_model(str(path))
+
+
+def test_checkpoint_without_weights_is_refused(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(LmpressInputError, match="no .safetensors weights"):
+        check_checkpoint_dir(path)

@@ -87,3 +87,26 @@ def test_set_overrides(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("model: a/b\nstages: [{method: rtn}]\n")
     assert load_recipe(path, ["stages[0].group_size=-1"]).stages[0].group_size == -1
+
+
+def test_set_with_malformed_yaml_value_names_the_override():
+    raw = {"model": "a/b", "stages": [{"method": "rtn"}]}
+    with pytest.raises(LmpressInputError, match=r"--set 'stages\[0\].bits=\[': the value '\[' is not valid YAML"):
+        apply_override(raw, "stages[0].bits=[")
+    with pytest.raises(LmpressInputError, match="expected key.path=value"):
+        apply_override(raw, "...=3")
+
+
+def test_method_that_is_not_a_name():
+    message = error_of({**BASE, "stages": [{"method": ["rtn"]}]})
+    assert message.startswith("r.yaml: stages[0].method: expected one method name, got ['rtn']")
+    assert "rtn" in error_of({**BASE, "stages": [{"method": {"name": "rtn"}}]})
+
+
+def test_binary_recipe_names_the_byte(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(b"model: a/b\n\x89PNG\x00\xff")
+    with pytest.raises(LmpressInputError, match=r"r.yaml: not UTF-8 text \(byte 0x89 at offset 11\)"):
+        load_recipe(path)
+    with pytest.raises(LmpressInputError, match="is not a file"):
+        load_recipe(tmp_path)

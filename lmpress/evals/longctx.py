@@ -262,7 +262,7 @@ def position_nll(
 @eval_handler(PositionNLLConfig)
 def run_position_nll(model: nn.Module, tokenizer, config: PositionNLLConfig, ctx: EvalContext) -> EvalResult:
     config.check(model)
-    documents = token_windows(ctx.ids(), config.seq_len, config.documents)
+    documents = token_windows(ctx.ids(), config.seq_len, config.documents, where="eval.ppl_by_position")
     began = time.perf_counter()
     metrics, details = position_nll(model, documents, config.buckets(), ctx.bars)
     seconds = time.perf_counter() - began

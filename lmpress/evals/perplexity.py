@@ -72,13 +72,13 @@ class PerplexityConfig(EvalConfig):
         bos = tokenizer.bos_token_id if self.bos else None
         if self.bos and bos is None:
             raise LmpressInputError("eval.perplexity.bos: the tokenizer has no BOS token")
-        return token_windows(ids, self.seq_len, self.windows, self.stride, bos)
+        return token_windows(ids, self.seq_len, self.windows, self.stride, bos, where="eval.perplexity")
 
     def score_from(self, window_index: int) -> int:
         """First target position (index into the shifted targets) that window ``window_index`` scores."""
         if self.stride is None or window_index == 0:
             return 0
-        return self.seq_len - 1 - self.stride
+        return max(0, self.seq_len - 1 - self.stride)  # stride == seq_len: nothing overlaps, score every target
 
 
 def check_context(model: nn.Module, seq_len: int, what: str) -> None:

@@ -100,8 +100,11 @@ class _Recorded:
         self.as_keyword[name] = not args
 
     def run(self, module: nn.Module, name: str) -> list[torch.Tensor]:
+        """``module`` on the recorded inputs (kept in float32), cast to the module's dtype (a half model)."""
+        dtype = next(module.parameters()).dtype
         outputs = []
         for x, kwargs in zip(self.inputs[name], self.kwargs[name], strict=True):
+            x = x.to(dtype)
             out = module(hidden_states=x, **kwargs) if self.as_keyword[name] else module(x, **kwargs)
             outputs.append(out[0] if isinstance(out, tuple) else out)
         return outputs

@@ -60,3 +60,42 @@ def test_passkey_longer_than_context_is_exit_2(tiny_llama_dir, tmp_path, suite_f
     suite_file.write_text(yaml.safe_dump(suite))
     assert main(["eval", str(tiny_llama_dir), "--suite", str(suite_file), "--quiet"]) == 2
     assert "exceed the model's context of 512" in capsys.readouterr().err
+
+
+def test_stride_equal_to_seq_len_is_the_non_overlapping_default(tiny_llama_dir, tmp_path, suite_file):
+    metrics = []
+    for stride in (None, 64):
+        suite = {"eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 3, "stride": stride}}}
+        suite_file.write_text(yaml.safe_dump(suite))
+        out = tmp_path / f"stride-{stride}"
+        assert main(["eval", str(tiny_llama_dir), "--suite", str(suite_file), "--out", str(out), "--quiet"]) == 0
+        report = json.loads((out / "report.json").read_text())["candidate"]
+        metrics.append((report["metrics"]["ppl"], report["details"]["perplexity"]["scored_tokens"]))
+    assert metrics[0] == metrics[1] and metrics[0][1] == 3 * 63
+
+
+@pytest.mark.parametrize(
+    ("gate", "eval_section"),
+    [
+        ("ppl_ratio <= 1.1", {"perplexity": {"seq_len": 64, "windows": 2}}),
+        ("nll_delta <= 0.1", {"perplexity": {"seq_len": 64, "windows": 2}}),
+        ("kld_mean <= 0.1", {"perplexity": {"seq_len": 64, "windows": 2, "kld": {"top_k": 8}}}),
+    ],
+)
+def test_gate_needing_a_baseline_without_one_is_exit_2(tmp_path, suite_file, capsys, gate, eval_section):
+    suite_file.write_text(yaml.safe_dump({"eval": eval_section, "gates": [gate]}))
+    missing_model = tmp_path / "not-loaded"  # the check comes before the model is loaded
+    assert main(["eval", str(missing_model), "--suite", str(suite_file), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"gate '{gate}' compares with a baseline; pass --baseline MODEL" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"eval:\n  perplexity: {\x89\xff", "not UTF-8 text (byte 0x89 at offset 21)"), (b"eval: [\n", "malformed YAML")],
+)
+def test_binary_or_malformed_suite_is_exit_2(tiny_llama_dir, suite_file, capsys, content, message):
+    suite_file.write_bytes(content)
+    assert main(["eval", str(tiny_llama_dir), "--suite", str(suite_file), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from functools import cache
+
 import pydantic
 import pytest
 import torch
 
+from lmpress import quantize_model
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.layerwise import LayerSession, capture_first_layer_inputs, expand_groups
-from lmpress.model import decoder_layers, get_anatomy, load_model
+from lmpress.model import DTYPES, decoder_layers, get_anatomy, load_model
 from lmpress.quantize.awq import AWQConfig, AWQMethod, run_awq
 from lmpress.quantize.awq_search import apply_clip, fold_scales, search_clip
 from lmpress.quantize.rtn import RTNConfig, run_rtn
@@ -131,3 +135,31 @@ def test_gptq_keys_need_gptq_rounding():
     with pytest.raises(pydantic.ValidationError, match="act_order only apply with rounding: gptq"):
         AWQConfig(act_order=True)
     assert AWQConfig(act_order=True, rounding="gptq").act_order
+
+
+@cache
+def awq_kl_to_float(model_dir, dtype: str, method: str = "awq") -> float:
+    """KL(float32 model || model quantized in ``dtype``) on calibration text; salient channels as in real LLMs."""
+    loaded = load_model(str(model_dir), dtype)
+    with_salient_channels(loaded.model)
+    settings = {"bits": 3, "group_size": 32} | ({"search_samples": 8} if method == "awq" else {})
+    quantize_model(loaded.model, loaded.tokenizer, method=method, data={"samples": 8, "seq_len": 32}, **settings)
+    assert all(p.dtype == DTYPES[dtype] for p in loaded.model.parameters() if p.is_floating_point())
+    reference = load_model(str(model_dir)).model
+    with_salient_channels(reference)
+    tokens = calibration_for(loaded.tokenizer, n=8)
+    with torch.no_grad():
+        target = torch.log_softmax(reference(tokens).logits, -1)
+        logits = loaded.model.float()(tokens).logits
+    return torch.nn.functional.kl_div(
+        torch.log_softmax(logits, -1), target, reduction="batchmean", log_target=True
+    ).item()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_awq_works_on_half_precision_models(tiny_llama_dir, dtype):
+    """The searches record float32 inputs; a bfloat16/float16 block must still run on them, to the same quality."""
+    half = awq_kl_to_float(tiny_llama_dir, dtype)
+    full = awq_kl_to_float(tiny_llama_dir, "float32")
+    rtn = awq_kl_to_float(tiny_llama_dir, "float32", method="rtn")
+    assert math.isfinite(half) and half < 1.25 * full and half < 0.8 * rtn, (half, full, rtn)

@@ -1,0 +1,369 @@
+"""A corpus of bad inputs through the CLI: each is exit 2, one line on stderr, no traceback, nothing lost.
+
+Every case builds its inputs under ``tmp_path`` (recipes, texts, damaged copies of a tiny
+random checkpoint) and runs ``lmpress.cli.main`` in-process. ``lmpress run`` cases write
+into an ``--out`` directory that already holds a file: it must come out untouched.
+Most cases are refused before any model work; the rest load the tiny model only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lmpress.cli import main
+
+SENTINEL = "kept.txt"
+
+
+@dataclass
+class Env:
+    """What a case builds its inputs from."""
+
+    tmp: Path
+    model: Path  # the tiny llama checkpoint (shared, never modified)
+
+    def file(self, name: str, content: str | bytes) -> str:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        return str(path)
+
+    def recipe(self, raw: Any, name: str = "recipe.yaml") -> str:
+        return self.file(name, yaml.safe_dump(raw))
+
+    def model_copy(self, name: str = "model") -> Path:
+        return Path(shutil.copytree(self.model, self.tmp / name))
+
+
+def base_recipe(env: Env) -> dict[str, Any]:
+    return {
+        "model": {"source": str(env.model)},
+        "data": {"samples": 2, "seq_len": 32},
+        "stages": [{"method": "rtn", "bits": 4, "group_size": 32}],
+        "export": {"formats": ["hf"]},
+        "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
+        "gates": ["ppl_ratio <= 100"],
+    }
+
+
+def edited(change: Callable[[dict[str, Any], Env], None]) -> Callable[[Env], str]:
+    """A case whose recipe is the base recipe with ``change`` applied."""
+
+    def build(env: Env) -> str:
+        raw = copy.deepcopy(base_recipe(env))
+        change(raw, env)
+        return env.recipe(raw)
+
+    return build
+
+
+def with_model(make: Callable[[Env], Path | str]) -> Callable[[Env], str]:
+    return edited(lambda raw, env: raw["model"].update(source=str(make(env))))
+
+
+def with_text(name: str, content: str | bytes, key: str = "eval") -> Callable[[Env], str]:
+    def change(raw: dict[str, Any], env: Env) -> None:
+        path = env.file(name, content)
+        if key == "eval":
+            raw["eval"]["text"] = path
+        else:
+            raw["data"]["source"] = path
+
+    return edited(change)
+
+
+def raw_recipe(content: str | bytes) -> Callable[[Env], str]:
+    return lambda env: env.file("recipe.yaml", content)
+
+
+# Damaged models ---------------------------------------------------------------------------
+
+
+def no_config(env: Env) -> Path:
+    path = env.model_copy()
+    (path / "config.json").unlink()
+    return path
+
+
+def bad_config(text: str) -> Callable[[Env], Path]:
+    def make(env: Env) -> Path:
+        path = env.model_copy()
+        (path / "config.json").write_text(text)
+        return path
+
+    return make
+
+
+def unsupported_architecture(env: Env) -> Path:
+    path = env.model_copy()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(
+        json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
+    return path
+
+
+def truncated_weights(env: Env) -> Path:
+    path = env.model_copy()
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return path
+
+
+def no_weights(env: Env) -> Path:
+    path = env.model_copy()
+    (path / "model.safetensors").unlink()
+    return path
+
+
+def fake_gguf(env: Env) -> str:
+    return env.file("model.gguf", b"PK\x03\x04 a zip file, not GGUF")
+
+
+# Recipe cases: (id, build -> recipe path, message fragment, extra CLI args) ---------------------
+
+PERPLEXITY = {"seq_len": 64, "windows": 2}
+RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
+    ("malformed-yaml", raw_recipe("model: x\nstages:\n  - method: rtn\n   bits: 4\n"), "malformed YAML at line 4", []),
+    ("recipe-is-a-list", raw_recipe("- model: x\n"), "a recipe is a YAML mapping", []),
+    ("recipe-is-a-scalar", raw_recipe("just words\n"), "a recipe is a YAML mapping", []),
+    ("recipe-is-empty", raw_recipe(""), "a recipe is a YAML mapping", []),
+    ("binary-recipe", raw_recipe(b"\x89PNG\r\n\x1a\n\x00\x00"), "not UTF-8 text (byte 0x89 at offset 0)", []),
+    ("nul-bytes-recipe", raw_recipe(b"model: x\x00\x01\n"), "malformed YAML", []),
+    ("unknown-top-key", edited(lambda r, e: r.update(stagez=[])), "stagez: unknown key", []),
+    ("unknown-model-key", edited(lambda r, e: r["model"].update(dtyp="float32")), "model.dtyp: unknown key", []),
+    ("unknown-data-key", edited(lambda r, e: r["data"].update(sampels=3)), "data.sampels: unknown key", []),
+    ("unknown-stage-key", edited(lambda r, e: r["stages"][0].update(bitz=4)), "stages[0].bitz: unknown key", []),
+    ("unknown-export-key", edited(lambda r, e: r["export"].update(format=["hf"])), "export.format: unknown key", []),
+    ("unknown-eval", edited(lambda r, e: r["eval"].update(perplexitty={})), "eval.perplexitty: unknown eval", []),
+    (
+        "unknown-eval-key",
+        edited(lambda r, e: r["eval"]["perplexity"].update(window=3)),
+        "eval.perplexity.window: unknown key",
+        [],
+    ),
+    (
+        "unknown-kld-key",
+        edited(lambda r, e: r["eval"]["perplexity"].update(kld={"topk": 3})),
+        "eval.perplexity.kld.topk: unknown key",
+        [],
+    ),
+    ("eval-key-not-a-string", edited(lambda r, e: r["eval"].update({3: {}})), "eval.3: unknown eval", []),
+    ("samples-not-a-number", edited(lambda r, e: r["data"].update(samples="many")), "data.samples", []),
+    ("stages-not-a-list", edited(lambda r, e: r.update(stages={"method": "rtn"})), "stages: expected a list", []),
+    ("stage-not-a-mapping", edited(lambda r, e: r.update(stages=["rtn"])), "stages[0]: a stage is a mapping", []),
+    ("dtype-unknown", edited(lambda r, e: r["model"].update(dtype="int8")), "model.dtype: 'int8' is not one of", []),
+    ("model-not-a-string", edited(lambda r, e: r.update(model=42)), "model", []),
+    ("eval-text-not-a-string", edited(lambda r, e: r["eval"].update(text=7)), "eval.text: expected a text source", []),
+    ("eval-not-a-mapping", edited(lambda r, e: r.update(eval=["perplexity"])), "eval: expected a mapping", []),
+    ("gates-not-a-list", edited(lambda r, e: r.update(gates="ppl < 3")), "gates: expected a list", []),
+    ("bits-5", edited(lambda r, e: r["stages"][0].update(bits=5)), "stages[0].bits: 5 is not one of 2, 3, 4, 8", []),
+    ("group-size-100", edited(lambda r, e: r["stages"][0].update(group_size=100)), "stages[0].group_size", []),
+    ("unknown-method", edited(lambda r, e: r["stages"][0].update(method="gptx")), "unknown method 'gptx'", []),
+    ("method-list", edited(lambda r, e: r["stages"][0].update(method=["rtn"])), "expected one method name", []),
+    ("stage-without-method", edited(lambda r, e: r["stages"][0].pop("method")), "with a 'method' key", []),
+    ("unknown-format", edited(lambda r, e: r["export"].update(formats=["tflite"])), "'tflite' is not an export", []),
+    ("duplicate-format", edited(lambda r, e: r["export"].update(formats=["hf", "hf"])), "listed twice", []),
+    ("bad-gate-syntax", edited(lambda r, e: r.update(gates=["ppl is small"])), "gates[0]: 'ppl is small' is not a", []),
+    ("gate-unknown-metric", edited(lambda r, e: r.update(gates=["bleu >= 3"])), "metric 'bleu' is not computed", []),
+    (
+        "stride-over-seq-len",
+        edited(lambda r, e: r["eval"]["perplexity"].update(stride=65)),
+        "stride 65 is longer than seq_len 64",
+        [],
+    ),
+    ("missing-model", with_model(lambda e: e.tmp / "no-such-model"), "does not exist", []),
+    ("model-dir-without-config", with_model(no_config), "has no config.json", []),
+    ("model-config-not-json", with_model(bad_config("{not json")), "config.json: not valid JSON", []),
+    ("model-config-without-type", with_model(bad_config('{"vocab_size": 3}')), "no 'model_type'", []),
+    ("unsupported-architecture", with_model(unsupported_architecture), "architecture 'gpt2' is not supported", []),
+    ("truncated-safetensors", with_model(truncated_weights), "not a readable safetensors file", []),
+    ("no-weights", with_model(no_weights), "no .safetensors weights", []),
+    ("not-gguf", with_model(fake_gguf), "is not a GGUF file", []),
+    ("missing-pypkg", with_model(lambda e: "pypkg:no_such_pkg_4821/m.gguf"), "is not installed", []),
+    ("non-utf8-eval-text", with_text("latin1.txt", b"caf\xe9 " * 50), "not UTF-8 (byte 0xe9 at offset 3)", []),
+    ("non-utf8-data", with_text("d.txt", b"ok\xff", key="data"), "not UTF-8 (byte 0xff at offset 2)", []),
+    ("empty-text", with_text("empty.txt", " \n\n"), "is empty", []),
+    ("missing-text", edited(lambda r, e: r["eval"].update(text=str(e.tmp / "nope.txt"))), "does not exist", []),
+    ("unsupported-text-type", with_text("t.csv", "a,b\n"), "unsupported type '.csv'", []),
+    ("unknown-builtin-text", edited(lambda r, e: r["eval"].update(text="builtin:nope")), "unknown builtin", []),
+    ("malformed-hub-source", edited(lambda r, e: r["data"].update(source="hf:")), "expected hf:DATASET", []),
+    ("jsonl-malformed-line", with_text("t.jsonl", '{"text": "a"}\n{"text": \n'), "line 2 is not valid JSON", []),
+    ("jsonl-without-text", with_text("t.jsonl", '{"text": "a"}\n{"body": "b"}\n'), "line 2 has no 'text'", []),
+    ("jsonl-not-an-object", with_text("t.jsonl", '{"text": "a"}\n[1]\n'), "line 2 is list, not a JSON", []),
+    ("text-too-short", with_text("short.txt", "a few words"), "eval.perplexity: the text has 8 tokens, fewer", []),
+    (
+        "too-many-windows",
+        edited(lambda r, e: r["eval"]["perplexity"].update(windows=10**6)),
+        "eval.perplexity: the text has",
+        [],
+    ),
+    (
+        "window-longer-than-context",
+        edited(lambda r, e: r["eval"]["perplexity"].update(seq_len=1024)),
+        "longer than the model's context (512)",
+        [],
+    ),
+    (
+        "calibration-too-short",
+        edited(lambda r, e: r.update(data={"samples": 10**6, "seq_len": 64}, stages=[{"method": "gptq"}])),
+        "calibration text too short",
+        [],
+    ),
+    (
+        "awq-export-8-bit",
+        edited(lambda r, e: r.update(export={"formats": ["awq"]}) or r["stages"][0].update(bits=8)),
+        "awq",
+        [],
+    ),  # fmt: skip
+    ("set-malformed-yaml", edited(lambda r, e: None), "is not valid YAML", ["--set", "stages[0].bits=["]),
+    ("set-missing-index", edited(lambda r, e: None), "stages[3] does not exist", ["--set", "stages[3].bits=8"]),
+    ("set-without-value", edited(lambda r, e: None), "expected key.path=value", ["--set", "stages[0].bits"]),
+    ("set-through-a-scalar", edited(lambda r, e: None), "is not a mapping", ["--set", "data.samples.x=1"]),
+    ("set-invalid-value", edited(lambda r, e: None), "stages[0].bits: 7 is not one of", ["--set", "stages[0].bits=7"]),
+]
+
+
+def assert_one_line_error(code: int, err: str, fragment: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], err
+
+
+def out_with_a_file(tmp: Path) -> Path:
+    out = tmp / "out"
+    out.mkdir()
+    (out / SENTINEL).write_text("already here")
+    return out
+
+
+@pytest.fixture()
+def env(tmp_path, tiny_llama_dir, monkeypatch) -> Env:
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    return Env(tmp_path, tiny_llama_dir)
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment", "extra"), [c[1:] for c in RECIPE_CASES], ids=[c[0] for c in RECIPE_CASES]
+)
+def test_bad_recipe_run_is_exit_2_and_keeps_out(env, capsys, build, fragment, extra):
+    recipe = build(env)
+    out = out_with_a_file(env.tmp)
+    code = main(["run", recipe, "--out", str(out), "--overwrite", "--quiet", *extra])
+    assert_one_line_error(code, capsys.readouterr().err, fragment)
+    assert sorted(p.name for p in out.iterdir()) == [SENTINEL]
+    assert (out / SENTINEL).read_text() == "already here"
+
+
+# CLI-level cases: (id, build -> argv, message fragment) ------------------------------------------
+
+
+def run_args(env: Env, out: Path, *extra: str) -> list[str]:
+    return ["run", env.recipe(base_recipe(env)), "--out", str(out), "--quiet", *extra]
+
+
+def out_is_a_file(env: Env) -> list[str]:
+    return run_args(env, Path(env.file("out", "a file")))
+
+
+def out_not_empty(env: Env) -> list[str]:
+    return run_args(env, out_with_a_file(env.tmp))
+
+
+def suite(env: Env, raw: Any) -> str:
+    return env.recipe(raw, "suite.yaml")
+
+
+PPL_SUITE = {"eval": {"perplexity": PERPLEXITY}}
+CLI_CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
+    ("missing-recipe", lambda e: ["run", str(e.tmp / "nope.yaml"), "--out", str(e.tmp / "o")], "does not exist"),
+    ("recipe-is-a-directory", lambda e: ["run", str(e.tmp), "--out", str(e.tmp / "o")], "is not a file"),
+    ("out-is-a-file", out_is_a_file, "exists and is not a directory"),
+    ("out-not-empty", out_not_empty, "exists and is not empty; pass --overwrite"),
+    (
+        "eval-ratio-gate-without-baseline",
+        lambda e: ["eval", str(e.model), "--suite", suite(e, {**PPL_SUITE, "gates": ["ppl_ratio <= 1.1"]})],
+        "pass --baseline MODEL",
+    ),
+    (
+        "eval-kld-gate-without-baseline",
+        lambda e: [
+            "eval",
+            str(e.model),
+            "--suite",
+            suite(e, {"eval": {"perplexity": {**PERPLEXITY, "kld": {"top_k": 8}}}, "gates": ["kld_mean <= 1"]}),
+        ],
+        "pass --baseline MODEL",
+    ),
+    ("eval-binary-suite", lambda e: ["eval", str(e.model), "--suite", e.file("s.yaml", b"\xff\xfe")], "not UTF-8"),
+    ("eval-malformed-suite", lambda e: ["eval", str(e.model), "--suite", e.file("s.yaml", "eval: [")], "malformed"),
+    ("eval-suite-is-a-list", lambda e: ["eval", str(e.model), "--suite", suite(e, [1])], "a suite is a YAML mapping"),
+    ("eval-missing-suite", lambda e: ["eval", str(e.model), "--suite", str(e.tmp / "nope.yaml")], "does not exist"),
+    ("eval-unknown-eval", lambda e: ["eval", str(e.model), "--suite", suite(e, {"eval": {"bleu": {}}})], "bleu"),
+    ("eval-missing-model", lambda e: ["eval", str(e.tmp / "nope"), "--suite", suite(e, PPL_SUITE)], "does not exist"),
+    (
+        "eval-truncated-baseline",
+        lambda e: ["eval", str(e.model), "--baseline", str(truncated_weights(e)), "--suite", suite(e, PPL_SUITE)],
+        "not a readable safetensors file",
+    ),
+    (
+        "eval-out-is-a-file",
+        lambda e: ["eval", str(e.model), "--suite", suite(e, PPL_SUITE), "--out", e.file("o", "x")],
+        "exists and is not a directory",
+    ),
+    ("eval-junit-is-a-directory", lambda e: ["eval", str(e.model), "--junit", str(e.tmp)], "is a directory"),
+    ("run-junit-is-a-directory", lambda e: run_args(e, e.tmp / "o", "--junit", str(e.tmp)), "is a directory"),
+    ("inspect-missing", lambda e: ["inspect", str(e.tmp / "nope")], "no such file or directory"),
+    ("inspect-a-file", lambda e: ["inspect", e.file("x.bin", b"\x00")], "inspect reads checkpoint directories"),
+    ("inspect-non-artifact", lambda e: ["inspect", str(Path(e.file("d/x.txt", "hi")).parent)], "neither a checkpoint"),
+    ("inspect-corrupt-config", lambda e: ["inspect", str(bad_config("{oops")(e))], "not valid JSON"),
+    ("inspect-truncated-weights", lambda e: ["inspect", str(truncated_weights(e))], "not a readable safetensors"),
+    ("compare-missing-runs", lambda e: ["compare", str(e.tmp / "a"), str(e.tmp / "b")], "no report.json"),
+    (
+        "compare-corrupt-report",
+        lambda e: ["compare", e.file("a/report.json", "{"), e.file("b/report.json", "{")],
+        "not valid JSON",
+    ),
+]
+
+
+@pytest.mark.parametrize(("build", "fragment"), [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_bad_cli_input_is_exit_2(env, capsys, build, fragment):
+    argv = build(env)
+    before = {p: p.stat().st_mtime_ns for p in env.tmp.rglob("*") if p.is_file()}
+    code = main(argv)
+    assert_one_line_error(code, capsys.readouterr().err, fragment)
+    for path, mtime in before.items():  # nothing the user had is rewritten or removed
+        assert path.exists() and path.stat().st_mtime_ns == mtime, path
+
+
+def truncated_gguf(env: Env) -> str:
+    return env.file("model.gguf", b"GGUF\x03\x00\x00\x00" + b"\x01" * 40)
+
+
+@pytest.mark.xfail(
+    reason="transformers' GGUF reader raises struct.error on a truncated file; model.gguf_to_checkpoint catches "
+    "only ValueError/OSError/KeyError, and that function is outside this change (load_model is being rewritten)",
+    strict=True,
+)
+def test_truncated_gguf_is_exit_2(env, capsys):
+    code = main(["eval", truncated_gguf(env), "--quiet"])
+    assert_one_line_error(code, capsys.readouterr().err, "model.gguf")
+
+
+def test_corpus_size():
+    assert len(RECIPE_CASES) + len(CLI_CASES) >= 50
