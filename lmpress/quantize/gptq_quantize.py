@@ -203,8 +203,13 @@ def gptq_quantize_layer(
                 else:
                     g = col // width
                     if col % width == 0:
-                        # Group parameters from the current (already error-compensated) weights.
-                        current = torch.cat([W1[i:], Wt[i2:]])[:width]
+                        # Group parameters from the current (already error-compensated) weights. A group that
+                        # runs past the block also needs, on its columns after the block, the updates this
+                        # block's columns so far have not yet applied there (Eq. 3 runs at the block's end).
+                        current = W1[i : i + width]
+                        if col + width > i2:
+                            pending = Hinv[i1:col, i2 : col + width].T @ Err1[:i]
+                            current = torch.cat([current, Wt[i2 : col + width] - pending])
                         with _threads(threads):  # the scale search is one large tensor op
                             scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
                 if g != current_group:

@@ -10,6 +10,7 @@ from lmpress.evals.longctx import (
     PositionNLLConfig,
     answered_key,
     greedy_decode,
+    length_label,
     passkey_prompt,
     passkey_trials,
     run_passkey,
@@ -82,13 +83,86 @@ def test_passkey_scores_exact_matches_into_the_grid(tiny, docs_text, tmp_path, m
     assert result.protocol["seed"] == 0 and result.protocol["lengths"] == [256, 384, 512]
 
 
-def test_passkey_runs_the_real_decoder(tiny, docs_text, tmp_path):
+class ScriptedAnswer(torch.nn.Module):
+    """The tiny model with its greedy choice overridden: it reads the pass key from the prompt and spells
+    ``" {answer(key)}."`` one token per step, then EOS.
+
+    Its forward runs the real model (prefill, then one token at a time on the KV cache) and only replaces the
+    logits, so ``run_passkey`` goes through the real prompt, ``greedy_decode``, decoding, matching and averaging.
+    """
+
+    def __init__(self, model, tokenizer, answer) -> None:
+        super().__init__()
+        self.model, self.config, self.tokenizer, self.answer = model, model.config, tokenizer, answer
+        self.script: list[int] = []
+        self.emitted: int | None = None
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False, logits_to_keep=0):
+        out = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        if past_key_values is None:  # a new prompt
+            key = int(re.search(r"pass key is (\d+)", self.tokenizer.decode(input_ids[0])).group(1))
+            self.script = self.tokenizer(f" {self.answer(key)}.", add_special_tokens=False)["input_ids"]
+            self.script.append(self.tokenizer.eos_token_id)
+        else:  # the decoder must feed back the token it was given
+            assert input_ids.tolist() == [[self.emitted]]
+        self.emitted = self.script.pop(0)
+        out.logits = torch.full_like(out.logits, -1e4)
+        out.logits[:, -1, self.emitted] = 0
+        return out
+
+
+PASSKEY_GRID = PasskeyConfig(lengths=[256, 384], depths=[0, 0.5, 1], trials=2, max_new_tokens=8)
+
+
+def low_key(key: int) -> bool:
+    return key < 50000
+
+
+@pytest.mark.parametrize(
+    "answer, right",
+    [
+        (lambda key: key, lambda key: True),
+        (lambda key: key + 1, lambda key: False),
+        (lambda key: key // 10, lambda key: False),  # the key less its last digit
+        (lambda key: key if low_key(key) else key + 1, low_key),
+    ],
+    ids=["copies", "off-by-one", "truncated", "low-keys-only"],
+)
+def test_passkey_accuracy_through_the_real_decoder_on_known_answers(tiny, docs_text, tmp_path, answer, right):
     model, tokenizer = tiny
-    config = PasskeyConfig(lengths=[256], depths=[0.5], trials=1, max_new_tokens=3)
-    result = run_passkey(model, tokenizer, config, make_ctx(docs_text, tokenizer, "baseline", tmp_path))
-    (sample,) = result.details["passkey_samples"]
-    assert sample["prompt_tokens"] == 253 and isinstance(sample["answer"], str)
-    assert result.metrics["passkey_accuracy"] in (0.0, 1.0)
+    scripted = ScriptedAnswer(model, tokenizer, answer)
+    result = run_passkey(scripted, tokenizer, PASSKEY_GRID, make_ctx(docs_text, tokenizer, "candidate", tmp_path))
+
+    # What each prompt's answer should score, from the keys alone.
+    trials = passkey_trials(PASSKEY_GRID)
+    expected = {(n, d, t): right(key) for n, d, t, key in trials}
+    samples = result.details["passkey_samples"]
+    assert [(s["length"], s["depth"], s["trial"], s["key"]) for s in samples] == trials
+    for s in samples:
+        assert s["answer"].startswith(f" {answer(s['key'])}.")
+        assert s["prompt_tokens"] == s["length"] - PASSKEY_GRID.max_new_tokens
+        assert s["correct"] is expected[s["length"], s["depth"], s["trial"]]
+    mean = lambda cells: sum(cells) / len(cells)
+    assert result.metrics["passkey_accuracy"] == mean(list(expected.values()))
+    for n in PASSKEY_GRID.lengths:
+        label = f"passkey_accuracy_{length_label(n)}"
+        assert result.metrics[label] == mean([ok for (length, _, _), ok in expected.items() if length == n])
+    assert result.details["passkey_grid"]["accuracy"] == [
+        [mean([expected[n, d, t] for t in range(PASSKEY_GRID.trials)]) for n in PASSKEY_GRID.lengths]
+        for d in PASSKEY_GRID.depths
+    ]
+
+
+def test_passkey_known_answers_cover_a_mixed_outcome():
+    """With PASSKEY_GRID's keys, the low-keys-only case above scores differently per length and in some cell
+    between 0 and 1, so it checks each average over its own prompts, not just all-or-none."""
+    right = {(n, d, t): low_key(key) for n, d, t, key in passkey_trials(PASSKEY_GRID)}
+    per_length = {sum(ok for (n, _, _), ok in right.items() if n == length) for length in PASSKEY_GRID.lengths}
+    assert len(per_length) == len(PASSKEY_GRID.lengths) and 0 < sum(right.values()) < len(right)
+    cells = [
+        [right[n, d, t] for t in range(PASSKEY_GRID.trials)] for n in PASSKEY_GRID.lengths for d in PASSKEY_GRID.depths
+    ]
+    assert any(0 < sum(cell) < len(cell) for cell in cells)
 
 
 def test_passkey_longer_than_context_is_refused(tiny, docs_text, tmp_path):
