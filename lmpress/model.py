@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,8 +309,11 @@ def gguf_to_checkpoint(gguf_path: Path) -> Path:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-        except (ValueError, OSError, KeyError) as e:
-            raise LmpressInputError(f"transformers cannot read GGUF file {gguf_path}: {e}") from e
+        except (ValueError, OSError, KeyError, IndexError, EOFError, struct.error) as e:
+            # transformers' GGUF reader raises struct.error / IndexError on a truncated file
+            raise LmpressInputError(
+                f"transformers cannot read GGUF file {gguf_path}: {e} (truncated or damaged?)"
+            ) from e
         # The dequantized weights are plain floats now; drop the GGUF quantizer so
         # the result saves (and later loads) as an ordinary checkpoint.
         model.hf_quantizer = None

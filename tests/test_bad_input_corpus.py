@@ -355,11 +355,6 @@ def truncated_gguf(env: Env) -> str:
     return env.file("model.gguf", b"GGUF\x03\x00\x00\x00" + b"\x01" * 40)
 
 
-@pytest.mark.xfail(
-    reason="transformers' GGUF reader raises struct.error on a truncated file; model.gguf_to_checkpoint catches "
-    "only ValueError/OSError/KeyError, and that function is outside this change (load_model is being rewritten)",
-    strict=True,
-)
 def test_truncated_gguf_is_exit_2(env, capsys):
     code = main(["eval", truncated_gguf(env), "--quiet"])
     assert_one_line_error(code, capsys.readouterr().err, "model.gguf")
