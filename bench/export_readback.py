@@ -55,7 +55,9 @@ def measure(variant: str) -> list[dict]:
         began = time.perf_counter()
         STAGE_HANDLERS[type(config)](model, config, ctx)
         print(f"{variant}: quantized in {time.perf_counter() - began:.0f} s", flush=True)
-    windows = token_windows(tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw"))), **EVAL)
+    windows = token_windows(
+        tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw"))), EVAL["seq_len"], EVAL["windows"]
+    )
     scoring = PerplexityConfig(**EVAL, batch_size=1)
     rows = [{"variant": variant, "scored": "in-memory candidate", "ppl": perplexity(model, windows, scoring)["ppl"]}]
     print(f"  in memory: {rows[0]['ppl']:.4f}", flush=True)

@@ -168,6 +168,7 @@ def read_back_exports(
         checks.append(check)
         if shipped is None:
             shipped = artifact
+        del artifact  # only the first export is kept (it is scored); the others go as soon as they are checked
         if not check.passed:
             bars.log(
                 f"[red]export {fmt} does not match the candidate:[/] {check.weights}; "

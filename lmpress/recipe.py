@@ -266,6 +266,8 @@ def apply_override(raw: Any, override: str) -> Any:
     except yaml.YAMLError as e:
         raise LmpressInputError(f"--set {override!r}: the value {text!r} is not valid YAML{yaml_problem(e)}") from e
     root = raw if raw is not None else {}
+    if isinstance(root, dict) and isinstance(root.get("model"), str) and parts[0] == "model" and len(parts) > 1:
+        root["model"] = {"source": root["model"]}  # the short form `model: SOURCE`, opened to set one key
     node = root
     for i, part in enumerate(parts):
         last = i == len(parts) - 1

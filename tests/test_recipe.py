@@ -87,6 +87,10 @@ def test_set_overrides(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("model: a/b\nstages: [{method: rtn}]\n")
     assert load_recipe(path, ["stages[0].group_size=-1"]).stages[0].group_size == -1
+    # the short form `model: SOURCE` still takes a model key
+    recipe = load_recipe(path, ["model.dtype=bfloat16"])
+    assert recipe.model.source == "a/b" and recipe.model.dtype == "bfloat16"
+    assert load_recipe(path, ["model=c/d"]).model.source == "c/d"
 
 
 def test_set_with_malformed_yaml_value_names_the_override():
