@@ -44,9 +44,9 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     by ``penalty`` when positive and multiplied by it when negative. ``history``: ``(batch, n)`` ids, -1 ignored."""
     if penalty == 1.0 or history.numel() == 0:
         return logits
-    seen = torch.zeros_like(logits, dtype=torch.bool)
-    valid = history >= 0
-    seen.scatter_(1, history.clamp(min=0), valid)
+    # Count, not assign: -1 entries map to id 0 and must not overwrite a real occurrence of it.
+    counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)
+    seen = counts.scatter_add_(1, history.clamp(min=0), (history >= 0).long()) > 0
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalized, logits)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,3 +40,13 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, vocab_size: int = 256, *
             else:
                 param.normal_(0, 0.08)
     return model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on one thread: on a shared CPU, 2-thread parallel regions of microsecond ops wait for a
+    descheduled worker (about 10 ms per attention call measured here, 10x the whole single-thread decode)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
