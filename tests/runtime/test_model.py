@@ -153,3 +153,23 @@ def test_unsupported_architecture_is_input_error(tiny_opt_dir):
 
     with pytest.raises(LmpressInputError, match="does not support model type 'opt'"):
         Transformer.from_hf(AutoModelForCausalLM.from_pretrained(tiny_opt_dir))
+
+
+def test_cache_is_preallocated_and_rolls_back():
+    model = Transformer.from_hf(tiny_hf_model("llama"))
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(1, 12)
+    storage = cache.k.data_ptr(), cache.v.data_ptr()
+    with torch.no_grad():
+        model(ids[:, :6], cache)
+        first = model(ids[:, 6:9], cache)
+        cache.truncate(6)  # drop the last three tokens, as a rejected speculative round does
+        model(torch.randint(0, 256, (1, 3)), cache)
+        cache.truncate(6)
+        again = model(ids[:, 6:9], cache)
+    assert (cache.k.data_ptr(), cache.v.data_ptr()) == storage and cache.length == 9
+    torch.testing.assert_close(again, first)
+    with pytest.raises(LmpressInputError, match="exceed the cache"):
+        model(ids[:, :4], cache)
+    with pytest.raises(LmpressInputError, match="context of 256"):
+        model.new_cache(1, 257)
