@@ -1,0 +1,1 @@
+"""lmpress's compact runtime: its own Llama-family decoder, a static KV cache, sampling and speculative decoding."""

@@ -1,0 +1,156 @@
+"""Prefill, one-token decode, and a generator that yields tokens as they come.
+
+A batch of prompts is left padded to one length (``left_pad``); each row stops on
+its own at EOS or a stop string, and generation ends when every row has stopped,
+after ``max_new_tokens``, or when the model's context is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.cache import KVCache
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.sample import SamplingConfig, make_generator, sample
+
+FINISHED = -1  # what ``generate_tokens`` yields for a row that has already stopped
+DecodeFn = Callable[[Transformer, torch.Tensor, KVCache], torch.Tensor]
+
+
+@torch.no_grad()
+def prefill(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Read the prompts ``(batch, n)`` into the cache; logits ``(batch, vocab)`` for the next token."""
+    return model(tokens, cache)[:, -1].float()
+
+
+@torch.no_grad()
+def decode_one_token(model: Transformer, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Read one token per row ``(batch,)``; logits ``(batch, vocab)`` for the next one."""
+    return model(token[:, None], cache)[:, -1].float()
+
+
+def as_batch(prompts: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor) -> list[list[int]]:
+    """One prompt (ids) or several, as a list of id lists."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    if not prompts:
+        raise LmpressInputError("no prompt given: pass token ids, or a list of token-id lists")
+    if all(isinstance(p, int) for p in prompts):
+        prompts = [prompts]
+    batch = [list(p) for p in prompts]
+    if any(len(p) == 0 for p in batch):
+        raise LmpressInputError("a prompt is empty: every prompt needs at least one token")
+    return batch
+
+
+def check_context(prompt_len: int, context: int) -> None:
+    if prompt_len > context:
+        raise LmpressInputError(
+            f"the prompt has {prompt_len} tokens, more than the model's context of {context}: shorten it"
+        )
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one ``(batch, longest)`` tensor padded on the left, and each row's padding."""
+    longest = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    pad = torch.tensor([longest - len(p) for p in prompts], dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+    return tokens, pad
+
+
+class StopCriteria:
+    """Per row: stop after an EOS id, or once the generated text contains a stop string."""
+
+    def __init__(
+        self, eos_token_id: int | Sequence[int] | None, stop_strings: Sequence[str] = (), tokenizer: Any = None
+    ) -> None:
+        if stop_strings and tokenizer is None:
+            raise LmpressInputError("stop strings need the tokenizer to decode the generated text: pass tokenizer=")
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        self.eos = set(eos)
+        self.stop_strings = tuple(stop_strings)
+        self.tokenizer = tokenizer
+        self.longest_stop = max((len(s) for s in self.stop_strings), default=0)
+
+    def done(self, generated: list[int]) -> bool:
+        """Whether a row that has generated ``generated`` (its last token just now) stops here."""
+        if generated[-1] in self.eos:
+            return True
+        if not self.stop_strings:
+            return False
+        # A stop string that ends in the newest token lies within its last few tokens' text.
+        tail = self.tokenizer.decode(generated[-(self.longest_stop + 1) :], skip_special_tokens=False)
+        return any(s in tail for s in self.stop_strings)
+
+
+def generate_tokens(
+    model: Transformer,
+    prompts: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer: Any = None,
+    seed: int | None = None,
+    decode: DecodeFn = decode_one_token,
+) -> Iterator[torch.Tensor]:
+    """Yield each step's new tokens ``(batch,)`` as they are produced; a stopped row yields ``FINISHED``.
+
+    The token that triggers a stop (EOS, or the one completing a stop string) is
+    yielded; nothing after it. ``decode`` may be a compiled ``decode_one_token``.
+    """
+    sampling = sampling or SamplingConfig()
+    if max_new_tokens < 1:
+        raise LmpressInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    batch = as_batch(prompts)
+    tokens, pad = left_pad(batch)
+    check_context(tokens.shape[1], model.args.max_seq_len)
+    stops = StopCriteria(eos_token_id, stop_strings, tokenizer)
+    # Generating n tokens reads the prompt and the first n - 1 of them.
+    max_len = min(tokens.shape[1] + max_new_tokens - 1, model.args.max_seq_len)
+    n_new = max_len - tokens.shape[1] + 1
+    cache = model.new_cache(len(batch), max_len, pad)
+    history = torch.full((len(batch), tokens.shape[1] + n_new), FINISHED, dtype=torch.long)
+    history[:, : tokens.shape[1]] = tokens.masked_fill(torch.arange(tokens.shape[1]) < pad[:, None], FINISHED)
+    generator = make_generator(seed)
+    generated: list[list[int]] = [[] for _ in batch]
+    active = torch.ones(len(batch), dtype=torch.bool)
+    logits = prefill(model, tokens, cache)
+    for step in range(n_new):
+        filled = tokens.shape[1] + step
+        token = sample(logits, sampling, generator, history[:, :filled])
+        history[:, filled] = token
+        out = token.masked_fill(~active, FINISHED)
+        for row in active.nonzero().flatten().tolist():
+            generated[row].append(int(token[row]))
+            if stops.done(generated[row]):
+                active[row] = False
+        yield out
+        if not bool(active.any()) or step == n_new - 1:
+            return
+        logits = decode(model, token, cache)
+
+
+def generate(
+    model: Transformer, prompts: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, **kwargs: Any
+) -> list[list[int]]:
+    """Every row's generated ids (``generate_tokens`` run to the end)."""
+    batch = as_batch(prompts)
+    rows: list[list[int]] = [[] for _ in batch]
+    for step in generate_tokens(model, batch, **kwargs):
+        for row, token in enumerate(step.tolist()):
+            if token != FINISHED:
+                rows[row].append(token)
+    return rows
+
+
+def compiled_decode(mode: str | None = None) -> DecodeFn:
+    """``decode_one_token`` under ``torch.compile`` (dynamic shapes: the cache grows each step)."""
+    return torch.compile(decode_one_token, dynamic=True, mode=mode)

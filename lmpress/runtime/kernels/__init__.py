@@ -1,0 +1,1 @@
+"""Matmul kernels for quantized weights, one module per device."""

@@ -1,0 +1,100 @@
+"""CPU matmuls for quantized weights: torch's packed int4/int8 kernels, weights repacked once at load.
+
+``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm`` are vectorized for
+bfloat16 activations only (see ``QuantizedLinear``'s docstring for the measurements),
+so these modules cast their input to bfloat16 and their output back. Unlike
+``QuantizedLinear`` they run the kernel for every batch size (prefill included) and
+keep only the repacked weight, not the original packed codes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmpress.quantize.qlinear import QuantizedLinear
+
+
+class Int4Linear(nn.Module):
+    """``(q - zero) * scale`` with 4-bit codes in the CPU int4pack layout, groups of ``group`` columns."""
+
+    def __init__(self, prepared: tuple, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        _, packed, group, scale_offset, perm = prepared
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_offset", scale_offset)
+        self.register_buffer("perm", perm)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.perm is not None:
+            flat = flat[:, self.perm]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, self.group, self.scale_offset)
+        return _finish(y, x, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        act = ", act-order" if self.perm is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{self.group}{act}"
+
+
+class Int8Linear(nn.Module):
+    """Per-row 8-bit weights: ``(q - 128) * scale`` through ``_weight_int8pack_mm``, plus the zero-point offset."""
+
+    def __init__(self, prepared: tuple, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        _, weight, scale, offset = prepared
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
+        if self.offset is not None:
+            # (q - zero) * s = (q - 128) * s + (128 - zero) * s: the second term is sum(x) * offset per row.
+            y = y + flat.sum(dim=-1, keepdim=True) * self.offset
+        return _finish(y, x, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+    """The fastest CPU module for ``layer``: a packed kernel, else its weight dequantized once into ``nn.Linear``.
+
+    Layouts the packed kernels cannot run (2/3 bits, grouped 8 bits, 4 bits with
+    out_features not a multiple of 16, act-order groups of unequal size) fall back to
+    a dense ``dtype`` weight: as fast as an unquantized layer, without the memory saving.
+    """
+    bias = None if layer.bias is None else layer.bias.detach().float().clone()
+    prepared = layer._prepare_kernel()  # the same repacking QuantizedLinear's own kernel path uses
+    if prepared is not None and prepared[0] == "int4":
+        return Int4Linear(prepared, layer.in_features, layer.out_features, bias)
+    if prepared is not None and prepared[0] == "int8":
+        return Int8Linear(prepared, layer.in_features, layer.out_features, bias)
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantized_weight(dtype))
+        if bias is not None:
+            dense.bias.copy_(bias)
+    return dense.requires_grad_(False)
+
+
+def kernel_name(module: nn.Module) -> str:
+    """ "int4", "int8" or "dense" for a module ``cpu_linear`` returned (or a plain ``nn.Linear``)."""
+    if isinstance(module, Int4Linear):
+        return "int4"
+    if isinstance(module, Int8Linear):
+        return "int8"
+    return "dense"

@@ -1,0 +1,304 @@
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) built from a transformers model.
+
+``Transformer.from_hf(hf_model)`` takes the weights of an in-memory transformers
+model whose linears are ``nn.Linear`` or lmpress ``QuantizedLinear``: q/k/v and
+gate/up are fused into one matmul each (quantized layers too, when their schemes
+match), quantized layers run torch's packed CPU kernels (``kernels/cpu.py``) and
+everything else runs in ``dtype``. The KV cache lives outside the model
+(``cache.py``), so a target and its draft each keep their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lmpress.errors import LmpressInputError
+from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
+from lmpress.runtime.cache import KVCache
+from lmpress.runtime.kernels.cpu import cpu_linear
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    max_seq_len: int
+    windows: tuple[int | None, ...]  # sliding window of each layer, None: full attention
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, config) -> ModelArgs:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise LmpressInputError(
+                f"the runtime does not support model type {config.model_type!r} (supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            dim=config.hidden_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            norm_eps=config.rms_norm_eps,
+            max_seq_len=config.max_position_embeddings,
+            windows=_layer_windows(config),
+            qk_norm=config.model_type == "qwen3",
+        )
+
+
+def _layer_windows(config) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return (window,) * config.num_hidden_layers
+
+
+def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies and cos/sin scale under the config's scaling (transformers' own formulas)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise LmpressInputError(
+            f"the runtime does not support rope_type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return inv_freq.float(), float(scale)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers does it: normalize in float32, cast back, then scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (the transformers convention): ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class FusedLinear(nn.Module):
+    """Several linears over one input, as one output ``cat(outputs, -1)``: one matmul where they fuse."""
+
+    def __init__(self, parts: list[nn.Module], sizes: list[int]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0](x)
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def fuse_linears(layers: list[nn.Module], dtype: torch.dtype) -> FusedLinear:
+    """One module computing every layer of ``layers`` on the same input, outputs concatenated."""
+    sizes = [layer.out_features for layer in layers]
+    if all(type(layer) is nn.Linear for layer in layers):
+        return FusedLinear([_concat_dense(layers, dtype)], sizes)
+    if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
+        return FusedLinear([cpu_linear(_concat_quantized(layers), dtype)], sizes)
+    return FusedLinear([_runtime_linear(layer, dtype) for layer in layers], sizes)
+
+
+def _runtime_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
+    if isinstance(layer, QuantizedLinear):
+        return cpu_linear(layer, dtype)
+    if isinstance(layer, nn.Linear):
+        return _concat_dense([layer], dtype)
+    raise LmpressInputError(f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear or QuantizedLinear)")
+
+
+def _concat_dense(layers: list[nn.Linear], dtype: torch.dtype) -> nn.Linear:
+    biased = any(layer.bias is not None for layer in layers)
+    fused = nn.Linear(layers[0].in_features, sum(la.out_features for la in layers), bias=biased, dtype=dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([layer.weight.detach() for layer in layers]))
+        if biased:
+            fused.bias.copy_(torch.cat([_bias_or_zeros(layer) for layer in layers]))
+    return fused.requires_grad_(False)
+
+
+def _bias_or_zeros(layer: nn.Module) -> torch.Tensor:
+    if layer.bias is None:
+        return torch.zeros(layer.out_features)
+    return layer.bias.detach().float()
+
+
+def _quantized_fusable(layers: list[QuantizedLinear]) -> bool:
+    first = layers[0]
+    return all(
+        layer.scheme == first.scheme
+        and layer.in_features == first.in_features
+        and layer.scales.dtype == first.scales.dtype
+        and trivial_g_idx(layer.g_idx, layer.in_features, layer.scheme)
+        for layer in layers
+    )
+
+
+def _concat_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear:
+    """Stack the layers' rows: codes are packed along the input axis, so rows concatenate as they are."""
+    first = layers[0]
+    biased = any(layer.bias is not None for layer in layers)
+    out_features = sum(layer.out_features for layer in layers)
+    fused = QuantizedLinear(first.in_features, out_features, first.scheme, biased, first.scales.dtype)
+    fused.qweight.copy_(torch.cat([layer.qweight for layer in layers]))
+    fused.scales.copy_(torch.cat([layer.scales for layer in layers]))
+    fused.zeros.copy_(torch.cat([layer.zeros for layer in layers]))
+    if biased:
+        with torch.no_grad():
+            fused.bias.copy_(torch.cat([_bias_or_zeros(layer) for layer in layers]))
+    return fused
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, hf_attn: nn.Module, window: int | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.window = window
+        self.wqkv = fuse_linears([hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj], dtype)
+        self.wo = fuse_linears([hf_attn.o_proj], dtype)
+        self.q_norm = _copy_norm(hf_attn.q_norm, args.norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = _copy_norm(hf_attn.k_norm, args.norm_eps, dtype) if args.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        batch, n_new, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.wqkv.sizes, dim=-1)
+        q = q.view(batch, n_new, self.n_heads, self.head_dim)
+        k = k.view(batch, n_new, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, n_new, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        keys, values = cache.update(layer, k, v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, hf_mlp: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w13 = fuse_linears([hf_mlp.gate_proj, hf_mlp.up_proj], dtype)
+        self.w2 = fuse_linears([hf_mlp.down_proj], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.w13.sizes, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attention = Attention(args, hf_layer.self_attn, window, dtype)
+        self.feed_forward = FeedForward(hf_layer.mlp, dtype)
+        self.attention_norm = _copy_norm(hf_layer.input_layernorm, args.norm_eps, dtype)
+        self.ffn_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, dtype)
+
+
+def _copy_norm(hf_norm: nn.Module, eps: float, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(hf_norm.weight.shape[0], getattr(hf_norm, "variance_epsilon", eps), dtype)
+    with torch.no_grad():
+        norm.weight.copy_(hf_norm.weight)
+    return norm
+
+
+class Transformer(nn.Module):
+    """Token ids + a ``KVCache`` in, logits out; the cache advances by the tokens read."""
+
+    def __init__(self, args: ModelArgs, hf_model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        base = hf_model.model
+        self.tok_embeddings = nn.Embedding.from_pretrained(base.embed_tokens.weight.detach().to(dtype), freeze=True)
+        self.layers = nn.ModuleList(Block(args, layer, args.windows[i], dtype) for i, layer in enumerate(base.layers))
+        self.norm = _copy_norm(base.norm, args.norm_eps, dtype)
+        self.output = _output_layer(hf_model, self.tok_embeddings, dtype)
+        inv_freq, rope_scale = rope_inverse_frequencies(hf_model.config)
+        angles = torch.arange(args.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("rope_cos", (angles.cos() * rope_scale).to(dtype), persistent=False)
+        self.register_buffer("rope_sin", (angles.sin() * rope_scale).to(dtype), persistent=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> Transformer:
+        """The runtime model for ``hf_model`` (a transformers causal LM); ``dtype`` defaults to its own."""
+        args = ModelArgs.from_config(hf_model.config)
+        dtype = dtype or hf_model.model.embed_tokens.weight.dtype
+        return cls(args, hf_model, dtype).eval()
+
+    def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
+        """A cache for ``batch`` rows of at most ``max_len`` tokens (at most the model's context)."""
+        if max_len > self.args.max_seq_len:
+            raise LmpressInputError(f"{max_len} tokens exceed the model's context of {self.args.max_seq_len}")
+        args = self.args
+        return KVCache(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, self.dtype, pad)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits ``(batch, n_new, vocab)`` for ``tokens`` ``(batch, n_new)`` read after the cache's contents."""
+        n_new = tokens.shape[1]
+        if cache.length + n_new > cache.max_len:
+            raise LmpressInputError(f"{cache.length + n_new} tokens exceed the cache of {cache.max_len}")
+        positions = cache.positions(n_new)
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        masks = {window: cache.attention_mask(n_new, window) for window in set(self.args.windows)}
+        x = self.tok_embeddings(tokens)
+        for i, block in enumerate(self.layers):
+            h = block.attention_norm(x)
+            x = x + block.attention(h, cos, sin, masks[block.attention.window], cache, i)
+            x = x + block.feed_forward(block.ffn_norm(x))
+        cache.advance(n_new)
+        return self.output(self.norm(x))
+
+
+def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, dtype: torch.dtype) -> nn.Module:
+    head = hf_model.get_output_embeddings()
+    if type(head) is nn.Linear and head.weight is hf_model.model.embed_tokens.weight:
+        tied = nn.Linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=dtype)
+        tied.weight = embeddings.weight  # tied embeddings: one tensor, read by both
+        return tied.requires_grad_(False)
+    return _runtime_linear(head, dtype)

@@ -1,0 +1,251 @@
+"""Speculative decoding: a drafter proposes k tokens, the target checks them all in one forward.
+
+Drafters: a smaller (or lower-bit) model with the target's vocabulary (``ModelDrafter``),
+or n-gram matches in the text so far (``PromptLookupDrafter``, no model). Acceptance
+follows Leviathan et al. 2023 (Algorithm 1), so accepted tokens are distributed as
+the target's own samples; greedy decoding is the special case of one-hot
+distributions, and then the output equals plain greedy decoding token for token.
+Batch 1 only: rows of a batch accept different numbers of tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.cache import KVCache
+from lmpress.runtime.generate import StopCriteria, as_batch, check_context
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.sample import SamplingConfig, draw, make_generator, next_token_probs
+
+
+@dataclass
+class SpeculativeStats:
+    target_steps: int = 0  # target forwards after the prefill, each verifying one round of drafts
+    drafted: int = 0
+    accepted: int = 0
+    step_tokens: int = 0  # tokens those forwards produced (accepted drafts plus one each)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.step_tokens / self.target_steps if self.target_steps else 0.0
+
+
+def verify(
+    target_probs: torch.Tensor,
+    drafts: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The tokens a round emits: the accepted prefix of ``drafts`` and one token from the target.
+
+    ``target_probs`` ``(len(drafts) + 1, vocab)``: the target's distribution at each draft's
+    position and after the last one; ``draft_probs`` ``(len(drafts), vocab)``, the
+    distributions the drafts were drawn from (None: drafts chosen deterministically).
+    """
+    out: list[int] = []
+    for i, token in enumerate(drafts):
+        p = target_probs[i]
+        q = _draft_distribution(draft_probs, i, token, p)
+        # Leviathan et al. 2023: accept x ~ q with probability min(1, p(x) / q(x)) ...
+        if p[token] >= q[token] or (p[token] > 0 and float(torch.rand(1, generator=generator)) < p[token] / q[token]):
+            out.append(token)
+            continue
+        # ... else draw from norm(max(0, p - q)), which makes the emitted token exactly p-distributed.
+        residual = (p - q).clamp(min=0)
+        out.append(
+            int(draw((residual / residual.sum())[None], generator)[0]) if residual.sum() > 0 else int(p.argmax())
+        )
+        return out
+    out.append(int(draw(target_probs[len(drafts)][None], generator)[0]))
+    return out
+
+
+def _draft_distribution(draft_probs: torch.Tensor | None, i: int, token: int, like: torch.Tensor) -> torch.Tensor:
+    if draft_probs is not None:
+        return draft_probs[i]
+    return torch.nn.functional.one_hot(torch.tensor(token), like.shape[-1]).to(like.dtype)
+
+
+class ModelDrafter:
+    """Draws k tokens from a draft model, keeping its KV cache in step with the accepted text."""
+
+    def __init__(self, model: Transformer, max_len: int, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        self.model, self.sampling, self.generator = model, sampling, generator
+        self.cache = model.new_cache(1, min(max_len, model.args.max_seq_len))
+        self.cached: list[int] = []  # the tokens whose keys/values the cache holds
+
+    def room(self, seq_len: int) -> int:
+        """How many drafts fit after ``seq_len`` tokens (it reads all but the last draft)."""
+        return self.cache.max_len - seq_len + 1
+
+    @torch.no_grad()
+    def propose(self, seq: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        keep = min(_common_prefix(self.cached, seq), len(seq) - 1)  # re-read at least the last token
+        self.cache.truncate(keep)
+        self.cached = self.cached[:keep]
+        pending = seq[keep:]
+        drafts, probs = [], []
+        for _ in range(k):
+            logits = self.model(torch.tensor([pending]), self.cache)[:, -1]
+            self.cached += pending
+            history = torch.tensor([seq + drafts])
+            q = next_token_probs(logits, self.sampling, history)
+            token = int(draw(q, self.generator)[0])
+            drafts.append(token)
+            probs.append(q[0])
+            pending = [token]
+        return drafts, torch.stack(probs) if probs else None
+
+
+class PromptLookupDrafter:
+    """Drafts by n-gram lookup: the tokens that followed the latest earlier occurrence of the text's last n tokens."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise LmpressInputError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def room(self, seq_len: int) -> int:
+        return seq_len
+
+    def propose(self, seq: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            pattern = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start : start + n] == pattern:
+                    return seq[start + n : start + n + k], None
+        return [], None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def check_same_vocabulary(
+    target: Transformer, draft: Transformer, target_tok: Any = None, draft_tok: Any = None
+) -> None:
+    """A draft must speak the target's token ids: same vocabulary size and, where given, the same tokenizer."""
+    if target.args.vocab_size != draft.args.vocab_size:
+        raise LmpressInputError(
+            f"the draft's vocabulary has {draft.args.vocab_size} tokens, the target's {target.args.vocab_size}: "
+            "use a draft with the target's tokenizer"
+        )
+    if target_tok is not None and draft_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
+        raise LmpressInputError("the draft's tokenizer differs from the target's: use a draft with the same tokenizer")
+
+
+class AdaptiveK:
+    """Draft length: two longer after a round with every draft accepted, one shorter after a rejection."""
+
+    def __init__(self, k: int, k_max: int, adaptive: bool) -> None:
+        if not 1 <= k <= k_max:
+            raise LmpressInputError(f"speculative decoding needs 1 <= k <= k_max, got k={k}, k_max={k_max}")
+        self.k, self.k_max, self.adaptive = k, k_max, adaptive
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k - 1, 1)
+
+
+def speculative_decode(
+    target: Transformer,
+    prompt: Sequence[int] | torch.Tensor,
+    draft: Transformer | None = None,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer: Any = None,
+    seed: int | None = None,
+    k: int = 4,
+    k_max: int = 8,
+    adaptive: bool = True,
+    prompt_lookup: PromptLookupDrafter | None = None,
+    stats: SpeculativeStats | None = None,
+) -> Iterator[int]:
+    """Yield the target's tokens as rounds accept them: from ``draft``, or ``prompt_lookup`` when no draft is given.
+
+    Same stopping rules and token budget as ``generate_tokens``; ``stats`` (if given)
+    is filled in as it runs: acceptance rate and tokens per target step.
+    """
+    sampling = sampling or SamplingConfig()
+    batch = as_batch(prompt)
+    if len(batch) != 1:
+        raise LmpressInputError(f"speculative decoding takes one prompt, got a batch of {len(batch)}")
+    if max_new_tokens < 1:
+        raise LmpressInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    seq = batch[0]
+    check_context(len(seq), target.args.max_seq_len)
+    if draft is not None:
+        check_same_vocabulary(target, draft)
+    stats = stats if stats is not None else SpeculativeStats()
+    stops = StopCriteria(eos_token_id, stop_strings, tokenizer)
+    generator = make_generator(seed)
+    capacity = min(len(seq) + max_new_tokens - 1, target.args.max_seq_len)
+    n_new = capacity - len(seq) + 1  # as many tokens as plain decoding would give
+    drafter = ModelDrafter(draft, capacity, sampling, generator) if draft is not None else prompt_lookup
+    drafter = drafter or PromptLookupDrafter()
+    draft_len = AdaptiveK(k, k_max, adaptive)
+    cache = target.new_cache(1, capacity)
+    prompt_len = len(seq)
+    with torch.no_grad():
+        logits = target(torch.tensor([seq]), cache)[:, -1]
+    emitted = [int(draw(next_token_probs(logits, sampling, torch.tensor([seq])), generator)[0])]
+    while True:
+        for token in emitted:
+            seq.append(token)
+            yield token
+            if stops.done(seq[prompt_len:]) or len(seq) - prompt_len == n_new:
+                return
+        remaining = n_new - (len(seq) - prompt_len)
+        drafted, emitted = _round(target, cache, seq, drafter, draft_len, remaining, sampling, generator)
+        stats.target_steps += 1
+        stats.step_tokens += len(emitted)
+        stats.drafted += drafted
+        stats.accepted += len(emitted) - 1
+
+
+@torch.no_grad()
+def _round(
+    target: Transformer,
+    cache: KVCache,
+    seq: list[int],
+    drafter: ModelDrafter | PromptLookupDrafter,
+    draft_len: AdaptiveK,
+    remaining: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> tuple[int, list[int]]:
+    """One draft-and-verify round: how many tokens were drafted, and the tokens it emits (at least one)."""
+    # The target has read all of seq but its last token; anything past that was rejected drafts.
+    cache.truncate(len(seq) - 1)
+    k = max(0, min(draft_len.k, remaining - 1, drafter.room(len(seq))))
+    drafts, draft_probs = drafter.propose(seq, k) if k else ([], None)
+    logits = target(torch.tensor([seq[-1:] + drafts]), cache)[0]
+    target_probs = _target_probs(logits, seq, drafts, sampling)
+    emitted = verify(target_probs, drafts, draft_probs, generator)
+    draft_len.update(len(drafts), len(emitted) - 1)
+    return len(drafts), emitted
+
+
+def _target_probs(logits: torch.Tensor, seq: list[int], drafts: list[int], sampling: SamplingConfig) -> torch.Tensor:
+    """The target's sampling distribution at each verified position (its history includes the drafts before it)."""
+    if sampling.repetition_penalty == 1.0:
+        return next_token_probs(logits, sampling)
+    rows = [next_token_probs(logits[i : i + 1], sampling, torch.tensor([seq + drafts[:i]])) for i in range(len(logits))]
+    return torch.cat(rows)

@@ -1,0 +1,130 @@
+"""Sampling, the generate loop (batches with left padding, stops, limits) and its bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.generate import FINISHED, generate, generate_tokens
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.sample import SamplingConfig, apply_repetition_penalty, mask_top_k, mask_top_p, next_token_probs
+from tests.runtime.conftest import tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return Transformer.from_hf(tiny_hf_model("llama"))
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_greedy_matches_transformers_generate():
+    hf = tiny_hf_model("qwen2", seed=4)
+    ids = prompt(12)
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None)[0, 12:]
+    assert generate(Transformer.from_hf(hf), ids, max_new_tokens=20) == [expected.tolist()]
+
+
+def test_left_padded_batch_gives_each_prompts_own_tokens(model):
+    prompts = [prompt(5, 1), prompt(17, 2), prompt(11, 3)]
+    together = generate(model, prompts, max_new_tokens=15)
+    alone = [generate(model, p, max_new_tokens=15)[0] for p in prompts]
+    assert together == alone
+
+
+def test_tokens_stream_one_step_at_a_time(model):
+    steps = generate_tokens(model, [prompt(4), prompt(6)], max_new_tokens=3)
+    first = next(steps)
+    assert first.shape == (2,) and first.dtype == torch.long
+    assert len(list(steps)) == 2
+
+
+def test_eos_stops_its_row_only(model):
+    ids = prompt(8)
+    free = generate(model, ids, max_new_tokens=12)[0]
+    eos = free[4]
+    rows = list(generate_tokens(model, [ids, prompt(9, 5)], max_new_tokens=12, eos_token_id=eos))
+    first_row = [int(step[0]) for step in rows]
+    stop = free.index(eos)
+    assert first_row[: stop + 1] == free[: stop + 1]
+    assert all(token == FINISHED for token in first_row[stop + 1 :])
+
+
+def test_stop_string_ends_generation():
+    from tests.conftest import _train_tokenizer
+
+    tokenizer = _train_tokenizer()
+    model = Transformer.from_hf(tiny_hf_model("llama", vocab_size=len(tokenizer)))
+    ids = tokenizer("def main():", add_special_tokens=False)["input_ids"]
+    free = generate(model, ids, max_new_tokens=20)[0]
+    text = tokenizer.decode(free)
+    stop = text[len(tokenizer.decode(free[:10])) - 2 :][:3]  # a string that first completes around token 10
+    stopped = generate(model, ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tokenizer)[0]
+    assert stop in tokenizer.decode(stopped) and stop not in tokenizer.decode(stopped[:-1])
+    assert stopped == free[: len(stopped)] and len(stopped) < len(free)
+
+
+def test_max_new_tokens_and_context_limit(model):
+    assert len(generate(model, prompt(10), max_new_tokens=7)[0]) == 7
+    context = model.args.max_seq_len
+    # A prompt filling the context leaves room for exactly one token (it needs no cache slot).
+    assert len(generate(model, prompt(context - 3), max_new_tokens=50)[0]) == 4
+
+
+def test_seeded_sampling_reproduces(model):
+    sampling = SamplingConfig(temperature=1.5, top_k=50, top_p=0.95, repetition_penalty=1.1)
+    runs = [generate(model, prompt(6), max_new_tokens=20, sampling=sampling, seed=s) for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0, 0.5]])
+    kept = mask_top_k(logits, 2).isfinite()
+    assert kept.tolist() == [[False, True, False, True, False]]
+
+
+@pytest.mark.parametrize(("p", "kept"), [(0.5, 1), (0.7, 2), (0.8, 2), (0.81, 3), (1.0, 4)])
+def test_top_p_keeps_the_smallest_set_reaching_p(p, kept):
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    mask = mask_top_p(probs.log(), p).isfinite()
+    order = [1, 3, 0, 2]  # most to least likely
+    assert mask[0, order].tolist() == [True] * kept + [False] * (4 - kept)
+
+
+def test_sampling_distribution_renormalizes_the_kept_tokens():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs = next_token_probs(logits, SamplingConfig(temperature=1.0, top_k=2))
+    expected = torch.tensor([[1.0, torch.e**-1, 0, 0]]) / (1 + torch.e**-1)
+    torch.testing.assert_close(probs, expected)
+    greedy = next_token_probs(logits, SamplingConfig())
+    assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_repetition_penalty_follows_ctrl():
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    out = apply_repetition_penalty(logits, torch.tensor([[0, 1, FINISHED]]), 2.0)
+    assert out.tolist() == [[1.0, -4.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.1}, {"temperature": -1.0}, {"top_k": -3}, {"repetition_penalty": 0}],
+)
+def test_bad_sampling_settings(settings):
+    with pytest.raises(LmpressInputError):
+        SamplingConfig(**settings)
+
+
+def test_bad_generate_inputs(model):
+    with pytest.raises(LmpressInputError, match="more than the model's context of 256"):
+        generate(model, prompt(257), max_new_tokens=1)
+    with pytest.raises(LmpressInputError, match="empty"):
+        generate(model, [[1, 2], []])
+    with pytest.raises(LmpressInputError, match="max_new_tokens"):
+        generate(model, [1, 2], max_new_tokens=0)
+    with pytest.raises(LmpressInputError, match="tokenizer"):
+        generate(model, [1, 2], stop_strings=["x"])

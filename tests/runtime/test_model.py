@@ -1,0 +1,175 @@
+"""The runtime decoder against transformers on the same weights; its quantized path against dequantize-then-matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmpress
+from lmpress.errors import LmpressInputError
+from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.runtime.kernels.cpu import Int4Linear, Int8Linear, cpu_linear, kernel_name
+from lmpress.runtime.model import Transformer
+from tests.runtime.conftest import FAMILIES, tiny_hf_model
+
+
+def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    noise = (reference.float() - actual.float()).pow(2).mean()
+    return float(10 * torch.log10(reference.float().pow(2).mean() / noise))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family):
+    hf = tiny_hf_model(family)
+    model = Transformer.from_hf(hf)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        actual = model(ids, model.new_cache(2, 32))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_then_decode_equals_full_sequence(family):
+    hf = tiny_hf_model(family, seed=3)
+    model = Transformer.from_hf(hf)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids, model.new_cache(1, 16))
+        cache = model.new_cache(1, 16)
+        steps = [model(ids[:, :10], cache)] + [model(ids[:, i : i + 1], cache) for i in range(10, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_llama3_rope_scaling_and_untied_head():
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    rope |= {"original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    hf = tiny_hf_model("llama", rope_parameters=rope, tie_word_embeddings=False)
+    model = Transformer.from_hf(hf)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, model.new_cache(1, 200)), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_mistral_sliding_window_matches_transformers():
+    hf = tiny_hf_model("mistral", sliding_window=8)
+    model = Transformer.from_hf(hf)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        cache = model.new_cache(1, 30)
+        steps = [model(ids[:, :20], cache)] + [model(ids[:, i : i + 1], cache) for i in range(20, 30)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_projections():
+    model = Transformer.from_hf(tiny_hf_model("qwen2"))
+    attention = model.layers[0].attention
+    assert len(attention.wqkv.parts) == 1 and attention.wqkv.sizes == [4 * 32, 2 * 32, 2 * 32]
+    assert attention.wqkv.parts[0].bias is not None
+    assert len(model.layers[0].feed_forward.w13.parts) == 1
+
+
+def test_bf16_model_runs_in_bf16():
+    hf = tiny_hf_model("llama")
+    model = Transformer.from_hf(hf, dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        out = model(ids, model.new_cache(1, 8))
+        expected = hf(ids).logits
+    assert out.dtype == torch.bfloat16
+    assert sqnr_db(expected, out) > 25
+
+
+@pytest.mark.parametrize(("bits", "group_size", "kernel"), [(4, 32, Int4Linear), (8, -1, Int8Linear)])
+def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel):
+    hf = tiny_hf_model("llama", seed=5)
+    lmpress.quantize_model(hf, method="rtn", bits=bits, group_size=group_size, symmetric=bits == 4)
+    model = Transformer.from_hf(hf)
+    assert isinstance(model.layers[0].attention.wqkv.parts[0], kernel)
+    assert len(model.layers[0].attention.wqkv.parts) == 1  # q/k/v quantized alike: fused
+    reference = _dequantized_copy(hf)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids, reference.new_cache(2, 12))
+        actual = model(ids, model.new_cache(2, 12))
+    # bf16 activations into the packed kernels: ~2-3 significant digits per matmul.
+    assert sqnr_db(expected, actual) > 30
+
+
+def _dequantized_copy(hf) -> Transformer:
+    import copy
+
+    dense = copy.deepcopy(hf)
+    for name, module in list(dense.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(module.dequantized_weight())
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(dense.get_submodule(parent), child, linear)
+    return Transformer.from_hf(dense)
+
+
+@pytest.mark.parametrize(("bits", "group_size", "symmetric"), [(4, 64, True), (4, 128, False), (8, -1, False)])
+def test_cpu_kernel_matches_dequantize_then_matmul(bits, group_size, symmetric):
+    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
+    qw = quantize_weight_rtn(weight, QuantScheme(bits, group_size, symmetric))
+    layer = QuantizedLinear.from_quantized_weight(qw, bias=torch.randn(96))
+    fast = cpu_linear(layer, torch.float32)
+    assert kernel_name(fast) == f"int{bits}"
+    for rows in (1, 7, 300):  # decode, small batch, prefill beyond QuantizedLinear's 128-row limit
+        x = torch.randn(rows, 256)
+        expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
+        assert sqnr_db(expected, fast(x)) > 35
+
+
+def test_unfusable_quantized_layers_stay_separate():
+    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+
+    hf = tiny_hf_model("llama")
+    attn = hf.model.layers[0].self_attn
+    for name, scheme in (
+        ("q_proj", QuantScheme(4, 32)),
+        ("k_proj", QuantScheme(8, -1)),
+        ("v_proj", QuantScheme(3, 32)),
+    ):
+        linear = getattr(attn, name)
+        setattr(attn, name, QuantizedLinear.from_quantized_weight(quantize_weight_rtn(linear.weight.data, scheme)))
+    model = Transformer.from_hf(hf)
+    assert [kernel_name(p) for p in model.layers[0].attention.wqkv.parts] == ["int4", "int8", "dense"]
+    reference = _dequantized_copy(hf)
+    ids = torch.randint(0, 256, (1, 10))
+    with torch.no_grad():
+        assert sqnr_db(reference(ids, reference.new_cache(1, 10)), model(ids, model.new_cache(1, 10))) > 30
+
+
+def test_unsupported_architecture_is_input_error(tiny_opt_dir):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(LmpressInputError, match="does not support model type 'opt'"):
+        Transformer.from_hf(AutoModelForCausalLM.from_pretrained(tiny_opt_dir))
+
+
+def test_cache_is_preallocated_and_rolls_back():
+    model = Transformer.from_hf(tiny_hf_model("llama"))
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(1, 12)
+    storage = cache.k.data_ptr(), cache.v.data_ptr()
+    with torch.no_grad():
+        model(ids[:, :6], cache)
+        first = model(ids[:, 6:9], cache)
+        cache.truncate(6)  # drop the last three tokens, as a rejected speculative round does
+        model(torch.randint(0, 256, (1, 3)), cache)
+        cache.truncate(6)
+        again = model(ids[:, 6:9], cache)
+    assert (cache.k.data_ptr(), cache.v.data_ptr()) == storage and cache.length == 9
+    torch.testing.assert_close(again, first)
+    with pytest.raises(LmpressInputError, match="exceed the cache"):
+        model(ids[:, :4], cache)
+    with pytest.raises(LmpressInputError, match="context of 256"):
+        model.new_cache(1, 257)

@@ -1,0 +1,169 @@
+"""Speculative decoding: greedy identity with plain decoding, the target's distribution under sampling, bad drafts."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import lmpress
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.generate import generate
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.sample import SamplingConfig, next_token_probs
+from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, speculative_decode, verify
+from tests.runtime.conftest import tiny_hf_model
+
+# Chi-square critical values at p = 0.001 (a correct sampler fails with probability 1/1000 per seed).
+CHI2_CRITICAL_999 = {5: 20.515, 15: 37.697}
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    return tiny_hf_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def target(target_hf) -> Transformer:
+    return Transformer.from_hf(target_hf)
+
+
+def prompt(n: int = 16, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def w4_copy(hf) -> Transformer:
+    quantized = copy.deepcopy(hf)
+    lmpress.quantize_model(quantized, method="rtn", bits=4, group_size=32)
+    return Transformer.from_hf(quantized)
+
+
+@pytest.mark.parametrize("draft_kind", ["other-init", "w4-copy", "prompt-lookup"])
+def test_greedy_output_identical_to_plain_decoding(target, target_hf, draft_kind):
+    draft = {
+        "other-init": lambda: Transformer.from_hf(tiny_hf_model("llama", seed=9)),
+        "w4-copy": lambda: w4_copy(target_hf),
+    }
+    draft_model = draft[draft_kind]() if draft_kind in draft else None
+    for seed in range(3):
+        ids = prompt(seed=seed)
+        if draft_kind == "prompt-lookup":
+            ids = ids + ids[:8]  # a repeat gives the n-gram lookup something to find
+        expected = generate(target, ids, max_new_tokens=48)[0]
+        stats = SpeculativeStats()
+        actual = list(speculative_decode(target, ids, draft=draft_model, max_new_tokens=48, stats=stats))
+        assert actual == expected
+        assert stats.target_steps < 48 or draft_kind == "other-init"
+        assert stats.tokens_per_step == (len(actual) - 1) / stats.target_steps
+
+
+def test_acceptance_reflects_draft_quality(target, target_hf):
+    drafts = {"w4": w4_copy(target_hf), "unrelated": Transformer.from_hf(tiny_hf_model("llama", seed=9))}
+    stats = {name: SpeculativeStats() for name in drafts}
+    for name, draft in drafts.items():
+        list(speculative_decode(target, prompt(), draft=draft, max_new_tokens=48, stats=stats[name]))
+    # Random tiny weights have near-tied logits, so even a W4 copy flips some argmaxes.
+    assert stats["w4"].acceptance_rate > 0.3 and stats["w4"].tokens_per_step > 1.5
+    assert stats["unrelated"].acceptance_rate < 0.2 and stats["unrelated"].tokens_per_step < 1.3
+
+
+def test_greedy_identity_with_eos_and_repetition_penalty(target):
+    ids = prompt(seed=4)
+    sampling = SamplingConfig(repetition_penalty=1.3)
+    free = generate(target, ids, max_new_tokens=30, sampling=sampling)[0]
+    eos = free[20]
+    expected = generate(target, ids, max_new_tokens=30, sampling=sampling, eos_token_id=eos)[0]
+    draft = Transformer.from_hf(tiny_hf_model("llama", seed=2))
+    for drafter in ({"draft": draft}, {"prompt_lookup": PromptLookupDrafter(2)}):
+        actual = list(
+            speculative_decode(target, ids, max_new_tokens=30, sampling=sampling, eos_token_id=eos, **drafter)
+        )
+        assert actual == expected
+
+
+def test_context_limit_matches_plain_decoding(target):
+    ids = prompt(250)
+    expected = generate(target, ids, max_new_tokens=40)[0]
+    assert len(expected) == 7
+    assert list(speculative_decode(target, ids, draft=target, max_new_tokens=40)) == expected
+
+
+def test_k_adapts_to_acceptance(target):
+    from lmpress.runtime.speculative import AdaptiveK
+
+    k = AdaptiveK(4, 8, adaptive=True)
+    k.update(4, 4)
+    assert k.k == 6
+    k.update(6, 1)
+    k.update(5, 0)
+    assert k.k == 4
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_verify_emits_target_distributed_tokens():
+    """Leviathan et al. 2023, Theorem 3.5: the first emitted token is distributed as the target's p, whatever q is."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.05, 0.4, 0.1, 0.2, 0.15, 0.1], [0.3, 0.1, 0.1, 0.2, 0.2, 0.1]])
+    q = torch.tensor([[0.3, 0.05, 0.3, 0.05, 0.2, 0.1]])
+    first, drafted = torch.zeros(6), torch.zeros(6)
+    for _ in range(6000):
+        draft = int(torch.multinomial(q[0], 1, generator=gen))
+        first[verify(p, [draft], q, gen)[0]] += 1
+        drafted[draft] += 1
+    assert chi_square(first, p[0]) < CHI2_CRITICAL_999[5]
+    # The test has power: the drafts themselves (q-distributed) fail it by far.
+    assert chi_square(drafted, p[0]) > 10 * CHI2_CRITICAL_999[5]
+
+
+def test_speculative_sampling_follows_target_distribution():
+    """End to end on a 4-token vocabulary: the joint law of the first two tokens (the second one comes out of
+    the draft-and-verify round) equals the target's, against a draft model with a different distribution."""
+    target_hf, draft_hf = tiny_hf_model("llama", seed=0, vocab_size=4), tiny_hf_model("llama", seed=1, vocab_size=4)
+    target, draft = Transformer.from_hf(target_hf), Transformer.from_hf(draft_hf)
+    sampling = SamplingConfig(temperature=1.0)
+    ids = [1, 3, 0, 2]
+    with torch.no_grad():
+        p1 = next_token_probs(target_hf(torch.tensor([ids])).logits[:, -1], sampling)[0]
+        following = torch.tensor([ids + [t] for t in range(4)])
+        p2 = next_token_probs(target_hf(following).logits[:, -1], sampling)
+    joint = (p1[:, None] * p2).flatten()
+    counts = torch.zeros(16)
+    for seed in range(1500):
+        runs = speculative_decode(target, ids, draft=draft, max_new_tokens=4, sampling=sampling, seed=seed, k=2)
+        a, b = itertools.islice(runs, 2)
+        counts[a * 4 + b] += 1
+    assert chi_square(counts, joint) < CHI2_CRITICAL_999[15]
+
+
+def test_draft_with_another_vocabulary_is_input_error(target):
+    other = Transformer.from_hf(tiny_hf_model("llama", vocab_size=300))
+    with pytest.raises(LmpressInputError, match="vocabulary"):
+        next(speculative_decode(target, prompt(), draft=other))
+
+
+def test_tokenizers_must_match(target):
+    from lmpress.runtime.speculative import check_same_vocabulary
+    from tests.conftest import _train_tokenizer
+
+    tok = _train_tokenizer()
+    other = _train_tokenizer(300)
+    check_same_vocabulary(target, target, tok, tok)
+    with pytest.raises(LmpressInputError, match="tokenizer differs"):
+        check_same_vocabulary(target, target, tok, other)
+
+
+def test_bad_speculative_inputs(target):
+    with pytest.raises(LmpressInputError, match="one prompt"):
+        next(speculative_decode(target, [[1, 2], [3, 4]]))
+    with pytest.raises(LmpressInputError, match="context"):
+        next(speculative_decode(target, prompt(300)))
+    with pytest.raises(LmpressInputError, match="k <= k_max"):
+        next(speculative_decode(target, prompt(), k=9, k_max=8))
+    with pytest.raises(LmpressInputError, match="top_p"):
+        next(speculative_decode(target, prompt(), sampling=SamplingConfig(top_p=2.0)))
