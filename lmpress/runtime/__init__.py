@@ -1,0 +1,1 @@
+"""lmpress's compact runtime: a Llama-family decoder with fused kernels, a static KV cache and speculative decoding."""

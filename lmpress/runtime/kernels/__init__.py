@@ -1,0 +1,1 @@
+"""Device kernels for lmpress's runtime, one module per device."""
