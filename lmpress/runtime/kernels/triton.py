@@ -268,7 +268,7 @@ def _gemm_kernel(
         w = ((q - zero[:, :, None, None]) * scale[:, :, None, None]).to(a.dtype)
         # Code j of word r is column j * T + r of its block: (r, j) -> (j, r) restores column order.
         w = tl.reshape(tl.permute(w, 0, 1, 3, 2), (BN, BK))
-        if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9)
+        if DOT_F32:
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(w), acc)
@@ -306,6 +306,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _autotuning() -> bool:
+    """Autotune on CUDA unless ``LMPRESS_TRITON_AUTOTUNE=0`` (fast compiles for tests); never when interpreting."""
+    return not _interpreting() and os.environ.get("LMPRESS_TRITON_AUTOTUNE", "1") != "0"
+
+
 # H100: the GEMV wants many programs with several loads in flight (N/BN programs, NB blocks per
 # iteration); the GEMM wants 128-256 wide tiles and a 3-4 stage pipeline.
 GEMV_CONFIGS = [
@@ -316,8 +321,9 @@ GEMM_CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "NB": nb, "GROUP_M": 8}, num_warps=w, num_stages=s)
     for bm, bn, nb, w, s in [(128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (256, 128, 1, 8, 3), (128, 128, 2, 8, 3)]
 ]
-INTERPRET_GEMV = {"BN": 16, "NB": 2}
-INTERPRET_GEMM = {"BN": 16, "NB": 1, "GROUP_M": 4}
+# Untuned (interpreter, LMPRESS_TRITON_AUTOTUNE=0): small tiles; the GEMM's BM follows M.
+DEFAULT_GEMV = {"BN": 16, "NB": 2, "num_warps": 4}
+DEFAULT_GEMM = {"BN": 16, "NB": 1, "GROUP_M": 4, "num_warps": 4}
 
 
 @functools.cache
@@ -325,6 +331,26 @@ def _tuned(kind: str):
     if kind == "gemv":
         return triton.autotune(GEMV_CONFIGS, key=["N", "KW", "BM", "C", "BITS"])(_gemv_kernel)
     return triton.autotune(GEMM_CONFIGS, key=["N", "KW", "C", "BITS"])(_gemm_kernel)
+
+
+def _launch(kind: str, args: tuple, flags: dict, m: int, n: int) -> None:
+    """Run the GEMV (``kind == "gemv"``) or GEMM kernel, autotuned or with the default tiles."""
+    if kind == "gemv":
+        flags = {**flags, "BM": triton.next_power_of_2(m)}
+        if _autotuning():
+            _tuned("gemv")[lambda meta: (triton.cdiv(n, meta["BN"]),)](*args, **flags)
+        else:
+            _gemv_kernel[(triton.cdiv(n, DEFAULT_GEMV["BN"]),)](*args, **flags, **DEFAULT_GEMV)
+        return
+    # The interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9): dot in fp32 there.
+    flags = {**flags, "DOT_F32": _interpreting()}
+    if _autotuning():
+        grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
+        _tuned("gemm")[grid](*args, **flags)
+    else:
+        bm = min(128, max(16, triton.next_power_of_2(m)))
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, DEFAULT_GEMM["BN"]),)
+        _gemm_kernel[grid](*args, **flags, BM=bm, **DEFAULT_GEMM)
 
 
 # Entry points -----------------------------------------------------------------------------
@@ -365,19 +391,7 @@ def _matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         HAS_PERM=packed.perm is not None,
         HAS_BIAS=packed.bias is not None,
     )
-    if m <= DECODE_MAX_ROWS:
-        bm = triton.next_power_of_2(m)
-        if _interpreting():
-            _gemv_kernel[(triton.cdiv(n, INTERPRET_GEMV["BN"]),)](*args, **flags, BM=bm, **INTERPRET_GEMV)
-        else:
-            _tuned("gemv")[lambda meta: (triton.cdiv(n, meta["BN"]),)](*args, **flags, BM=bm)
-    elif _interpreting():
-        bm = min(64, max(16, triton.next_power_of_2(m)))
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, INTERPRET_GEMM["BN"]),)
-        _gemm_kernel[grid](*args, **flags, BM=bm, DOT_F32=True, **INTERPRET_GEMM)
-    else:
-        grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
-        _tuned("gemm")[grid](*args, **flags, DOT_F32=False)
+    _launch("gemv" if m <= DECODE_MAX_ROWS else "gemm", args, flags, m, n)
     return y.reshape(*x.shape[:-1], n)
 
 
