@@ -1,1 +1,1 @@
-"""Matmul kernels for quantized weights, one module per device."""
+"""Matmul and norm kernels for quantized weights, one module per device (cpu.py, triton.py)."""

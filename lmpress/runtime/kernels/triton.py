@@ -1,0 +1,439 @@
+"""Triton kernels for CUDA: W4A16 / W8A16 dequantize-and-multiply and a fused RMSNorm.
+
+Weight layout (``prepare_w4a16`` / ``prepare_w8a16``, once at load). The input axis is cut
+into blocks of ``C`` columns (the group width; per-channel weights use ``C = 128`` with the
+row's scale repeated and K zero-padded), so every block has one scale and zero per row.
+A block's codes live in ``T = C * bits / 32`` int32 words per row, and *within a block* the
+packing is interleaved: nibble (or byte) ``j`` of word ``r`` holds column ``j * T + r``.
+Unpacking nibble ``j`` of a ``[rows, T]`` word tile then yields ``T`` *consecutive* columns,
+so the matching activations are one contiguous vector load (the "shift over a tiled
+layout" used by gemlite and by FasterTransformer-style GEMV kernels) instead of a stride-8
+gather. Words are stored ``(N, K / (32 / bits))``, row-major: a GEMV program streams whole
+rows, and the GEMM kernel reorders a tile back to column order in registers.
+
+Act-order (``g_idx``) is handled by sorting the input columns by group
+(``perm = argsort(g_idx)``, as lmpress's CPU path does) so groups are contiguous; the
+kernels gather the activation columns through ``perm``. Every group must then hold
+exactly ``group_size`` columns (true of GPTQ's act-order).
+
+Dequantization: ``w = (q - zero) * scale`` with fp16 scales (fp32 where fp16 would
+overflow or lose them) and uint8 zeros, or one compile-time zero when all zeros agree
+(symmetric schemes), which saves a load per block. Codes become floats through the
+exponent trick (``q | 0x4B000000`` read as fp32 is ``2**23 + q``), avoiding the
+quarter-rate integer-to-float conversion. The GEMV factors each word's scale out:
+``sum_j (q_j - z) s x_j = s * (sum_j q_j x_j - z * sum_j x_j)``. Accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
+from lmpress.quantize.scheme import QuantizedWeight
+
+PER_CHANNEL_BLOCK = 128
+DECODE_MAX_ROWS = 8
+FP16_MIN_NORMAL = 2.0**-14
+FP16_MAX = 65504.0
+
+
+@dataclass
+class PackedWeight:
+    """A quantized linear layer in the kernels' layout (see the module docstring)."""
+
+    bits: int
+    in_features: int
+    out_features: int
+    block: int  # C: columns per block, one scale/zero per row and block
+    words: torch.Tensor  # (N, K_pad * bits / 32) int32, interleaved within blocks
+    scales: torch.Tensor  # (N, K_pad / C) float16 or float32
+    zeros: torch.Tensor | None  # (N, K_pad / C) uint8, or None when every zero equals `zero`
+    zero: int
+    perm: torch.Tensor | None  # (K,) int32 source column of each sorted column (act-order)
+    bias: torch.Tensor | None
+
+    @property
+    def codes_per_word(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def n_blocks(self) -> int:
+        return self.scales.shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes a matmul reads for the weight: codes, scales and zeros."""
+        zeros = 0 if self.zeros is None else self.zeros.numel()
+        return self.words.numel() * 4 + self.scales.numel() * self.scales.element_size() + zeros
+
+
+# Packing ----------------------------------------------------------------------------------
+
+
+def _unpacked(source: QuantizedLinear | QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    if isinstance(source, QuantizedLinear):
+        return source.unpack(), source.bias
+    if isinstance(source, QuantizedWeight):
+        return source, None
+    raise TypeError(f"expected a QuantizedLinear or QuantizedWeight, got {type(source).__name__}")
+
+
+def _act_order_perm(qw: QuantizedWeight, block: int) -> torch.Tensor | None:
+    in_features = qw.qweight.shape[1]
+    if trivial_g_idx(qw.g_idx, in_features, qw.scheme):
+        return None
+    g_idx = qw.g_idx.long()
+    counts = torch.bincount(g_idx, minlength=qw.scales.shape[1])
+    if not bool((counts == block).all()):
+        raise ValueError(f"act-order needs every group to hold exactly {block} columns, got counts {counts.tolist()}")
+    return torch.argsort(g_idx, stable=True)
+
+
+def _interleave_blocks(codes: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    """``(N, K_pad)`` codes -> ``(N, K_pad * bits / 32)`` int32 words, interleaved within each block."""
+    per = 32 // bits
+    n, k_pad = codes.shape
+    t = block // per
+    # (N, blocks, j, r) -> (N, blocks, r, j): word r of a block gathers columns j * T + r.
+    grouped = codes.to(torch.int64).reshape(n, k_pad // block, per, t).transpose(2, 3)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+    words = (grouped << shifts).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32).reshape(n, -1).contiguous()
+
+
+def _scale_tensor(scales: torch.Tensor) -> torch.Tensor:
+    """fp16 when every scale is a normal fp16 number (GPTQ checkpoints store them so), else fp32."""
+    s = scales.float().abs()
+    if bool(((s >= FP16_MIN_NORMAL) & (s <= FP16_MAX)).all()):
+        return scales.to(torch.float16).contiguous()
+    return scales.float().contiguous()
+
+
+def _prepare(source: QuantizedLinear | QuantizedWeight, bits: int) -> PackedWeight:
+    qw, bias = _unpacked(source)
+    if qw.scheme.bits != bits:
+        raise ValueError(f"expected a {bits}-bit weight, got {qw.scheme.describe()}")
+    out_features, in_features = qw.qweight.shape
+    per_channel = qw.scales.shape[1] == 1 and qw.scheme.group_size in (-1, in_features)
+    block = PER_CHANNEL_BLOCK if per_channel else qw.scheme.group_width(in_features)
+    if block % (32 // bits) or block & (block - 1):
+        raise ValueError(f"group width {block} must be a power of two holding whole int32 words")
+    perm = _act_order_perm(qw, block)
+    codes, scales, zeros = qw.qweight, qw.scales, qw.zeros
+    if perm is not None:
+        codes = codes[:, perm]
+    k_pad = -(-in_features // block) * block
+    codes = torch.nn.functional.pad(codes.to(torch.int32), (0, k_pad - in_features))
+    if per_channel:
+        scales, zeros = scales.expand(-1, k_pad // block), zeros.expand(-1, k_pad // block)
+    zeros = zeros.round().to(torch.uint8)
+    uniform = zeros.numel() > 0 and bool((zeros == zeros.flatten()[0]).all())
+    return PackedWeight(
+        bits=bits,
+        in_features=in_features,
+        out_features=out_features,
+        block=block,
+        words=_interleave_blocks(codes, block, bits),
+        scales=_scale_tensor(scales),
+        zeros=None if uniform else zeros.contiguous(),
+        zero=int(zeros.flatten()[0]) if uniform else -1,
+        perm=None if perm is None else perm.to(torch.int32),
+        bias=None if bias is None else bias.detach().clone(),
+    )
+
+
+def prepare_w4a16(source: QuantizedLinear | QuantizedWeight) -> PackedWeight:
+    """Repack a 4-bit layer (or unpacked weight) for ``w4a16_matmul``; bias is kept for a QuantizedLinear."""
+    return _prepare(source, 4)
+
+
+def prepare_w8a16(source: QuantizedLinear | QuantizedWeight) -> PackedWeight:
+    """Repack an 8-bit layer (or unpacked weight) for ``w8a16_matmul``."""
+    return _prepare(source, 8)
+
+
+# Kernels ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _codes_f32(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Code ``j`` of every word as fp32: ``q | 0x4B000000`` is the float ``2**23 + q`` (exact for q < 2**23)."""
+    q = (words >> (j * BITS)) & ((1 << BITS) - 1)
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask, G, ZERO: tl.constexpr):
+    """Scale and zero of rows ``offs_n`` and blocks ``offs_b`` as fp32 ``[BN, NB]``."""
+    ptrs = offs_n[:, None] * G + offs_b[None, :]
+    scale = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ZERO >= 0:
+        zero = tl.full(scale.shape, ZERO, tl.float32)
+    else:
+        zero = tl.load(z_ptr + ptrs, mask=mask, other=0).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, y_ptr,
+    M, N, K, KW, G, stride_xm, stride_ym,
+    BITS: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """``y[:M] = x[:M] @ W.T`` for M <= BM (decode): one program per BN rows of W, streaming all of K."""
+    PER: tl.constexpr = 32 // BITS
+    T: tl.constexpr = C // PER
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_r = tl.arange(0, T)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BM, BN, NB, T), dtype=tl.float32)
+    for b0 in range(0, G, NB):
+        offs_b = b0 + tl.arange(0, NB)
+        mask_b = offs_b < G
+        word_idx = offs_b[:, None] * T + offs_r[None, :]  # [NB, T]
+        mask_w = mask_n[:, None, None] & mask_b[None, :, None]
+        words = tl.load(w_ptr + offs_n[:, None, None] * KW + word_idx[None, :, :], mask=mask_w, other=0)
+        scale, zero = _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask_n[:, None] & mask_b[None, :], G, ZERO)
+        dot = tl.zeros((BM, BN, NB, T), dtype=tl.float32)
+        xsum = tl.zeros((BM, 1, NB, T), dtype=tl.float32)
+        for j in tl.static_range(PER):
+            col = offs_b[:, None] * C + j * T + offs_r[None, :]  # [NB, T], contiguous along T
+            mask_x = mask_m[:, None, None] & ((col < K) & mask_b[:, None])[None, :, :]
+            if HAS_PERM:
+                col = tl.load(perm_ptr + col, mask=(col < K) & mask_b[:, None], other=0)
+            xj = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + col[None, :, :], mask=mask_x, other=0.0)
+            xj = xj.to(tl.float32)[:, None, :, :]
+            dot += xj * _codes_f32(words, j, BITS)[None, :, :, :]
+            xsum += xj
+        acc += scale[None, :, :, None] * (dot - zero[None, :, :, None] * xsum)
+    y = tl.sum(tl.sum(acc, axis=3), axis=2)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, y_ptr,
+    M, N, K, KW, G, stride_xm, stride_ym,
+    BITS: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """``y = x @ W.T`` (prefill): BM x BN output tiles, W tiles dequantized in registers and fed to ``tl.dot``."""
+    PER: tl.constexpr = 32 // BITS
+    T: tl.constexpr = C // PER
+    BK: tl.constexpr = NB * C
+    # Grouped program order so consecutive programs share W tiles in L2 (Triton's matmul tutorial).
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
+    pid_n = (pid % (GROUP_M * grid_n)) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, T)
+    shifts = tl.arange(0, PER) * BITS
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for b0 in range(0, G, NB):
+        offs_b = b0 + tl.arange(0, NB)
+        mask_b = offs_b < G
+        cols = b0 * C + tl.arange(0, BK)
+        mask_k = cols < K
+        src = tl.load(perm_ptr + cols, mask=mask_k, other=0) if HAS_PERM else cols
+        a = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + src[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        word_idx = offs_b[:, None] * T + offs_r[None, :]
+        mask_w = mask_n[:, None, None] & mask_b[None, :, None]
+        words = tl.load(w_ptr + offs_n[:, None, None] * KW + word_idx[None, :, :], mask=mask_w, other=0)
+        scale, zero = _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask_n[:, None] & mask_b[None, :], G, ZERO)
+        q = (words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)  # [BN, NB, T, PER]
+        q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        w = ((q - zero[:, :, None, None]) * scale[:, :, None, None]).to(a.dtype)
+        # Code j of word r is column j * T + r of its block: (r, j) -> (j, r) restores column order.
+        w = tl.reshape(tl.permute(w, 0, 1, 3, 2), (BN, BK))
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, stride_x, stride_r, stride_y, stride_h, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row per program: ``h = x (+ residual)``; ``y = h * rsqrt(mean(h**2) + eps) * weight``."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        h = x.to(tl.float32) + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        h = h.to(x.dtype)  # the sum is what an unfused model would hold in its residual stream
+        tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
+        x = h
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Configurations ---------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Tests that only need correct results on a GPU set this False (fixed tiles compile in seconds).
+AUTOTUNE = True
+
+
+def _autotuning() -> bool:
+    """Autotune on CUDA unless ``AUTOTUNE`` is off; never when interpreting."""
+    return AUTOTUNE and not _interpreting()
+
+
+# H100: the GEMV wants many programs with several loads in flight (N/BN programs, NB blocks per
+# iteration); the GEMM wants 128-256 wide tiles and a 3-4 stage pipeline.
+GEMV_CONFIGS = [
+    triton.Config({"BN": bn, "NB": nb}, num_warps=w, num_stages=s)
+    for bn, nb, w, s in [(16, 2, 4, 2), (32, 1, 4, 2), (32, 2, 4, 3), (64, 1, 4, 2), (16, 4, 4, 2), (64, 2, 8, 2)]
+]
+GEMM_CONFIGS = [
+    triton.Config({"BM": bm, "BN": bn, "NB": nb, "GROUP_M": 8}, num_warps=w, num_stages=s)
+    for bm, bn, nb, w, s in [(128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (256, 128, 1, 8, 3), (128, 128, 2, 8, 3)]
+]
+# Untuned (interpreter, AUTOTUNE off): small tiles; the GEMM's BM follows M.
+DEFAULT_GEMV = {"BN": 16, "NB": 2, "num_warps": 4}
+DEFAULT_GEMM = {"BN": 16, "NB": 1, "GROUP_M": 4, "num_warps": 4}
+
+
+@functools.cache
+def _tuned(kind: str):
+    if kind == "gemv":
+        return triton.autotune(GEMV_CONFIGS, key=["N", "KW", "BM", "C", "BITS"])(_gemv_kernel)
+    return triton.autotune(GEMM_CONFIGS, key=["N", "KW", "C", "BITS"])(_gemm_kernel)
+
+
+def _launch(kind: str, args: tuple, flags: dict, m: int, n: int) -> None:
+    """Run the GEMV (``kind == "gemv"``) or GEMM kernel, autotuned or with the default tiles."""
+    if kind == "gemv":
+        flags = {**flags, "BM": triton.next_power_of_2(m)}
+        if _autotuning():
+            _tuned("gemv")[lambda meta: (triton.cdiv(n, meta["BN"]),)](*args, **flags)
+        else:
+            _gemv_kernel[(triton.cdiv(n, DEFAULT_GEMV["BN"]),)](*args, **flags, **DEFAULT_GEMV)
+        return
+    # The interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9): dot in fp32 there.
+    flags = {**flags, "DOT_F32": _interpreting()}
+    if _autotuning():
+        grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
+        _tuned("gemm")[grid](*args, **flags)
+    else:
+        bm = min(128, max(16, triton.next_power_of_2(m)))
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, DEFAULT_GEMM["BN"]),)
+        _gemm_kernel[grid](*args, **flags, BM=bm, **DEFAULT_GEMM)
+
+
+# Entry points -----------------------------------------------------------------------------
+
+
+def _check_input(x: torch.Tensor, packed: PackedWeight) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"activations must be float16 or bfloat16, got {x.dtype}")
+    if x.shape[-1] != packed.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {packed.in_features}")
+    if x.device != packed.words.device:
+        raise ValueError(f"input on {x.device} but the weight on {packed.words.device}")
+    if x.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU testing)")
+
+
+def _matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    _check_input(x, packed)
+    flat = x.reshape(-1, packed.in_features)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    m, n = flat.shape[0], packed.out_features
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    dummy = packed.words
+    args = (
+        flat, packed.words, packed.scales,
+        dummy if packed.zeros is None else packed.zeros,
+        dummy if packed.perm is None else packed.perm,
+        dummy if packed.bias is None else packed.bias,
+        y, m, n, packed.in_features, packed.words.shape[1], packed.n_blocks, flat.stride(0), y.stride(0),
+    )  # fmt: skip
+    flags = dict(
+        BITS=packed.bits,
+        C=packed.block,
+        ZERO=packed.zero,
+        HAS_PERM=packed.perm is not None,
+        HAS_BIAS=packed.bias is not None,
+    )
+    _launch("gemv" if m <= DECODE_MAX_ROWS else "gemm", args, flags, m, n)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def w4a16_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a ``prepare_w4a16`` weight; any leading shape, fp16/bf16 in and out.
+
+    Up to ``DECODE_MAX_ROWS`` rows run the GEMV kernel, more the tiled GEMM.
+    """
+    if packed.bits != 4:
+        raise ValueError(f"w4a16_matmul needs a 4-bit weight, got {packed.bits} bits")
+    return _matmul(x, packed)
+
+
+def w8a16_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a ``prepare_w8a16`` weight; see ``w4a16_matmul``."""
+    if packed.bits != 8:
+        raise ValueError(f"w8a16_matmul needs an 8-bit weight, got {packed.bits} bits")
+    return _matmul(x, packed)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis; with ``residual``, returns ``(rms_norm(x + residual), x + residual)``."""
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
+    flat = x.reshape(-1, hidden).contiguous()
+    res = None if residual is None else residual.reshape(-1, hidden).contiguous()
+    y = torch.empty_like(flat)
+    h = torch.empty_like(flat) if res is not None else flat
+    block = triton.next_power_of_2(hidden)
+    warps = min(16, max(1, block // 256))
+    _rms_norm_kernel[(flat.shape[0],)](
+        flat, flat if res is None else res, weight, y, h, hidden,
+        flat.stride(0), h.stride(0) if res is None else res.stride(0), y.stride(0), h.stride(0), eps,
+        HAS_RESIDUAL=res is not None, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    if res is None:
+        return y.reshape(x.shape)
+    return y.reshape(x.shape), h.reshape(x.shape)
