@@ -40,6 +40,12 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SCALE_ROUNDOFF = 2.0**-11
 
 
+@pytest.fixture(autouse=True)
+def fixed_tiles(monkeypatch):
+    """Correctness needs no autotuning (the bench checks every tuned config it times): compile once per shape."""
+    monkeypatch.setattr(tk, "AUTOTUNE", False)
+
+
 def rounding(dtype: torch.dtype) -> float:
     """Largest relative error of one fp32 -> ``dtype`` conversion in the kernels (see the module docstring)."""
     return UNIT_ROUNDOFF[dtype] * (2 if INTERPRETED and dtype == torch.bfloat16 else 1)
