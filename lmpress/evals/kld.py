@@ -56,7 +56,9 @@ KLD_METRICS = ("kld_mean", "kld_median", "kld_p90", "kld_p99", "kld_max", "top1_
 EXACT_FORMAT = "lmpress-kld-exact-v1"
 TOPK_FORMAT = "lmpress-kld-topk-v1"
 HIST_EDGES = [0.0] + [float(x) for x in np.logspace(-6, 2, 33)]  # nats; the first bin is [0, 1e-6)
-CHUNK_BYTES = 64 << 20  # one float32 (positions x vocab) buffer of the exact candidate pass
+# Each of the two float32 (positions x vocab) buffers of the exact candidate pass. Every matmul call re-packs the
+# whole head weight, so fewer, taller chunks are cheaper: on SmolLM2 (682 rows) 14% less CPU than 64 MiB chunks.
+CHUNK_BYTES = 128 << 20
 # Below ~8 rows CPU BLAS takes another kernel whose sums round differently from the model's big matmul.
 MIN_ROWS = 16
 HEAD_TOLERANCE = 1e-3  # of max |logit|: the recomputed head must reproduce the model's log-probs this closely
