@@ -151,6 +151,14 @@ class ExactKL:
         return kld.clamp_min_(0.0)
 
 
+class Consumer:
+    """What the perplexity pass feeds each window's log-probs to; ``attached`` hooks into the model if needed."""
+
+    @contextmanager
+    def attached(self) -> Iterator[None]:
+        yield
+
+
 def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logprobs: torch.Tensor) -> None:
     """Refuse a model whose log-probs are not ``log_softmax`` of its output head applied to the head's input."""
     rows = min(hidden.shape[0], 256)
@@ -167,7 +175,7 @@ def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         )
 
 
-class ExactBaselineWriter:
+class ExactBaselineWriter(Consumer):
     """Collects the baseline's head inputs (a forward hook on the output head) and writes them once, atomically."""
 
     def __init__(self, path: Path, model: nn.Module, windows: torch.Tensor, tokenizer, vocab: int) -> None:
@@ -195,6 +203,9 @@ class ExactBaselineWriter:
             self.batch = None
 
     def _capture(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if not args:  # the head was called with keywords only: __call__ then refuses the model
+            self.batch = None
+            return
         self.batch, self.batch_first = args[0].detach(), self.seen
         self.seen += args[0].shape[0]
         if self.weight is None:
@@ -222,7 +233,7 @@ class ExactBaselineWriter:
         save_atomic(self.path, tensors, self.meta)
 
 
-class ExactScorer:
+class ExactScorer(Consumer):
     """Scores each window's candidate log-probs against the baseline recomputed from its stored head inputs."""
 
     def __init__(self, path: Path, windows: torch.Tensor, tokenizer, vocab: int) -> None:
@@ -236,10 +247,6 @@ class ExactScorer:
         self.offset = 0
         self.kld: list[torch.Tensor] = []
         self.agree: list[torch.Tensor] = []
-
-    @contextmanager
-    def attached(self) -> Iterator[None]:
-        yield
 
     def __call__(self, window_index: int, logprobs: torch.Tensor) -> None:
         n = logprobs.shape[0]
@@ -307,17 +314,13 @@ def score_candidate(
     return coarse_kld(base_grid, cand_grid), agree
 
 
-class TopKBaselineWriter:
+class TopKBaselineWriter(Consumer):
     """Collects the baseline's top-k form window by window and writes it once, atomically."""
 
     def __init__(self, path: Path, top_k: int, windows: torch.Tensor, tokenizer, vocab: int) -> None:
         self.path, self.top_k = path, top_k
         self.meta = store_meta(TOPK_FORMAT, windows, tokenizer, vocab) | {"top_k": str(top_k)}
         self.parts: list[dict[str, torch.Tensor]] = []
-
-    @contextmanager
-    def attached(self) -> Iterator[None]:
-        yield
 
     def __call__(self, window_index: int, logprobs: torch.Tensor) -> None:
         self.parts.append({k: v.cpu() for k, v in summarize_baseline(logprobs, self.top_k).items()})
@@ -326,7 +329,7 @@ class TopKBaselineWriter:
         save_atomic(self.path, {key: torch.cat([p[key] for p in self.parts]) for key in self.parts[0]}, self.meta)
 
 
-class TopKScorer:
+class TopKScorer(Consumer):
     """Scores each window's candidate log-probabilities against the stored top-k baseline."""
 
     def __init__(self, path: Path, windows: torch.Tensor, tokenizer, vocab: int) -> None:
@@ -338,10 +341,6 @@ class TopKScorer:
         self.offset = 0
         self.kld: list[torch.Tensor] = []
         self.agree: list[torch.Tensor] = []
-
-    @contextmanager
-    def attached(self) -> Iterator[None]:
-        yield
 
     def __call__(self, window_index: int, logprobs: torch.Tensor) -> None:
         n = logprobs.shape[0]
