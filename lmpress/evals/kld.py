@@ -18,9 +18,11 @@ head, a chunk of positions at a time, and takes sum p (log p - log q) in float32
 over the whole vocabulary. The store is small where the vocabulary is large
 (SmolLM2, 20 x 2048 positions: 94 MB of hidden states + 113 MB of head instead
 of 8 GB of log-probs); the price is one head matmul per position in the
-candidate pass. An identical model scores exactly 0: the recomputed log-probs are
-bit-identical to the model's own when the matmul's rows do not depend on how many
-rows are computed at once, which holds on CPU for chunks of at least MIN_ROWS.
+candidate pass. An identical model scores exactly 0 where the recomputed log-probs
+are bit-identical to the model's own, i.e. where a matmul row does not depend on
+how many rows are computed at once: torch's CPU BLAS here, for chunks of at least
+MIN_ROWS rows (tests/evals/test_kld.py checks it); elsewhere (a GPU's kernels)
+an identical model may score float32 rounding noise instead of 0.
 
 Top-k (``top_k: K``, for very large vocabularies). The baseline pass stores its
 top-k log-probabilities (fp32), their token ids (int32) and the log of the
