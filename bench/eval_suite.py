@@ -29,8 +29,8 @@ import torch
 
 from lmpress.data import load_text, tokenize
 from lmpress.evals.kld import (
-    CandidateScorer,
     KLDConfig,
+    TopKScorer,
     exact_kld,
     score_candidate,
     store_path,
@@ -84,7 +84,7 @@ def kld_overhead(model, tokenizer, windows: torch.Tensor, config: PerplexityConf
         t = time.perf_counter()
         perplexity(model, windows[:n], config)
         times["ppl"].append(time.perf_counter() - t)
-        scorer = CandidateScorer(path, windows, tokenizer, vocab_size(model))  # scores the first n windows' rows
+        scorer = TopKScorer(path, windows, tokenizer, vocab_size(model))  # scores the first n windows' rows
         t = time.perf_counter()
         perplexity(model, windows[:n], config, consumer=scorer)
         times["ppl+kld"].append(time.perf_counter() - t)

@@ -11,9 +11,10 @@ non-overlapping unless ``stride`` is set; with a stride, each window after the
 first scores only its last ``stride`` positions (the ones no earlier window
 scored). This is token-level perplexity, not lm-eval's word perplexity.
 
-With a ``kld`` section (``perplexity: {..., kld: {top_k: 64}}``) the same pass
-also stores the baseline's distributions or scores the candidate's KL divergence
-from them (lmpress.evals.kld): perplexity and KLD share one forward pass.
+With a ``kld`` section (``perplexity: {..., kld: {}}``: exact, the default; or
+``kld: {top_k: 64}``: the stored top-k lower bound) the same pass also stores the
+baseline's reference or scores the candidate's KL divergence from it
+(lmpress.evals.kld): perplexity and KLD share one forward pass.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import ClassVar
 
 import torch
@@ -31,10 +33,9 @@ from lmpress.data import token_windows
 from lmpress.errors import LmpressInputError
 from lmpress.evals.kld import (
     KLD_METRICS,
-    BaselineWriter,
     CandidateScorer,
     KLDConfig,
-    store_path,
+    kld_consumer,
     vocab_digest,
     windows_digest,
 )
@@ -165,27 +166,24 @@ def vocab_size(model: nn.Module) -> int:
 def run_perplexity(model: nn.Module, tokenizer, config: PerplexityConfig, ctx: EvalContext) -> EvalResult:
     config.check(model)
     windows = config.windows_for(ctx.ids(), tokenizer)
-    consumer: BaselineWriter | CandidateScorer | None = None
+    consumer = None
     if config.kld is not None:
-        path = store_path(ctx.store, config.kld)
-        if ctx.role == "baseline":
-            consumer = BaselineWriter(path, config.kld, windows, tokenizer, vocab_size(model))
-        else:
-            consumer = CandidateScorer(path, windows, tokenizer, vocab_size(model))
-    result = perplexity(model, windows, config, ctx.bars, consumer)
+        consumer = kld_consumer(config.kld, ctx.role, ctx.store, model, windows, tokenizer, vocab_size(model))
+    with consumer.attached() if consumer is not None else nullcontext():
+        result = perplexity(model, windows, config, ctx.bars, consumer)
     protocol = window_protocol(
         ctx, tokenizer, windows, seq_len=config.seq_len, stride=config.stride or config.seq_len, bos=config.bos
     )
     metrics = {k: result[k] for k in ("ppl", "nll", "ppl_tokens_per_s")}
     details = {k: result[k] for k in ("scored_tokens", "seconds")}
     if config.kld is not None:
-        protocol["kld"] = f"stored baseline top-{config.kld.top_k} log-probs (fp16) + rest mass, same windows"
+        protocol["kld"] = config.kld.describe()
         details["kld_seconds"] = result["consumer_seconds"]
-        if isinstance(consumer, BaselineWriter):
-            consumer.save()
-        elif isinstance(consumer, CandidateScorer):
+        if isinstance(consumer, CandidateScorer):
             kld_metrics, kld_details = consumer.result()
             metrics |= kld_metrics
             metrics["kld_tokens_per_s"] = result["ppl_tokens_per_s"]
             details |= kld_details
+        else:
+            consumer.save()
     return EvalResult(metrics=metrics, details=details, protocol=protocol)

@@ -12,7 +12,7 @@ from tests.conftest import save_tiny_model
 SUITE = {
     "eval": {
         "text": "builtin:python-docs",
-        "perplexity": {"seq_len": 128, "windows": 4, "kld": {"top_k": 32}},
+        "perplexity": {"seq_len": 128, "windows": 4, "kld": {}},  # exact KLD, the default
         "passkey": {"lengths": [256, 512], "depths": [0, 1], "max_new_tokens": 2},
         "ppl_by_position": {"seq_len": 512, "documents": 1, "edges": [0, 128, 256, 512]},
     },
