@@ -30,8 +30,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install 'lmpress[dev]')")
 
 from lmpress.quantize.qlinear import QuantizedLinear  # noqa: E402
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, quantize_weight_rtn  # noqa: E402
+from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn  # noqa: E402
 from lmpress.runtime.kernels import triton as tk  # noqa: E402
+from tests.quantize.test_qlinear import act_order_weight  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -60,17 +61,6 @@ def sqnr_bound(dtype: torch.dtype, rows: int) -> float:
 def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
     noise = (reference - other.float()).pow(2).sum().clamp_min(1e-30)
     return float(10 * torch.log10(reference.pow(2).sum() / noise))
-
-
-def act_order_weight(w: torch.Tensor, scheme: QuantScheme, seed: int = 0) -> QuantizedWeight:
-    """Groups scattered over the input columns, as GPTQ act-order leaves them."""
-    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(seed))
-    grouped = quantize_weight_rtn(w[:, perm], scheme)
-    codes = torch.empty_like(grouped.qweight)
-    codes[:, perm] = grouped.qweight
-    g_idx = torch.empty(w.shape[1], dtype=torch.int32)
-    g_idx[perm] = (torch.arange(w.shape[1]) // scheme.group_width(w.shape[1])).to(torch.int32)
-    return QuantizedWeight(codes, grouped.scales, grouped.zeros, scheme, g_idx)
 
 
 def make_layer(n: int, k: int, scheme: QuantScheme, act_order: bool = False, bias: bool = False, seed: int = 0):
