@@ -4,6 +4,7 @@
     lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE]
     lmpress compare RUN_A RUN_B
     lmpress inspect ARTIFACT [--json]
+    lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT | --prompt-lookup] [--stream]
 
 Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input (one line, no
 traceback), 3 unexpected error (with traceback).
@@ -68,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="two runs' metrics side by side (refused when their protocols differ)")
     cmp.add_argument("run_a", help="run directory (or its report.json)")
     cmp.add_argument("run_b", help="run directory (or its report.json)")
+    gen = sub.add_parser("generate", help="generate text with lmpress's runtime from any model or export (CPU)")
+    gen.add_argument("artifact", help="an export lmpress wrote, a checkpoint directory, .gguf file or pypkg:")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--draft", metavar="ARTIFACT", help="speculative decoding with this draft model")
+    gen.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
     ins.add_argument("artifact", help="a checkpoint directory (gptq, awq, compressed-tensors, hf) or a run directory")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -170,6 +183,31 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from lmpress.evals.compare import compare_runs
 
     console.print(compare_runs(args.run_a, args.run_b), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+@command("generate")
+def cmd_generate(args: argparse.Namespace) -> int:
+    from lmpress.runtime.text import generate_text
+
+    pieces = []
+    result = generate_text(
+        args.artifact,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        sampling=dict(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty,
+        ),
+        seed=args.seed,
+        draft=args.draft,
+        prompt_lookup=args.prompt_lookup,
+        on_text=(lambda piece: print(piece, end="", flush=True)) if args.stream else pieces.append,
+    )
+    print("" if args.stream else "".join(pieces))
+    err_console.print(result.summary(), highlight=False)
     return 0
 
 

@@ -1,0 +1,99 @@
+"""Text in, text out on the runtime: what ``lmpress generate`` runs.
+
+Loads any model or export lmpress reads (``lmpress.model.load_model``: manifest
+checked, quantized layers kept packed), builds the runtime decoder from it and
+streams decoded text as tokens come, plain or speculative (a draft model, or
+prompt lookup).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.generate import generate_tokens
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.sample import SamplingConfig
+from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, speculative_decode
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    speculative: SpeculativeStats | None = None
+
+    def summary(self) -> str:
+        rate = len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+        line = f"{len(self.tokens)} new tokens after a {self.prompt_tokens}-token prompt in {self.seconds:.2f} s"
+        line += f" ({rate:.1f} tok/s)"
+        if self.speculative is not None and self.speculative.target_steps:
+            line += (
+                f"; acceptance {self.speculative.acceptance_rate:.2f}, "
+                f"{self.speculative.tokens_per_step:.2f} tokens per target step"
+            )
+        return line
+
+
+def load_runtime(source: str, dtype: str = "float32") -> tuple[Transformer, Any]:
+    from lmpress.model import load_model
+
+    loaded = load_model(source, dtype)
+    return Transformer.from_hf(loaded.model), loaded.tokenizer
+
+
+def _text_pieces(tokenizer: Any, tokens: Iterator[int], out: list[int]) -> Iterator[str]:
+    """Decoded text as it grows (a piece is emitted once the tokens so far decode to more text)."""
+    shown = ""
+    for token in tokens:
+        out.append(token)
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait out half a multi-byte character
+            yield text[len(shown) :]
+            shown = text
+
+
+def generate_text(
+    source: str,
+    prompt: str,
+    max_new_tokens: int = 128,
+    sampling: dict[str, Any] | None = None,
+    seed: int | None = 0,
+    draft: str | None = None,
+    prompt_lookup: bool = False,
+    on_text: Callable[[str], None] = print,
+) -> GenerationResult:
+    """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes."""
+    if draft is not None and prompt_lookup:
+        raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
+    if max_new_tokens < 1:
+        raise LmpressInputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    config = SamplingConfig(**(sampling or {}))
+    model, tokenizer = load_runtime(source)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise LmpressInputError("the prompt is empty")
+    common = dict(max_new_tokens=max_new_tokens, sampling=config, eos_token_id=tokenizer.eos_token_id, seed=seed)
+    result = GenerationResult(prompt_tokens=len(ids))
+    began = time.perf_counter()
+    if draft is not None or prompt_lookup:
+        result.speculative = SpeculativeStats()
+        draft_model = load_runtime(draft)[0] if draft is not None else None
+        tokens = speculative_decode(
+            model,
+            ids,
+            draft=draft_model,
+            prompt_lookup=PromptLookupDrafter() if prompt_lookup else None,
+            stats=result.speculative,
+            **common,
+        )
+    else:
+        tokens = (int(step[0]) for step in generate_tokens(model, ids, **common) if int(step[0]) >= 0)
+    for piece in _text_pieces(tokenizer, tokens, result.tokens):
+        on_text(piece)
+    result.seconds = time.perf_counter() - began
+    return result
