@@ -186,8 +186,12 @@ def load_model(
     dtype: str = "float32",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    fingerprint: bool = True,
 ) -> LoadedModel:
     """Load ``source`` (hub id, local directory, .gguf file or pypkg:) with its tokenizer.
+
+    ``fingerprint=False`` skips hashing the weights (``LoadedModel.fingerprint`` is then empty): for a
+    model read back only to be checked and scored, whose files the run's manifest hashes anyway.
 
     A directory lmpress exported loads whatever its format: a dense checkpoint
     through transformers, a GPTQ / AWQ / compressed-tensors one through lmpress's
@@ -196,13 +200,12 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lmpress.export.checkpoint import load_quantized_model, quant_method, read_config
+    from lmpress.export.checkpoint import load_quantized_model, quant_method
     from lmpress.export.manifest import verify_artifact
 
     path = resolve_checkpoint(source, revision)
     verify_artifact(path)
-    check_checkpoint_dir(path)
-    quantized = quant_method(read_config(path)) is not None
+    quantized = quant_method(check_checkpoint_dir(path)) is not None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         if quantized:
@@ -217,7 +220,7 @@ def load_model(
         raise LmpressInputError(f"cannot load model from {path}: {first_line}") from e
     model.eval()
     get_anatomy(model)
-    return LoadedModel(model, tokenizer, path, checkpoint_fingerprint(path))
+    return LoadedModel(model, tokenizer, path, checkpoint_fingerprint(path) if fingerprint else "")
 
 
 def model_skeleton(path: Path, trust_remote_code: bool = False) -> nn.Module:
@@ -259,9 +262,10 @@ def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
     return download_from_hub(source, revision)
 
 
-def check_checkpoint_dir(path: Path) -> None:
+def check_checkpoint_dir(path: Path) -> dict:
     """Refuse, in one line, a checkpoint lmpress cannot load: unreadable config.json, an architecture
-    without an anatomy, a damaged or truncated safetensors file (its header is read, not its tensors)."""
+    without an anatomy, a damaged or truncated safetensors file (its header is read, not its tensors).
+    Returns the parsed config.json."""
     from lmpress.export.checkpoint import read_config, read_tensor_headers
 
     config = read_config(path)
@@ -273,6 +277,7 @@ def check_checkpoint_dir(path: Path) -> None:
             f"{path}: architecture {model_type!r} is not supported (lmpress supports: {', '.join(sorted(ANATOMIES))})"
         )
     read_tensor_headers(path)
+    return config
 
 
 def download_from_hub(repo_id: str, revision: str | None) -> Path:
