@@ -4,7 +4,8 @@
     lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE]
     lmpress compare RUN_A RUN_B
     lmpress inspect ARTIFACT [--json]
-    lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT | --prompt-lookup] [--stream]
+    lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT | --prompt-lookup] [--stream] [--device cpu|cuda]
+    lmpress bench ARTIFACT [--prompt-tokens N] [--new-tokens N] [--draft ARTIFACT | --prompt-lookup] [--json FILE]
 
 Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input (one line, no
 traceback), 3 unexpected error (with traceback).
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="two runs' metrics side by side (refused when their protocols differ)")
     cmp.add_argument("run_a", help="run directory (or its report.json)")
     cmp.add_argument("run_b", help="run directory (or its report.json)")
-    gen = sub.add_parser("generate", help="generate text with lmpress's runtime from any model or export (CPU)")
+    gen = sub.add_parser("generate", help="generate text with lmpress's runtime from any model or export")
     gen.add_argument("artifact", help="an export lmpress wrote, a checkpoint directory, .gguf file or pypkg:")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -81,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", metavar="ARTIFACT", help="speculative decoding with this draft model")
     gen.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument("--device", help="cpu or cuda (default: cuda where a GPU is found, else the CPU)")
+    bench = sub.add_parser("bench", help="speed of any model or export on lmpress's runtime: latency, tok/s, GB/s")
+    bench.add_argument("artifact", help="an export lmpress wrote, a checkpoint directory, .gguf file or pypkg:")
+    bench.add_argument("--prompt", help="prompt text (default: --prompt-tokens tokens of the built-in Python docs)")
+    bench.add_argument("--prompt-tokens", type=int, default=128)
+    bench.add_argument("--new-tokens", type=int, default=256)
+    bench.add_argument("--repeats", type=int, default=3, help="each time is the median of this many runs")
+    bench.add_argument("--device", help="cpu or cuda (default: cuda where a GPU is found, else the CPU)")
+    bench.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on the CPU, bfloat16 on CUDA)")
+    bench.add_argument("--compile", action="store_true", help="time a torch.compile'd decode step")
+    bench.add_argument("--draft", metavar="ARTIFACT", help="also time speculative decoding with this draft")
+    bench.add_argument("--prompt-lookup", action="store_true", help="also time prompt-lookup speculative decoding")
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
     ins.add_argument("artifact", help="a checkpoint directory (gptq, awq, compressed-tensors, hf) or a run directory")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -188,8 +202,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 @command("generate")
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lmpress.runtime.text import generate_text
+    from lmpress.runtime.text import generate_text, resolve_device
 
+    device, where = resolve_device(args.device)
     pieces = []
     result = generate_text(
         args.artifact,
@@ -204,10 +219,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         draft=args.draft,
         prompt_lookup=args.prompt_lookup,
+        device=device,
         on_text=(lambda piece: print(piece, end="", flush=True)) if args.stream else pieces.append,
     )
     print("" if args.stream else "".join(pieces))
-    err_console.print(result.summary(), highlight=False)
+    err_console.print(f"{result.summary()}; on {device.type} ({where})", highlight=False)
+    return 0
+
+
+@command("bench")
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from lmpress.runtime.bench import BenchSettings, bench_prompt, benchmark, render_rows
+    from lmpress.runtime.text import load_runtime, resolve_device
+
+    if args.draft is not None and args.prompt_lookup:
+        raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
+    if args.prompt is None and args.prompt_tokens < 1:
+        raise LmpressInputError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    if args.json and Path(args.json).is_dir():
+        raise LmpressInputError(f"--json {args.json} is a directory; give the file to write")
+    settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
+    device, where = resolve_device(args.device)
+    model, tokenizer = load_runtime(args.artifact, device, args.dtype)
+    draft = None
+    if args.draft is not None:
+        from lmpress.runtime.speculative import check_same_vocabulary
+
+        draft, draft_tokenizer = load_runtime(args.draft, device, args.dtype)
+        check_same_vocabulary(model, draft, tokenizer, draft_tokenizer)
+    prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt)
+    result = benchmark(model, prompt, settings, draft=draft, prompt_lookup=args.prompt_lookup)
+    result["artifact"], result["device_choice"] = args.artifact, where
+    table = Table(title=f"lmpress bench: {args.artifact}")
+    table.add_column("what")
+    table.add_column("measured")
+    for row in render_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    if args.json:
+        from lmpress.cache import write_text_atomic
+
+        write_text_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from lmpress.cli import main
@@ -338,6 +339,55 @@ CLI_CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
         lambda e: ["compare", e.file("a/report.json", "{"), e.file("b/report.json", "{")],
         "not valid JSON",
     ),
+]
+
+
+def damaged_run(env: Env) -> str:
+    """A run directory whose hf/ export was changed after its manifest was written."""
+    from lmpress.export.manifest import write_manifest
+
+    run = env.tmp / "run"
+    shutil.copytree(env.model, run / "hf")
+    write_manifest(run, recipe={}, metrics={})
+    with open(run / "hf" / "config.json", "a") as f:
+        f.write(" ")
+    return str(run / "hf")
+
+
+def other_tokenizer(env: Env) -> str:
+    """A copy of the model whose tokenizer maps two tokens to each other's ids (same size, different vocabulary)."""
+    copy = env.model_copy("draft")
+    spec = json.loads((copy / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (copy / "tokenizer.json").write_text(json.dumps(spec))
+    return str(copy)
+
+
+def without_gpu(argv: list[str]) -> list[str]:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: --device cuda is valid here")
+    return argv
+
+
+def gen(env: Env, *extra: str) -> list[str]:
+    return ["generate", str(env.model), "--prompt", "def f(x):", "--max-new-tokens", "4", *extra]
+
+
+CLI_CASES += [
+    ("generate-prompt-too-long", lambda e: ["generate", str(e.model), "--prompt", "word " * 2000], "context of 512"),
+    ("generate-top-p", lambda e: gen(e, "--top-p", "1.5"), "top_p must lie in (0, 1]"),
+    ("generate-draft-tokenizer", lambda e: gen(e, "--draft", other_tokenizer(e)), "tokenizer differs"),
+    ("generate-damaged-artifact", lambda e: ["generate", damaged_run(e), "--prompt", "x"], "does not match"),
+    ("generate-cuda-without-gpu", lambda e: without_gpu(gen(e, "--device", "cuda")), "no CUDA GPU"),
+    ("generate-unknown-device", lambda e: gen(e, "--device", "tpu"), "is not one of cpu, cuda"),
+    ("bench-prompt-too-long", lambda e: ["bench", str(e.model), "--prompt-tokens", "400"], "context of 512"),
+    ("bench-one-new-token", lambda e: ["bench", str(e.model), "--new-tokens", "1"], "--new-tokens must be >= 2"),
+    ("bench-damaged-artifact", lambda e: ["bench", damaged_run(e)], "does not match"),
+    ("bench-draft-tokenizer", lambda e: ["bench", str(e.model), "--draft", other_tokenizer(e)], "tokenizer differs"),
+    ("bench-cuda-without-gpu", lambda e: without_gpu(["bench", str(e.model), "--device", "cuda"]), "no CUDA GPU"),
+    ("bench-json-is-a-directory", lambda e: ["bench", str(e.model), "--json", str(e.tmp)], "is a directory"),
 ]
 
 

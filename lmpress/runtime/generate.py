@@ -125,7 +125,7 @@ def generate_tokens(
     logits = prefill(model, tokens, cache)
     for step in range(n_new):
         filled = tokens.shape[1] + step
-        token = sample(logits, sampling, generator, history[:, :filled])
+        token = sample(logits.cpu(), sampling, generator, history[:, :filled])
         history[:, filled] = token
         out = token.masked_fill(~active, FINISHED)
         for row in active.nonzero().flatten().tolist():

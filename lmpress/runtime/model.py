@@ -10,6 +10,7 @@ everything else runs in ``dtype``. The KV cache lives outside the model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from torch.nn import functional as F
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
 from lmpress.runtime.cache import KVCache
-from lmpress.runtime.kernels.cpu import cpu_linear
+from lmpress.runtime.kernels import linear_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -88,13 +89,29 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scale)
 
 
+@dataclass(frozen=True)
+class Build:
+    """How the runtime model is built: the dtype of its activations and dense weights, and its kernels."""
+
+    dtype: torch.dtype
+    kernels: str = "cpu"  # "cpu" (torch's packed kernels) or "triton" (CUDA; the interpreter in tests)
+
+    @property
+    def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
+        return linear_kernel(self.kernels)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, fused: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from lmpress.runtime.kernels.triton import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         # As transformers does it: normalize in float32, cast back, then scale.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -122,21 +139,21 @@ class FusedLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def fuse_linears(layers: list[nn.Module], dtype: torch.dtype) -> FusedLinear:
+def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
     """One module computing every layer of ``layers`` on the same input, outputs concatenated."""
     sizes = [layer.out_features for layer in layers]
     if all(type(layer) is nn.Linear for layer in layers):
-        return FusedLinear([_concat_dense(layers, dtype)], sizes)
+        return FusedLinear([_concat_dense(layers, build.dtype)], sizes)
     if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
-        return FusedLinear([cpu_linear(_concat_quantized(layers), dtype)], sizes)
-    return FusedLinear([_runtime_linear(layer, dtype) for layer in layers], sizes)
+        return FusedLinear([build.quantized_linear(_concat_quantized(layers), build.dtype)], sizes)
+    return FusedLinear([_runtime_linear(layer, build) for layer in layers], sizes)
 
 
-def _runtime_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
+def _runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
     if isinstance(layer, QuantizedLinear):
-        return cpu_linear(layer, dtype)
+        return build.quantized_linear(layer, build.dtype)
     if isinstance(layer, nn.Linear):
-        return _concat_dense([layer], dtype)
+        return _concat_dense([layer], build.dtype)
     raise LmpressInputError(f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear or QuantizedLinear)")
 
 
@@ -183,14 +200,14 @@ def _concat_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, hf_attn: nn.Module, window: int | None, dtype: torch.dtype) -> None:
+    def __init__(self, args: ModelArgs, hf_attn: nn.Module, window: int | None, build: Build) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.window = window
-        self.wqkv = fuse_linears([hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj], dtype)
-        self.wo = fuse_linears([hf_attn.o_proj], dtype)
-        self.q_norm = _copy_norm(hf_attn.q_norm, args.norm_eps, dtype) if args.qk_norm else None
-        self.k_norm = _copy_norm(hf_attn.k_norm, args.norm_eps, dtype) if args.qk_norm else None
+        self.wqkv = fuse_linears([hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj], build)
+        self.wo = fuse_linears([hf_attn.o_proj], build)
+        self.q_norm = _copy_norm(hf_attn.q_norm, args.norm_eps, build) if args.qk_norm else None
+        self.k_norm = _copy_norm(hf_attn.k_norm, args.norm_eps, build) if args.qk_norm else None
 
     def forward(
         self,
@@ -220,10 +237,10 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, hf_mlp: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, hf_mlp: nn.Module, build: Build) -> None:
         super().__init__()
-        self.w13 = fuse_linears([hf_mlp.gate_proj, hf_mlp.up_proj], dtype)
-        self.w2 = fuse_linears([hf_mlp.down_proj], dtype)
+        self.w13 = fuse_linears([hf_mlp.gate_proj, hf_mlp.up_proj], build)
+        self.w2 = fuse_linears([hf_mlp.down_proj], build)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.w13.sizes, dim=-1)
@@ -231,16 +248,17 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, dtype: torch.dtype) -> None:
+    def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, build: Build) -> None:
         super().__init__()
-        self.attention = Attention(args, hf_layer.self_attn, window, dtype)
-        self.feed_forward = FeedForward(hf_layer.mlp, dtype)
-        self.attention_norm = _copy_norm(hf_layer.input_layernorm, args.norm_eps, dtype)
-        self.ffn_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, dtype)
+        self.attention = Attention(args, hf_layer.self_attn, window, build)
+        self.feed_forward = FeedForward(hf_layer.mlp, build)
+        self.attention_norm = _copy_norm(hf_layer.input_layernorm, args.norm_eps, build)
+        self.ffn_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build)
 
 
-def _copy_norm(hf_norm: nn.Module, eps: float, dtype: torch.dtype) -> RMSNorm:
-    norm = RMSNorm(hf_norm.weight.shape[0], getattr(hf_norm, "variance_epsilon", eps), dtype)
+def _copy_norm(hf_norm: nn.Module, eps: float, build: Build) -> RMSNorm:
+    eps = getattr(hf_norm, "variance_epsilon", eps)
+    norm = RMSNorm(hf_norm.weight.shape[0], eps, build.dtype, fused=build.kernels == "triton")
     with torch.no_grad():
         norm.weight.copy_(hf_norm.weight)
     return norm
@@ -249,14 +267,14 @@ def _copy_norm(hf_norm: nn.Module, eps: float, dtype: torch.dtype) -> RMSNorm:
 class Transformer(nn.Module):
     """Token ids + a ``KVCache`` in, logits out; the cache advances by the tokens read."""
 
-    def __init__(self, args: ModelArgs, hf_model: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, args: ModelArgs, hf_model: nn.Module, build: Build) -> None:
         super().__init__()
-        self.args, self.dtype = args, dtype
-        base = hf_model.model
+        self.args, self.dtype, self.kernels = args, build.dtype, build.kernels
+        dtype, base = build.dtype, hf_model.model
         self.tok_embeddings = nn.Embedding.from_pretrained(base.embed_tokens.weight.detach().to(dtype), freeze=True)
-        self.layers = nn.ModuleList(Block(args, layer, args.windows[i], dtype) for i, layer in enumerate(base.layers))
-        self.norm = _copy_norm(base.norm, args.norm_eps, dtype)
-        self.output = _output_layer(hf_model, self.tok_embeddings, dtype)
+        self.layers = nn.ModuleList(Block(args, layer, args.windows[i], build) for i, layer in enumerate(base.layers))
+        self.norm = _copy_norm(base.norm, args.norm_eps, build)
+        self.output = _output_layer(hf_model, self.tok_embeddings, build)
         inv_freq, rope_scale = rope_inverse_frequencies(hf_model.config)
         angles = torch.arange(args.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
@@ -265,22 +283,40 @@ class Transformer(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> Transformer:
-        """The runtime model for ``hf_model`` (a transformers causal LM); ``dtype`` defaults to its own."""
+    def from_hf(
+        cls,
+        hf_model: nn.Module,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        kernels: str | None = None,
+    ) -> Transformer:
+        """The runtime model for ``hf_model`` (a transformers causal LM) on ``device``.
+
+        ``dtype`` defaults to the model's own; ``kernels`` to the device's: torch's packed
+        kernels on the CPU, Triton on CUDA (``"triton"`` on the CPU runs Triton's interpreter,
+        for tests). Weights are repacked on the CPU, then moved.
+        """
         args = ModelArgs.from_config(hf_model.config)
         dtype = dtype or hf_model.model.embed_tokens.weight.dtype
-        return cls(args, hf_model, dtype).eval()
+        device = torch.device(device)
+        kernels = kernels or ("triton" if device.type == "cuda" else "cpu")
+        return cls(args, hf_model, Build(dtype, kernels)).eval().to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.rope_cos.device
 
     def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
         """A cache for ``batch`` rows of at most ``max_len`` tokens (at most the model's context)."""
         if max_len > self.args.max_seq_len:
             raise LmpressInputError(f"{max_len} tokens exceed the model's context of {self.args.max_seq_len}")
         args = self.args
-        return KVCache(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, self.dtype, pad)
+        cache = KVCache(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, self.dtype, pad)
+        return cache.to(self.device)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits ``(batch, n_new, vocab)`` for ``tokens`` ``(batch, n_new)`` read after the cache's contents."""
-        n_new = tokens.shape[1]
+        tokens, n_new = tokens.to(self.device), tokens.shape[1]
         if cache.length + n_new > cache.max_len:
             raise LmpressInputError(f"{cache.length + n_new} tokens exceed the cache of {cache.max_len}")
         positions = cache.positions(n_new)
@@ -295,10 +331,10 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))
 
 
-def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, dtype: torch.dtype) -> nn.Module:
+def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -> nn.Module:
     head = hf_model.get_output_embeddings()
     if type(head) is nn.Linear and head.weight is hf_model.model.embed_tokens.weight:
-        tied = nn.Linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=dtype)
+        tied = nn.Linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=build.dtype)
         tied.weight = embeddings.weight  # tied embeddings: one tensor, read by both
         return tied.requires_grad_(False)
-    return _runtime_linear(head, dtype)
+    return _runtime_linear(head, build)

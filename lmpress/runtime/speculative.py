@@ -95,7 +95,7 @@ class ModelDrafter:
         pending = seq[keep:]
         drafts, probs = [], []
         for _ in range(k):
-            logits = self.model(torch.tensor([pending]), self.cache)[:, -1]
+            logits = self.model(torch.tensor([pending]), self.cache)[:, -1].float().cpu()
             self.cached += pending
             history = torch.tensor([seq + drafts])
             q = next_token_probs(logits, self.sampling, history)
@@ -204,7 +204,7 @@ def speculative_decode(
     cache = target.new_cache(1, capacity)
     prompt_len = len(seq)
     with torch.no_grad():
-        logits = target(torch.tensor([seq]), cache)[:, -1]
+        logits = target(torch.tensor([seq]), cache)[:, -1].float().cpu()
     emitted = [int(draw(next_token_probs(logits, sampling, torch.tensor([seq])), generator)[0])]
     while True:
         for token in emitted:
@@ -236,7 +236,7 @@ def _round(
     cache.truncate(len(seq) - 1)
     k = max(0, min(draft_len.k, remaining - 1, drafter.room(len(seq))))
     drafts, draft_probs = drafter.propose(seq, k) if k else ([], None)
-    logits = target(torch.tensor([seq[-1:] + drafts]), cache)[0]
+    logits = target(torch.tensor([seq[-1:] + drafts]), cache)[0].float().cpu()
     target_probs = _target_probs(logits, seq, drafts, sampling)
     emitted = verify(target_probs, drafts, draft_probs, generator)
     draft_len.update(len(drafts), len(emitted) - 1)

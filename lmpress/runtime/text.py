@@ -13,11 +13,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.generate import generate_tokens
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig
-from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, speculative_decode
+from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, check_same_vocabulary, speculative_decode
 
 
 @dataclass
@@ -39,11 +41,34 @@ class GenerationResult:
         return line
 
 
-def load_runtime(source: str, dtype: str = "float32") -> tuple[Transformer, Any]:
+DEVICES = ("cpu", "cuda")
+
+
+def resolve_device(requested: str | None) -> tuple[torch.device, str]:
+    """``--device`` and why it was chosen: ``cuda`` needs a GPU (else an input error); unset picks CUDA when present."""
+    if requested is not None and requested not in DEVICES:
+        raise LmpressInputError(f"--device {requested!r} is not one of {', '.join(DEVICES)}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise LmpressInputError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    if requested is not None:
+        return torch.device(requested), f"--device {requested}"
+    if torch.cuda.is_available():
+        return torch.device("cuda"), "a CUDA GPU was found"
+    return torch.device("cpu"), "no CUDA GPU found"
+
+
+def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | None = None) -> tuple[Transformer, Any]:
+    """The runtime model and tokenizer of any model or export lmpress reads (the manifest is checked).
+
+    ``dtype`` defaults to float32 on the CPU (quantized layers run bf16 kernels either way)
+    and bfloat16 on CUDA, where the Triton kernels take half-precision activations.
+    """
     from lmpress.model import load_model
 
+    device = torch.device(device)
+    dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
     loaded = load_model(source, dtype)
-    return Transformer.from_hf(loaded.model), loaded.tokenizer
+    return Transformer.from_hf(loaded.model, device=device), loaded.tokenizer
 
 
 def _text_pieces(tokenizer: Any, tokens: Iterator[int], out: list[int]) -> Iterator[str]:
@@ -65,6 +90,7 @@ def generate_text(
     seed: int | None = 0,
     draft: str | None = None,
     prompt_lookup: bool = False,
+    device: torch.device | str = "cpu",
     on_text: Callable[[str], None] = print,
 ) -> GenerationResult:
     """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes."""
@@ -73,16 +99,19 @@ def generate_text(
     if max_new_tokens < 1:
         raise LmpressInputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     config = SamplingConfig(**(sampling or {}))
-    model, tokenizer = load_runtime(source)
+    model, tokenizer = load_runtime(source, device)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise LmpressInputError("the prompt is empty")
     common = dict(max_new_tokens=max_new_tokens, sampling=config, eos_token_id=tokenizer.eos_token_id, seed=seed)
+    draft_model = None
+    if draft is not None:
+        draft_model, draft_tokenizer = load_runtime(draft, device)
+        check_same_vocabulary(model, draft_model, tokenizer, draft_tokenizer)
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()
     if draft is not None or prompt_lookup:
         result.speculative = SpeculativeStats()
-        draft_model = load_runtime(draft)[0] if draft is not None else None
         tokens = speculative_decode(
             model,
             ids,

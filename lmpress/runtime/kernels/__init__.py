@@ -1,1 +1,38 @@
-"""Matmul and norm kernels for quantized weights, one module per device (cpu.py, triton.py)."""
+"""Matmul and norm kernels for quantized weights, one module per device (``cpu.py``; ``cuda.py`` over ``triton.py``).
+
+``LINEAR_KERNELS`` maps a kernel family to the function turning a ``QuantizedLinear``
+into the module that runs it; the runtime picks the family from the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lmpress.quantize.qlinear import QuantizedLinear
+
+
+def dense_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Linear:
+    """``layer``'s weight dequantized once into an ``nn.Linear`` of ``dtype``: full speed, no memory saving."""
+    bias = layer.bias
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantized_weight(dtype))
+        if bias is not None:
+            dense.bias.copy_(bias.detach().float())
+    return dense.requires_grad_(False)
+
+
+def linear_kernel(family: str) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
+    """``"cpu"``: torch's packed int4/int8 kernels; ``"triton"``: the Triton W4A16/W8A16 kernels (CUDA)."""
+    if family == "cpu":
+        from lmpress.runtime.kernels.cpu import cpu_linear
+
+        return cpu_linear
+    if family == "triton":
+        from lmpress.runtime.kernels.cuda import triton_linear
+
+        return triton_linear
+    raise ValueError(f"unknown kernel family {family!r} (cpu, triton)")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.runtime.kernels import dense_linear
 
 
 class Int4Linear(nn.Module):
@@ -83,12 +84,7 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
         return Int4Linear(prepared, layer.in_features, layer.out_features, bias)
     if prepared is not None and prepared[0] == "int8":
         return Int8Linear(prepared, layer.in_features, layer.out_features, bias)
-    dense = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
-    with torch.no_grad():
-        dense.weight.copy_(layer.dequantized_weight(dtype))
-        if bias is not None:
-            dense.bias.copy_(bias)
-    return dense.requires_grad_(False)
+    return dense_linear(layer, dtype)
 
 
 def kernel_name(module: nn.Module) -> str:

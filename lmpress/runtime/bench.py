@@ -1,0 +1,239 @@
+"""What ``lmpress bench`` measures on the runtime: time to first token, prefill and decode speed,
+bytes read per decoded token against the machine's measured memory bandwidth, peak memory, and
+for speculative decoding its acceptance and its speedup over plain decoding in the same run.
+
+Decode tok/s = (N - 1) / (t(N new tokens) - t(1 new token)), so prefill and setup cancel
+out; each time is the median of ``repeats`` runs. Bytes per token = every distinct weight
+tensor (a tied embedding counts once, the RoPE tables not at all) + the KV cache read at the
+mean decode length. The ceiling is a large tensor copy timed in the same process
+(read + write bytes over time, as STREAM's copy counts them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.memory import track_peak_rss
+from lmpress.runtime.generate import DecodeFn, compiled_decode, decode_one_token, generate
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, speculative_decode
+
+COPY_MEGABYTES = 512
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    new_tokens: int = 256
+    repeats: int = 3
+    compile: bool = False  # time a torch.compile'd decode step (the first warm-up run pays the compile)
+
+    def __post_init__(self) -> None:
+        if self.new_tokens < 2:
+            raise LmpressInputError(f"--new-tokens must be >= 2 to time decoding, got {self.new_tokens}")
+        if self.repeats < 1:
+            raise LmpressInputError(f"--repeats must be >= 1, got {self.repeats}")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gbs(device: torch.device | str = "cpu", megabytes: int = COPY_MEGABYTES, repeats: int = 5) -> float:
+    """The machine's memory bandwidth as a large copy sees it: 2 x bytes / seconds, best of ``repeats``."""
+    device = torch.device(device)
+    source = torch.ones(megabytes * 2**20 // 4, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best / 1e9
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer but the RoPE tables; a tied embedding counts once."""
+    seen, total = set(), 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor is None or "rope_" in name or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def kv_cache_bytes(model: Transformer, length: int) -> int:
+    """Bytes of keys and values a decode step reads with ``length`` tokens in the cache."""
+    args = model.args
+    element = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * length * element
+
+
+def median_seconds(run: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def generation_times(
+    generate_n: Callable[[int], Any], new_tokens: int, repeats: int, device: torch.device
+) -> tuple[float, float]:
+    """Median seconds to generate 1 and ``new_tokens`` tokens (after a warm-up run)."""
+    generate_n(2)
+    return (
+        median_seconds(lambda: generate_n(1), repeats, device),
+        median_seconds(lambda: generate_n(new_tokens), repeats, device),
+    )
+
+
+def decode_rate(times: tuple[float, float], new_tokens: int) -> float:
+    one, many = times
+    return (new_tokens - 1) / (many - one) if many > one else float("nan")
+
+
+def running_peak_mb(run: Callable[[], Any], device: torch.device) -> float:
+    """Peak memory while ``run`` runs: resident set (MiB) on the CPU, allocated GPU memory on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with track_peak_rss() as peak:
+        run()
+    return peak.mb
+
+
+def bench_plain(
+    model: Transformer, prompt: list[int], settings: BenchSettings, bandwidth_gbs: float | None = None
+) -> dict[str, Any]:
+    """One row: prefill and decode speed of plain decoding, bytes per token, memory."""
+    decode: DecodeFn = compiled_decode() if settings.compile else decode_one_token
+    device = model.device
+
+    def run(n: int) -> list[int]:
+        return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
+
+    times = generation_times(run, settings.new_tokens, settings.repeats, device)
+    rate = decode_rate(times, settings.new_tokens)
+    per_token = weight_bytes(model) + kv_cache_bytes(model, len(prompt) + settings.new_tokens // 2)
+    row = {
+        "prompt_tokens": len(prompt),
+        "new_tokens": settings.new_tokens,
+        "ttft_s": times[0],
+        "prefill_tok_s": len(prompt) / times[0],
+        "decode_tok_s": rate,
+        "bytes_per_token": per_token,
+        "decode_gb_s": rate * per_token / 1e9,
+        "peak_memory_mb": running_peak_mb(lambda: run(settings.new_tokens), device),
+    }
+    if bandwidth_gbs:
+        row["bandwidth_gb_s"] = bandwidth_gbs
+        row["bandwidth_pct"] = 100 * row["decode_gb_s"] / bandwidth_gbs
+    return row
+
+
+def bench_speculative(
+    model: Transformer,
+    prompt: list[int],
+    settings: BenchSettings,
+    plain: dict[str, Any],
+    draft: Transformer | None = None,
+) -> dict[str, Any]:
+    """Greedy speculative decoding (``draft``, else prompt lookup) against ``plain``'s decode rate."""
+    stats = SpeculativeStats()
+
+    def run(n: int, record: SpeculativeStats | None = None) -> list[int]:
+        lookup = None if draft is not None else PromptLookupDrafter()
+        tokens = speculative_decode(model, prompt, draft=draft, max_new_tokens=n, prompt_lookup=lookup, stats=record)
+        return list(tokens)
+
+    times = generation_times(run, settings.new_tokens, settings.repeats, model.device)
+    rate = decode_rate(times, settings.new_tokens)
+    speculative_tokens = run(settings.new_tokens, stats)
+    plain_tokens = generate(model, prompt, max_new_tokens=settings.new_tokens)[0]
+    return {
+        "drafter": "draft model" if draft is not None else "prompt lookup",
+        "decode_tok_s": rate,
+        "speedup": rate / plain["decode_tok_s"],
+        "acceptance_rate": stats.acceptance_rate,
+        "tokens_per_target_step": stats.tokens_per_step,
+        "identical_to_plain": speculative_tokens == plain_tokens,
+    }
+
+
+def benchmark(
+    model: Transformer,
+    prompt: list[int],
+    settings: BenchSettings,
+    draft: Transformer | None = None,
+    prompt_lookup: bool = False,
+) -> dict[str, Any]:
+    """Everything ``lmpress bench`` reports for ``model`` on ``prompt``, as a JSON-ready dict."""
+    if len(prompt) + settings.new_tokens > model.args.max_seq_len:
+        raise LmpressInputError(
+            f"a {len(prompt)}-token prompt and {settings.new_tokens} new tokens exceed the model's context of "
+            f"{model.args.max_seq_len}"
+        )
+    bandwidth = copy_bandwidth_gbs(model.device)
+    result = {"settings": asdict(settings), "device": str(model.device), "threads": torch.get_num_threads()}
+    result["plain"] = bench_plain(model, prompt, settings, bandwidth)
+    if draft is not None or prompt_lookup:
+        result["speculative"] = bench_speculative(model, prompt, settings, result["plain"], draft)
+    return result
+
+
+def bench_prompt(tokenizer: Any, n_tokens: int, text: str | None = None) -> list[int]:
+    """``n_tokens`` token ids of ``text`` (default: the start of the built-in Python docs text)."""
+    if text is None:
+        from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
+
+        ids = tokenizer(load_text(BUILTIN_PYTHON_DOCS).text[: 20 * n_tokens], add_special_tokens=False)["input_ids"]
+        return ids[:n_tokens]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise LmpressInputError("the prompt is empty")
+    return ids
+
+
+def render_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(what, value)`` rows of a ``benchmark`` result, for a table."""
+    plain = result["plain"]
+    rows = [
+        ("device", f"{result['device']}, {result['threads']} threads ({result.get('device_choice', 'as given')})"),
+        ("prompt / new tokens", f"{plain['prompt_tokens']} / {plain['new_tokens']}"),
+        ("time to first token", f"{plain['ttft_s'] * 1000:.1f} ms"),
+        ("prefill", f"{plain['prefill_tok_s']:.1f} tok/s"),
+        ("decode", f"{plain['decode_tok_s']:.1f} tok/s"),
+        ("bytes read per token", f"{plain['bytes_per_token'] / 1e6:.1f} MB"),
+        ("decode bandwidth", f"{plain['decode_gb_s']:.1f} GB/s"),
+    ]
+    if "bandwidth_pct" in plain:
+        ceiling = f"{plain['bandwidth_pct']:.0f}% of {plain['bandwidth_gb_s']:.1f} GB/s"
+        rows.append(("of the measured copy bandwidth", ceiling))
+    rows.append(("peak memory while generating", f"{plain['peak_memory_mb']:.0f} MiB"))
+    spec = result.get("speculative")
+    if spec:
+        rows += [
+            (f"speculative decode ({spec['drafter']})", f"{spec['decode_tok_s']:.1f} tok/s"),
+            ("speculative speedup", f"{spec['speedup']:.2f}x plain decoding"),
+            ("acceptance rate", f"{spec['acceptance_rate']:.2f}"),
+            ("tokens per target step", f"{spec['tokens_per_target_step']:.2f}"),
+            ("same tokens as plain decoding", "yes" if spec["identical_to_plain"] else "NO"),
+        ]
+    return rows

@@ -1,0 +1,54 @@
+"""``lmpress bench``: what it reports for a model, checked against the checkpoint and against plain decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmpress.cli import main
+from lmpress.runtime.bench import BenchSettings, benchmark, copy_bandwidth_gbs, kv_cache_bytes
+from lmpress.runtime.model import Transformer
+from tests.runtime.conftest import tiny_hf_model
+
+
+def test_bench_cli_reports_and_writes_json(tiny_llama_dir, tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", str(tiny_llama_dir), "--prompt-tokens", "16", "--new-tokens", "6", "--repeats", "1"]
+    assert main([*argv, "--prompt-lookup", "--json", str(out)]) == 0
+    assert "decode" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    plain, spec = result["plain"], result["speculative"]
+    assert plain["prompt_tokens"] == 16 and plain["new_tokens"] == 6
+    assert plain["decode_tok_s"] > 0 and plain["prefill_tok_s"] > 0 and plain["peak_memory_mb"] > 0
+    # Bytes per token from the checkpoint: every float32 parameter once (the embedding is tied to the head)
+    # plus keys and values of 2 layers x 2 KV heads x 32 dims at the mean length 16 + 6 / 2.
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    assert config.tie_word_embeddings
+    kv = 2 * 2 * 2 * 32 * (16 + 3) * 4
+    assert plain["bytes_per_token"] == 4 * sum(p.numel() for p in hf.parameters()) + kv
+    assert plain["bandwidth_pct"] == pytest.approx(100 * plain["decode_gb_s"] / plain["bandwidth_gb_s"])
+    assert spec["identical_to_plain"] and spec["drafter"] == "prompt lookup"
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["tokens_per_target_step"] >= 1
+
+
+def test_speculative_bench_with_a_draft_model():
+    model = Transformer.from_hf(tiny_hf_model("llama", seed=1))
+    draft = Transformer.from_hf(tiny_hf_model("llama", seed=1), dtype=torch.bfloat16)
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    result = benchmark(model, prompt, BenchSettings(new_tokens=8, repeats=1), draft=draft)
+    spec = result["speculative"]
+    assert spec["drafter"] == "draft model" and spec["identical_to_plain"]
+    assert spec["acceptance_rate"] > 0.5  # a bf16 copy agrees with its fp32 target on most greedy tokens
+    assert spec["speedup"] == pytest.approx(spec["decode_tok_s"] / result["plain"]["decode_tok_s"])
+
+
+def test_kv_cache_bytes_and_copy_bandwidth():
+    model = Transformer.from_hf(tiny_hf_model("qwen3"), dtype=torch.bfloat16)
+    cache = model.new_cache(1, 10)
+    assert kv_cache_bytes(model, 10) == cache.k.nbytes + cache.v.nbytes
+    assert copy_bandwidth_gbs("cpu", megabytes=8, repeats=2) > 0.1
