@@ -29,6 +29,7 @@ from lmpress.evals.kld import vocab_digest
 from lmpress.evals.longctx import greedy_decode
 from lmpress.model import context_length
 from lmpress.registry import EvalConfig, EvalContext, EvalResult, eval_handler, register_eval
+from lmpress.runtime.model import Transformer
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -131,6 +132,7 @@ class LmpressLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation up to the first stop string (or EOS, or ``max_gen_toks`` tokens)."""
         outputs = []
+        runtime = Transformer.sharing(self.model)  # one runtime view for every request
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = dict(gen_kwargs or {})
             if kwargs.get("do_sample") and kwargs.get("temperature", 0) > 0:
@@ -140,7 +142,7 @@ class LmpressLM(TemplateLM):
             max_new = int(kwargs.get("max_gen_toks", 256))
             prompt = self.tok_encode(context)[-(self.max_length - max_new) :]
             stop = partial(_says_any, self.tokenizer, until)
-            tokens = greedy_decode(self.model, prompt, max_new, self.eot_token_id, stop)
+            tokens = greedy_decode(self.model, prompt, max_new, self.eot_token_id, stop, runtime=runtime)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             for s in until:
                 if s:

@@ -39,6 +39,8 @@ from lmpress.evals.perplexity import forward_windows, window_protocol
 from lmpress.model import context_length
 from lmpress.progress import QUIET, Bars
 from lmpress.registry import EvalConfig, EvalContext, EvalResult, eval_handler, register_eval
+from lmpress.runtime.generate import generate_tokens
+from lmpress.runtime.model import Transformer
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -149,8 +151,27 @@ def greedy_decode(
     max_new_tokens: int,
     eos_id: int | None,
     stop: Callable[[list[int]], bool] | None = None,
+    runtime: Transformer | None = None,
 ) -> list[int]:
-    """Greedy continuation of ``prompt`` with the model's KV cache, until EOS, ``stop(tokens)`` or the limit."""
+    """Greedy continuation of ``prompt`` until EOS, ``stop(tokens)`` or the limit.
+
+    Decodes on lmpress's runtime (``runtime``, or a view of ``model`` sharing its layers)
+    where it supports the architecture; otherwise with transformers' own KV cache.
+    """
+    runtime = runtime or Transformer.sharing(model)
+    if runtime is None:
+        return _transformers_greedy_decode(model, prompt, max_new_tokens, eos_id, stop)
+    generated: list[int] = []
+    for step in generate_tokens(runtime, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_id):
+        generated.append(int(step[0]))
+        if stop is not None and stop(generated):
+            break
+    return generated
+
+
+def _transformers_greedy_decode(
+    model: nn.Module, prompt: list[int], max_new_tokens: int, eos_id: int | None, stop: Callable | None
+) -> list[int]:
     device = next(model.parameters()).device
     keep = _keeps_last_logits(model)
     out = model(torch.tensor([prompt], device=device), use_cache=True, **keep)
@@ -183,9 +204,11 @@ def passkey_trials(config: PasskeyConfig) -> list[tuple[int, float, int, int]]:
 def passkey(model: nn.Module, tokenizer, config: PasskeyConfig, bars: Bars = QUIET) -> tuple[dict, dict]:
     samples = []
     began = time.perf_counter()
+    runtime = Transformer.sharing(model)
     for length, depth, trial, key in bars.track(passkey_trials(config), "passkey"):
         prompt = passkey_prompt(tokenizer, length, depth, key, config.max_new_tokens)
-        answer = tokenizer.decode(greedy_decode(model, prompt, config.max_new_tokens, tokenizer.eos_token_id))
+        tokens = greedy_decode(model, prompt, config.max_new_tokens, tokenizer.eos_token_id, runtime=runtime)
+        answer = tokenizer.decode(tokens)
         samples.append(
             {
                 "length": length,

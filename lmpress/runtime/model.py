@@ -94,7 +94,12 @@ class Build:
     """How the runtime model is built: the dtype of its activations and dense weights, and its kernels."""
 
     dtype: torch.dtype
-    kernels: str = "cpu"  # "cpu" (torch's packed kernels) or "triton" (CUDA; the interpreter in tests)
+    kernels: str = "cpu"  # "cpu" (torch's packed kernels), "triton" (CUDA; the interpreter in tests), "reference"
+
+    @property
+    def shares_layers(self) -> bool:
+        """ "reference" builds run the model's own linear layers, unfused and uncopied."""
+        return self.kernels == "reference"
 
     @property
     def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
@@ -142,6 +147,8 @@ class FusedLinear(nn.Module):
 def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
     """One module computing every layer of ``layers`` on the same input, outputs concatenated."""
     sizes = [layer.out_features for layer in layers]
+    if build.shares_layers:
+        return FusedLinear([_runtime_linear(layer, build) for layer in layers], sizes)
     if all(type(layer) is nn.Linear for layer in layers):
         return FusedLinear([_concat_dense(layers, build.dtype)], sizes)
     if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
@@ -153,6 +160,8 @@ def _runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
     if isinstance(layer, QuantizedLinear):
         return build.quantized_linear(layer, build.dtype)
     if isinstance(layer, nn.Linear):
+        if build.shares_layers and layer.weight.dtype == build.dtype:
+            return layer
         return _concat_dense([layer], build.dtype)
     raise LmpressInputError(f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear or QuantizedLinear)")
 
@@ -301,6 +310,19 @@ class Transformer(nn.Module):
         device = torch.device(device)
         kernels = kernels or ("triton" if device.type == "cuda" else "cpu")
         return cls(args, hf_model, Build(dtype, kernels)).eval().to(device)
+
+    @classmethod
+    def sharing(cls, hf_model: nn.Module) -> Transformer | None:
+        """A runtime view of ``hf_model`` running its own linear layers (no weight copied), or None where the
+        runtime does not support its architecture. Decoding on it gives the model's own numerics."""
+        from transformers import PreTrainedModel
+
+        if not isinstance(hf_model, PreTrainedModel):
+            return None
+        try:
+            return cls.from_hf(hf_model, device=next(hf_model.parameters()).device, kernels="reference")
+        except LmpressInputError:
+            return None
 
     @property
     def device(self) -> torch.device:

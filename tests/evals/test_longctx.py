@@ -1,8 +1,10 @@
+import copy
 import re
 
 import pytest
 import torch
 
+import lmpress
 from lmpress.errors import LmpressInputError
 from lmpress.evals import longctx
 from lmpress.evals.longctx import (
@@ -17,6 +19,8 @@ from lmpress.evals.longctx import (
     run_position_nll,
 )
 from lmpress.evals.perplexity import token_nll
+from lmpress.runtime.generate import generate_tokens
+from lmpress.runtime.model import Transformer
 from tests.evals.conftest import make_ctx
 
 SMALL = PasskeyConfig(lengths=[256, 384, 512], depths=[0, 0.5, 1], trials=2, max_new_tokens=4)
@@ -52,21 +56,39 @@ def test_answered_key():
     assert answered_key(" unknown") is None
 
 
-def test_greedy_decode_matches_hf_generate(tiny):
+def test_greedy_decode_runs_on_the_runtime_and_matches_hf_generate(tiny, monkeypatch):
     model, tokenizer = tiny
     prompt = passkey_prompt(tokenizer, 256, 0.5, 12345, answer_room=6)
+    runtime_calls = []
+    monkeypatch.setattr(longctx, "generate_tokens", lambda *a, **k: runtime_calls.append(1) or generate_tokens(*a, **k))
     ours = greedy_decode(model, prompt, 6, eos_id=None)
     reference = model.generate(
         torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
     )[0, len(prompt) :]
-    assert ours == reference.tolist()
+    assert ours == reference.tolist() and runtime_calls == [1]
+
+
+def test_runtime_view_shares_the_models_layers(tiny):
+    from lmpress.quantize.qlinear import QuantizedLinear
+
+    model, _ = tiny
+    runtime = Transformer.sharing(model)
+    assert runtime.layers[0].attention.wqkv.parts[0] is model.model.layers[0].self_attn.q_proj
+    quantized = copy.deepcopy(model)
+    lmpress.quantize_model(quantized, method="rtn", bits=4, group_size=32)
+    view = Transformer.sharing(quantized)
+    mlp = quantized.model.layers[1].mlp
+    assert isinstance(mlp.down_proj, QuantizedLinear) and view.layers[1].feed_forward.w2.parts[0] is mlp.down_proj
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(view(ids, view.new_cache(1, 20)), quantized(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_passkey_scores_exact_matches_into_the_grid(tiny, docs_text, tmp_path, monkeypatch):
     """A stand-in decoder that answers right only at depth 0 and 0.5 of the shortest length."""
     model, tokenizer = tiny
 
-    def fake_decode(model, prompt, max_new_tokens, eos_id):
+    def fake_decode(model, prompt, max_new_tokens, eos_id, runtime=None):
         text = tokenizer.decode(prompt)
         key = re.search(r"pass key is (\d+)", text).group(1)
         depth = text.index(key) / len(text)

@@ -25,8 +25,15 @@ def dense_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Linear:
     return dense.requires_grad_(False)
 
 
+def as_is(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+    return layer
+
+
 def linear_kernel(family: str) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
-    """``"cpu"``: torch's packed int4/int8 kernels; ``"triton"``: the Triton W4A16/W8A16 kernels (CUDA)."""
+    """``"cpu"``: torch's packed int4/int8 kernels; ``"triton"``: the Triton W4A16/W8A16 kernels (CUDA);
+    ``"reference"``: the ``QuantizedLinear`` itself, shared (the numerics of lmpress's evals, no copy)."""
+    if family == "reference":
+        return as_is
     if family == "cpu":
         from lmpress.runtime.kernels.cpu import cpu_linear
 
@@ -35,4 +42,4 @@ def linear_kernel(family: str) -> Callable[[QuantizedLinear, torch.dtype], nn.Mo
         from lmpress.runtime.kernels.cuda import triton_linear
 
         return triton_linear
-    raise ValueError(f"unknown kernel family {family!r} (cpu, triton)")
+    raise ValueError(f"unknown kernel family {family!r} (cpu, triton, reference)")
