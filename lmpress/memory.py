@@ -89,3 +89,22 @@ def track_peak_rss() -> Iterator[PeakRSS]:
         sampler.join()
         samples.append(process.memory_info().rss)
         result.mb = max(samples) / (1 << 20)
+
+
+def return_freed_memory() -> None:
+    """Hand memory freed to the C allocator back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Loading a model allocates transient buffers (unpacked codes, fp32 copies) between
+    long-lived tensors; glibc keeps those freed pages in its heap, so without this the
+    resident size after a load stays near the load's peak.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        pass

@@ -63,11 +63,13 @@ def copy_bandwidth_gbs(device: torch.device | str = "cpu", megabytes: int = COPY
     return 2 * source.numel() * source.element_size() / best / 1e9
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every distinct parameter and buffer but the RoPE tables; a tied embedding counts once."""
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of weights a decode step reads: every distinct parameter and buffer but the RoPE tables and the
+    embedding table, of which a step reads one row (unless it is tied to the output layer, read whole)."""
     seen, total = set(), 0
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor is None or "rope_" in name or tensor.data_ptr() in seen:
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in tensors:
+        if tensor is None or "rope_" in name or name.startswith("tok_embeddings.") or tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()

@@ -280,7 +280,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args, self.dtype, self.kernels = args, build.dtype, build.kernels
         dtype, base = build.dtype, hf_model.model
-        self.tok_embeddings = nn.Embedding.from_pretrained(base.embed_tokens.weight.detach().to(dtype), freeze=True)
+        # Copied unless sharing: a view would keep the whole loaded checkpoint (mmapped) resident.
+        embedding = base.embed_tokens.weight.detach().to(dtype, copy=not build.shares_layers)
+        self.tok_embeddings = nn.Embedding.from_pretrained(embedding, freeze=True)
         self.layers = nn.ModuleList(Block(args, layer, args.windows[i], build) for i, layer in enumerate(base.layers))
         self.norm = _copy_norm(base.norm, args.norm_eps, build)
         self.output = _output_layer(hf_model, self.tok_embeddings, build)

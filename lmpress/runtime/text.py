@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lmpress.errors import LmpressInputError
+from lmpress.memory import return_freed_memory
 from lmpress.runtime.generate import generate_tokens
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig
@@ -68,7 +69,10 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
     device = torch.device(device)
     dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
     loaded = load_model(source, dtype)
-    return Transformer.from_hf(loaded.model, device=device), loaded.tokenizer
+    model, tokenizer = Transformer.from_hf(loaded.model, device=device), loaded.tokenizer
+    del loaded  # the transformers model: the runtime holds copies of what it needs
+    return_freed_memory()
+    return model, tokenizer
 
 
 def _text_pieces(tokenizer: Any, tokens: Iterator[int], out: list[int]) -> Iterator[str]:
