@@ -43,7 +43,9 @@ LLAMA_CPP_VERSION = "0.3.36"
 # (label, lmpress quantize_model settings); every artifact is RTN (speed does not depend on the method).
 W4_ARTIFACTS = {
     "w4g64": dict(bits=4, group_size=64, symmetric=False),
-    "w4g64-head8": dict(bits=4, group_size=64, symmetric=False, ignore=[], overrides={"lm_head": {"bits": 8}}),
+    "w4g64-head8": dict(
+        bits=4, group_size=64, symmetric=False, ignore=[], overrides={"lm_head": {"bits": 8, "group_size": -1}}
+    ),
 }
 
 CODE = '''def merge_intervals(intervals):

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import track_peak_rss

@@ -79,3 +79,28 @@ class KVCache(nn.Module):
 
     def reset(self) -> None:
         self.length = 0
+
+
+class StaticSlots:
+    """A decode step's view of a ``KVCache`` for compiled steps: it writes slot ``pos`` and reads every slot.
+
+    Nothing here depends on how full the cache is (``pos`` is a tensor, the mask
+    hides the empty slots), so one compiled graph, or one CUDA graph, serves every step.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        self.k, self.v, self.pos = k, v, pos
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer].index_copy_(2, self.pos, k)
+        self.v[layer].index_copy_(2, self.pos, v)
+        return self.k[layer], self.v[layer]
+
+
+def static_decode_mask(pad: torch.Tensor, pos: torch.Tensor, max_len: int, window: int | None) -> torch.Tensor:
+    """Boolean ``(batch, 1, 1, max_len)``: the slots a query at slot ``pos`` sees (filled, not padding, in window)."""
+    slot = torch.arange(max_len, device=pad.device)[None, :]
+    visible = (slot <= pos) & (slot >= pad[:, None])
+    if window is not None:
+        visible = visible & (pos - slot < window)
+    return visible[:, None, None, :]

@@ -151,6 +151,30 @@ def generate(
     return rows
 
 
+def _static_step(model: Transformer, token: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad, pos) -> torch.Tensor:
+    return model.decode_static(token, k, v, pad, pos)[:, -1].float()
+
+
+def static_decode(step: Callable[..., torch.Tensor] = _static_step) -> DecodeFn:
+    """A ``DecodeFn`` running ``step`` (``_static_step``, or a compiled form of it) on a cache's tensors."""
+
+    @torch.no_grad()
+    def decode(model: Transformer, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if cache.length + 1 > cache.max_len:
+            raise LmpressInputError(f"{cache.length + 1} tokens exceed the cache of {cache.max_len}")
+        pos = torch.tensor([cache.length], device=model.device)
+        logits = step(model, token.to(model.device), cache.k, cache.v, cache.pad, pos)
+        cache.advance(1)
+        return logits.clone()  # a CUDA graph overwrites its output at the next replay
+
+    return decode
+
+
 def compiled_decode(mode: str | None = None) -> DecodeFn:
-    """``decode_one_token`` under ``torch.compile`` (dynamic shapes: the cache grows each step)."""
-    return torch.compile(decode_one_token, dynamic=True, mode=mode)
+    """The decode step as one ``torch.compile``'d graph of fixed shapes (``Transformer.decode_static``).
+
+    It compiles once per cache size and is reused at every step; ``mode="reduce-overhead"``
+    also captures it in a CUDA graph on a GPU. On the CPU it did not pay for SmolLM2-135M
+    (``bench/runtime.py``, row ``lmpress-fp32-compile``), so decoding is eager by default.
+    """
+    return static_decode(torch.compile(_static_step, mode=mode, fullgraph=True))

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
-from lmpress.runtime.cache import KVCache
+from lmpress.runtime.cache import KVCache, StaticSlots, static_decode_mask
 from lmpress.runtime.kernels import linear_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -224,7 +224,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: KVCache,
+        cache: KVCache | StaticSlots,
         layer: int,
     ) -> torch.Tensor:
         batch, n_new, _ = x.shape
@@ -344,14 +344,29 @@ class Transformer(nn.Module):
         if cache.length + n_new > cache.max_len:
             raise LmpressInputError(f"{cache.length + n_new} tokens exceed the cache of {cache.max_len}")
         positions = cache.positions(n_new)
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         masks = {window: cache.attention_mask(n_new, window) for window in set(self.args.windows)}
+        logits = self._run(tokens, positions, masks, cache)
+        cache.advance(n_new)
+        return logits
+
+    def decode_static(
+        self, token: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``(batch, 1, vocab)`` for one token per row ``(batch,)`` written at slot ``pos`` (a 1-element
+        tensor) of a cache's ``k``/``v`` with row padding ``pad``. Every shape is fixed by the cache's size, so
+        this is the step ``torch.compile`` (and CUDA graphs) can capture once; the caller advances the cache."""
+        max_len = k.shape[3]
+        masks = {window: static_decode_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
+        positions = (pos - pad).clamp(min=0)[:, None]
+        return self._run(token[:, None], positions, masks, StaticSlots(k, v, pos))
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, masks: dict, cache: KVCache | StaticSlots):
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         x = self.tok_embeddings(tokens)
         for i, block in enumerate(self.layers):
             h = block.attention_norm(x)
             x = x + block.attention(h, cos, sin, masks[block.attention.window], cache, i)
             x = x + block.feed_forward(block.ffn_norm(x))
-        cache.advance(n_new)
         return self.output(self.norm(x))
 
 

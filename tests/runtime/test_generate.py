@@ -128,3 +128,25 @@ def test_bad_generate_inputs(model):
         generate(model, [1, 2], max_new_tokens=0)
     with pytest.raises(LmpressInputError, match="tokenizer"):
         generate(model, [1, 2], stop_strings=["x"])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_static_decode_step_equals_the_growing_cache(family):
+    """The fixed-shape step (what torch.compile / CUDA graphs capture): same tokens, padded batch and sliding window."""
+    from lmpress.runtime.generate import static_decode
+
+    model = Transformer.from_hf(tiny_hf_model(family, seed=4, sliding_window=6 if family == "mistral" else None))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4, 5]]
+    expected = generate(model, prompts, max_new_tokens=16)
+    assert generate(model, prompts, max_new_tokens=16, decode=static_decode()) == expected
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager():
+    from lmpress.runtime.generate import compiled_decode
+
+    model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    assert generate(model, prompts, max_new_tokens=12, decode=compiled_decode()) == generate(
+        model, prompts, max_new_tokens=12
+    )
