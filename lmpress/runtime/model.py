@@ -117,10 +117,9 @@ class RMSNorm(nn.Module):
             from lmpress.runtime.kernels.triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
-        # As transformers does it: normalize in float32, cast back, then scale.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # One fused op. In float32 it equals transformers' x * rsqrt(mean(x^2) + eps) * weight bit for bit;
+        # in half precision it scales before the final rounding where transformers rounds first (1 ulp apart).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -228,14 +227,14 @@ class Attention(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         batch, n_new, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.wqkv.sizes, dim=-1)
-        q = q.view(batch, n_new, self.n_heads, self.head_dim)
-        k = k.view(batch, n_new, self.n_kv_heads, self.head_dim)
-        v = v.view(batch, n_new, self.n_kv_heads, self.head_dim)
+        heads = self.n_heads + self.n_kv_heads
+        qkv = self.wqkv(x)
+        qk = qkv[..., : heads * self.head_dim].view(batch, n_new, heads, self.head_dim)
+        v = qkv[..., heads * self.head_dim :].view(batch, n_new, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :, : self.n_heads]), self.k_norm(qk[:, :, self.n_heads :])), dim=2)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # queries and keys rotated in one go
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         keys, values = cache.update(layer, k, v.transpose(1, 2))
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
