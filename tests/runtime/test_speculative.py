@@ -90,15 +90,24 @@ def test_context_limit_matches_plain_decoding(target):
     assert list(speculative_decode(target, ids, draft=target, max_new_tokens=40)) == expected
 
 
-def test_k_adapts_to_acceptance(target):
+def test_k_adapts_to_acceptance_and_cost():
     from lmpress.runtime.speculative import AdaptiveK
 
-    k = AdaptiveK(4, 8, adaptive=True)
-    k.update(4, 4)
-    assert k.k == 6
-    k.update(6, 1)
-    k.update(5, 0)
-    assert k.k == 4
+    def settle(acceptance: float, seconds_per_token: float) -> int:
+        """k after 30 rounds at this acceptance, verifying n tokens in 1 + seconds_per_token * (n - 1)."""
+        k = AdaptiveK(4, 8, adaptive=True)
+        for _ in range(30):
+            drafted = k.k
+            k.update(drafted, round(acceptance * drafted), 1 + seconds_per_token * drafted)
+        return k.k
+
+    assert settle(1.0, 0.05) == 8  # every draft taken, verifying is nearly free (a GPU): the longest rounds
+    assert settle(0.5, 0.05) < settle(0.9, 0.05)  # fewer drafts taken: shorter rounds
+    assert settle(0.9, 1.0) < settle(0.9, 0.05)  # each verified token costs a full step (a slow CPU): shorter
+    assert settle(0.0, 0.05) == 1
+    fixed = AdaptiveK(3, 8, adaptive=False)
+    fixed.update(3, 3, 1.0)
+    assert fixed.k == 3
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
