@@ -96,8 +96,9 @@ def median_seconds(run: Callable[[], Any], repeats: int, device: torch.device) -
 def generation_times(
     generate_n: Callable[[int], Any], new_tokens: int, repeats: int, device: torch.device
 ) -> tuple[float, float]:
-    """Median seconds to generate 1 and ``new_tokens`` tokens (after a warm-up run)."""
-    generate_n(2)
+    """Median seconds to generate 1 and ``new_tokens`` tokens (after a warm-up run of the same length, which
+    also compiles a compiled step for this cache size)."""
+    generate_n(new_tokens)
     return (
         median_seconds(lambda: generate_n(1), repeats, device),
         median_seconds(lambda: generate_n(new_tokens), repeats, device),
