@@ -3,8 +3,10 @@
 ``Transformer.from_hf(hf_model)`` takes the weights of an in-memory transformers
 model whose linears are ``nn.Linear`` or lmpress ``QuantizedLinear``: q/k/v and
 gate/up are fused into one matmul each (quantized layers too, when their schemes
-match), quantized layers run torch's packed CPU kernels (``kernels/cpu.py``) and
-everything else runs in ``dtype``. The KV cache lives outside the model
+match), quantized layers run the device's kernels (torch's packed CPU kernels,
+``kernels/cpu.py``; Triton on CUDA, ``kernels/cuda.py``) and everything else runs in
+``dtype``. ``Transformer.sharing(hf_model)`` instead runs the model's own layers, copying
+nothing (what the evals decode with). The KV cache lives outside the model
 (``cache.py``), so a target and its draft each keep their own.
 """
 
@@ -98,7 +100,7 @@ class Build:
 
     @property
     def shares_layers(self) -> bool:
-        """ "reference" builds run the model's own linear layers, unfused and uncopied."""
+        """Whether the model's own linear layers run as they are, unfused and uncopied ("reference" kernels)."""
         return self.kernels == "reference"
 
     @property
