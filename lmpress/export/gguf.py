@@ -260,7 +260,7 @@ def tokenizer_pre(tokenizer_json: dict[str, Any]) -> str:
     pre = tokenizer_json.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if len(steps) == 1 and matches(steps[0], GPT2_SPLIT):
-        return "gpt2"
+        return "gpt-2"
     if len(steps) == 2 and matches(steps[0], DIGITS_SPLIT) and matches(steps[1], GPT2_SPLIT):
         return "smollm"
     raise LmpressInputError(

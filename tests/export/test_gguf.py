@@ -86,7 +86,7 @@ def test_gguf_metadata_and_vocabulary(quantized_tiny, export):
     assert field["llama.block_count"] == config.num_hidden_layers
     assert field["llama.attention.head_count_kv"] == config.num_key_value_heads
     assert field["llama.rope.dimension_count"] == config.head_dim
-    assert field["tokenizer.ggml.model"] == "gpt2" and field["tokenizer.ggml.pre"] == "gpt2"
+    assert field["tokenizer.ggml.model"] == "gpt2" and field["tokenizer.ggml.pre"] == "gpt-2"
     vocab = tokenizer.get_vocab()
     assert [field["tokenizer.ggml.tokens"][i] for i in sorted(vocab.values())] == sorted(vocab, key=vocab.get)
     assert field["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
