@@ -185,3 +185,27 @@ def test_run_exports_gguf_and_onnx_and_checks_them(tiny_llama_dir, tmp_path, mon
     assert checks["onnx"]["passed"] and checks["onnx"]["weights"].endswith("(quantized, scales as float32)")
     assert checks["gguf"]["passed"] and checks["gguf"]["weights"].endswith("(quantized, scales as float16)")
     assert report["measured_on"]["candidate"].startswith("onnx/")
+
+
+def test_qwen2_with_attention_biases(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for layer in model.model.layers:  # transformers initializes biases to zero: make them count
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    write_onnx(model, tmp_path / FILE_NAME)
+    ids = np.arange(5, 60, dtype=np.int64)[None]
+    logits, _ = run_decoder(onnx_session(tmp_path / FILE_NAME), ids)
+    assert relative_rms(logits, candidate_logits(model, ids)) < 1e-5
