@@ -41,7 +41,9 @@ from bench.quant_table import CALIBRATION, EVAL, SMOLLM2, WIKITEXT, cpu_descript
 RESULTS = REPO / "bench" / "results"
 ROW_DIR = RESULTS / "export_rows"
 GPTQ_STAGE = {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True, "static_groups": True, "mse": True}
-THREADS = 2
+# One thread: on this shared 2-core machine (load average ~5), 2 threads made every op wait for a
+# descheduled worker (llama.cpp Q4_0 decoded at 0.7 tok/s with 2 threads).
+THREADS = 1
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 128, 64, 3
 # row -> (runtime, label, artifact under the work directory)
 ROWS: dict[str, tuple[str, str, str]] = {
@@ -209,7 +211,8 @@ class OnnxRunner:
         return time.perf_counter() - began
 
 
-def measure_row(name: str) -> dict:
+def measure_row(name: str, part: str) -> dict:
+    """``part`` "ppl" (the reference perplexity) or "decode" (tokens/s) of row ``name``."""
     import math
 
     import torch
@@ -220,25 +223,24 @@ def measure_row(name: str) -> dict:
     path = work_dir() / artifact
     windows, prompt = eval_windows()
     runner = LlamaCppRunner(path) if runtime == "llama.cpp" else OnnxRunner(path)
-    began, nll = time.perf_counter(), []
-    for window in windows:
-        logits = runner.window_logits(window.tolist()).float()
-        nll.append(token_nll(logits[None], window[None]).double())
-    eval_seconds = time.perf_counter() - began
-    decode = [runner.decode_seconds(prompt) for _ in range(REPEATS)]
     files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
-    return {
-        "row": name,
-        "runtime": runtime,
-        "label": label,
-        "ppl": math.exp(torch.cat(nll, dim=1).mean().item()),
-        "eval_seconds": eval_seconds,
-        "decode_tok_s": NEW_TOKENS / statistics.median(decode),
-        "decode_runs_s": decode,
-        "size_mb": sum(p.stat().st_size for p in files) / 1e6,
-        "load_average": os.getloadavg()[0],
-        "cpu": cpu_description(),
-    }
+    row = {"row": name, "runtime": runtime, "label": label, "cpu": cpu_description()}
+    row["size_mb"] = sum(p.stat().st_size for p in files) / 1e6
+    if part == "ppl":  # the same number with any thread count (each thread computes whole rows)
+        began, nll = time.perf_counter(), []
+        for window in windows:
+            logits = runner.window_logits(window.tolist()).float()
+            nll.append(token_nll(logits[None], window[None]).double())
+        row["ppl"] = math.exp(torch.cat(nll, dim=1).mean().item())
+        row["eval_seconds"] = time.perf_counter() - began
+        row["eval_threads"] = THREADS
+    else:
+        decode = [runner.decode_seconds(prompt) for _ in range(REPEATS)]
+        row["decode_tok_s"] = NEW_TOKENS / statistics.median(decode)
+        row["decode_runs_s"] = decode
+        row["decode_threads"] = THREADS
+        row["load_average"] = os.getloadavg()[0]
+    return row
 
 
 def run_child(args: list[str]) -> str:
@@ -267,13 +269,16 @@ def render(rows: dict[str, dict]) -> str:
                 continue
             delta = "" if key == "fp32" or fp32 is None else f"{r['ppl'] - fp32['ppl']:+.2f}"
             goal = met = ""
-            if key == "lmpress" and fp32 and own:
+            if key == "lmpress" and fp32 and own and "ppl" in fp32 and "ppl" in own:
                 limit = own["ppl"] - (own["ppl"] - fp32["ppl"]) / 2
                 goal = f"ppl <= {limit:.2f} (half of the runtime quantizer's {own['ppl'] - fp32['ppl']:+.2f})"
                 met = "yes" if r["ppl"] <= limit else "NO"
+            if "ppl" not in r:
+                lines.append(f"| {runtime} | {label} | not measured | | | | | |")
+                continue
+            speed = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else "not measured"
             lines.append(
-                f"| {runtime} | {label} | {r['ppl']:.2f} | {delta} | {r['decode_tok_s']:.1f} | "
-                f"{r['size_mb']:.0f} | {goal} | {met} |"
+                f"| {runtime} | {label} | {r['ppl']:.2f} | {delta} | {speed} | {r['size_mb']:.0f} | {goal} | {met} |"
             )
     notes = [
         "",
@@ -288,8 +293,12 @@ def render(rows: dict[str, dict]) -> str:
         info = json.loads(gptq.read_text())
         notes.append(f"GPTQ took {info['seconds']:.0f} s (1-minute load average {info['load']:.1f} when it ended).")
     cpus = sorted({r["cpu"] for r in rows.values()})
-    loads = "; ".join(f"{n}: {r['load_average']:.1f}" for n, r in rows.items())
-    notes.append(f"CPU: {'; '.join(cpus)}, {os.cpu_count()} cores; 1-minute load average after each row: {loads}.")
+    loads = "; ".join(f"{n}: {r['load_average']:.1f}" for n, r in rows.items() if "load_average" in r)
+    threads = "; ".join(f"{n}: {r['eval_threads']}" for n, r in rows.items() if "eval_threads" in r)
+    notes.append(
+        f"CPU: {'; '.join(cpus)}, {os.cpu_count()} cores shared with other jobs; 1-minute load average after each "
+        f"decode measurement: {loads}. Threads of each perplexity run (the number does not depend on them): {threads}."
+    )
     return "\n".join(lines + notes) + "\n"
 
 
@@ -307,7 +316,8 @@ def main() -> int:
         )
         return 0
     if args.one:
-        print(json.dumps(measure_row(args.one)))
+        name, _, part = args.one.partition(":")
+        print(json.dumps(measure_row(name, part)))
         return 0
     wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in wanted if r not in ROWS]
@@ -316,14 +326,17 @@ def main() -> int:
     print("building artifacts (reused when present) ...", file=sys.stderr, flush=True)
     build_all(work_dir())
     ROW_DIR.mkdir(parents=True, exist_ok=True)
-    for name in wanted:
-        path = ROW_DIR / f"{name}.json"
-        if args.reuse and path.exists():
-            continue
-        print(f"measuring {name} ...", file=sys.stderr, flush=True)
-        result = json.loads(run_child(["--one", name]).strip().splitlines()[-1])
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"  ppl {result['ppl']:.3f}  decode {result['decode_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    for part in ("ppl", "decode"):  # every row's perplexity first, then every row's decode speed
+        for name in wanted:
+            path = ROW_DIR / f"{name}.json"
+            row = json.loads(path.read_text()) if path.exists() else {}
+            if args.reuse and (part in row if part == "ppl" else "decode_tok_s" in row):
+                continue
+            print(f"measuring {name} {part} ...", file=sys.stderr, flush=True)
+            row.update(json.loads(run_child(["--one", f"{name}:{part}"]).strip().splitlines()[-1]))
+            path.write_text(json.dumps(row, indent=2) + "\n")
+            value = row["ppl"] if part == "ppl" else row["decode_tok_s"]
+            print(f"  {part} {value:.3f}", file=sys.stderr, flush=True)
     rows = {n: json.loads((ROW_DIR / f"{n}.json").read_text()) for n in ROWS if (ROW_DIR / f"{n}.json").exists()}
     table = render(rows)
     args.out.write_text(table)
