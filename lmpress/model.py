@@ -200,9 +200,12 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lmpress.export.checkpoint import load_quantized_model, quant_method
+    from lmpress.export.checkpoint import artifact_loader, load_quantized_model, quant_method
     from lmpress.export.manifest import verify_artifact
 
+    loader = artifact_loader(Path(os.path.expanduser(source)))
+    if loader is not None:  # a GGUF / ONNX export directory: its own reader, its tokenizer files beside it
+        return load_export_artifact(Path(os.path.expanduser(source)), loader, dtype, fingerprint)
     path = resolve_checkpoint(source, revision)
     verify_artifact(path)
     quantized = quant_method(check_checkpoint_dir(path)) is not None
@@ -221,6 +224,20 @@ def load_model(
     model.eval()
     get_anatomy(model)
     return LoadedModel(model, tokenizer, path, checkpoint_fingerprint(path) if fingerprint else "")
+
+
+def load_export_artifact(path: Path, loader, dtype: str, fingerprint: bool) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    from lmpress.export.manifest import verify_artifact
+
+    verify_artifact(path)
+    model = loader(path, DTYPES[dtype])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    get_anatomy(model)
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    digest = sha256_json([(p.name, sha256_file(p)) for p in files]) if fingerprint else ""
+    return LoadedModel(model, tokenizer, path, digest)
 
 
 def model_skeleton(path: Path, trust_remote_code: bool = False) -> nn.Module:

@@ -229,6 +229,40 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
         "awq",
         [],
     ),  # fmt: skip
+    (
+        "gguf-export-group-64",
+        edited(lambda r, e: r.update(export={"formats": ["gguf"]}) or r["stages"][0].update(group_size=64)),
+        "gguf: stages[0]: group_size 64 does not land on GGUF's 32-column blocks: use group_size: 32",
+        [],
+    ),  # fmt: skip
+    (
+        "gguf-export-act-order",
+        edited(
+            lambda r, e: r.update(
+                export={"formats": ["gguf"]}, stages=[{"method": "gptq", "group_size": 32, "act_order": True}]
+            )
+        ),
+        "act-order g_idx permutes columns across GGUF's 32-column blocks: set static_groups: true",
+        [],
+    ),
+    (
+        "gguf-export-asymmetric",
+        edited(lambda r, e: r.update(export={"formats": ["gguf"]}) or r["stages"][0].update(symmetric=False)),
+        "use symmetric: true",
+        [],
+    ),  # fmt: skip
+    (
+        "onnx-export-3-bit",
+        edited(lambda r, e: r.update(export={"formats": ["onnx"]}) or r["stages"][0].update(bits=3)),
+        "onnx: stages[0]: 3-bit weights: ONNX export holds 4- or 8-bit MatMulNBits",
+        [],
+    ),  # fmt: skip
+    (
+        "onnx-export-per-channel",
+        edited(lambda r, e: r.update(export={"formats": ["onnx"]}) or r["stages"][0].update(group_size=-1)),
+        "per-channel scales: MatMulNBits blocks are 32, 64 or 128 columns",
+        [],
+    ),  # fmt: skip
     ("set-malformed-yaml", edited(lambda r, e: None), "is not valid YAML", ["--set", "stages[0].bits=["]),
     ("set-missing-index", edited(lambda r, e: None), "stages[3] does not exist", ["--set", "stages[3].bits=8"]),
     ("set-without-value", edited(lambda r, e: None), "expected key.path=value", ["--set", "stages[0].bits"]),
@@ -399,6 +433,23 @@ def test_bad_cli_input_is_exit_2(env, capsys, build, fragment):
     assert_one_line_error(code, capsys.readouterr().err, fragment)
     for path, mtime in before.items():  # nothing the user had is rewritten or removed
         assert path.exists() and path.stat().st_mtime_ns == mtime, path
+
+
+@pytest.mark.parametrize(
+    ("fmt", "fragment"),
+    [
+        ("gguf", "export gguf: architecture 'opt' is not written by lmpress's GGUF writer"),
+        ("onnx", "export onnx: architecture 'opt' is not written by lmpress's ONNX exporter"),
+    ],
+)
+def test_export_of_unsupported_architecture_is_exit_2(env, capsys, tiny_opt_dir, fmt, fragment):
+    raw = base_recipe(env)
+    raw["model"]["source"] = str(tiny_opt_dir)
+    raw["export"]["formats"] = [fmt]
+    out = out_with_a_file(env.tmp)
+    code = main(["run", env.recipe(raw), "--out", str(out), "--overwrite", "--quiet"])
+    assert_one_line_error(code, capsys.readouterr().err, fragment)
+    assert sorted(p.name for p in out.iterdir()) == [SENTINEL]
 
 
 def truncated_gguf(env: Env) -> str:

@@ -98,6 +98,29 @@ def check_recipe_exports(stages: list[Any], formats: list[str]) -> None:
                     raise LmpressInputError(f"export.formats[{j}] {fmt}: stages[{i}]{where}: {reason}")
 
 
+# file name -> loader(directory, dtype) -> model, for exports that are not safetensors checkpoints
+# (a directory holding that file is such an export: model.gguf, model.onnx); load_model dispatches on it
+ARTIFACT_LOADERS: dict[str, Callable[[Path, torch.dtype], nn.Module]] = {}
+
+
+def register_artifact_loader(file_name: str) -> Callable[[Callable], Callable]:
+    def decorator(fn: Callable[[Path, torch.dtype], nn.Module]) -> Callable:
+        ARTIFACT_LOADERS[file_name] = fn
+        return fn
+
+    return decorator
+
+
+def artifact_loader(path: Path) -> Callable[[Path, torch.dtype], nn.Module] | None:
+    """The loader of the non-safetensors export in directory ``path`` (no config.json), or None."""
+    import lmpress.methods  # noqa: F401  (fills ARTIFACT_LOADERS)
+
+    path = Path(path)
+    if not path.is_dir() or (path / CONFIG_NAME).exists():
+        return None
+    return next((fn for name, fn in ARTIFACT_LOADERS.items() if (path / name).is_file()), None)
+
+
 def register_plan_check(fmt: str) -> Callable[[Callable], Callable]:
     def decorator(fn: Callable) -> Callable:
         PLAN_CHECKS[fmt] = fn

@@ -1,0 +1,512 @@
+"""GGUF files for llama.cpp (and Ollama, LM Studio): ``OUT/gguf/model.gguf``.
+
+Llama-family models (``model_type`` llama, or mistral without a sliding window) are
+written with the metadata and tokenizer llama.cpp needs: the byte-level BPE vocabulary,
+its merges and token types, the pre-tokenizer name, BOS/EOS and the chat template.
+
+Quantized layers keep lmpress's integer codes; each maps onto a GGML block type exactly:
+
+- W4, groups of 32, symmetric (zero point 8): ``Q4_0`` (per block of 32 columns a float16
+  scale ``d`` and 16 bytes of nibbles, ``w = (q - 8) * d``);
+- W8, groups of 32, symmetric (zero point 128): ``Q8_0`` (``d`` and 32 int8 ``q - 128``).
+
+The scales are stored as float16, so the file dequantizes to the candidate's weights with
+its scales rounded to float16 (what GPTQ and AWQ checkpoints store too), bit for bit.
+Other schemes have no exact GGML block (groups of 64 or 128, act-order ``g_idx`` that
+permutes columns across blocks, asymmetric zero points, 2 or 3 bits) and are refused from
+the recipe alone, before any weight is loaded, naming what would work. Every other tensor
+is written in the model's float type (F32, F16 or BF16), norms as F32.
+
+llama.cpp rotates query/key pairs interleaved where transformers' Llama rotates halves, so
+``q_proj`` and ``k_proj`` rows are permuted as llama.cpp's own converter does; a row
+permutation leaves the 32-column blocks intact. ``read_gguf`` undoes it when reading back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.export.checkpoint import (
+    PlannedLayer,
+    act_order_g_idx,
+    fp16_scales,
+    quantized_layers,
+    register_artifact_loader,
+    register_plan_check,
+    register_scheme_check,
+)
+from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+from lmpress.registry import register_exporter
+
+FORMAT = "gguf"
+FILE_NAME = "model.gguf"
+BLOCK = 32  # columns per Q4_0 / Q8_0 block
+Q4_0_BYTES = 2 + BLOCK // 2
+Q8_0_BYTES = 2 + BLOCK
+ARCHITECTURES = {"llama": "llama", "mistral": "llama"}  # transformers model_type -> GGUF architecture
+# tokenizer.json pre_tokenizer -> the llama.cpp pre-tokenizer with the same splits
+GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True}
+DIGITS_SPLIT = {"type": "Digits", "individual_digits": True}
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+# What GGUF can hold ------------------------------------------------------------------------------
+
+
+@register_scheme_check(FORMAT)
+def gguf_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
+    """Why a layer quantized with ``scheme`` has no exact GGML block type, or None (Q4_0 / Q8_0)."""
+    what = "W4 g32 sym -> Q4_0, W8 g32 sym -> Q8_0, or export gptq / compressed-tensors"
+    if scheme.bits not in (4, 8):
+        return f"{scheme.bits}-bit weights have no exact GGUF block type (GGUF here holds {what})"
+    if scheme.group_size != BLOCK:
+        return f"group_size {scheme.group_size} does not land on GGUF's 32-column blocks: use group_size: 32 ({what})"
+    if not scheme.symmetric:
+        return f"asymmetric zero points do not fit Q4_0 / Q8_0 exactly: use symmetric: true ({what})"
+    if act_order:
+        return (
+            "act-order g_idx permutes columns across GGUF's 32-column blocks: "
+            "set static_groups: true (or act_order: false), or export gptq"
+        )
+    return None
+
+
+def ggml_type_name(scheme: QuantScheme) -> str:
+    return "Q4_0" if scheme.bits == 4 else "Q8_0"
+
+
+def gguf_architecture(config: Any) -> str:
+    """The GGUF architecture of a transformers config, or a one-line refusal naming what is supported."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise LmpressInputError(
+            f"export gguf: architecture {model_type!r} is not written by lmpress's GGUF writer "
+            f"(it writes {', '.join(sorted(ARCHITECTURES))}); export hf and convert with llama.cpp's converter"
+        )
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise LmpressInputError(f"export gguf: {model_type} with attention/MLP biases is not written by lmpress")
+    window = getattr(config, "sliding_window", None)
+    if model_type == "mistral" and window is not None and window < getattr(config, "max_position_embeddings", 0):
+        raise LmpressInputError(f"export gguf: mistral with a sliding window ({window}) is not written by lmpress")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise LmpressInputError(
+            f"export gguf: rope_type {rope.get('rope_type')!r} is not written by lmpress (only default RoPE)"
+        )
+    return ARCHITECTURES[model_type]
+
+
+@register_plan_check(FORMAT)
+def check_gguf_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
+    gguf_architecture(model.config)
+    for name, layer in plan.items():
+        if layer.in_features % BLOCK:
+            raise LmpressInputError(
+                f"export gguf: {name} has in_features {layer.in_features}, "
+                f"not a multiple of GGUF's {BLOCK}-column blocks"
+            )
+
+
+# Blocks -----------------------------------------------------------------------------------------
+
+
+def pack_q4_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """Q4_0 blocks of ``codes`` (uint8 ``(rows, cols)`` in [0, 15]) with float16 ``scales`` ``(rows, cols/32)``.
+
+    Each block: ``d`` (float16, little-endian), then byte ``j`` holds code ``j`` in its low
+    nibble and code ``j + 16`` in its high nibble. Returns uint8 ``(rows, cols/32*18)``.
+    """
+    rows, cols = codes.shape
+    q = codes.to(torch.uint8).reshape(rows, cols // BLOCK, BLOCK).numpy()
+    nibbles = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << np.uint8(4))
+    d = scales.to(torch.float16).reshape(rows, cols // BLOCK, 1).numpy().astype("<f2").view(np.uint8)
+    return np.concatenate([d, nibbles], axis=-1).reshape(rows, -1)
+
+
+def unpack_q4_0(blocks: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 ``(rows, cols)``, float16 scales ``(rows, cols/32)``) of Q4_0 ``blocks``."""
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, cols // BLOCK, Q4_0_BYTES)
+    d = b[..., :2].copy().view("<f2")[..., 0]
+    nibbles = b[..., 2:]
+    q = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)
+    return torch.from_numpy(q.reshape(-1, cols).copy()), torch.from_numpy(d.astype(np.float16))
+
+
+def pack_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """Q8_0 blocks of ``codes`` (uint8 ``(rows, cols)``, zero point 128) with float16 ``scales``."""
+    rows, cols = codes.shape
+    q = (codes.to(torch.int16) - 128).to(torch.int8).reshape(rows, cols // BLOCK, BLOCK).numpy().view(np.uint8)
+    d = scales.to(torch.float16).reshape(rows, cols // BLOCK, 1).numpy().astype("<f2").view(np.uint8)
+    return np.concatenate([d, q], axis=-1).reshape(rows, -1)
+
+
+def unpack_q8_0(blocks: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 ``(rows, cols)`` with zero point 128, float16 scales) of Q8_0 ``blocks``."""
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, cols // BLOCK, Q8_0_BYTES)
+    d = b[..., :2].copy().view("<f2")[..., 0]
+    q = b[..., 2:].copy().view(np.int8).astype(np.int16) + 128
+    return torch.from_numpy(q.reshape(-1, cols).astype(np.uint8)), torch.from_numpy(d.astype(np.float16))
+
+
+def rope_row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """Row order llama.cpp's converter gives q/k weights: per head, halves interleaved into pairs."""
+    return torch.arange(rows).reshape(n_heads, 2, rows // n_heads // 2).transpose(1, 2).reshape(rows)
+
+
+# Writing ----------------------------------------------------------------------------------------
+
+
+def gguf_tensor_name(name: str, layers_prefix: str = "model.layers.") -> str | None:
+    """The GGUF name of module ``name`` (no ``.weight`` suffix), or None when GGUF has no such tensor."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    if name.startswith(layers_prefix):
+        index, _, rest = name.removeprefix(layers_prefix).partition(".")
+        if rest in LAYER_NAMES:
+            return f"blk.{index}.{LAYER_NAMES[rest]}"
+    return None
+
+
+def _rope_heads(name: str, config: Any) -> int | None:
+    if name.endswith("self_attn.q_proj"):
+        return config.num_attention_heads
+    if name.endswith("self_attn.k_proj"):
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return None
+
+
+def quantized_blocks(name: str, module: QuantizedLinear) -> tuple[np.ndarray, str]:
+    """One quantized layer as GGML blocks (rows in GGUF order) and the block type's name."""
+    reason = gguf_scheme_refusal(module.scheme, act_order_g_idx(module) is not None)
+    if reason:
+        raise LmpressInputError(f"export gguf: {name} ({module.scheme.describe()}): {reason}")
+    codes, zeros = module.codes(), module.zeros
+    expected_zero = 8 if module.scheme.bits == 4 else 128
+    if not bool((zeros == expected_zero).all()):
+        raise LmpressInputError(f"export gguf: {name} has zero points other than {expected_zero}; it is not symmetric")
+    scales = fp16_scales(module.scales.float(), name, FORMAT)
+    pack = pack_q4_0 if module.scheme.bits == 4 else pack_q8_0
+    return pack(codes, scales), ggml_type_name(module.scheme)
+
+
+def float_array(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, str]:
+    """A float tensor as numpy in ``dtype`` (F32, F16, or BF16 as its raw uint16 bits)."""
+    t = tensor.detach().cpu().to(dtype).contiguous()
+    if dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), "BF16"
+    return t.numpy(), "F32" if dtype == torch.float32 else "F16"
+
+
+def model_tensors(model: nn.Module, float_dtype: torch.dtype) -> list[tuple[str, np.ndarray, str]]:
+    """Every tensor of the GGUF file: (GGUF name, data, GGML type name), rows in GGUF order."""
+    config = model.config
+    tensors: list[tuple[str, np.ndarray, str]] = []
+    quantized = quantized_layers(model)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for name, module in model.named_modules():
+        target = gguf_tensor_name(name)
+        if isinstance(module, QuantizedLinear):
+            if target is None:
+                raise LmpressInputError(f"export gguf: quantized layer {name} has no place in a GGUF llama model")
+            data, kind = quantized_blocks(name, module)
+        elif isinstance(module, (nn.Linear, nn.Embedding)) or name.endswith("norm"):
+            if target is None:
+                continue
+            if name == "lm_head" and tied and "lm_head" not in quantized:
+                continue  # llama.cpp reads token_embd as the output head when output.weight is absent
+            weight = module.weight
+            if weight.dim() == 1:
+                data, kind = float_array(weight, torch.float32)  # norms stay F32, as llama.cpp's converter writes
+            else:
+                data, kind = float_array(weight, float_dtype)
+        else:
+            continue
+        if getattr(module, "bias", None) is not None:
+            raise LmpressInputError(f"export gguf: {name} has a bias, which lmpress's GGUF llama writer does not hold")
+        heads = _rope_heads(name, config)
+        if heads is not None:
+            data = data[rope_row_order(data.shape[0], heads).numpy()]
+        tensors.append((f"{target}.weight", np.ascontiguousarray(data), kind))
+    return tensors
+
+
+def tokenizer_pre(tokenizer_json: dict[str, Any]) -> str:
+    """The llama.cpp pre-tokenizer that splits text as ``tokenizer.json``'s pre_tokenizer does."""
+
+    def matches(step: dict[str, Any], want: dict[str, Any]) -> bool:
+        return all(step.get(k) == v for k, v in want.items())
+
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1 and matches(steps[0], GPT2_SPLIT):
+        return "gpt-2"
+    if len(steps) == 2 and matches(steps[0], DIGITS_SPLIT) and matches(steps[1], GPT2_SPLIT):
+        return "smollm"
+    raise LmpressInputError(
+        f"export gguf: the tokenizer's pre-tokenizer ({json.dumps(pre)[:120]}) has no llama.cpp equivalent "
+        "lmpress knows (byte-level GPT-2 splits, optionally with single digits)"
+    )
+
+
+def vocabulary(tokenizer: Any, n_vocab: int) -> dict[str, Any]:
+    """Tokens, token types, merges and the pre-tokenizer of a byte-level BPE tokenizer, for ``n_vocab`` rows."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise LmpressInputError("export gguf: the tokenizer is not a fast (tokenizers) tokenizer; GGUF needs its BPE")
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise LmpressInputError(
+            f"export gguf: only byte-level BPE tokenizers are written (this one is {model.get('type')!r} "
+            f"with decoder {(spec.get('decoder') or {}).get('type')!r})"
+        )
+    vocab = tokenizer.get_vocab()
+    if len(vocab) > n_vocab or max(vocab.values()) >= n_vocab:
+        raise LmpressInputError(f"export gguf: the tokenizer has {len(vocab)} tokens, the model's embedding {n_vocab}")
+    added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [TOKEN_UNUSED] * n_vocab
+    for text, index in vocab.items():
+        tokens[index] = text
+        types[index] = TOKEN_NORMAL if text not in added else (TOKEN_CONTROL if added[text] else TOKEN_USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return {"tokens": tokens, "types": types, "merges": merges, "pre": tokenizer_pre(spec)}
+
+
+def _adds(tokenizer: Any, token_id: int | None, first: bool) -> bool:
+    if token_id is None:
+        return False
+    ids = tokenizer.encode("a", add_special_tokens=True)
+    return bool(ids) and (ids[0] if first else ids[-1]) == token_id
+
+
+def add_metadata(writer: Any, model: nn.Module, tokenizer: Any, file_type: int) -> None:
+    """General, architecture and tokenizer keys llama.cpp reads."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_name(str(getattr(config, "_name_or_path", "") or config.model_type))
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_block_count(int(config.num_hidden_layers))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    writer.add_head_count(int(config.num_attention_heads))
+    writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(int(head_dim))
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        writer.add_key_length(int(head_dim))
+        writer.add_value_length(int(head_dim))
+    writer.add_vocab_size(int(config.vocab_size))
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(2)
+
+    vocab = vocabulary(tokenizer, int(config.vocab_size))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    writer.add_token_merges(vocab["merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id)):
+        token_id = getattr(tokenizer, f"{key}_token_id", None)
+        if token_id is not None:
+            add(int(token_id))
+    if tokenizer.unk_token_id is not None:
+        writer.add_unk_token_id(int(tokenizer.unk_token_id))
+    if tokenizer.pad_token_id is not None:
+        writer.add_pad_token_id(int(tokenizer.pad_token_id))
+    writer.add_add_bos_token(_adds(tokenizer, tokenizer.bos_token_id, first=True))
+    writer.add_add_eos_token(_adds(tokenizer, tokenizer.eos_token_id, first=False))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        writer.add_chat_template(template)
+
+
+def file_type(kinds: list[str]) -> int:
+    """general.file_type: the type most of the 2-D weights are stored in (llama.cpp's LLAMA_FTYPE)."""
+    from gguf import LlamaFileType
+
+    by_kind = {
+        "F32": LlamaFileType.ALL_F32,
+        "F16": LlamaFileType.MOSTLY_F16,
+        "BF16": LlamaFileType.MOSTLY_BF16,
+        "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+        "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    }
+    main = max(set(kinds), key=lambda k: (kinds.count(k), k.startswith("Q")))
+    return int(by_kind[main])
+
+
+def write_gguf(model: nn.Module, tokenizer: Any, path: Path, float_dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` (quantized layers as Q4_0 / Q8_0) and its tokenizer as one GGUF file at ``path``.
+
+    ``float_dtype`` is the type of the unquantized 2-D weights (float32, float16 or bfloat16);
+    by default the model's own.
+    """
+    import gguf
+
+    architecture = gguf_architecture(model.config)
+    if float_dtype is None:
+        float_dtype = model.get_input_embeddings().weight.dtype
+    if float_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise LmpressInputError(f"export gguf: float type {float_dtype} is not one GGUF holds (F32, F16, BF16)")
+    tensors = model_tensors(model, float_dtype)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    add_metadata(writer, model, tokenizer, file_type([kind for _, data, kind in tensors if data.ndim == 2]))
+    for name, data, kind in tensors:
+        raw = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, data, raw_dtype=raw if kind not in ("F32", "F16") else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@register_exporter(FORMAT)
+def export_gguf(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
+    """``OUT/gguf/model.gguf`` plus the transformers tokenizer files (for ``lmpress eval OUT/gguf``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_gguf(model, tokenizer, out_dir / FILE_NAME)
+    tokenizer.save_pretrained(out_dir)
+
+
+# Reading back ------------------------------------------------------------------------------------
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: Any) -> Any:
+    """A transformers LlamaConfig from a GGUF file's llama metadata."""
+    from transformers import LlamaConfig
+
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise LmpressInputError(f"GGUF architecture {arch!r}: lmpress reads back llama GGUF files only")
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    return LlamaConfig(
+        vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(_field(reader, "llama.context_length")),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        tie_word_embeddings="output.weight" not in names,
+    )
+
+
+def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | QuantizedWeight]]:
+    """(LlamaConfig, {HF tensor or module name: float tensor or QuantizedWeight}) of a GGUF file lmpress wrote."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:
+        raise LmpressInputError(f"{path}: not a readable GGUF file ({e})") from e
+    config = gguf_config(reader)
+    per_layer = {
+        f"blk.{i}.{v}.weight": f"model.layers.{i}.{k}"
+        for i in range(config.num_hidden_layers)
+        for k, v in LAYER_NAMES.items()
+    }
+    hf_names = {f"{v}.weight": k for k, v in TOP_NAMES.items()} | per_layer
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for tensor in reader.tensors:
+        module = hf_names.get(tensor.name)
+        if module is None:
+            raise LmpressInputError(f"{path}: tensor {tensor.name!r} is not one of a llama model")
+        cols = int(tensor.shape[0])
+        kind = tensor.tensor_type.name
+        data = np.asarray(tensor.data)
+        if kind in ("Q4_0", "Q8_0"):
+            codes, scales = (unpack_q4_0 if kind == "Q4_0" else unpack_q8_0)(data, cols)
+            scheme = QuantScheme(4 if kind == "Q4_0" else 8, BLOCK, True)
+            value: torch.Tensor | QuantizedWeight = QuantizedWeight(
+                qweight=codes,
+                scales=scales,
+                zeros=torch.full(scales.shape, float(8 if kind == "Q4_0" else 128)),
+                scheme=scheme,
+            )
+        elif kind in ("F32", "F16", "BF16"):
+            array = data.view(np.int16) if kind == "BF16" else data
+            value = torch.from_numpy(array.copy())
+            value = value.view(torch.bfloat16) if kind == "BF16" else value
+            value = value.reshape([int(s) for s in reversed(tensor.shape)])
+        else:
+            raise LmpressInputError(f"{path}: {tensor.name} is {kind}; lmpress reads back F32/F16/BF16/Q4_0/Q8_0")
+        heads = _rope_heads(module, config)
+        if heads is not None:
+            inverse = torch.argsort(rope_row_order(int(tensor.shape[1]), heads))
+            value = _take_rows(value, inverse)
+        out[module] = value
+    return config, out
+
+
+def _take_rows(value: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+    if isinstance(value, QuantizedWeight):
+        return QuantizedWeight(value.qweight[rows], value.scales[rows], value.zeros[rows], value.scheme)
+    return value[rows]
+
+
+@register_artifact_loader(FILE_NAME)
+def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The GGUF export in directory ``path`` as a transformers model; Q4_0 / Q8_0 layers as QuantizedLinear.
+
+    Float tensors take ``dtype``; quantized layers keep their float16 scales.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from lmpress.quantize.apply import apply_quantized_weight
+
+    config, tensors = read_gguf_tensors(Path(path) / FILE_NAME)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    dense = {}
+    for name, value in tensors.items():
+        if isinstance(value, QuantizedWeight):
+            apply_quantized_weight(model, name, value)
+        else:
+            dense[f"{name}.weight"] = value.to(dtype)
+    expected = {k for k in model.state_dict() if k.endswith(".weight") and k in dict(model.named_parameters())}
+    missing = sorted(expected - set(dense) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if missing:
+        raise LmpressInputError(f"{path}: the GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    model.load_state_dict(dense, strict=False)
+    return model.eval()

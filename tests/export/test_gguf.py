@@ -1,0 +1,164 @@
+"""GGUF writer: blocks checked against the gguf package's own dequantize, read-back, refusals."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from lmpress.errors import LmpressInputError
+from lmpress.export.checkpoint import check_recipe_exports, quantized_layers
+from lmpress.export.gguf import (
+    FILE_NAME,
+    gguf_scheme_refusal,
+    gguf_tensor_name,
+    pack_q4_0,
+    rope_row_order,
+    write_gguf,
+)
+from lmpress.export.verify import compare_weights
+from lmpress.model import load_model
+from lmpress.quantize.gptq import GPTQConfig
+from lmpress.quantize.scheme import QuantScheme
+
+
+def gguf_tensors(path) -> dict[str, tuple[np.ndarray, str]]:
+    """Each tensor dequantized by the gguf package (rows in GGUF order) and its type name."""
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        values = dequantize(np.asarray(t.data), t.tensor_type)
+        out[t.name] = (values.reshape([int(s) for s in reversed(t.shape)]), t.tensor_type.name)
+    return out
+
+
+def expected_rows(model, name: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with its rows in the order llama.cpp's converter writes q/k projections."""
+    config = model.config
+    if name.endswith("q_proj"):
+        return weight[rope_row_order(weight.shape[0], config.num_attention_heads)]
+    if name.endswith("k_proj"):
+        return weight[rope_row_order(weight.shape[0], config.num_key_value_heads)]
+    return weight
+
+
+@pytest.mark.parametrize(("bits", "kind"), [(4, "Q4_0"), (8, "Q8_0")])
+def test_quantized_layers_dequantize_bit_for_bit_with_gguf(quantized_tiny, export, bits, kind):
+    model, tokenizer = quantized_tiny(bits=bits, group_size=32, symmetric=True)
+    out = export("gguf", model, tokenizer)
+    stored = gguf_tensors(out / FILE_NAME)
+    layers = quantized_layers(model)
+    assert layers
+    for name, module in layers.items():
+        qw = module.unpack()
+        qw.scales = qw.scales.half().float()  # GGUF stores d as float16: the candidate's scales rounded once
+        want = expected_rows(model, name, qw.dequantize(torch.float32)).numpy()
+        values, stored_kind = stored[f"{gguf_tensor_name(name)}.weight"]
+        assert stored_kind == kind
+        assert values.dtype == np.float32 and np.array_equal(values, want), name
+    values, stored_kind = stored["token_embd.weight"]
+    assert stored_kind == "F32" and np.array_equal(values, model.model.embed_tokens.weight.detach().numpy())
+    assert "output.weight" not in stored  # tied: llama.cpp reads token_embd
+    norm, _ = stored["blk.1.ffn_norm.weight"]
+    assert np.array_equal(norm, model.model.layers[1].post_attention_layernorm.weight.detach().numpy())
+
+
+def test_pack_q4_0_matches_gguf_layout():
+    """pack_q4_0 against gguf's own Q4_0 quantizer on values that sit exactly on a Q4_0 grid."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)
+    codes[:, ::32] = 0  # each block's most negative value -8*d: gguf picks d = max / -8 = d exactly
+    scales = torch.rand(8, 2, generator=gen).half()
+    weights = (codes.float() - 8) * scales.float().repeat_interleave(32, dim=1)
+    theirs = gguf.quants.quantize(weights.numpy(), gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(pack_q4_0(codes, scales), theirs)
+
+
+def test_gguf_metadata_and_vocabulary(quantized_tiny, export):
+    model, tokenizer = quantized_tiny(bits=4, group_size=32, symmetric=True)
+    out = export("gguf", model, tokenizer)
+    reader = gguf.GGUFReader(str(out / FILE_NAME))
+    field = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    config = model.config
+    assert field["general.architecture"] == "llama"
+    assert field["llama.block_count"] == config.num_hidden_layers
+    assert field["llama.attention.head_count_kv"] == config.num_key_value_heads
+    assert field["llama.rope.dimension_count"] == config.head_dim
+    assert field["tokenizer.ggml.model"] == "gpt2" and field["tokenizer.ggml.pre"] == "gpt-2"
+    vocab = tokenizer.get_vocab()
+    assert [field["tokenizer.ggml.tokens"][i] for i in sorted(vocab.values())] == sorted(vocab, key=vocab.get)
+    assert field["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
+    assert field["tokenizer.ggml.token_type"][tokenizer.eos_token_id] == 3  # control
+    assert len(field["tokenizer.ggml.merges"]) > 0 and " " in field["tokenizer.ggml.merges"][0]
+    assert field["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gguf_reads_back_as_the_candidate(quantized_tiny, export, bits):
+    model, tokenizer = quantized_tiny(bits=bits, group_size=32, symmetric=True)
+    out = export("gguf", model, tokenizer)
+    artifact = load_model(str(out), fingerprint=False)
+    mismatch, change, how = compare_weights(model, artifact.model)
+    assert mismatch is None, mismatch
+    assert how == "quantized, scales as float16"
+    ids = tokenizer("def f(x): return x", return_tensors="pt").input_ids
+    with torch.no_grad():
+        a = artifact.model(ids).logits
+        b = model(ids).logits
+    assert torch.allclose(a, b, atol=1e-3, rtol=0)  # float16 scales are the only difference
+
+
+def test_dense_model_writes_f16(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    path = tmp_path / "m.gguf"
+    write_gguf(model, tokenizer, path, float_dtype=torch.float16)
+    stored = gguf_tensors(path)
+    values, kind = stored["blk.0.ffn_up.weight"]
+    assert kind == "F16"
+    assert np.array_equal(values, model.model.layers[0].mlp.up_proj.weight.detach().half().numpy())
+    q, _ = stored["blk.0.attn_q.weight"]
+    want = expected_rows(model, "q_proj", model.model.layers[0].self_attn.q_proj.weight.detach().half())
+    assert np.array_equal(q, want.numpy())
+    assert stored["blk.0.attn_norm.weight"][1] == "F32"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order", "fragment"),
+    [
+        (QuantScheme(4, 64, True), False, "group_size 64 does not land on GGUF's 32-column blocks: use group_size: 32"),
+        (QuantScheme(4, 128, True), False, "use group_size: 32"),
+        (QuantScheme(4, 32, False), False, "use symmetric: true"),
+        (QuantScheme(3, 32, True), False, "3-bit weights have no exact GGUF block type"),
+        (QuantScheme(4, 32, True), True, "set static_groups: true"),
+    ],
+)
+def test_schemes_gguf_cannot_hold_are_refused(scheme, act_order, fragment):
+    assert fragment in gguf_scheme_refusal(scheme, act_order)
+
+
+def test_gguf_holds_w4_and_w8_g32_sym():
+    assert gguf_scheme_refusal(QuantScheme(4, 32, True), False) is None
+    assert gguf_scheme_refusal(QuantScheme(8, 32, True), False) is None
+
+
+def test_recipe_with_act_order_is_refused_before_loading():
+    stage = GPTQConfig(method="gptq", bits=4, group_size=32, act_order=True)
+    with pytest.raises(LmpressInputError, match=r"export.formats\[0\] gguf: stages\[0\].*static_groups: true"):
+        check_recipe_exports([stage], ["gguf"])
+    check_recipe_exports(
+        [GPTQConfig(method="gptq", bits=4, group_size=32, act_order=True, static_groups=True)], ["gguf"]
+    )
+
+
+def test_unsupported_architecture_is_refused(tiny_opt_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_opt_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_opt_dir)
+    with pytest.raises(LmpressInputError, match="architecture 'opt' is not written by lmpress's GGUF writer"):
+        write_gguf(model, tokenizer, tmp_path / "m.gguf")

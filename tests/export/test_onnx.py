@@ -1,0 +1,211 @@
+"""ONNX export: the decoder run by onnxruntime (CPU) against lmpress's candidate, read-back, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnx", reason="the onnx extra is not installed (pip install 'lmpress[onnx]')")
+pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip install 'lmpress[onnx]')")
+
+from lmpress.errors import LmpressInputError  # noqa: E402
+from lmpress.export.checkpoint import check_recipe_exports, quantized_layers  # noqa: E402
+from lmpress.export.onnx import (  # noqa: E402
+    FILE_NAME,
+    greedy_generate,
+    onnx_scheme_refusal,
+    onnx_session,
+    run_decoder,
+    write_onnx,
+)
+from lmpress.export.verify import compare_weights  # noqa: E402
+from lmpress.model import load_model  # noqa: E402
+from lmpress.quantize.apply import apply_quantized_weight  # noqa: E402
+from lmpress.quantize.gptq import GPTQConfig  # noqa: E402
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme  # noqa: E402
+
+TEXT = "def f(x):\n    return x + 1  # a comment, and then some more words for the window"
+
+
+def relative_rms(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.sqrt(((got - want) ** 2).mean() / (want**2).mean()))
+
+
+def candidate_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)).logits.float().numpy()
+
+
+def act_order(model, seed: int = 0) -> None:
+    """Give every quantized layer a shuffled act-order g_idx (each group keeps group_size columns)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, module in quantized_layers(model).items():
+        qw = module.unpack()
+        width = module.scheme.group_size
+        perm = torch.randperm(module.in_features, generator=gen)
+        g_idx = torch.empty(module.in_features, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(module.in_features) // width).to(torch.int32)
+        apply_quantized_weight(model, name, QuantizedWeight(qw.qweight, qw.scales, qw.zeros, qw.scheme, g_idx))
+
+
+SCHEMES = [
+    ({"bits": 4, "group_size": 32, "symmetric": True}, False),
+    ({"bits": 4, "group_size": 64, "symmetric": False}, False),
+    ({"bits": 4, "group_size": 128, "symmetric": True}, True),
+    ({"bits": 8, "group_size": 32, "symmetric": False}, False),
+]
+
+
+@pytest.mark.parametrize(("scheme", "shuffled"), SCHEMES, ids=["w4g32sym", "w4g64asym", "w4g128act", "w8g32asym"])
+def test_onnxruntime_logits_match_lmpress(quantized_tiny, export, scheme, shuffled):
+    model, tokenizer = quantized_tiny(**scheme)
+    if shuffled:
+        act_order(model)
+    out = export("onnx", model, tokenizer)
+    session = onnx_session(out / FILE_NAME)
+    ids = tokenizer(TEXT, return_tensors="np").input_ids
+    logits, present = run_decoder(session, ids)
+    want = candidate_logits(model, ids)
+    # Same float32 weights in both; only the order of float32 sums differs (measured < 1e-6).
+    assert relative_rms(logits, want) < 1e-5
+    assert len(present) == 2 * model.config.num_hidden_layers
+    assert present[0].shape == (1, model.config.num_key_value_heads, ids.shape[1], model.config.head_dim)
+
+
+def test_kv_cache_and_padding(quantized_tiny, export):
+    model, tokenizer = quantized_tiny(bits=4, group_size=32, symmetric=False)
+    session = onnx_session(export("onnx", model, tokenizer) / FILE_NAME)
+    ids = tokenizer(TEXT, return_tensors="np").input_ids
+    full, _ = run_decoder(session, ids)
+    first, past = run_decoder(session, ids[:, :7])
+    rest, _ = run_decoder(session, ids[:, 7:], past)
+    np.testing.assert_allclose(np.concatenate([first, rest], axis=1), full, rtol=0, atol=1e-5)
+    # Left padding: the padded row's real positions score as the unpadded sequence does.
+    short = ids[:, 5:]
+    batch = np.stack([ids[0], np.concatenate([np.zeros(5, np.int64), short[0]])])
+    mask = np.stack([np.ones(ids.shape[1], np.int64), np.concatenate([np.zeros(5, np.int64), np.ones(short.shape[1])])])
+    padded, _ = run_decoder(session, batch, attention_mask=mask.astype(np.int64))
+    alone, _ = run_decoder(session, short)
+    np.testing.assert_allclose(padded[1, 5:], alone[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(padded[0], full[0], rtol=0, atol=1e-5)
+
+
+def test_onnx_reads_back_as_the_candidate(quantized_tiny, export):
+    model, tokenizer = quantized_tiny(bits=4, group_size=64, symmetric=False)
+    act_order(model, seed=1)
+    out = export("onnx", model, tokenizer)
+    artifact = load_model(str(out), fingerprint=False)
+    mismatch, change, how = compare_weights(model, artifact.model)
+    assert mismatch is None, mismatch
+    assert change == 0.0 and how == "quantized, scales as float32"
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        got = artifact.model(ids, use_cache=False).logits.numpy()
+    assert relative_rms(got, candidate_logits(model, ids.numpy())) < 1e-5
+
+
+def test_dense_model_exports(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    write_onnx(model, tmp_path / FILE_NAME)
+    session = onnx_session(tmp_path / FILE_NAME)
+    ids = np.arange(3, 40, dtype=np.int64)[None]
+    logits, _ = run_decoder(session, ids)
+    assert relative_rms(logits, candidate_logits(model, ids)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("scheme", "fragment"),
+    [
+        (QuantScheme(3, 32, True), "3-bit weights: ONNX export holds 4- or 8-bit MatMulNBits"),
+        (QuantScheme(4, -1, True), "per-channel scales: MatMulNBits blocks are 32, 64 or 128 columns"),
+    ],
+)
+def test_schemes_onnx_cannot_hold_are_refused(scheme, fragment):
+    assert fragment in onnx_scheme_refusal(scheme, False)
+    with pytest.raises(LmpressInputError, match="export.formats.0. onnx"):
+        check_recipe_exports([GPTQConfig(method="gptq", bits=scheme.bits, group_size=scheme.group_size)], ["onnx"])
+
+
+def test_unsupported_architecture_is_refused(tiny_opt_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_opt_dir)
+    with pytest.raises(LmpressInputError, match="architecture 'opt' is not written by lmpress's ONNX exporter"):
+        write_onnx(model, tmp_path / FILE_NAME)
+
+
+@pytest.mark.integration
+def test_smollm2_onnx_greedy_generation_is_identical(smollm2_dir, tmp_path):
+    from lmpress.quantize.rtn import RTNConfig, run_rtn
+    from lmpress.registry import StageContext
+
+    loaded = load_model(str(smollm2_dir), fingerprint=False)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ctx = StageContext(calibration=lambda: None, state_dir=tmp_path / "s", resume=False, fingerprint="x")
+    run_rtn(model, RTNConfig(bits=4, group_size=64, symmetric=False), ctx)
+    write_onnx(model, tmp_path / FILE_NAME)
+    session = onnx_session(tmp_path / FILE_NAME)
+    prompt = tokenizer("The history of the Roman Empire").input_ids
+    logits, _ = run_decoder(session, np.array([prompt]))
+    assert relative_rms(logits, candidate_logits(model, np.array([prompt]))) < 1e-5
+    ours = greedy_generate(session, prompt, 64)
+    for name, module in quantized_layers(model).items():  # the same weights as dense layers: generate runs faster
+        dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+        dense.weight.data = module.dequantized_weight()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, dense)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    assert ours == theirs[0, len(prompt) :].tolist()
+
+
+def test_run_exports_gguf_and_onnx_and_checks_them(tiny_llama_dir, tmp_path, monkeypatch):
+    import json
+
+    import yaml
+
+    from lmpress.cli import main
+
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    recipe = {
+        "model": {"source": str(tiny_llama_dir)},
+        "data": {"samples": 2, "seq_len": 32},
+        "stages": [{"method": "rtn", "bits": 4, "group_size": 32}],
+        "export": {"formats": ["onnx", "gguf"]},
+        "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
+        "gates": ["ppl_ratio <= 100"],
+    }
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    checks = {c["format"]: c for c in report["export_checks"]}
+    assert checks["onnx"]["passed"] and checks["onnx"]["weights"].endswith("(quantized, scales as float32)")
+    assert checks["gguf"]["passed"] and checks["gguf"]["weights"].endswith("(quantized, scales as float16)")
+    assert report["measured_on"]["candidate"].startswith("onnx/")
+
+
+def test_qwen2_with_attention_biases(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for layer in model.model.layers:  # transformers initializes biases to zero: make them count
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    write_onnx(model, tmp_path / FILE_NAME)
+    ids = np.arange(5, 60, dtype=np.int64)[None]
+    logits, _ = run_decoder(onnx_session(tmp_path / FILE_NAME), ids)
+    assert relative_rms(logits, candidate_logits(model, ids)) < 1e-5
