@@ -27,6 +27,7 @@ from lmpress.export.checkpoint import (
     read_tensor_headers,
     read_tensors,
 )
+from lmpress.registry import READER_MODULES, load_reader
 
 MANIFEST = "manifest.json"
 
@@ -41,8 +42,6 @@ def _single_or_list(values: list[Any]) -> Any:
 
 
 def _inspect_checkpoint(path: Path) -> dict[str, Any]:
-    import lmpress.methods  # noqa: F401  (fills READERS)
-
     config = read_config(path)
     method = quant_method(config)
     info: dict[str, Any] = {
@@ -61,8 +60,10 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         }
         return info
     tensors = read_tensors(path)
-    if method not in READERS:
-        raise LmpressInputError(f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READERS)})")
+    if not load_reader(method) and method not in READERS:
+        raise LmpressInputError(
+            f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READER_MODULES)})"
+        )
     qc = config["quantization_config"]
     layers = READERS[method](config, tensors)
     rows = []
