@@ -16,7 +16,8 @@ several methods of one pass (SparseGPT then GPTQ) read the same Hessian.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -148,3 +149,15 @@ def group_hessians(session: LayerSession, names: list[str]) -> dict[str, Hessian
 def group_input_norms(session: LayerSession, names: list[str]) -> dict[str, InputNormAccumulator]:
     """||X_j||² of each of ``names`` (one group), computed once per group and shared by the pass's methods."""
     return _cached(session, "input_norm", names, InputNormAccumulator)
+
+
+@contextmanager
+def column_loop_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` threads: the column loops of GPTQ and SparseGPT are thousands of tiny vector ops
+    (one thread), GPTQ's group scale search one large tensor op (all threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

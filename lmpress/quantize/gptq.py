@@ -34,6 +34,7 @@ from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import group_hessians
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
+from lmpress.quantize.scheme import QuantScheme
 from lmpress.quantize.targets import GPTQRounding
 from lmpress.registry import StageContext, register_stage, stage_handler
 
@@ -43,6 +44,11 @@ log = logging.getLogger(__name__)
 @register_stage("gptq")
 class GPTQConfig(GPTQRounding):
     method: Literal["gptq"] = "gptq"
+
+
+def scheme_of(target: QuantScheme | object) -> QuantScheme:
+    """A linear's scheme: the target itself, or the ``scheme`` of a target that also prunes (SparseGPT + GPTQ)."""
+    return target if isinstance(target, QuantScheme) else target.scheme
 
 
 def gptq_group(session: LayerSession, names: list[str], config: GPTQRounding, warnings: list[str]) -> None:
@@ -56,7 +62,7 @@ def gptq_group(session: LayerSession, names: list[str], config: GPTQRounding, wa
         quantized, info = gptq_quantize_layer(
             linear.weight.data,
             hessians[name].H,
-            session.targets[name],
+            scheme_of(session.targets[name]),
             block_size=config.block_size,
             damp=config.damp_percent,
             act_order=config.act_order,

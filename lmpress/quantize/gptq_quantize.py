@@ -20,12 +20,10 @@ after the block once per block (Eq. 3, "lazy batch updates").
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
-from lmpress.calib.statistics import inverse_hessian_factor
+from lmpress.calib.statistics import column_loop_threads, inverse_hessian_factor
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
@@ -148,7 +146,7 @@ def gptq_quantize_layer(
     scale_g = zero_g = None
     current_group = -1
     threads = torch.get_num_threads()
-    with _threads(1):
+    with column_loop_threads(1):
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2].clone()
@@ -172,7 +170,7 @@ def gptq_quantize_layer(
                             current = torch.cat([current, Wt[i2 : col + width] - pending])
                         if keep_t is not None:  # the pruned entries will be zero: the range of what stays
                             current = current * keep_t[col : col + width]
-                        with _threads(threads):  # the scale search is one large tensor op
+                        with column_loop_threads(threads):  # the scale search is one large tensor op
                             scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
                 if g != current_group:
                     scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
@@ -199,18 +197,6 @@ def gptq_quantize_layer(
     if g_idx is not None:
         quantized.g_idx = g_idx.cpu()
     return quantized, {"damp": used_damp, "dead_columns": int(dead.sum())}
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """Run with ``n`` threads: GPTQ's column loop is thousands of tiny vector ops (one thread), its
-    group scale search one large tensor op (all threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def layer_output_error(W: torch.Tensor, W_hat: torch.Tensor, X: torch.Tensor) -> float:
