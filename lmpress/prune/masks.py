@@ -33,3 +33,12 @@ def matrix_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     if k:
         pruned[torch.topk(scores.flatten(), k, largest=False).indices] = True
     return pruned.reshape(scores.shape)
+
+
+def nm_pattern(weight: torch.Tensor) -> str | None:
+    """``"2:4"`` or ``"4:8"`` when every group of M along each row of ``weight`` has at least M - N zeros."""
+    rows, cols = weight.shape
+    for n, m in ((2, 4), (4, 8)):
+        if cols % m == 0 and bool(((weight.reshape(rows, -1, m) == 0).sum(-1) >= m - n).all()):
+            return f"{n}:{m}"
+    return None
