@@ -72,12 +72,18 @@ def test_every_stage_name_resolves_to_its_module(name):
 
 def test_every_eval_format_and_reader_name_resolves():
     for name in EVAL_MODULES:
-        assert EVAL_CONFIGS[name] is eval_config(name)
+        assert eval_config(name) is EVAL_CONFIGS[name]
     for fmt in EXPORT_MODULES:
-        assert EXPORTERS[fmt] is exporter(fmt)
+        assert exporter(fmt) is EXPORTERS[fmt]
         assert exporter(fmt).__module__ == EXPORT_MODULES[fmt]
     for method in READER_MODULES:
         assert load_reader(method) and method in READERS
     assert not load_reader("bitsandbytes")
     with pytest.raises(KeyError):
         stage_config("no-such-method")
+
+
+def test_methods_do_not_import_each_other():
+    modules = _imported_after("import lmpress.quantize.awq, lmpress.prune.sparsegpt, lmpress.prune.wanda")
+    assert "lmpress.quantize.gptq" not in modules
+    assert "lmpress.quantize.gptq_quantize" not in modules

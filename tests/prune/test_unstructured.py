@@ -210,3 +210,21 @@ def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, 
     report = yaml.safe_load((out / "report.json").read_text())
     assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
     assert _sha256_dir(out / "hf") == _sha256_dir(tmp_path / "ref" / "hf")
+
+
+def test_sparsegpt_and_gptq_in_one_pass_share_each_groups_hessian(tiny_llama_dir, tmp_path, monkeypatch):
+    import lmpress.calib.statistics as statistics
+
+    passes = []
+    collect = statistics.collect_inputs
+
+    def counting(session, names, make):
+        passes.append((session.index, tuple(names)))
+        return collect(session, names, make)
+
+    monkeypatch.setattr(statistics, "collect_inputs", counting)
+    loaded = load_model(str(tiny_llama_dir))
+    config = SparseGPTConfig(pattern="2:4", quantize={"bits": 4, "group_size": 32})
+    summary = run_sparsegpt(loaded.model, config, context(tmp_path, loaded.tokenizer))
+    assert summary["quantized_linears"] == 14
+    assert len(passes) == len(set(passes)) == 2 * 4  # 2 layers x 4 groups, one Hessian pass each
