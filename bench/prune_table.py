@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_table import CALIBRATION, EVAL, REPO, SMOLLM2, WIKITEXT, cpu_description  # noqa: E402
@@ -50,6 +51,10 @@ ROWS: dict[str, tuple[str, list[dict]]] = {
     "mlp-25": ("structured: 25% of MLP channels", [{"method": "structured", "mlp_channels": 0.25}]),
     "depth-4": ("structured: 4 of 30 layers", [{"method": "structured", "layers": 4}]),
 }
+# row -> the row whose model it continues from: measured in the same process, after that row is scored
+CONTINUES = {"sparsegpt-24-then-rtn-w4": "sparsegpt-24"}
+# FP32 is scored by bench/quant_table.py with this very protocol: its row is reused when present
+QUANT_TABLE_FP32 = RESULTS / "rows" / "fp32.json"
 # (row that must score lower or equal, row it is compared with, goal text) and absolute limits
 ORDER_GOALS = [
     ("sparsegpt-50", "wanda-50", "SparseGPT <= Wanda at 50%"),
@@ -60,24 +65,50 @@ ORDER_GOALS = [
 PPL_LIMITS = {"sparsegpt-24": 54.9}
 
 
-def measure_row(name: str) -> dict:
-    """Load SmolLM2, run row ``name``'s stages, and score it (runs in a child process)."""
+def measure_rows(names: list[str]) -> list[dict]:
+    """Load SmolLM2 once and measure ``names`` in order, each continuing from the model the one before it
+    left (a chain of ``CONTINUES``; runs in a child process)."""
     import torch
 
-    from lmpress.data import calibration_samples, load_text, token_windows, tokenize
-    from lmpress.evals.perplexity import PerplexityConfig, perplexity
+    from lmpress.data import calibration_samples, load_text, tokenize
     from lmpress.model import load_model
+    from lmpress.prune.structured import parameter_bytes
+
+    torch.manual_seed(0)
+    loaded = load_model(SMOLLM2)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    before = parameter_bytes(model)
+    calib_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens")))
+    calibration = calibration_samples(calib_ids, **CALIBRATION)
+    results, done, seconds = [], [], 0.0
+    for name in names:
+        stages = ROWS[name][1][len(done) :]
+        result = measure_row(name, model, tokenizer, calibration, stages, before, seconds)
+        done, seconds = ROWS[name][1], result["seconds"] or 0.0
+        results.append(result)
+    return results
+
+
+def measure_row(
+    name: str,
+    model: Any,
+    tokenizer: Any,
+    calibration: Any,
+    stages: list[dict],
+    before: tuple[int, int],
+    seconds: float,
+) -> dict:
+    """Run ``stages`` on ``model`` and score it as row ``name``; ``seconds`` spent on the stages before."""
+    import torch
+
+    from lmpress.data import load_text, token_windows, tokenize
+    from lmpress.evals.perplexity import PerplexityConfig, perplexity
     from lmpress.prune.structured import parameter_bytes
     from lmpress.registry import StageContext, stage_config, stage_handler_for
 
-    torch.manual_seed(0)
-    label, stages = ROWS[name]
-    loaded = load_model(SMOLLM2)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    params_before, bytes_before = parameter_bytes(model)
-    calib_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens")))
-    calibration = calibration_samples(calib_ids, **CALIBRATION)
-    summaries, seconds = [], 0.0
+    label = ROWS[name][0]
+    params_before, bytes_before = before
+    summaries = []
     for index, stage in enumerate(stages):
         config = stage_config(stage["method"])(**stage)
         with tempfile.TemporaryDirectory() as state_dir:
@@ -106,9 +137,9 @@ def measure_row(name: str) -> dict:
     return {
         "row": name,
         "label": label,
-        "stages": stages,
+        "stages": ROWS[name][1],
         "ppl": result["ppl"],
-        "seconds": seconds if stages else None,
+        "seconds": seconds if ROWS[name][1] else None,
         "decoder_linear_sparsity": zeros / total if total else 0.0,
         "parameters_before": params_before,
         "parameters_after": params_after,
@@ -189,27 +220,42 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure_row(args.one)))
+        print(json.dumps(measure_rows(args.one.split(","))))
         return 0
     wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in wanted if r not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     ROW_DIR.mkdir(parents=True, exist_ok=True)
+    if "fp32" in wanted and QUANT_TABLE_FP32.exists():
+        fp32 = json.loads(QUANT_TABLE_FP32.read_text())
+        (ROW_DIR / "fp32.json").write_text(json.dumps({**fp32, "stages": [], "from": str(QUANT_TABLE_FP32)}) + "\n")
+        wanted.remove("fp32")
+    todo = []
     for name in wanted:
         path = ROW_DIR / f"{name}.json"
         if args.reuse and path.exists() and json.loads(path.read_text()).get("stages") == ROWS[name][1]:
             continue
-        print(f"measuring {name} ...", file=sys.stderr, flush=True)
+        todo.append(name)
+    chains = []
+    for name in todo:
+        parent = CONTINUES.get(name)
+        chain = next((c for c in chains if c[-1] == parent), None)
+        if chain is not None:
+            chain.append(name)
+        else:
+            chains.append([parent, name] if parent in ROWS and parent not in todo else [name])
+    for chain in chains:
+        print(f"measuring {', '.join(chain)} ...", file=sys.stderr, flush=True)
         done = subprocess.run(
-            [sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=REPO, check=False
+            [sys.executable, __file__, "--one", ",".join(chain)], capture_output=True, text=True, cwd=REPO, check=False
         )
         if done.returncode != 0:
             print(done.stderr[-4000:], file=sys.stderr)
             return done.returncode
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"  ppl {result['ppl']:.3f}  seconds {result['seconds']}", file=sys.stderr, flush=True)
+        for result in json.loads(done.stdout.strip().splitlines()[-1]):
+            (ROW_DIR / f"{result['row']}.json").write_text(json.dumps(result, indent=2) + "\n")
+            print(f"  {result['row']}: ppl {result['ppl']:.3f}  seconds {result['seconds']}", file=sys.stderr)
     measured = [json.loads((ROW_DIR / f"{n}.json").read_text()) for n in ROWS if (ROW_DIR / f"{n}.json").exists()]
     table = render(measured)
     (RESULTS / "prune_table.md").write_text(table)

@@ -89,3 +89,28 @@ def test_impossible_removals_are_refused(tiny_llama_dir, settings, fragment):
     model = load_model(str(tiny_llama_dir)).model
     with pytest.raises(LmpressInputError, match=fragment):
         StructuredConfig(**settings).check(model)
+
+
+def test_a_structured_recipe_runs_end_to_end(deep_llama_dir, tmp_path, monkeypatch):
+    import json
+
+    import yaml
+
+    from lmpress.cli import main
+
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    recipe = {
+        "model": str(deep_llama_dir),
+        "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
+        "stages": [{"method": "structured", "layers": 1, "heads": 2, "mlp_channels": 0.25}],
+        "export": {"formats": ["hf"]},
+        "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
+        "gates": ["ppl_ratio <= 1000"],
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "run"
+    assert main(["run", str(tmp_path / "recipe.yaml"), "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "report.json").read_text())["stages"][0]["summary"]
+    assert summary["num_hidden_layers"] == 3 and summary["parameters_after"] < summary["parameters_before"]
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["intermediate_size"]) == (3, 2, 192)
