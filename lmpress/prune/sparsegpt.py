@@ -39,7 +39,7 @@ import re
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from lmpress.calib.engine import CalibrationMethod, run_calibration
@@ -74,6 +74,14 @@ class SparseGPTConfig(PruneConfig):
     true_sequential: bool = True
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
     quantize: JointQuantization | None = None
+
+    @model_validator(mode="after")
+    def _blocks_hold_whole_nm_groups(self) -> SparseGPTConfig:
+        patterns = [self.pattern, *(o.pattern for o in self.overrides.values() if o.pattern)]
+        for pattern in patterns:
+            if pattern != "unstructured" and self.block_size % int(pattern.split(":")[1]):
+                raise ValueError(f"block_size {self.block_size} is not a multiple of M in pattern {pattern}")
+        return self
 
     def scheme(self) -> QuantScheme | None:
         q = self.quantize
