@@ -184,7 +184,7 @@ def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, 
         "model": str(deep_llama_dir),
         "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
         "stages": [{"method": "sparsegpt", "pattern": "2:4", "quantize": {"bits": 4, "group_size": 32}}],
-        "export": {"formats": ["hf"]},
+        "export": {"formats": ["compressed-tensors", "hf"]},
         "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
         "gates": ["ppl_ratio <= 1000"],
     }
@@ -210,6 +210,9 @@ def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, 
     report = yaml.safe_load((out / "report.json").read_text())
     assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
     assert _sha256_dir(out / "hf") == _sha256_dir(tmp_path / "ref" / "hf")
+    assert _sha256_dir(out / "compressed-tensors") == _sha256_dir(tmp_path / "ref" / "compressed-tensors")
+    config = (out / "compressed-tensors" / "config.json").read_text()
+    assert '"sparsity_structure": "2:4"' in config
 
 
 def test_sparsegpt_and_gptq_in_one_pass_share_each_groups_hessian(tiny_llama_dir, tmp_path, monkeypatch):
