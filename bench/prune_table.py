@@ -179,13 +179,16 @@ def render(rows: list[dict]) -> str:
             lines.append(f"| {label} | not measured | | | | | | {goals[name]} |")
             continue
         delta = "" if base is None or name == "fp32" else f"{r['ppl'] - base:+.2f}"
-        params = f"{r['parameters_after'] / 1e6:.1f}"
-        size = f"{r['bytes_after'] / 1e6:.0f}"
-        if r["parameters_after"] != r["parameters_before"]:
+        if "parameters_after" not in r:  # the FP32 row of quant_table.py, which does not count them
+            params = size = ""
+        else:
+            params = f"{r['parameters_after'] / 1e6:.1f}"
+            size = f"{r['bytes_after'] / 1e6:.0f}"
+        if params and r["parameters_after"] != r["parameters_before"]:
             params = f"{r['parameters_before'] / 1e6:.1f} -> {params}"
             size = f"{r['bytes_before'] / 1e6:.0f} -> {size}"
-        secs = "" if r["seconds"] is None else f"{r['seconds']:.0f}"
-        sparsity = f"{r['decoder_linear_sparsity']:.1%}"
+        secs = "" if r.get("seconds") is None else f"{r['seconds']:.0f}"
+        sparsity = f"{r['decoder_linear_sparsity']:.1%}" if "decoder_linear_sparsity" in r else ""
         lines.append(
             f"| {label} | {r['ppl']:.2f} | {delta} | {sparsity} | {params} | {size} | {secs} | {goals[name]} |"
         )
