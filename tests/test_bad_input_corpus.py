@@ -244,7 +244,7 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
     ),
     (
         "nm-m-not-dividing",
-        edited(lambda r, e: r.update(stages=[{"method": "sparsegpt", "pattern": "2:3"}])),
+        edited(lambda r, e: r.update(stages=[{"method": "wanda", "pattern": "2:3"}])),
         "M=3 does not divide",
         [],
     ),
