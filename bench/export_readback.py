@@ -32,24 +32,23 @@ VARIANTS = {
 def measure(variant: str) -> list[dict]:
     import torch
 
-    import lmpress.methods  # noqa: F401
     from lmpress.data import calibration_samples, load_text, token_windows, tokenize
     from lmpress.evals.perplexity import PerplexityConfig, perplexity
     from lmpress.export.verify import compare_weights
     from lmpress.model import load_model
-    from lmpress.registry import EXPORTERS, STAGE_CONFIGS, STAGE_HANDLERS, StageContext
+    from lmpress.registry import StageContext, exporter, stage_config, stage_handler_for
 
     stage, formats = VARIANTS[variant]
     loaded = load_model(SMOLLM2)
     model, tokenizer = loaded.model, loaded.tokenizer
-    config = STAGE_CONFIGS[stage["method"]](**stage)
+    config = stage_config(stage["method"])(**stage)
     calibration = calibration_samples(
         tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens"))), **CALIBRATION
     )
     with tempfile.TemporaryDirectory() as scratch:
         ctx = StageContext(lambda: calibration, Path(scratch), resume=False, fingerprint=variant)
         began = time.perf_counter()
-        STAGE_HANDLERS[type(config)](model, config, ctx)
+        stage_handler_for(config)(model, config, ctx)
         print(f"{variant}: quantized in {time.perf_counter() - began:.0f} s", flush=True)
     windows = token_windows(
         tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw"))), EVAL["seq_len"], EVAL["windows"]
@@ -59,7 +58,7 @@ def measure(variant: str) -> list[dict]:
     print(f"  in memory: {rows[0]['ppl']:.4f}", flush=True)
     with tempfile.TemporaryDirectory() as out:
         for fmt in formats:
-            EXPORTERS[fmt](model, tokenizer, Path(out) / fmt)
+            exporter(fmt)(model, tokenizer, Path(out) / fmt)
             artifact = load_model(str(Path(out) / fmt))
             mismatch, change, how = compare_weights(model, artifact.model)
             with torch.inference_mode():

@@ -73,12 +73,11 @@ def build_lmpress_artifacts(work: Path) -> None:
 
     import torch
 
-    import lmpress.methods  # noqa: F401
     from lmpress.data import calibration_samples, load_text, tokenize
     from lmpress.export.gguf import write_gguf
     from lmpress.export.onnx import write_onnx
     from lmpress.model import load_model
-    from lmpress.registry import STAGE_CONFIGS, STAGE_HANDLERS, StageContext
+    from lmpress.registry import StageContext, stage_config, stage_handler_for
 
     torch.manual_seed(0)
     loaded = load_model(SMOLLM2)
@@ -90,13 +89,13 @@ def build_lmpress_artifacts(work: Path) -> None:
         write_onnx(model, work / "fp32-onnx" / "model.onnx")
     if (work / "lmpress-q4_0.gguf").exists() and (work / "lmpress-w4-onnx" / "model.onnx").exists():
         return
-    config = STAGE_CONFIGS["gptq"](**GPTQ_STAGE)
+    config = stage_config("gptq")(**GPTQ_STAGE)
     ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens")))
     calibration = calibration_samples(ids, **CALIBRATION)
     with tempfile.TemporaryDirectory() as state:
         ctx = StageContext(calibration=lambda: calibration, state_dir=Path(state), resume=False, fingerprint="export")
         began = time.perf_counter()
-        STAGE_HANDLERS[type(config)](model, config, ctx)
+        stage_handler_for(config)(model, config, ctx)
         seconds = time.perf_counter() - began
     (work / "gptq.json").write_text(json.dumps({"stage": GPTQ_STAGE, "seconds": seconds, "load": os.getloadavg()[0]}))
     write_gguf(model, tokenizer, work / "lmpress-q4_0.gguf")

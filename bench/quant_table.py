@@ -73,11 +73,10 @@ def measure_row(name: str) -> dict:
     """Load SmolLM2, quantize it as row ``name`` says, and score it (runs in a child process)."""
     import torch
 
-    import lmpress.methods  # noqa: F401  (fills the stage registry)
     from lmpress.data import calibration_samples, load_text, token_windows, tokenize
     from lmpress.evals.perplexity import PerplexityConfig, perplexity
     from lmpress.model import load_model
-    from lmpress.registry import STAGE_CONFIGS, STAGE_HANDLERS, StageContext
+    from lmpress.registry import StageContext, stage_config, stage_handler_for
 
     torch.manual_seed(0)
     label, stage, _ = ROWS[name]
@@ -85,7 +84,7 @@ def measure_row(name: str) -> dict:
     model, tokenizer = loaded.model, loaded.tokenizer
     summary, seconds = {}, None
     if stage is not None:
-        config = STAGE_CONFIGS[stage["method"]](**stage)
+        config = stage_config(stage["method"])(**stage)
         calib_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens")))
         calibration = calibration_samples(calib_ids, **CALIBRATION)
         with tempfile.TemporaryDirectory() as state_dir:
@@ -93,7 +92,7 @@ def measure_row(name: str) -> dict:
                 calibration=lambda: calibration, state_dir=Path(state_dir), resume=False, fingerprint=name
             )
             began = time.perf_counter()
-            summary = STAGE_HANDLERS[type(config)](model, config, ctx)
+            summary = stage_handler_for(config)(model, config, ctx)
             seconds = time.perf_counter() - began
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (ru_maxrss is in KiB)
     load_average = os.getloadavg()[0]

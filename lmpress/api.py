@@ -15,7 +15,7 @@ from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
 from lmpress.progress import QUIET, Bars
 from lmpress.recipe import DataSpec, _validate
-from lmpress.registry import STAGE_CONFIGS, STAGE_HANDLERS, StageContext
+from lmpress.registry import StageContext, known_stages, stage_config, stage_handler_for
 
 
 def quantize_model(
@@ -32,9 +32,9 @@ def quantize_model(
     ``settings`` are the stage's recipe keys (``bits=4, group_size=64``); calibrated
     methods need ``tokenizer`` and take their text from ``data`` (a recipe ``data:`` section).
     """
-    if method not in STAGE_CONFIGS:
-        raise LmpressInputError(f"unknown method {method!r} (known: {', '.join(sorted(STAGE_CONFIGS))})")
-    config = _validate(STAGE_CONFIGS[method], {"method": method, **settings}, "quantize_model()", ())
+    if method not in known_stages():
+        raise LmpressInputError(f"unknown method {method!r} (known: {', '.join(known_stages())})")
+    config = _validate(stage_config(method), {"method": method, **settings}, "quantize_model()", ())
     spec = data if isinstance(data, DataSpec) else DataSpec(**(data or {}))
 
     def calibration():
@@ -53,4 +53,4 @@ def quantize_model(
             bars=bars,
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
-        return STAGE_HANDLERS[type(config)](model, config, ctx)
+        return stage_handler_for(config)(model, config, ctx)

@@ -36,7 +36,7 @@ from lmpress.model import LoadedModel, load_model, model_skeleton, resolve_check
 from lmpress.progress import QUIET, Bars
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.recipe import Recipe
-from lmpress.registry import EXPORTERS, STAGE_HANDLERS, StageContext
+from lmpress.registry import StageContext, exporter, stage_handler_for
 
 
 @dataclass
@@ -114,7 +114,7 @@ def run_stages(loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool,
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
         with track_peak_rss() as peak:
-            summary = STAGE_HANDLERS[type(stage)](loaded.model, stage, ctx)
+            summary = stage_handler_for(stage)(loaded.model, stage, ctx)
         settings = ", ".join(f"{k}={v}" for k, v in stage.model_dump(exclude={"method"}).items())
         summaries.append(
             {
@@ -134,7 +134,7 @@ def export_model(model: nn.Module, tokenizer, formats: list[str], partial: Path)
         tmp = partial / f".{fmt}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        EXPORTERS[fmt](model, tokenizer, tmp)
+        exporter(fmt)(model, tokenizer, tmp)
         target = partial / fmt
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)

@@ -26,10 +26,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
-from lmpress import methods  # noqa: F401  (fills the registries)
 from lmpress.errors import LmpressInputError
 from lmpress.evals.gates import Gate, available_metrics, parse_gate
-from lmpress.registry import EVAL_CONFIGS, EXPORTERS, STAGE_CONFIGS, EvalConfig, StageConfig, StrictConfig
+from lmpress.registry import (
+    EvalConfig,
+    StageConfig,
+    StrictConfig,
+    eval_config,
+    known_evals,
+    known_exporters,
+    known_stages,
+    stage_config,
+)
 
 
 class ModelSpec(StrictConfig):
@@ -55,8 +63,8 @@ class ExportSpec(StrictConfig):
     @classmethod
     def _known_formats(cls, formats: list[str]) -> list[str]:
         for fmt in formats:
-            if fmt not in EXPORTERS:
-                raise ValueError(f"{fmt!r} is not an export format (known: {', '.join(sorted(EXPORTERS))})")
+            if fmt not in known_exporters():
+                raise ValueError(f"{fmt!r} is not an export format (known: {', '.join(known_exporters())})")
         if len(set(formats)) != len(formats):
             raise ValueError("a format is listed twice")
         return formats
@@ -167,14 +175,14 @@ def _stage(raw: Any, index: int, origin: str) -> StageConfig:
     if not isinstance(method, str):
         raise LmpressInputError(
             f"{origin}: stages[{index}].method: expected one method name, got {method!r} "
-            f"(known: {', '.join(sorted(STAGE_CONFIGS))})"
+            f"(known: {', '.join(known_stages())})"
         )
-    if method not in STAGE_CONFIGS:
+    if method not in known_stages():
         raise LmpressInputError(
-            f"{origin}: stages[{index}].method: unknown method {method!r}{_did_you_mean(str(method), STAGE_CONFIGS)} "
-            f"(known: {', '.join(sorted(STAGE_CONFIGS))})"
+            f"{origin}: stages[{index}].method: unknown method {method!r}{_did_you_mean(str(method), known_stages())} "
+            f"(known: {', '.join(known_stages())})"
         )
-    return _validate(STAGE_CONFIGS[method], raw, origin, where)
+    return _validate(stage_config(method), raw, origin, where)
 
 
 def _eval_spec(raw: Any, origin: str) -> EvalSpec:
@@ -184,12 +192,12 @@ def _eval_spec(raw: Any, origin: str) -> EvalSpec:
     for name, settings in raw.items():
         if name == "text":
             continue
-        if name not in EVAL_CONFIGS:
-            known = ", ".join(["text", *sorted(EVAL_CONFIGS)])
+        if name not in known_evals():
+            known = ", ".join(["text", *known_evals()])
             raise LmpressInputError(
-                f"{origin}: eval.{name}: unknown eval{_did_you_mean(str(name), EVAL_CONFIGS)} (known: {known})"
+                f"{origin}: eval.{name}: unknown eval{_did_you_mean(str(name), known_evals())} (known: {known})"
             )
-        evals[name] = _validate(EVAL_CONFIGS[name], settings or {}, origin, ("eval", name))
+        evals[name] = _validate(eval_config(name), settings or {}, origin, ("eval", name))
     text = raw.get("text", EvalSpec().text)
     if not isinstance(text, str):
         raise LmpressInputError(f"{origin}: eval.text: expected a text source string, got {text!r}")

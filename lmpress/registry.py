@@ -10,12 +10,19 @@ the function that runs it under that config class:
     def run_rtn(model, config, ctx) -> dict: ...
 
 Evals (``register_eval`` / ``eval_handler``) and export formats
-(``register_exporter``) work the same way. ``lmpress.methods`` imports every
-technique module so the registries are full before a recipe is validated.
+(``register_exporter``) work the same way.
+
+Which module defines each name is written down here (``STAGE_MODULES``,
+``EVAL_MODULES``, ``EXPORT_MODULES``, ``READER_MODULES``), and a module is imported
+only when its name is used (:func:`stage_config`, :func:`eval_config`,
+:func:`exporter`, :func:`load_format`): validating a recipe imports the methods it
+names and no other, and listing the known names imports nothing. Add a new
+technique, eval or format to these tables.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +67,39 @@ class EvalConfig(StrictConfig):
         """Raise LmpressInputError when this eval cannot run on ``model`` (before any work)."""
 
 
+# name -> the module that registers it (imported on first use)
+STAGE_MODULES: dict[str, str] = {
+    "rtn": "lmpress.quantize.rtn",
+    "gptq": "lmpress.quantize.gptq",
+    "awq": "lmpress.quantize.awq",
+    "magnitude": "lmpress.prune.magnitude",
+    "wanda": "lmpress.prune.wanda",
+    "sparsegpt": "lmpress.prune.sparsegpt",
+    "structured": "lmpress.prune.structured",
+}
+EVAL_MODULES: dict[str, str] = {
+    "perplexity": "lmpress.evals.perplexity",
+    "passkey": "lmpress.evals.longctx",
+    "ppl_by_position": "lmpress.evals.longctx",
+    "lmeval": "lmpress.evals.lmeval",
+}
+EXPORT_MODULES: dict[str, str] = {
+    "hf": "lmpress.export.hf",
+    "gptq": "lmpress.export.gptq",
+    "awq": "lmpress.export.awq",
+    "compressed-tensors": "lmpress.export.compressed_tensors",
+    "gguf": "lmpress.export.gguf",
+    "onnx": "lmpress.export.onnx",
+}
+# an export directory's single model file (no config.json) -> the module whose loader reads it
+ARTIFACT_FILE_MODULES: dict[str, str] = {"model.gguf": "lmpress.export.gguf", "model.onnx": "lmpress.export.onnx"}
+# a checkpoint's quantization_config.quant_method -> the module whose reader loads it
+READER_MODULES: dict[str, str] = {
+    "gptq": "lmpress.export.gptq",
+    "awq": "lmpress.export.awq",
+    "compressed-tensors": "lmpress.export.compressed_tensors",
+}
+
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {}
 STAGE_HANDLERS: dict[type[StageConfig], Callable[..., dict]] = {}
 EVAL_CONFIGS: dict[str, type[EvalConfig]] = {}
@@ -75,6 +115,66 @@ def _register(table: dict[str, Any], kind: str, name: str) -> Callable[[T], T]:
         return obj
 
     return decorator
+
+
+def known_stages() -> list[str]:
+    return sorted(set(STAGE_MODULES) | set(STAGE_CONFIGS))
+
+
+def known_evals() -> list[str]:
+    return sorted(set(EVAL_MODULES) | set(EVAL_CONFIGS))
+
+
+def known_exporters() -> list[str]:
+    return sorted(set(EXPORT_MODULES) | set(EXPORTERS))
+
+
+def _lookup(table: dict[str, Any], modules: dict[str, str], name: str) -> Any:
+    """``table[name]``, importing the module that registers ``name`` first; KeyError when no module does."""
+    if name not in table and name in modules:
+        importlib.import_module(modules[name])
+    return table[name]
+
+
+def stage_config(method: str) -> type[StageConfig]:
+    """The config class of stage method ``method`` (KeyError when unknown)."""
+    return _lookup(STAGE_CONFIGS, STAGE_MODULES, method)
+
+
+def stage_handler_for(config: StageConfig) -> Callable[..., dict]:
+    return STAGE_HANDLERS[type(config)]
+
+
+def eval_config(name: str) -> type[EvalConfig]:
+    """The config class of eval ``name`` (KeyError when unknown)."""
+    return _lookup(EVAL_CONFIGS, EVAL_MODULES, name)
+
+
+def exporter(fmt: str) -> Callable[..., None]:
+    """The writer of export format ``fmt`` (KeyError when unknown)."""
+    return _lookup(EXPORTERS, EXPORT_MODULES, fmt)
+
+
+def load_format(fmt: str) -> None:
+    """Import export format ``fmt``'s module, so its plan and scheme checks are registered."""
+    if fmt in EXPORT_MODULES:
+        importlib.import_module(EXPORT_MODULES[fmt])
+
+
+def load_reader(quant_method: str) -> bool:
+    """Import the module that reads checkpoints of ``quant_method``; False when lmpress has none."""
+    if quant_method not in READER_MODULES:
+        return False
+    importlib.import_module(READER_MODULES[quant_method])
+    return True
+
+
+def calibration_method(method: str, config: StageConfig) -> Any:
+    """Method ``method`` as one step of another stage's calibration pass (GPTQ rounding inside AWQ or
+    SparseGPT), built from ``config``: composing methods by name keeps one method's module from importing
+    another's."""
+    module = importlib.import_module(STAGE_MODULES[method])
+    return module.calibration_method(config)
 
 
 def register_stage(method: str) -> Callable[[type[StageConfig]], type[StageConfig]]:

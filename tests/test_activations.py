@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from lmpress.activations import FLOAT16_LIMIT, BatchStore
+from lmpress.calib.activations import FLOAT16_LIMIT, BatchStore
 
 
 def _batches(rows=(4, 4, 2), width=8, seed=0) -> list[torch.Tensor]:

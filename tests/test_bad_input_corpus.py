@@ -263,6 +263,50 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
         "per-channel scales: MatMulNBits blocks are 32, 64 or 128 columns",
         [],
     ),  # fmt: skip
+    # pruning
+    ("sparsity-1", edited(lambda r, e: r.update(stages=[{"method": "wanda", "sparsity": 1.0}])), "sparsity", []),
+    (
+        "sparsity-negative",
+        edited(lambda r, e: r.update(stages=[{"method": "magnitude", "sparsity": -0.1}])),
+        "sparsity",
+        [],
+    ),
+    (
+        "nm-n-not-below-m",
+        edited(lambda r, e: r.update(stages=[{"method": "sparsegpt", "pattern": "4:4"}])),
+        "0 < N < M",
+        [],
+    ),
+    (
+        "nm-m-not-dividing",
+        edited(lambda r, e: r.update(stages=[{"method": "wanda", "pattern": "2:3"}])),
+        "M=3 does not divide",
+        [],
+    ),
+    (
+        "nm-with-sparsity",
+        edited(lambda r, e: r.update(stages=[{"method": "wanda", "pattern": "2:4", "sparsity": 0.3}])),
+        "sparsity does not apply",
+        [],
+    ),
+    (
+        "too-many-heads",
+        edited(lambda r, e: r.update(stages=[{"method": "structured", "heads": 6}])),
+        "removes every one of the 4 attention heads",
+        [],
+    ),
+    (
+        "broken-gqa-group",
+        edited(lambda r, e: r.update(stages=[{"method": "structured", "heads": 1}])),
+        "breaks a GQA group",
+        [],
+    ),
+    (
+        "every-layer",
+        edited(lambda r, e: r.update(stages=[{"method": "structured", "layers": 2}])),
+        "removes every one of the model's 2 decoder layers",
+        [],
+    ),
     ("set-malformed-yaml", edited(lambda r, e: None), "is not valid YAML", ["--set", "stages[0].bits=["]),
     ("set-missing-index", edited(lambda r, e: None), "stages[3] does not exist", ["--set", "stages[3].bits=8"]),
     ("set-without-value", edited(lambda r, e: None), "expected key.path=value", ["--set", "stages[0].bits"]),

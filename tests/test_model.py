@@ -80,14 +80,13 @@ def test_not_gguf_and_not_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_quantized_exports_load_in_the_requested_dtype_without_extra_packages(tiny_llama_dir, tmp_path, fmt):
-    import lmpress.methods  # noqa: F401
     from lmpress.api import quantize_model
     from lmpress.quantize.qlinear import QuantizedLinear
-    from lmpress.registry import EXPORTERS
+    from lmpress.registry import exporter
 
     loaded = load_model(str(tiny_llama_dir))
     quantize_model(loaded.model, method="rtn", bits=4, group_size=32)
-    EXPORTERS[fmt](loaded.model, loaded.tokenizer, tmp_path / fmt)
+    exporter(fmt)(loaded.model, loaded.tokenizer, tmp_path / fmt)
     ids = torch.arange(40)[None]
     with torch.no_grad():
         expected = loaded.model(ids).logits

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from lmpress.moe import UnfusedExperts, unfuse_experts
+from lmpress.calib.moe import UnfusedExperts, unfuse_experts
 from lmpress.quantize.gptq import GPTQConfig, run_gptq
 from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.registry import StageContext

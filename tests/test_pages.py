@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmpress.pages import drop_file_pages
+from lmpress.calib.pages import drop_file_pages
 
 
 def _resident_file_kb() -> int:

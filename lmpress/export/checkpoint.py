@@ -26,6 +26,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.quantize.apply import apply_quantized_weight
 from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+from lmpress.registry import READER_MODULES, load_format, load_reader
 
 SAFETENSORS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -76,6 +77,7 @@ def register_scheme_check(fmt: str) -> Callable[[Callable], Callable]:
 
 def scheme_refusal(fmt: str, scheme: QuantScheme, act_order: bool) -> str | None:
     """Why ``fmt`` cannot hold a layer quantized with ``scheme`` (act-order ``g_idx`` when ``act_order``)."""
+    load_format(fmt)
     check = SCHEME_CHECKS.get(fmt)
     return None if check is None else check(scheme, act_order)
 
@@ -113,12 +115,18 @@ def register_artifact_loader(file_name: str) -> Callable[[Callable], Callable]:
 
 def artifact_loader(path: Path) -> Callable[[Path, torch.dtype], nn.Module] | None:
     """The loader of the non-safetensors export in directory ``path`` (no config.json), or None."""
-    import lmpress.methods  # noqa: F401  (fills ARTIFACT_LOADERS)
+    import importlib
+
+    from lmpress.registry import ARTIFACT_FILE_MODULES
 
     path = Path(path)
     if not path.is_dir() or (path / CONFIG_NAME).exists():
         return None
-    return next((fn for name, fn in ARTIFACT_LOADERS.items() if (path / name).is_file()), None)
+    name = next((name for name in ARTIFACT_FILE_MODULES if (path / name).is_file()), None)
+    if name is None:
+        return None
+    importlib.import_module(ARTIFACT_FILE_MODULES[name])  # registers its loader
+    return ARTIFACT_LOADERS[name]
 
 
 def register_plan_check(fmt: str) -> Callable[[Callable], Callable]:
@@ -136,6 +144,7 @@ def check_export_plan(fmt: str, model: nn.Module, targets: dict[str, tuple[nn.Mo
     recipe's quantization stages). Act-order is only known after quantization and is
     checked when writing.
     """
+    load_format(fmt)
     check = PLAN_CHECKS.get(fmt, lambda model, plan: None)
     plan = {name: PlannedLayer(scheme, m.in_features, m.out_features) for name, (m, scheme) in targets.items()}
     for name, layer in plan.items():
@@ -361,14 +370,14 @@ def group_count(in_features: int, group_size: int, layer: str) -> int:
 
 
 def _load_parts(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
-    import lmpress.methods  # noqa: F401  (fills READERS)
-
     config = read_config(path)
     method = quant_method(config)
     if method is None:
         raise LmpressInputError(f"{path}: config.json has no quantization_config (a dense checkpoint?)")
-    if method not in READERS:
-        raise LmpressInputError(f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READERS)})")
+    if not load_reader(method) and method not in READERS:
+        raise LmpressInputError(
+            f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READER_MODULES)})"
+        )
     return config, read_tensors(path), method
 
 

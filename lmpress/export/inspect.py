@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -27,6 +28,8 @@ from lmpress.export.checkpoint import (
     read_tensor_headers,
     read_tensors,
 )
+from lmpress.prune.masks import nm_pattern
+from lmpress.registry import READER_MODULES, load_reader
 
 MANIFEST = "manifest.json"
 
@@ -41,8 +44,6 @@ def _single_or_list(values: list[Any]) -> Any:
 
 
 def _inspect_checkpoint(path: Path) -> dict[str, Any]:
-    import lmpress.methods  # noqa: F401  (fills READERS)
-
     config = read_config(path)
     method = quant_method(config)
     info: dict[str, Any] = {
@@ -52,22 +53,29 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
     }
     if method is None:
         headers = read_tensor_headers(path)
+        sparse = _dense_layer_sparsity(path, config, headers)
         info |= {
             "format": "hf",
             "quantized_layers": 0,
             "parameters": sum(math.prod(shape) for _, shape in headers.values()),
             "dtypes": _single_or_list([dtype for dtype, _ in headers.values()]),
             "layers": [],
+            "sparse_layers": sparse,
         }
+        if sparse:
+            info["sparsity"] = _overall_sparsity(sparse)
         return info
     tensors = read_tensors(path)
-    if method not in READERS:
-        raise LmpressInputError(f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READERS)})")
+    if not load_reader(method) and method not in READERS:
+        raise LmpressInputError(
+            f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READER_MODULES)})"
+        )
     qc = config["quantization_config"]
     layers = READERS[method](config, tensors)
     rows = []
     for name, qw in layers.items():
         out_features, in_features = qw.qweight.shape
+        weight = qw.dequantize(torch.float32)
         stored = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.rpartition(".")[0] == name)
         rows.append(
             {
@@ -79,6 +87,8 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
                 "act_order": qw.g_idx is not None,
                 "bytes": stored,
                 "bits_per_weight": round(8 * stored / (out_features * in_features), 3),
+                "sparsity": float((weight == 0).float().mean()),
+                "pattern": nm_pattern(weight),
             }
         )
     quantized_bytes = sum(r["bytes"] for r in rows)
@@ -95,6 +105,8 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         "other_bytes": sum(t.numel() * t.element_size() for t in tensors.values()) - quantized_bytes,
         "layers": rows,
     }
+    if rows:
+        info["sparsity"] = _overall_sparsity(rows)
     if method == "gptq":
         info["checkpoint_format"] = qc.get("checkpoint_format", "gptq")
     if method == "awq":
@@ -102,6 +114,31 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
     if method == "compressed-tensors":
         info["ct_format"] = qc.get("format")
     return info
+
+
+def _dense_layer_sparsity(path: Path, config: dict[str, Any], headers: dict) -> list[dict[str, Any]]:
+    """Per decoder-layer linear weight of a dense checkpoint: its shape, fraction of zeros and N:M pattern."""
+    names = [k for k, (_, shape) in headers.items() if len(shape) == 2 and k.endswith(".weight") and ".layers." in k]
+    if not names:
+        return []
+    tensors = read_tensors(path)
+    rows = []
+    for key in names:
+        weight = tensors[key].float()
+        rows.append(
+            {
+                "name": key.removesuffix(".weight"),
+                "shape": list(weight.shape),
+                "sparsity": float((weight == 0).float().mean()),
+                "pattern": nm_pattern(weight),
+            }
+        )
+    return rows
+
+
+def _overall_sparsity(rows: list[dict[str, Any]]) -> float:
+    weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
+    return sum(r["sparsity"] * r["shape"][0] * r["shape"][1] for r in rows) / weights
 
 
 def inspect_artifact(path: str | Path) -> dict[str, Any]:
@@ -153,11 +190,12 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "act_order",
         "quantized_layers",
         "parameters",
+        "sparsity",
         "dtypes",
     )
     for key in keys:
         if key in info and info[key] is not None:
-            table.add_row(key, str(info[key]))
+            table.add_row(key, f"{info[key]:.1%}" if key == "sparsity" else str(info[key]))
     table.add_row("size on disk", _mb(info["size_bytes"]))
     if info.get("quantized_weights"):
         table.add_row("quantized tensors", _mb(info["quantized_bytes"]))
@@ -168,7 +206,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
 
 def _layer_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="quantized layers")
-    for column in ("layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight"):
+    for column in ("layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "sparsity"):
         table.add_column(column, justify="left" if column == "layer" else "right")
     for r in rows:
         table.add_row(
@@ -180,7 +218,21 @@ def _layer_table(rows: list[dict[str, Any]]) -> Table:
             "yes" if r["act_order"] else "no",
             f"{r['bytes'] / 1e3:.1f} kB",
             f"{r['bits_per_weight']:.3f}",
+            _sparsity_text(r),
         )
+    return table
+
+
+def _sparsity_text(row: dict[str, Any]) -> str:
+    return f"{row['sparsity']:.1%}" + (f" ({row['pattern']})" if row.get("pattern") else "")
+
+
+def _sparsity_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="sparsity per layer")
+    for column in ("layer", "shape", "sparsity"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    for r in rows:
+        table.add_row(r["name"], "x".join(str(v) for v in r["shape"]), _sparsity_text(r))
     return table
 
 
@@ -191,6 +243,8 @@ def render_inspect(info: dict[str, Any]) -> Group:
         parts.append(_summary_table(artifact))
         if artifact["layers"]:
             parts.append(_layer_table(artifact["layers"]))
+        if artifact.get("sparse_layers"):
+            parts.append(_sparsity_table(artifact["sparse_layers"]))
     return Group(*parts)
 
 

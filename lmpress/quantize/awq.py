@@ -34,12 +34,14 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from lmpress.layerwise import LayerSession, run_layerwise
+from lmpress.calib.engine import CalibrationMethod, run_calibration
+from lmpress.calib.moe import unfuse_experts
+from lmpress.calib.session import LayerSession
 from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import apply_clip, can_fold, fold_scales, search_clip, search_scales
-from lmpress.quantize.gptq import GPTQRounding, gptq_group, prepare_model
 from lmpress.quantize.scheme import quantize_weight_rtn
-from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.quantize.targets import GPTQRounding
+from lmpress.registry import StageContext, calibration_method, register_stage, stage_handler
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +123,15 @@ class _Recorded:
         return x[::step][:limit]
 
 
-class AWQMethod:
+class AWQMethod(CalibrationMethod):
+    """AWQ's scales and clipping on each layer, then RTN rounding; with ``rounding: gptq`` the stage's
+    pass runs GPTQ after it (a second method of the same pass) and this method only scales and clips."""
+
     name = "awq"
 
     def __init__(self, config: AWQConfig) -> None:
+        super().__init__()
         self.config = config
-        self.warnings: list[str] = []
         self.skipped_pairs: set[str] = set()
         self.alphas: list[float] = []
 
@@ -181,26 +186,27 @@ class AWQMethod:
             )  # fmt: skip
             apply_clip(linear, shrink, scheme)
 
-    def process_layer(self, session: LayerSession) -> None:
+    def prepare_layer(self, session: LayerSession) -> None:
         self.scale_and_clip(session)
-        if self.config.rounding == "gptq":
-            for group in session.groups:
-                gptq_group(session, group, self.config, self.warnings)
-        else:
-            for name, scheme in session.targets.items():
-                session.apply(name, quantize_weight_rtn(session.linear(name).weight.data, scheme))
+
+    def process_group(self, session: LayerSession, group: list[str]) -> None:
+        if self.config.rounding == "rtn":
+            for name in group:
+                session.apply(name, quantize_weight_rtn(session.linear(name).weight.data, session.targets[name]))
 
 
 @stage_handler(AWQConfig)
 @torch.no_grad()
 def run_awq(model: nn.Module, config: AWQConfig, ctx: StageContext) -> dict:
-    moe_blocks = prepare_model(model, config)
+    moe_blocks = unfuse_experts(model)
+    config.check(model)
     method = AWQMethod(config)
+    methods = [method] if config.rounding == "rtn" else [method, calibration_method(config.rounding, config)]
     true_sequential = config.true_sequential if config.rounding == "gptq" else False
-    summary = run_layerwise(model, method, config.scheme_for, ctx, true_sequential, config.batch_size)
+    summary = run_calibration(model, methods, config.scheme_for, ctx, true_sequential, config.batch_size)
     if method.skipped_pairs:
         log.info("awq: scaling pairs that cannot fold, left unscaled: %s", "; ".join(sorted(method.skipped_pairs)))
-    for message in method.warnings:
+    for message in summary["warnings"]:
         ctx.bars.log(f"[yellow]warning[/yellow] {message}")
     mean_alpha = sum(method.alphas) / len(method.alphas) if method.alphas else None
     return {

@@ -20,11 +20,10 @@ after the block once per block (Eq. 3, "lazy batch updates").
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
+from lmpress.calib.statistics import column_loop_threads, inverse_hessian_factor
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
@@ -33,41 +32,6 @@ MSE_GRID = 100
 MSE_MAX_SHRINK = 0.8
 MSE_NORM = 2.4
 MSE_CHUNK_ELEMENTS = 2**19
-MAX_DAMP = 1.0
-GRAM_BLOCK = 256
-
-
-class HessianAccumulator:
-    """Running mean of 2 x xᵀ over every token seen: H = 2/n Σ x xᵀ (float32).
-
-    Only the blocks on and above the diagonal are accumulated (xᵀx is symmetric);
-    reading ``H`` mirrors them below.
-    """
-
-    def __init__(self, columns: int, device: torch.device | str = "cpu", block: int = GRAM_BLOCK) -> None:
-        self._H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
-        self.n = 0
-        self.block = block
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
-        m = x.shape[0]
-        if m == 0:
-            return
-        keep, self.n = self.n / (self.n + m), self.n + m
-        cols = x.shape[1]
-        for i in range(0, cols, self.block):
-            j = min(i + self.block, cols)
-            # rows i:j, columns i: of (n_old H + 2 xᵀx) / n_new, in place
-            self._H[i:j, i:].addmm_(x[:, i:j].T, x[:, i:], beta=keep, alpha=2 / self.n)
-
-    @property
-    def H(self) -> torch.Tensor:
-        cols = self._H.shape[0]
-        for i in range(0, cols, self.block):
-            j = min(i + self.block, cols)
-            self._H[j:, i:j] = self._H[i:j, j:].T
-        return self._H
 
 
 def search_qparams_mse(
@@ -110,26 +74,6 @@ def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> tuple[torc
     return search_qparams_mse(w, scheme) if mse else compute_qparams(w, scheme)
 
 
-def inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H) (Eq. 4 and §4 "Cholesky reformulation").
-
-    When the factorization fails, λ is raised tenfold (up to ``MAX_DAMP``) and the
-    damp that worked is returned so the caller can report it.
-    """
-    mean_diag = torch.mean(torch.diag(H)).item()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
-    while True:
-        L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * eye)
-        if info.item() == 0:
-            Hinv = torch.cholesky_solve(eye, L)  # (H + λI)⁻¹; several times faster than cholesky_inverse on CPU
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if info.item() == 0 and torch.isfinite(U).all():
-                return U, damp
-        if damp >= MAX_DAMP:
-            raise RuntimeError(f"the Hessian is not positive definite even with dampening {damp}")
-        damp = min(damp * 10, MAX_DAMP)
-
-
 @torch.no_grad()
 def gptq_quantize_layer(
     W: torch.Tensor,
@@ -140,6 +84,7 @@ def gptq_quantize_layer(
     act_order: bool = False,
     static_groups: bool = False,
     mse: bool = False,
+    pruned: torch.Tensor | None = None,
 ) -> tuple[QuantizedWeight, dict]:
     """Quantize ``W`` (out, in) given ``H`` (in, in) = 2 X Xᵀ; returns the weight and ``{"damp", "dead_columns"}``.
 
@@ -147,6 +92,10 @@ def gptq_quantize_layer(
     the largest activations first) and returns ``g_idx``; ``static_groups``
     computes every group's scale/zero from the original weights before any update,
     so groups stay contiguous in the original column order (no g_idx needed).
+    ``pruned`` (bool, W's shape, True = pruned) keeps those entries at exactly zero:
+    their code is their group's zero point, and the error of setting them to zero is
+    compensated on the columns after them like any rounding error (SparseGPT's joint
+    sparsification and quantization, Frantar & Alistarh 2023, §3.5).
     """
     rows, cols = W.shape
     if not scheme.fits(cols):
@@ -163,6 +112,12 @@ def gptq_quantize_layer(
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
+    keep = None
+    if pruned is not None:
+        if pruned.shape != W.shape:
+            raise ValueError(f"pruning mask {tuple(pruned.shape)} does not match the weight {tuple(W.shape)}")
+        keep = ~pruned.to(W.device, torch.bool)
+        W.mul_(keep)
 
     n_groups = cols // width
     scales = torch.zeros(rows, n_groups, device=W.device)
@@ -177,6 +132,8 @@ def gptq_quantize_layer(
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W = W[:, perm]
         H = H[perm][:, perm]
+        if keep is not None:
+            keep = keep[:, perm]
 
     Hinv, used_damp = inverse_hessian_factor(H, damp)
     del H
@@ -184,11 +141,12 @@ def gptq_quantize_layer(
     Wt = W.T.contiguous()
     del W
     codes_t = torch.zeros(cols, rows, device=Wt.device)  # integer values, as uint8 once at the end
+    keep_t = None if keep is None else keep.T.contiguous()
     column_group = (perm // width).tolist() if static else None
     scale_g = zero_g = None
     current_group = -1
     threads = torch.get_num_threads()
-    with _threads(1):
+    with column_loop_threads(1):
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2].clone()
@@ -210,11 +168,15 @@ def gptq_quantize_layer(
                         if col + width > i2:
                             pending = Hinv[i1:col, i2 : col + width].T @ Err1[:i]
                             current = torch.cat([current, Wt[i2 : col + width] - pending])
-                        with _threads(threads):  # the scale search is one large tensor op
+                        if keep_t is not None:  # the pruned entries will be zero: the range of what stays
+                            current = current * keep_t[col : col + width]
+                        with column_loop_threads(threads):  # the scale search is one large tensor op
                             scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
                 if g != current_group:
                     scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
                 torch.div(w, scale_g, out=q).round_().add_(zero_g).clamp_(0, maxq)
+                if keep_t is not None:
+                    q.copy_(torch.where(keep_t[col], q, zero_g))
                 # (w - dequantized) / [H_F⁻¹]_qq, written as (dequantized - w) / -[H_F⁻¹]_qq
                 torch.sub(q, zero_g, out=err).mul_(scale_g).sub_(w).div_(-diagonal[i])
                 # Eq. 2 restricted to the block: update the block's remaining columns now.
@@ -235,18 +197,6 @@ def gptq_quantize_layer(
     if g_idx is not None:
         quantized.g_idx = g_idx.cpu()
     return quantized, {"damp": used_damp, "dead_columns": int(dead.sum())}
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """Run with ``n`` threads: GPTQ's column loop is thousands of tiny vector ops (one thread), its
-    group scale search one large tensor op (all threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def layer_output_error(W: torch.Tensor, W_hat: torch.Tensor, X: torch.Tensor) -> float:

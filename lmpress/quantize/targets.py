@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from torch import nn
 
 from lmpress.errors import LmpressInputError
@@ -95,3 +95,15 @@ class WeightQuantConfig(StageConfig):
                 f"layer(s), e.g. {name} ({width}); group sizes that fit them: {workable}, "
                 "or give those layers an override"
             )
+
+
+class GPTQRounding(WeightQuantConfig):
+    """The GPTQ keys, shared by ``method: gptq`` and AWQ's ``rounding: gptq``."""
+
+    damp_percent: float = Field(0.01, gt=0, le=1)
+    block_size: int = Field(128, ge=1, le=4096)
+    act_order: bool = False
+    static_groups: bool = False
+    mse: bool = False
+    true_sequential: bool = True
+    batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import lmpress.methods  # noqa: F401
 from lmpress.quantize.rtn import RTNConfig, run_rtn
-from lmpress.registry import EXPORTERS, StageContext
+from lmpress.registry import StageContext, exporter
 
 
 @pytest.fixture
@@ -33,7 +32,7 @@ def export(tmp_path):
     def run(fmt: str, model, tokenizer) -> Path:
         out = tmp_path / f"out-{fmt}-{len(list(tmp_path.glob('out-*')))}"
         out.mkdir()
-        EXPORTERS[fmt](model, tokenizer, out)
+        exporter(fmt)(model, tokenizer, out)
         return out
 
     return run

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from lmpress import quantize_model
+from lmpress.calib.engine import capture_first_layer_inputs, expand_groups
+from lmpress.calib.session import LayerSession
 from lmpress.data import calibration_samples, load_text, tokenize
-from lmpress.layerwise import LayerSession, capture_first_layer_inputs, expand_groups
 from lmpress.model import DTYPES, decoder_layers, get_anatomy, load_model
 from lmpress.quantize.awq import AWQConfig, AWQMethod, run_awq
 from lmpress.quantize.awq_search import apply_clip, fold_scales, search_clip

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmpress.quantize.gptq_quantize import (
-    HessianAccumulator,
-    gptq_quantize_layer,
-    inverse_hessian_factor,
-    layer_output_error,
-    search_qparams_mse,
-)
+from lmpress.calib.statistics import HessianAccumulator, inverse_hessian_factor
+from lmpress.quantize.gptq_quantize import gptq_quantize_layer, layer_output_error, search_qparams_mse
 from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize, quantize_weight_rtn
 
 

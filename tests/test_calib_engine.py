@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
+from lmpress.calib.engine import capture_first_layer_inputs, run_calibration
+from lmpress.calib.hooks import SharedInput
+from lmpress.calib.session import LayerSession
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
-from lmpress.layerwise import LayerSession, _SharedInput, capture_first_layer_inputs, run_layerwise
 from lmpress.model import decoder_layers, load_model
 from lmpress.quantize.gptq import GPTQConfig, GPTQMethod, run_gptq
 from lmpress.registry import StageContext
@@ -49,12 +51,11 @@ def test_next_layer_inputs_are_the_quantized_model_activations(tiny_llama_dir, t
     seen = {}
 
     class Recording(GPTQMethod):
-        def process_layer(self, session):
+        def prepare_layer(self, session):
             seen[session.index] = torch.cat(list(session.inputs.hidden)).float()
-            super().process_layer(session)
 
     config = GPTQConfig(bits=4, group_size=32)
-    run_layerwise(model, Recording(config), config.scheme_for, context(tmp_path, calibration), batch_size=4)
+    run_calibration(model, [Recording(config)], config.scheme_for, context(tmp_path, calibration), batch_size=4)
     actual = {}
     hook = decoder_layers(model)[1].register_forward_pre_hook(lambda m, a: actual.setdefault(1, a[0]))
     with torch.no_grad():
@@ -209,28 +210,28 @@ def test_calibration_longer_than_the_context_is_refused(tiny_llama_dir, tmp_path
 
 def test_a_shared_input_is_one_unmodified_tensor_read_by_every_watched_module():
     x = torch.randn(2, 3)
-    shared = _SharedInput(3)
+    shared = SharedInput(3)
     for _ in range(3):
         shared.observe(x, (x,), {})
     assert shared.complete()
 
-    modified = _SharedInput(2)
+    modified = SharedInput(2)
     modified.observe(x, (x,), {})
     x.mul_(2)  # an in-place change between two readers: they did not read the same values
     modified.observe(x, (x,), {})
     assert not modified.complete()
 
-    other = _SharedInput(2)
+    other = SharedInput(2)
     other.observe(x, (x,), {})
     other.observe(x.clone(), (x.clone(),), {})
     assert not other.complete()
 
-    missing = _SharedInput(3)  # a watched module that never ran in the first batch
+    missing = SharedInput(3)  # a watched module that never ran in the first batch
     missing.observe(x, (x,), {})
     missing.observe(x, (x,), {})
     assert not missing.complete()
 
-    with_kwargs = _SharedInput(2)
+    with_kwargs = SharedInput(2)
     for _ in range(2):
         with_kwargs.observe(x, (), {"hidden_states": x, "position_ids": None})
     assert not with_kwargs.complete()

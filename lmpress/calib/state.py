@@ -1,7 +1,9 @@
-"""A layer-wise stage's resumable state: finished layers and the next layer's inputs.
+"""A calibration pass's resumable state: finished layers and the next layer's inputs.
 
-After each layer the engine writes the layer's quantized weights, the parameters
-the method changed and the next layer's inputs to the stage's state directory
+After each layer the engine writes what its methods made of the layer, whatever
+kind of change each declared (quantized weights, as packed codes; every other
+parameter and buffer, which holds rewritten and pruned float weights and folded
+scales) and the next layer's inputs to the stage's state directory
 (safetensors, each file written atomically, ``progress.json`` last), so an
 interrupted run resumes from the last finished layer and ends bit-identical. The
 state carries a fingerprint of the model, calibration data and stage config; a
@@ -19,13 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmpress.activations import BatchStore, LayerInputs
+from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.apply import apply_quantized_weight
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 
 if TYPE_CHECKING:
-    from lmpress.layerwise import LayerSession
+    from lmpress.calib.session import LayerSession
 
 STATE_VERSION = 1
 

@@ -1,0 +1,219 @@
+"""The layer-by-layer calibration engine every one-shot method shares (GPTQ, AWQ, SparseGPT, Wanda...).
+
+1. The inputs of the first decoder layer are captured for every calibration
+   sample (hidden states and the keyword arguments the layer receives: attention
+   mask, position ids, rotary cos/sin) by running the model up to layer 0 and
+   leaving it by an exception.
+2. Each layer in turn is moved to the compute device and handed to the pass's
+   methods as a :class:`~lmpress.calib.session.LayerSession`: first every method's
+   :meth:`CalibrationMethod.prepare_layer` (whole-layer changes such as AWQ's
+   scales), then, group by group of ``anatomy.sequential`` in dependency order,
+   every method's :meth:`CalibrationMethod.process_group` (so a group's statistics
+   come from inputs produced by already-modified predecessors, "true sequential",
+   and several methods, such as SparseGPT then GPTQ, share one group's Hessian).
+3. The layer's outputs are recomputed with the modified weights and become the
+   next layer's inputs, written over the layer's inputs batch by batch.
+   Activations between passes are kept in float16 (float32 for a batch whose
+   values float16 cannot hold), each kind in one slab (``calib.activations``).
+4. After each layer its state (quantized weights, changed parameters) and the
+   next layer's inputs are written atomically to the stage's state directory
+   (``calib.state``), so an interrupted run resumes from the last finished layer
+   and ends bit-identical.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmpress.calib.activations import BatchStore, LayerInputs
+from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
+from lmpress.calib.session import LayerSession
+from lmpress.calib.state import LayerState
+from lmpress.errors import LmpressInputError
+from lmpress.model import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
+from lmpress.registry import StageContext
+
+
+class CalibrationMethod:
+    """A one-shot method run by the engine; override what it needs (every hook defaults to nothing)."""
+
+    name: str = "method"
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def prepare_layer(self, session: LayerSession) -> None:
+        """Before any group of the layer: statistics and changes over the whole layer (AWQ's scales)."""
+
+    def process_group(self, session: LayerSession, group: list[str]) -> None:
+        """Gather statistics for linears ``group`` and modify them (``session.apply`` / ``set_weight``)."""
+
+    def finish_layer(self, session: LayerSession) -> None:
+        """After every group of the layer, before its outputs are recomputed."""
+
+    def on_output(self, session: LayerSession, batch: int, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+        """Each batch's layer input and output in the layer's last pass (block-influence statistics)."""
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(
+    model: nn.Module, calibration: torch.Tensor, batch_size: int, device: torch.device
+) -> LayerInputs:
+    anatomy = get_anatomy(model)
+    layer0 = decoder_layers(model)[0]
+    batches = calibration.split(batch_size)
+    captured = LayerInputs(BatchStore([len(b) for b in batches]), [])
+
+    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = first_input(args, kwargs)
+        check_finite(hidden, f"the input of decoder layer 0 ({anatomy.layers}.0)")
+        captured.hidden[len(captured.kwargs)] = hidden
+        kept = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
+        captured.kwargs.append(move_to(kept, torch.device("cpu")))
+        raise StopForward
+
+    pre = [model.get_submodule(name) for name in anatomy.pre_layer_modules if has_submodule(model, name)]
+    for module in pre:
+        module.to(device)
+    handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for batch in batches:
+            try:
+                model(batch.to(device), use_cache=False)
+            except StopForward:
+                pass
+    finally:
+        handle.remove()
+        for module in pre:
+            module.to("cpu")
+    if len(captured.hidden) != len(batches):
+        raise LmpressInputError(f"{model.config.model_type}: the model never reached decoder layer 0")
+    return captured
+
+
+def expand_groups(anatomy: Anatomy, names: Iterable[str]) -> list[list[str]]:
+    """``anatomy.sequential`` with ``*`` patterns expanded over ``names``, keeping only present linears."""
+    names = list(names)
+    groups, covered = [], set()
+    for patterns in anatomy.sequential:
+        group = [n for n in names if n not in covered and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        covered.update(group)
+        if group:
+            groups.append(group)
+    missing = [n for n in names if n not in covered]
+    if missing:
+        raise LmpressInputError(
+            f"the layer-wise engine cannot place linear layer(s) {', '.join(missing)} in the "
+            f"{anatomy.families[0]} anatomy's sequential order; add them to ignore"
+        )
+    return groups
+
+
+def process_layer(session: LayerSession, methods: Sequence[CalibrationMethod]) -> None:
+    """Every method's whole-layer step, then group by group every method's group step."""
+    for method in methods:
+        method.prepare_layer(session)
+    for group in session.groups:
+        for method in methods:
+            method.process_group(session, group)
+        session.finish_group(group)
+    for method in methods:
+        method.finish_layer(session)
+
+
+def _output_observer(session: LayerSession, methods: Sequence[CalibrationMethod]) -> Callable | None:
+    """The ``on_output`` hooks of the methods that have one, as one callback (None when none has)."""
+    observers = [m for m in methods if type(m).on_output is not CalibrationMethod.on_output]
+    if not observers:
+        return None
+
+    def observe(batch: int, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+        for method in observers:
+            method.on_output(session, batch, inputs, outputs)
+
+    return observe
+
+
+def run_calibration(
+    model: nn.Module,
+    methods: Sequence[CalibrationMethod],
+    target_for: Callable[[str], Any],
+    ctx: StageContext,
+    true_sequential: bool = True,
+    batch_size: int = 4,
+) -> dict:
+    """Run ``methods`` in one pass over every decoder layer of ``model`` (in place); returns a summary.
+
+    ``target_for(full_module_name)`` gives a linear's setting (its quantization
+    scheme, its sparsity...), or None to leave it alone.
+    """
+    start_time = time.perf_counter()
+    anatomy = get_anatomy(model)
+    layers = decoder_layers(model)
+    state = LayerState(ctx.state_dir, ctx.fingerprint)
+    done = state.done_layers() if ctx.resume else 0
+    if not ctx.resume:
+        state.clear()
+    calibration = ctx.calibration()
+    if calibration.dim() != 2 or calibration.numel() == 0:
+        raise LmpressInputError(
+            f"calibration data must be (n_samples, seq_len) token ids, got {tuple(calibration.shape)}"
+        )
+    if calibration.shape[1] > context_length(model):
+        raise LmpressInputError(
+            f"calibration samples of {calibration.shape[1]} tokens are longer than the model's context "
+            f"({context_length(model)}); lower data.seq_len"
+        )
+    device = ctx.device
+    quantized = rewritten = 0
+    name = "+".join(m.name for m in methods)
+    for index in range(done):
+        quantized += state.restore_layer(index, layers[index])
+    if done < len(layers):
+        inputs = capture_first_layer_inputs(model, calibration, batch_size, device)
+        if done:
+            inputs = state.load_inputs(done, inputs.kwargs)
+
+    for index in ctx.bars.track(range(done, len(layers)), f"{name}: layers", total=len(layers) - done):
+        layer = layers[index]
+        prefix = f"{anatomy.layers}.{index}."
+        targets = {}
+        for linear in layer_linears(layer):
+            target = target_for(prefix + linear)
+            if target is not None:
+                targets[linear] = target
+        groups = expand_groups(anatomy, targets)
+        if not true_sequential and groups:
+            groups = [[n for g in groups for n in g]]
+        layer.to(device)
+        blocks = tuple(b for b in anatomy.blocks if has_submodule(layer, b))
+        fed_only_by = tuple((c, p) for c, p in anatomy.fed_only_by if all(has_submodule(layer, n) for n in (c, *p)))
+        attention = anatomy.attention if anatomy.attention and has_submodule(layer, anatomy.attention) else None
+        session = LayerSession(
+            index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
+            fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention,
+        )  # fmt: skip
+        process_layer(session, methods)
+        observer = _output_observer(session, methods)
+        inputs = session.outputs(observer) if observer else session.outputs()
+        session.finish()
+        layer.to("cpu")
+        quantized += len(session.quantized)
+        rewritten += len(session.rewritten - set(session.quantized))
+        state.save_layer(session, inputs)
+
+    return {
+        "layers": len(layers),
+        "quantized_linears": quantized,
+        **({"rewritten_linears": rewritten} if rewritten else {}),
+        "resumed_at_layer": done if ctx.resume else None,
+        "seconds": round(time.perf_counter() - start_time, 2),
+        "calibration": list(calibration.shape),
+        "warnings": [w for m in methods for w in m.warnings],
+    }

@@ -1,0 +1,163 @@
+"""Statistics of a linear's calibration inputs that one-shot methods share.
+
+- :class:`HessianAccumulator`: H = 2 X Xᵀ of a linear's inputs (GPTQ, Eq. 1 of
+  Frantar et al. 2022; SparseGPT's layer-wise problem is the same, Frantar &
+  Alistarh 2023, §3), and :func:`inverse_hessian_factor`, the upper Cholesky factor
+  of its damped inverse, which GPTQ's and SparseGPT's column loops both read;
+- :class:`InputNormAccumulator`: the squared L2 norm of each input feature over
+  every token, ||X_j||² (Wanda's activation term, Sun et al. 2023, Eq. 1).
+
+:func:`group_hessians` / :func:`group_input_norms` gather them for one group of
+linears in one pass over the calibration batches; linears fed the very same input
+tensor (q/k/v; gate/up; the experts of a MoE block) share one accumulator, and a
+group's statistics are cached on the session until the group is finished, so
+several methods of one pass (SparseGPT then GPTQ) read the same Hessian.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lmpress.calib.session import LayerSession
+
+MAX_DAMP = 1.0
+GRAM_BLOCK = 256
+
+
+class HessianAccumulator:
+    """Running mean of 2 x xᵀ over every token seen: H = 2/n Σ x xᵀ (float32).
+
+    Only the blocks on and above the diagonal are accumulated (xᵀx is symmetric);
+    reading ``H`` mirrors them below.
+    """
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu", block: int = GRAM_BLOCK) -> None:
+        self._H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.n = 0
+        self.block = block
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        m = x.shape[0]
+        if m == 0:
+            return
+        keep, self.n = self.n / (self.n + m), self.n + m
+        cols = x.shape[1]
+        for i in range(0, cols, self.block):
+            j = min(i + self.block, cols)
+            # rows i:j, columns i: of (n_old H + 2 xᵀx) / n_new, in place
+            self._H[i:j, i:].addmm_(x[:, i:j].T, x[:, i:], beta=keep, alpha=2 / self.n)
+
+    @property
+    def H(self) -> torch.Tensor:
+        cols = self._H.shape[0]
+        for i in range(0, cols, self.block):
+            j = min(i + self.block, cols)
+            self._H[j:, i:j] = self._H[i:j, j:].T
+        return self._H
+
+
+class InputNormAccumulator:
+    """Σ x_j² over every token seen, per input feature j (float32): ||X_j||² (Wanda, Eq. 1)."""
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
+        self.sq = torch.zeros(columns, dtype=torch.float32, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.sq.add_(x.square().sum(0))
+        self.n += x.shape[0]
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """||X_j||, the L2 norm of feature j over every calibration token."""
+        return self.sq.sqrt()
+
+
+Accumulator = HessianAccumulator | InputNormAccumulator
+
+
+def inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H) (Eq. 4 and §4 "Cholesky reformulation").
+
+    When the factorization fails, λ is raised tenfold (up to ``MAX_DAMP``) and the
+    damp that worked is returned so the caller can report it.
+    """
+    mean_diag = torch.mean(torch.diag(H)).item()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    while True:
+        L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * eye)
+        if info.item() == 0:
+            Hinv = torch.cholesky_solve(eye, L)  # (H + λI)⁻¹; several times faster than cholesky_inverse on CPU
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if info.item() == 0 and torch.isfinite(U).all():
+                return U, damp
+        if damp >= MAX_DAMP:
+            raise RuntimeError(f"the Hessian is not positive definite even with dampening {damp}")
+        damp = min(damp * 10, MAX_DAMP)
+
+
+def collect_inputs(session: LayerSession, names: list[str], make: Callable[[int, torch.device], Accumulator]) -> dict:
+    """One pass over the calibration batches feeding each of ``names``' inputs to an accumulator from ``make``.
+
+    Linears fed the very same input tensor share one accumulator, so it is computed once.
+    """
+    hessians: dict[str, Accumulator] = {}
+    # Within a batch: input address -> (the input, kept alive so its address is not reused; its accumulator).
+    by_input: dict[tuple, tuple[torch.Tensor, Accumulator]] = {}
+    last_batch = [-1]
+
+    def on_input(name: str, batch: int, args: tuple, kwargs: dict) -> None:
+        if batch != last_batch[0]:
+            by_input.clear()
+            last_batch[0] = batch
+        x = args[0] if args else kwargs["input"]
+        key = (x.data_ptr(), tuple(x.shape), x.dtype)
+        shared = by_input[key][1] if key in by_input else None
+        if name not in hessians:
+            if shared is not None:
+                hessians[name] = shared
+                return
+            hessians[name] = make(x.shape[-1], x.device)
+        if shared is hessians[name]:
+            return
+        hessians[name].add(x)
+        by_input[key] = (x, hessians[name])
+
+    session.forward(names, on_input, skip_watched=session.independent_groups)
+    return hessians
+
+
+def _cached(session: LayerSession, kind: str, names: list[str], make: Callable) -> dict:
+    key = (kind, tuple(names))
+    if key not in session.statistics:
+        session.statistics[key] = collect_inputs(session, names, make)
+    return session.statistics[key]
+
+
+def group_hessians(session: LayerSession, names: list[str]) -> dict[str, HessianAccumulator]:
+    """H = 2XXᵀ of each of ``names`` (one group), computed once per group and shared by the pass's methods."""
+    return _cached(session, "hessian", names, HessianAccumulator)
+
+
+def group_input_norms(session: LayerSession, names: list[str]) -> dict[str, InputNormAccumulator]:
+    """||X_j||² of each of ``names`` (one group), computed once per group and shared by the pass's methods."""
+    return _cached(session, "input_norm", names, InputNormAccumulator)
+
+
+@contextmanager
+def column_loop_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` threads: the column loops of GPTQ and SparseGPT are thousands of tiny vector ops
+    (one thread), GPTQ's group scale search one large tensor op (all threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,220 @@
+"""SparseGPT (Frantar & Alistarh 2023, "SparseGPT: Massive Language Models Can Be Accurately Pruned in One-Shot").
+
+Sample recipe stages:
+
+    - method: sparsegpt
+      sparsity: 0.5              # fraction of each linear's weights set to zero
+      pattern: unstructured      # or 2:4, 4:8
+      block_size: 128            # lazy-update block B_s, also the adaptive mask-selection block
+      damp_percent: 0.01         # dampening λ, relative to the mean Hessian diagonal
+      true_sequential: true
+      ignore: []
+      overrides:
+        ".*self_attn.*": {sparsity: 0.4}
+
+    - method: sparsegpt         # 2:4 and 4-bit weights in one pass (§3.5, joint sparsification and quantization)
+      pattern: "2:4"
+      quantize: {bits: 4, group_size: 64, symmetric: true}
+
+For a linear with weight W and inputs X, SparseGPT minimises ||W X - Ŵ X||² over
+masked Ŵ (Eq. 1) with the Hessian H = 2 X Xᵀ the calibration engine accumulates
+(``calib.statistics``, shared with GPTQ). Columns are visited left to right; the
+mask of each block of B_s columns is chosen when the block starts by the OBS
+saliency w² / [H⁻¹]²_cc (Eq. 3, "adaptive mask selection"; with N:M, within each
+group of M columns of a row), a pruned weight is set to zero and its error
+compensated on the row's later columns by the OBS update
+δ = -w_c / [H⁻¹]_cc · (H⁻¹)_{c,:} (Eq. 2), all of it on the rows of the upper
+Cholesky factor of (H + λI)⁻¹ (Algorithm 1), with updates after the block applied
+once per block (lazy batch updates).
+
+With ``quantize``, the same pass then runs GPTQ's rounding on each group, on the
+same Hessian, with the pruned weights held at zero (their codes are their group's
+zero point) and the rounding errors compensated only through the kept weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from lmpress.calib.engine import CalibrationMethod, run_calibration
+from lmpress.calib.moe import unfuse_experts
+from lmpress.calib.session import LayerSession
+from lmpress.calib.statistics import column_loop_threads, group_hessians, inverse_hessian_factor
+from lmpress.prune.masks import nm_mask
+from lmpress.prune.targets import PruneConfig, PruneTarget
+from lmpress.quantize.scheme import QuantScheme
+from lmpress.quantize.targets import Bits, GroupSize
+from lmpress.registry import StageContext, StrictConfig, calibration_method, register_stage, stage_config, stage_handler
+
+log = logging.getLogger(__name__)
+
+
+class JointQuantization(StrictConfig):
+    """GPTQ rounding in the same pass, pruned weights kept at zero."""
+
+    bits: Bits = 4
+    group_size: GroupSize = 64
+    symmetric: bool = True
+    act_order: bool = False
+    static_groups: bool = False
+    mse: bool = False
+
+
+@register_stage("sparsegpt")
+class SparseGPTConfig(PruneConfig):
+    method: Literal["sparsegpt"] = "sparsegpt"
+    block_size: int = Field(128, ge=1, le=4096)
+    damp_percent: float = Field(0.01, gt=0, le=1)
+    true_sequential: bool = True
+    batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
+    quantize: JointQuantization | None = None
+
+    @model_validator(mode="after")
+    def _blocks_hold_whole_nm_groups(self) -> SparseGPTConfig:
+        patterns = [self.pattern, *(o.pattern for o in self.overrides.values() if o.pattern)]
+        for pattern in patterns:
+            if pattern != "unstructured" and self.block_size % int(pattern.split(":")[1]):
+                raise ValueError(f"block_size {self.block_size} is not a multiple of M in pattern {pattern}")
+        return self
+
+    def scheme(self) -> QuantScheme | None:
+        q = self.quantize
+        return None if q is None else QuantScheme(q.bits, q.group_size, q.symmetric)
+
+    def target_for(self, name: str) -> PruneTarget | None:
+        target = super().target_for(name)
+        scheme = self.scheme()
+        if scheme is None or any(re.fullmatch(p, name) for p in self.ignore):
+            return target
+        # a linear left dense is still quantized
+        target = target or PruneTarget(0.0)
+        return PruneTarget(target.sparsity, target.n, target.m, scheme)
+
+    def planned_schemes(self) -> list[tuple[str, QuantScheme]]:
+        """The quantization scheme this stage writes (for the export checks), none without ``quantize``."""
+        scheme = self.scheme()
+        return [] if scheme is None else [(".quantize", scheme)]
+
+    def rounding(self) -> object:
+        """The GPTQ stage config of the joint quantization (same Hessian dampening, block and batches)."""
+        q = self.quantize
+        return stage_config("gptq")(
+            **q.model_dump(),
+            damp_percent=self.damp_percent,
+            block_size=self.block_size,
+            true_sequential=self.true_sequential,
+            batch_size=self.batch_size,
+            ignore=self.ignore,
+        )
+
+
+@torch.no_grad()
+def sparsegpt_prune_layer(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    target: PruneTarget,
+    block_size: int = 128,
+    damp: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Prune ``W`` (out, in) given ``H`` (in, in) = 2 X Xᵀ; returns the pruned weight (W's dtype), its mask
+    (True = pruned) and ``{"damp", "dead_columns"}``."""
+    rows, cols = W.shape
+    if H.shape != (cols, cols):
+        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match a weight with {cols} input columns")
+    if target.structured_nm and cols % target.m:
+        raise ValueError(f"M={target.m} does not divide in_features {cols}")
+    dtype = W.dtype
+    W = W.detach().float().clone()
+    H = H.detach().float().clone()
+    # Inputs that were always zero carry no information: their weights go (and H stays invertible).
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    Hinv, used_damp = inverse_hessian_factor(H, damp)
+    del H
+    # Column-major working copies (column c of W is row c of Wt): each step reads contiguous memory.
+    Wt = W.T.contiguous()
+    del W
+    pruned_t = torch.zeros(cols, rows, dtype=torch.bool, device=Wt.device)
+    with column_loop_threads(1):
+        for i1 in range(0, cols, block_size):
+            i2 = min(i1 + block_size, cols)
+            W1 = Wt[i1:i2]  # a view: the block is rewritten in place
+            Err1 = torch.zeros_like(W1)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            diagonal = Hinv1.diagonal()
+            if not target.structured_nm:
+                # Eq. 3 on the whole block: the lowest w² / [H⁻¹]²_cc are pruned (adaptive mask selection).
+                saliency = W1.square() / diagonal.square().reshape(-1, 1)
+                k = int(saliency.numel() * target.sparsity)
+                if k:
+                    flat = pruned_t[i1:i2].view(-1)
+                    flat[torch.topk(saliency.flatten(), k, largest=False).indices] = True
+            d = diagonal.tolist()
+            for i in range(i2 - i1):
+                if target.structured_nm and i % target.m == 0:
+                    # N:M: the saliency of the next M columns, taken now (after the updates so far), per row
+                    span = slice(i, i + target.m)
+                    saliency = W1[span].square() / diagonal[span].square().reshape(-1, 1)
+                    pruned_t[i1 + i : i1 + i + target.m] = nm_mask(saliency.T, target.n, target.m).T
+                w = W1[i]
+                # err = (w - ŵ) / [H⁻¹]_cc with ŵ = 0 where pruned, w elsewhere (Eq. 2 numerator)
+                err = Err1[i]
+                torch.mul(w, pruned_t[i1 + i], out=err).div_(d[i])
+                w.masked_fill_(pruned_t[i1 + i], 0)
+                # Eq. 2 restricted to the block: update the block's later columns now.
+                W1[i + 1 :].addr_(Hinv1[i, i + 1 :], err, alpha=-1)
+            # Lazy batch update of every column after the block.
+            Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
+    pruned = pruned_t.T.contiguous() | dead.reshape(1, -1)
+    W = Wt.T.masked_fill(pruned, 0).contiguous().to(dtype)
+    return W, pruned, {"damp": used_damp, "dead_columns": int(dead.sum())}
+
+
+class SparseGPTMethod(CalibrationMethod):
+    name = "sparsegpt"
+
+    def __init__(self, config: SparseGPTConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def process_group(self, session: LayerSession, group: list[str]) -> None:
+        hessians = group_hessians(session, group)
+        for name in group:
+            target = session.targets[name]
+            if target.sparsity == 0:
+                continue
+            weight, pruned, info = sparsegpt_prune_layer(
+                session.linear(name).weight.data,
+                hessians[name].H,
+                target,
+                block_size=self.config.block_size,
+                damp=self.config.damp_percent,
+            )
+            if info["damp"] != self.config.damp_percent:
+                message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"
+                log.warning(message)
+                self.warnings.append(message)
+            session.set_weight(name, weight, pruned)
+
+
+@stage_handler(SparseGPTConfig)
+@torch.no_grad()
+def run_sparsegpt(model: nn.Module, config: SparseGPTConfig, ctx: StageContext) -> dict:
+    moe_blocks = unfuse_experts(model)
+    config.check(model)
+    methods = [SparseGPTMethod(config)]
+    if config.quantize is not None:
+        rounding = config.rounding()
+        rounding.check(model)
+        methods.append(calibration_method("gptq", rounding))
+    summary = run_calibration(model, methods, config.target_for, ctx, config.true_sequential, config.batch_size)
+    for message in summary["warnings"]:
+        ctx.bars.log(f"[yellow]warning[/yellow] {message}")
+    return {**summary, "moe_blocks_unfused": moe_blocks}

@@ -1,0 +1,248 @@
+"""Structured pruning: remove attention heads, MLP channels and whole decoder layers into a smaller dense model.
+
+Sample recipe stage:
+
+    - method: structured
+      mlp_channels: 0.25     # fraction of each layer's MLP intermediate channels removed
+      heads: 3               # query heads removed per layer, in whole GQA groups (SmolLM2: 3 per KV head)
+      layers: 4              # whole decoder layers removed
+
+Importance comes from one pass of the calibration engine over the unmodified model
+(Minitron, Muralidharan et al. 2024, §2.2, activation-based importance):
+
+- an MLP channel i: Σ over samples of the L2 norm over the sequence of its
+  activation act(gate_i(x)) · up_i(x), the input of down_proj;
+- an attention head h: the same aggregate of its attention output (o_proj's input
+  slice of head h); a GQA group's importance is the sum over its query heads, and
+  groups are removed whole (a KV head with all of the query heads that read it);
+- a decoder layer: the angular distance between its input and output,
+  arccos(cos(x_in, x_out)) / π averaged over every calibration token (Gromov et al.
+  2024, Eq. 7; ShortGPT's block influence 1 - cos, Men et al. 2024, is its cosine
+  form); the layers that change their input least go first.
+
+Width is ranked per layer on the original model, depth on the original model too
+(one-shot, not iterative). The result has a config that says its new sizes
+(``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
+``head_dim``, ``num_hidden_layers``), so any transformers install loads the saved
+checkpoint. Llama-family attention and gated MLPs only. The stage keeps no state
+between layers: ``--resume`` recomputes its pass (it modifies nothing until the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from lmpress.calib.engine import CalibrationMethod, run_calibration
+from lmpress.calib.session import LayerSession
+from lmpress.errors import LmpressInputError
+from lmpress.model import decoder_layers
+from lmpress.registry import StageConfig, StageContext, register_stage, stage_handler
+
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@register_stage("structured")
+class StructuredConfig(StageConfig):
+    method: Literal["structured"] = "structured"
+    mlp_channels: float = Field(0.0, ge=0, lt=1, description="fraction of MLP intermediate channels removed")
+    heads: int = Field(0, ge=0, description="query heads removed per layer (whole GQA groups)")
+    layers: int = Field(0, ge=0, description="whole decoder layers removed")
+    batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
+
+    def check(self, model: nn.Module) -> None:
+        config = model.config
+        needed = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "num_hidden_layers")
+        layer = decoder_layers(model)[0]
+        present = {name for name, _ in layer.named_modules()}
+        if any(getattr(config, key, None) is None for key in needed) or not set(ATTENTION + MLP) <= present:
+            raise LmpressInputError(
+                f"stage structured: {config.model_type} models are not supported "
+                "(Llama-family attention with q/k/v/o_proj and a gated MLP only)"
+            )
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        group = heads // kv
+        if self.heads >= heads:
+            raise LmpressInputError(
+                f"stage structured: heads: {self.heads} removes every one of the {heads} attention heads a layer "
+                f"has; at most {heads - group}"
+            )
+        if self.heads % group:
+            raise LmpressInputError(
+                f"stage structured: heads: {self.heads} breaks a GQA group ({kv} KV heads each shared by {group} "
+                f"query heads): remove a multiple of {group}"
+            )
+        if self.layers >= config.num_hidden_layers:
+            raise LmpressInputError(
+                f"stage structured: layers: {self.layers} removes every one of the model's "
+                f"{config.num_hidden_layers} decoder layers; at most {config.num_hidden_layers - 1}"
+            )
+        if round(config.intermediate_size * (1 - self.mlp_channels)) < 1:
+            raise LmpressInputError(f"stage structured: mlp_channels: {self.mlp_channels} removes every MLP channel")
+
+
+def _sequence_l2(x: torch.Tensor) -> torch.Tensor:
+    """Σ over samples of the L2 norm over the sequence, per feature: x (batch, seq, features) -> (features,)."""
+    return x.float().norm(dim=1).sum(0)
+
+
+class ImportanceMethod(CalibrationMethod):
+    """Gathers channel, head and layer importance; modifies nothing."""
+
+    name = "importance"
+
+    def __init__(self, n_layers: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.channels: list[torch.Tensor | None] = [None] * n_layers
+        self.head_outputs: list[torch.Tensor | None] = [None] * n_layers
+        self.angle_sum = [0.0] * n_layers
+        self.tokens = [0] * n_layers
+
+    def prepare_layer(self, session: LayerSession) -> None:
+        index = session.index
+
+        head_dim = self.head_dim
+
+        def on_input(name: str, batch: int, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs["input"]
+            if name == "self_attn.o_proj":
+                store = self.head_outputs  # per head: Σ over tokens of the L2 norm of its output
+                value = x.float().reshape(*x.shape[:-1], -1, head_dim).norm(dim=-1).sum((0, 1))
+            else:
+                store, value = self.channels, _sequence_l2(x)
+            store[index] = value if store[index] is None else store[index] + value
+
+        session.forward(["self_attn.o_proj", "mlp.down_proj"], on_input)
+
+    def on_output(self, session: LayerSession, batch: int, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+        cos = torch.nn.functional.cosine_similarity(inputs.float(), outputs.float(), dim=-1)
+        self.angle_sum[session.index] += (torch.arccos(cos.clamp(-1, 1)) / math.pi).sum().item()
+        self.tokens[session.index] += cos.numel()
+
+    def angular_distance(self) -> list[float]:
+        return [s / max(n, 1) for s, n in zip(self.angle_sum, self.tokens, strict=True)]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device=weight.device
+    )
+    linear.weight.data.copy_(weight)
+    if bias is not None:
+        linear.bias.data.copy_(bias)
+    return linear
+
+
+def _rows(linear: nn.Linear, keep: torch.Tensor) -> nn.Linear:
+    return _linear(linear.weight.data[keep], None if linear.bias is None else linear.bias.data[keep])
+
+
+def _columns(linear: nn.Linear, keep: torch.Tensor) -> nn.Linear:
+    return _linear(linear.weight.data[:, keep], None if linear.bias is None else linear.bias.data)
+
+
+def prune_mlp_channels(mlp: nn.Module, keep: torch.Tensor) -> None:
+    """Keep intermediate channels ``keep`` (sorted indices) of a gated MLP: rows of gate/up, columns of down."""
+    mlp.gate_proj = _rows(mlp.gate_proj, keep)
+    mlp.up_proj = _rows(mlp.up_proj, keep)
+    mlp.down_proj = _columns(mlp.down_proj, keep)
+    if hasattr(mlp, "intermediate_size"):
+        mlp.intermediate_size = len(keep)
+
+
+def prune_kv_groups(attention: nn.Module, keep_groups: torch.Tensor, group: int, head_dim: int) -> None:
+    """Keep KV heads ``keep_groups`` (sorted) with the ``group`` query heads that read each."""
+    q_heads = (keep_groups[:, None] * group + torch.arange(group)).flatten()
+    q_rows = (q_heads[:, None] * head_dim + torch.arange(head_dim)).flatten()
+    kv_rows = (keep_groups[:, None] * head_dim + torch.arange(head_dim)).flatten()
+    attention.q_proj = _rows(attention.q_proj, q_rows)
+    attention.k_proj = _rows(attention.k_proj, kv_rows)
+    attention.v_proj = _rows(attention.v_proj, kv_rows)
+    attention.o_proj = _columns(attention.o_proj, q_rows)
+
+
+def remove_layers(model: nn.Module, drop: list[int]) -> None:
+    """Remove decoder layers ``drop`` and renumber the rest (their KV-cache slots follow their position)."""
+    layers = decoder_layers(model)
+    kept = [layer for i, layer in enumerate(layers) if i not in set(drop)]
+    for position, layer in enumerate(kept):
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and hasattr(attention, "layer_idx"):
+            attention.layer_idx = position
+        if hasattr(layer, "layer_idx"):
+            layer.layer_idx = position
+    layers.__init__(kept)
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) == len(kept) + len(drop):
+        config.layer_types = [t for i, t in enumerate(layer_types) if i not in set(drop)]
+    config.num_hidden_layers = len(kept)
+
+
+def parameter_bytes(model: nn.Module) -> tuple[int, int]:
+    """(parameters, bytes) of ``model``, tied tensors counted once."""
+    seen, params, size = set(), 0, 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        params += p.numel()
+        size += p.numel() * p.element_size()
+    return params, size
+
+
+@stage_handler(StructuredConfig)
+@torch.no_grad()
+def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext) -> dict:
+    config.check(model)
+    mc = model.config
+    params_before, bytes_before = parameter_bytes(model)
+    layers = decoder_layers(model)
+    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    group, head_dim = heads // kv, getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    importance = ImportanceMethod(len(layers), head_dim)
+    fresh = dataclasses.replace(ctx, resume=False)  # the pass changes nothing: rerun it whole
+    run_calibration(model, [importance], lambda name: None, fresh, batch_size=config.batch_size)
+
+    distance = importance.angular_distance()
+    drop = sorted(sorted(range(len(layers)), key=lambda i: distance[i])[: config.layers])
+    kept_layers = [i for i in range(len(layers)) if i not in drop]
+    channels = round(mc.intermediate_size * (1 - config.mlp_channels))
+    kv_kept = kv - config.heads // group
+    for i in kept_layers:
+        layer = layers[i]
+        if channels < mc.intermediate_size:
+            keep = torch.topk(importance.channels[i], channels).indices.sort().values
+            prune_mlp_channels(layer.mlp, keep)
+        if kv_kept < kv:
+            # query heads h = g * group + j read KV head g: a group's importance is the sum over its heads
+            group_score = importance.head_outputs[i].reshape(kv, group).sum(-1)
+            keep = torch.topk(group_score, kv_kept).indices.sort().values
+            prune_kv_groups(layer.self_attn, keep, group, head_dim)
+    if drop:
+        remove_layers(model, drop)
+    mc.intermediate_size = channels
+    if kv_kept < kv:
+        mc.head_dim = head_dim
+        mc.num_attention_heads = kv_kept * group
+        mc.num_key_value_heads = kv_kept
+    params_after, bytes_after = parameter_bytes(model)
+    return {
+        "removed_layers": drop,
+        "angular_distance": [round(d, 5) for d in distance],
+        "intermediate_size": channels,
+        "num_attention_heads": mc.num_attention_heads,
+        "num_key_value_heads": mc.num_key_value_heads,
+        "num_hidden_layers": mc.num_hidden_layers,
+        "parameters_before": params_before,
+        "parameters_after": params_after,
+        "bytes_before": bytes_before,
+        "bytes_after": bytes_after,
+    }
