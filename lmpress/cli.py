@@ -232,7 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
     from lmpress.runtime.bench import BenchSettings, bench_prompt, benchmark, render_rows
-    from lmpress.runtime.text import load_runtime, resolve_device
+    from lmpress.runtime.text import load_draft, load_runtime, resolve_device
 
     if args.draft is not None and args.prompt_lookup:
         raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
@@ -243,12 +243,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
     device, where = resolve_device(args.device)
     model, tokenizer = load_runtime(args.artifact, device, args.dtype)
-    draft = None
-    if args.draft is not None:
-        from lmpress.runtime.speculative import check_same_vocabulary
-
-        draft, draft_tokenizer = load_runtime(args.draft, device, args.dtype)
-        check_same_vocabulary(model, draft, tokenizer, draft_tokenizer)
+    draft = load_draft(args.draft, model, tokenizer, device, args.dtype) if args.draft is not None else None
     prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt)
     result = benchmark(model, prompt, settings, draft=draft, prompt_lookup=args.prompt_lookup)
     result["artifact"], result["device_choice"] = args.artifact, where

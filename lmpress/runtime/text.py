@@ -75,6 +75,15 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
     return model, tokenizer
 
 
+def load_draft(
+    source: str, target: Transformer, target_tokenizer: Any, device: torch.device | str, dtype: str | None = None
+) -> Transformer:
+    """A draft model for ``target``, refused when its tokenizer differs from the target's."""
+    draft, draft_tokenizer = load_runtime(source, device, dtype)
+    check_same_vocabulary(target, draft, target_tokenizer, draft_tokenizer)
+    return draft
+
+
 def _text_pieces(tokenizer: Any, tokens: Iterator[int], out: list[int]) -> Iterator[str]:
     """Decoded text as it grows (a piece is emitted once the tokens so far decode to more text)."""
     shown = ""
@@ -108,10 +117,7 @@ def generate_text(
     if not ids:
         raise LmpressInputError("the prompt is empty")
     common = dict(max_new_tokens=max_new_tokens, sampling=config, eos_token_id=tokenizer.eos_token_id, seed=seed)
-    draft_model = None
-    if draft is not None:
-        draft_model, draft_tokenizer = load_runtime(draft, device)
-        check_same_vocabulary(model, draft_model, tokenizer, draft_tokenizer)
+    draft_model = load_draft(draft, model, tokenizer, device) if draft is not None else None
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()
     if draft is not None or prompt_lookup:
