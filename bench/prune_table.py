@@ -39,6 +39,10 @@ ROWS: dict[str, tuple[str, list[dict]]] = {
     "wanda-50": ("50% unstructured, Wanda", [{"method": "wanda", "sparsity": 0.5}]),
     "sparsegpt-50": ("50% unstructured, SparseGPT", [{"method": "sparsegpt", "sparsity": 0.5}]),
     "wanda-24": ("2:4, Wanda", [{"method": "wanda", "pattern": "2:4"}]),
+    "sparsegpt-24-paper": (
+        "2:4, SparseGPT as published (no exact re-solve)",
+        [{"method": "sparsegpt", "pattern": "2:4", "reconstruct": False}],
+    ),
     "sparsegpt-24": ("2:4, SparseGPT", [{"method": "sparsegpt", "pattern": "2:4"}]),
     "sparsegpt-24-w4": (
         "2:4 + W4 g64 in one SparseGPT pass",

@@ -33,6 +33,7 @@ from torch import nn
 
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
+from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
 from lmpress.errors import LmpressInputError
@@ -217,3 +218,24 @@ def run_calibration(
         "calibration": list(calibration.shape),
         "warnings": [w for m in methods for w in m.warnings],
     }
+
+
+def run_one_shot_stage(
+    model: nn.Module,
+    configs: Sequence[Any],
+    methods: Sequence[CalibrationMethod],
+    target_for: Callable[[str], Any],
+    ctx: StageContext,
+    true_sequential: bool = True,
+    batch_size: int = 4,
+) -> dict:
+    """What every one-shot stage handler does: unfuse MoE experts into linears, check each of ``configs`` against
+    the model (``config.check(model)``, before any work), run ``methods`` in one pass (:func:`run_calibration`) and
+    show the methods' warnings; returns the pass's summary with ``moe_blocks_unfused``."""
+    moe_blocks = unfuse_experts(model)
+    for config in configs:
+        config.check(model)
+    summary = run_calibration(model, methods, target_for, ctx, true_sequential, batch_size)
+    for message in summary["warnings"]:
+        ctx.bars.log(f"[yellow]warning[/yellow] {message}")
+    return {**summary, "moe_blocks_unfused": moe_blocks}

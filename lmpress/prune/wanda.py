@@ -26,8 +26,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from lmpress.calib.engine import CalibrationMethod, run_calibration
-from lmpress.calib.moe import unfuse_experts
+from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import group_input_norms
 from lmpress.prune.masks import nm_mask, row_mask
@@ -66,7 +65,6 @@ class WandaMethod(CalibrationMethod):
 @stage_handler(WandaConfig)
 @torch.no_grad()
 def run_wanda(model: nn.Module, config: WandaConfig, ctx: StageContext) -> dict:
-    moe_blocks = unfuse_experts(model)
-    config.check(model)
-    summary = run_calibration(model, [WandaMethod()], config.target_for, ctx, config.true_sequential, config.batch_size)
-    return {**summary, "moe_blocks_unfused": moe_blocks}
+    return run_one_shot_stage(
+        model, [config], [WandaMethod()], config.target_for, ctx, config.true_sequential, config.batch_size
+    )

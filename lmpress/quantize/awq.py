@@ -34,8 +34,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from lmpress.calib.engine import CalibrationMethod, run_calibration
-from lmpress.calib.moe import unfuse_experts
+from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.session import LayerSession
 from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import apply_clip, can_fold, fold_scales, search_clip, search_scales
@@ -198,20 +197,15 @@ class AWQMethod(CalibrationMethod):
 @stage_handler(AWQConfig)
 @torch.no_grad()
 def run_awq(model: nn.Module, config: AWQConfig, ctx: StageContext) -> dict:
-    moe_blocks = unfuse_experts(model)
-    config.check(model)
     method = AWQMethod(config)
     methods = [method] if config.rounding == "rtn" else [method, calibration_method(config.rounding, config)]
     true_sequential = config.true_sequential if config.rounding == "gptq" else False
-    summary = run_calibration(model, methods, config.scheme_for, ctx, true_sequential, config.batch_size)
+    summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, true_sequential, config.batch_size)
     if method.skipped_pairs:
         log.info("awq: scaling pairs that cannot fold, left unscaled: %s", "; ".join(sorted(method.skipped_pairs)))
-    for message in summary["warnings"]:
-        ctx.bars.log(f"[yellow]warning[/yellow] {message}")
     mean_alpha = sum(method.alphas) / len(method.alphas) if method.alphas else None
     return {
         **summary,
-        "moe_blocks_unfused": moe_blocks,
         "skipped_scaling_pairs": sorted(method.skipped_pairs),
         "mean_alpha": mean_alpha,
     }

@@ -29,8 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmpress.calib.engine import CalibrationMethod, run_calibration
-from lmpress.calib.moe import unfuse_experts
+from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import group_hessians
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
@@ -96,10 +95,6 @@ def calibration_method(config: GPTQRounding) -> GPTQMethod:
 @stage_handler(GPTQConfig)
 @torch.no_grad()
 def run_gptq(model: nn.Module, config: GPTQConfig, ctx: StageContext) -> dict:
-    moe_blocks = unfuse_experts(model)
-    config.check(model)
-    method = GPTQMethod(config)
-    summary = run_calibration(model, [method], config.scheme_for, ctx, config.true_sequential, config.batch_size)
-    for message in method.warnings:
-        ctx.bars.log(f"[yellow]warning[/yellow] {message}")
-    return {**summary, "moe_blocks_unfused": moe_blocks}
+    return run_one_shot_stage(
+        model, [config], [GPTQMethod(config)], config.scheme_for, ctx, config.true_sequential, config.batch_size
+    )

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,10 +182,9 @@ def _sha256_dir(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.glob("*.safetensors"))}
 
 
-def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+def _resume_recipe(model_dir: Path, tmp_path: Path) -> Path:
     recipe = {
-        "model": str(deep_llama_dir),
+        "model": str(model_dir),
         "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
         "stages": [{"method": "sparsegpt", "pattern": "2:4", "quantize": {"bits": 4, "group_size": 32}}],
         "export": {"formats": ["compressed-tensors", "hf"]},
@@ -190,6 +193,21 @@ def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, 
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _assert_resumed_identically(out: Path, ref: Path) -> None:
+    report = yaml.safe_load((out / "report.json").read_text())
+    assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
+    assert _sha256_dir(out / "hf") == _sha256_dir(ref / "hf")
+    assert _sha256_dir(out / "compressed-tensors") == _sha256_dir(ref / "compressed-tensors")
+    config = (out / "compressed-tensors" / "config.json").read_text()
+    assert '"sparsity_structure": "2:4"' in config
+
+
+def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    path = _resume_recipe(deep_llama_dir, tmp_path)
     assert main(["run", str(path), "--out", str(tmp_path / "ref"), "--quiet"]) == 0
 
     from lmpress.calib.state import LayerState
@@ -207,12 +225,41 @@ def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, 
     assert not out.exists() and (tmp_path / ".run.partial").exists()
     monkeypatch.setattr(LayerState, "save_layer", save_layer)
     assert main(["run", str(path), "--out", str(out), "--quiet", "--resume"]) == 0
-    report = yaml.safe_load((out / "report.json").read_text())
-    assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
-    assert _sha256_dir(out / "hf") == _sha256_dir(tmp_path / "ref" / "hf")
-    assert _sha256_dir(out / "compressed-tensors") == _sha256_dir(tmp_path / "ref" / "compressed-tensors")
-    config = (out / "compressed-tensors" / "config.json").read_text()
-    assert '"sparsity_structure": "2:4"' in config
+    _assert_resumed_identically(out, tmp_path / "ref")
+
+
+# A child that SIGKILLs itself once layer 1's state is on disk: no exception handler, atexit or finally runs.
+KILLED_CHILD = """
+import os, signal, sys
+from lmpress.calib.state import LayerState
+from lmpress.cli import main
+save_layer = LayerState.save_layer
+def save_then_die(self, session, inputs):
+    save_layer(self, session, inputs)
+    if session.index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+LayerState.save_layer = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    path = _resume_recipe(deep_llama_dir, tmp_path)
+    assert main(["run", str(path), "--out", str(tmp_path / "ref"), "--quiet"]) == 0
+    out = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, "run", str(path), "--out", str(out), "--quiet"],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not out.exists() and (tmp_path / ".run.partial").exists()
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--resume"]) == 0
+    _assert_resumed_identically(out, tmp_path / "ref")
 
 
 def test_sparsegpt_and_gptq_in_one_pass_share_each_groups_hessian(tiny_llama_dir, tmp_path, monkeypatch):
