@@ -15,8 +15,9 @@ Effective Weight Update for Pruned Large Language Models", whose ADMM iterations
 converge to this solution).
 
 Rows are solved in chunks with a batched Cholesky factorization of their H_SS; rows
-keeping different numbers of columns (unstructured masks) are padded with dummy
-unknowns, decoupled from the rest, whose solution is zero.
+keeping different numbers of columns (unstructured masks) are grouped by that number
+and padded to the widest row of their chunk with dummy unknowns, decoupled from the
+rest, whose solution is zero.
 """
 
 from __future__ import annotations
@@ -33,26 +34,36 @@ def masked_least_squares(W: torch.Tensor, H: torch.Tensor, pruned: torch.Tensor)
     rows, cols = W.shape
     W = W.float()
     kept = ~pruned
-    width = int(kept.sum(1).max())
-    if width == 0:
-        return torch.zeros_like(W)
-    # Kept columns of each row first (in column order), padded with the dummy column ``cols``.
-    order = torch.sort((~kept).to(torch.int8) * 2, dim=1, stable=True).indices[:, :width]
-    index = torch.where(torch.gather(kept, 1, order), order, torch.full_like(order, cols))
+    counts = kept.sum(1)
+    # Rows by how many columns they keep, so that each chunk is padded only to its own widest row
+    # (an N:M mask keeps the same number in every row: the rows stay in order).
+    row_order = torch.sort(counts, stable=True).indices
+    # Each row's kept columns first (in column order); slots past a row's count point at the dummy column ``cols``.
+    col_order = torch.sort(pruned.to(torch.int8), dim=1, stable=True).indices
     H_pad = torch.zeros(cols + 1, cols + 1, dtype=torch.float32, device=W.device)
     H_pad[:cols, :cols] = H.float()
     # w_P H_PS for every row at once: (w ⊙ pruned) H, read at each row's kept columns
     rhs_full = torch.nn.functional.pad(W.masked_fill(kept, 0) @ H.float(), (0, 1))
-    out = torch.zeros(rows, cols + 1, dtype=torch.float32, device=W.device)
     W_pad = torch.nn.functional.pad(W, (0, 1))
-    chunk = max(1, CHUNK_ELEMENTS // (width * width))
-    for r1 in range(0, rows, chunk):
-        r2 = min(r1 + chunk, rows)
-        idx = index[r1:r2]
+    out = torch.zeros(rows, cols, dtype=torch.float32, device=W.device)
+    r1 = 0
+    while r1 < rows:
+        width = int(counts[row_order[r1]])
+        r2 = min(rows, r1 + max(1, CHUNK_ELEMENTS // max(width, 1) ** 2))
+        width = int(counts[row_order[r2 - 1]])  # the widest row of the chunk (rows are sorted)
+        r2 = min(r2, r1 + max(1, CHUNK_ELEMENTS // max(width, 1) ** 2))
+        chunk = row_order[r1:r2]
+        r1 = r2
+        if width == 0:
+            continue  # rows that keep nothing stay zero
+        idx = col_order[chunk, :width]
+        idx = torch.where(torch.gather(kept[chunk], 1, idx), idx, torch.full_like(idx, cols))
         H_SS = H_pad[idx.unsqueeze(2), idx.unsqueeze(1)]
         pad = idx == cols  # each padded slot an independent unknown with H = 1 and no right-hand side
         H_SS.diagonal(dim1=1, dim2=2).masked_fill_(pad, 1.0)
-        rhs = torch.gather(rhs_full[r1:r2], 1, idx).unsqueeze(2)
+        rhs = torch.gather(rhs_full[chunk], 1, idx).unsqueeze(2)
         delta = torch.cholesky_solve(rhs, torch.linalg.cholesky(H_SS)).squeeze(2)
-        out[r1:r2].scatter_(1, idx, torch.gather(W_pad[r1:r2], 1, idx) + delta)
-    return out[:, :cols].masked_fill(pruned, 0)
+        solved = torch.zeros(len(chunk), cols + 1, dtype=torch.float32, device=W.device)
+        solved.scatter_(1, idx, torch.gather(W_pad[chunk], 1, idx) + delta)
+        out[chunk] = solved[:, :cols]
+    return out.masked_fill(pruned, 0)
