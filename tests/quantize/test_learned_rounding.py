@@ -306,3 +306,28 @@ def test_learned_values_stay_in_range(tiny_llama_dir, monkeypatch):
         for t in (r.alpha, r.beta):
             assert CLIP_RANGE[0] <= t.min() and t.max() <= CLIP_RANGE[1]
     assert any((r.alpha < 1).any() for r in seen) and any((r.v != 0).any() for r in seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "stage", [{"method": "gptq", "bits": 4, "group_size": 32}, {"method": "learned", "bits": 4, "group_size": 32}]
+)
+def test_calibration_on_cuda_matches_the_cpu(tiny_llama_dir, tmp_path, stage):
+    """model.device: cuda — one layer and its activations on the GPU at a time, the rest of the model on the CPU."""
+    from lmpress import quantize_model
+
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        loaded = load_model(str(tiny_llama_dir))
+        settings = {k: v for k, v in stage.items() if k != "method"}
+        if stage["method"] == "learned":
+            settings.update(iterations=8, batch_size=4)
+        data = {"source": "builtin:python-docs", "samples": 8, "seq_len": 32}
+        state = tmp_path / device
+        quantize_model(loaded.model, loaded.tokenizer, stage["method"], data, state, device=device, **settings)
+        assert all(p.device.type == "cpu" for p in loaded.model.parameters())  # every layer went back
+        ids = calibration_for(loaded.tokenizer, n=2)
+        with torch.no_grad():
+            outputs[device] = loaded.model(ids).logits
+    torch.testing.assert_close(outputs["cuda"], outputs["cpu"], rtol=2e-2, atol=2e-2)
