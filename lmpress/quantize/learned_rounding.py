@@ -13,7 +13,7 @@ Sample recipe stage:
       lr: null               # step size, 0 < lr <= 1; null: 1/iterations (the paper's default); decays linearly to 0
       batch_size: 8          # calibration samples per step (and per forward pass of the engine)
       samples: null          # calibration samples the steps draw from (null: all of data.samples)
-      init: rtn              # rtn | awq (AWQ's scales folded first, same pass) | gptq (V from GPTQ's codes)
+      init: rtn              # rtn | awq (AWQ's scales folded first, same pass) | gptq (V from GPTQ's codes) | awq+gptq
       seed: 0                # the order of the batches; same seed, same machine: the same artifact
       ignore: [lm_head]
 
@@ -43,7 +43,8 @@ evals and the exporters stay inference-only.
 ``init: awq`` runs AWQ's scale search (no clipping: α, β learn the range) as the
 first method of the same pass, so the learned rounding starts from the
 rescaled weights; ``init: gptq`` starts V from GPTQ's codes (static groups, so its
-scales are the min/max ones, α = β = 1), clamped into [−0.5, 0.5].
+scales are the min/max ones, α = β = 1), clamped into [−0.5, 0.5]; ``init: awq+gptq``
+does both (GPTQ's codes of the rescaled weights).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class LearnedRoundingConfig(WeightQuantConfig):
     lr: float | None = Field(None, gt=0, le=1, description="null: 1/iterations")
     batch_size: int = Field(8, ge=1, le=1024, description="calibration samples per step and per forward pass")
     samples: int | None = Field(None, ge=1, description="calibration samples the steps draw from (null: all)")
-    init: Literal["rtn", "awq", "gptq"] = "rtn"
+    init: Literal["rtn", "awq", "gptq", "awq+gptq"] = "rtn"
     seed: int = Field(0, ge=0)
 
     @property
@@ -306,7 +307,7 @@ class LearnedRoundingMethod(CalibrationMethod):
                 targets.append(block_output(session.layer(hidden, **kwargs)).float())
         weights = {name: (session.linear(name).weight.data, session.targets[name]) for name in names}
         start = None
-        if config.init == "gptq":
+        if config.init.endswith("gptq"):
             hessians = layer_hessians(session.layer, names, batch, n_batches)
             start = {}
             for name, (w, scheme) in weights.items():
@@ -345,7 +346,7 @@ def awq_scales_method(config: LearnedRoundingConfig) -> CalibrationMethod:
 @torch.no_grad()
 def run_learned(model: nn.Module, config: LearnedRoundingConfig, ctx: StageContext) -> dict:
     method = LearnedRoundingMethod(config)
-    methods = [awq_scales_method(config), method] if config.init == "awq" else [method]
+    methods = [awq_scales_method(config), method] if config.init.startswith("awq") else [method]
     summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, False, config.batch_size)
     ratios = [best / initial for initial, best in method.losses if initial > 0]
     return {

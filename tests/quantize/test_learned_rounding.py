@@ -138,7 +138,7 @@ def layer_outputs(session: LayerSession) -> torch.Tensor:
     return torch.cat([session.layer(hidden, **kwargs)[0] for hidden, kwargs in session.batches()])
 
 
-@pytest.mark.parametrize("init", ["rtn", "awq", "gptq"])
+@pytest.mark.parametrize("init", ["rtn", "awq", "gptq", "awq+gptq"])
 def test_learned_block_output_error_is_below_rtn(tiny_llama_dir, init):
     loaded = load_model(str(tiny_llama_dir))
     config = LearnedRoundingConfig(bits=3, group_size=32, iterations=40, batch_size=4, init=init)
@@ -152,7 +152,7 @@ def test_learned_block_output_error_is_below_rtn(tiny_llama_dir, init):
     for name, w in originals.items():
         session.linear(name).weight.data = w
 
-    if init == "awq":
+    if init.startswith("awq"):
         from lmpress.quantize.learned_rounding import awq_scales_method
 
         awq = awq_scales_method(config)
