@@ -286,7 +286,11 @@ class LearnedRoundingMethod(CalibrationMethod):
         n = len(session.inputs.hidden)
         if self.config.samples is None:
             return n
-        return min(n, -(-self.config.samples // self.config.batch_size))
+        wanted = -(-self.config.samples // self.config.batch_size)
+        if wanted > n and not self.warnings:
+            rows = sum(session.inputs.hidden.rows)
+            self.warnings.append(f"learned: samples {self.config.samples} > the {rows} calibration samples; using all")
+        return min(n, wanted)
 
     def prepare_layer(self, session: LayerSession) -> None:
         names = list(session.targets)

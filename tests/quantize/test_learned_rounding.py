@@ -196,6 +196,30 @@ def test_the_same_seed_gives_the_same_codes_and_another_seed_other_codes(tiny_ll
     assert not torch.equal(first, codes(1))
 
 
+def test_more_samples_than_the_calibration_holds_is_a_warning(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer)
+    ctx = StageContext(calibration=lambda: calibration, state_dir=tmp_path / "s", resume=False, fingerprint="f")
+    summary = run_learned(loaded.model, LearnedRoundingConfig(iterations=1, samples=100, group_size=64), ctx)
+    assert summary["warnings"] == ["learned: samples 100 > the 8 calibration samples; using all"]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["learned-w4", "learned-w3", "learned-w4-gpu"])
+def test_the_shipped_recipes_are_valid_and_never_calibrate_on_the_eval_text(name):
+    from lmpress.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", ["model.device=cpu"])
+    (stage,) = recipe.stages
+    assert isinstance(stage, LearnedRoundingConfig) and stage.group_size == 64 and stage.symmetric
+    assert recipe.data.source.endswith("wiki.valid.tokens") and recipe.eval.text.endswith("wiki.test.raw")
+    assert [str(g) for g in recipe.gates] == [
+        {"learned-w4": "ppl <= 23.4", "learned-w3": "ppl <= 26.5", "learned-w4-gpu": "ppl <= 22.45"}[name]
+    ]
+
+
 # Through the CLI: exports and resume --------------------------------------------------------------
 
 
