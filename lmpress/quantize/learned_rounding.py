@@ -33,8 +33,9 @@ inputs (the outputs of the already-quantized layers before it):
     L = ‖f(X; W) − f(X; W~)‖²  (mean over elements)
     V ← clamp(V − lr_t · sign(∂L/∂V), −0.5, 0.5);  α, β likewise in [0.5, 1];  lr_t = lr · (1 − t/T)
 
-one calibration batch per step, keeping the iterate with the lowest loss seen (as
-the paper does, the loss of the step's own batch). The learned values are then
+one calibration batch per step, keeping the iterate with the lowest loss seen (the
+paper compares each step's loss on its own batch; here relative to the starting
+rounding's loss on that batch, so an easy batch does not pass for a good iterate). The learned values are then
 frozen into the packed form every exporter reads (``QuantizedWeight``: codes,
 scales, zeros). This is the only lmpress method that takes gradients: it turns
 them on locally (``torch.enable_grad``) inside its own step; the engine, the
@@ -194,8 +195,10 @@ def learn_block_rounding(
     """Sign-gradient descent on the rounding of the linears ``weights`` (name in ``block`` -> (float weight,
     scheme)) against ``targets[i]``, the unquantized block's output on ``batch(i)`` (hidden, kwargs).
 
-    Each step takes one batch (a seeded permutation, repeated as needed); returns the rounding with the lowest
-    loss seen and ``{"initial_loss", "best_loss", "best_step"}`` (the loss of step 0 is the starting rounding's).
+    Each step takes one batch (a seeded permutation, repeated as needed). Batches differ in how hard they
+    are, so an iterate's loss is compared with the starting rounding's loss on the same batch (computed first,
+    one forward pass per batch): returns the rounding whose step had the lowest such ratio (the start's is 1)
+    and ``{"start_loss" (mean over the batches), "best_relative_loss", "best_step"}``.
     """
     rounding = start or {name: init_rounding(w, scheme) for name, (w, scheme) in weights.items()}
     for r in rounding.values():
@@ -204,29 +207,34 @@ def learn_block_rounding(
     learnable = [t for r in rounding.values() for t in r.tensors()]
     frozen = [p for p in block.parameters() if p.requires_grad]
     dtype = next(block.parameters()).dtype
+
+    def loss_on(index: int) -> torch.Tensor:
+        hidden, kwargs = batch(index)
+        overrides = {
+            f"{name}.weight": learned_fake_quantize(w, scheme, rounding[name]).to(dtype)
+            for name, (w, scheme) in weights.items()
+        }
+        out = block_output(functional_call(block, overrides, (hidden,), kwargs))
+        return torch.mean((out.float() - targets[index]) ** 2)  # L = ‖f(X; W) − f(X; W~)‖²
+
     generator = torch.Generator().manual_seed(seed)
     order: list[int] = []
-    best, best_loss, best_step, initial = {n: r.clone() for n, r in rounding.items()}, float("inf"), 0, None
+    best, best_relative, best_step = {n: r.clone() for n, r in rounding.items()}, float("inf"), 0
     for p in frozen:
         p.requires_grad_(False)
     try:
+        with torch.no_grad():
+            start_losses = [loss_on(i).item() for i in range(len(targets))]
         with torch.enable_grad():
             for step in range(iterations):
                 if not order:
                     order = torch.randperm(len(targets), generator=generator).tolist()
                 index = order.pop()
-                hidden, kwargs = batch(index)
-                overrides = {
-                    f"{name}.weight": learned_fake_quantize(w, scheme, rounding[name]).to(dtype)
-                    for name, (w, scheme) in weights.items()
-                }
-                out = block_output(functional_call(block, overrides, (hidden,), kwargs))
-                loss = torch.mean((out.float() - targets[index]) ** 2)  # L = ‖f(X; W) − f(X; W~)‖²
+                loss = loss_on(index)
                 grads = torch.autograd.grad(loss, learnable, allow_unused=True)
-                value = loss.item()
-                initial = value if initial is None else initial
-                if value < best_loss:
-                    best, best_loss, best_step = {n: r.clone() for n, r in rounding.items()}, value, step
+                relative = loss.item() / max(start_losses[index], torch.finfo(torch.float32).tiny)
+                if relative < best_relative:
+                    best, best_relative, best_step = {n: r.clone() for n, r in rounding.items()}, relative, step
                 step_lr = lr * (1 - step / iterations)  # lr_t = lr · (1 − t/T)
                 with torch.no_grad():
                     for t, g in zip(learnable, grads, strict=True):
@@ -239,7 +247,8 @@ def learn_block_rounding(
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    return best, {"initial_loss": initial, "best_loss": best_loss, "best_step": best_step}
+    start_loss = sum(start_losses) / len(start_losses)
+    return best, {"start_loss": start_loss, "best_relative_loss": best_relative, "best_step": best_step}
 
 
 # On the engine -----------------------------------------------------------------------------------
@@ -280,7 +289,7 @@ class LearnedRoundingMethod(CalibrationMethod):
     def __init__(self, config: LearnedRoundingConfig) -> None:
         super().__init__()
         self.config = config
-        self.losses: list[tuple[float, float]] = []  # (initial, best) per layer
+        self.losses: list[tuple[float, float]] = []  # (the start's mean loss, best loss / the start's) per layer
 
     def training_batches(self, session: LayerSession) -> int:
         n = len(session.inputs.hidden)
@@ -322,7 +331,7 @@ class LearnedRoundingMethod(CalibrationMethod):
             seed=config.seed * 100_003 + session.index, start=start,
         )  # fmt: skip
         del targets
-        self.losses.append((info["initial_loss"], info["best_loss"]))
+        self.losses.append((info["start_loss"], info["best_relative_loss"]))
         for name, (w, scheme) in weights.items():
             session.apply(name, freeze(w, scheme, best[name]))
 
@@ -352,12 +361,12 @@ def run_learned(model: nn.Module, config: LearnedRoundingConfig, ctx: StageConte
     method = LearnedRoundingMethod(config)
     methods = [awq_scales_method(config), method] if config.init.startswith("awq") else [method]
     summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, False, config.batch_size)
-    ratios = [best / initial for initial, best in method.losses if initial > 0]
+    ratios = [relative for _, relative in method.losses]
     return {
         **summary,
         "iterations": config.iterations,
         "lr": config.step_size,
         "init": config.init,
-        # best loss / starting (RTN, AWQ or GPTQ) loss, over the layers this run computed (not the resumed ones)
+        # the kept iterate's loss / the start's (RTN, AWQ or GPTQ) on its batch, over the layers this run computed
         "mean_loss_ratio": sum(ratios) / len(ratios) if ratios else None,
     }

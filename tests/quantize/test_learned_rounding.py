@@ -162,8 +162,8 @@ def test_learned_block_output_error_is_below_rtn(tiny_llama_dir, init):
     method.prepare_layer(session)
     assert set(session.quantized) == set(session.targets)
     learned_error = torch.mean((layer_outputs(session) - reference) ** 2).item()
-    initial, best = method.losses[0]
-    assert best < initial
+    start_loss, relative = method.losses[0]
+    assert start_loss > 0 and relative < 1
     assert learned_error < 0.8 * rtn_error, (learned_error, rtn_error)
     assert all(p.grad is None for p in session.layer.parameters())
 
@@ -176,7 +176,8 @@ def test_the_stage_quantizes_every_target_and_leaves_gradients_off(tiny_llama_di
     summary = run_learned(loaded.model, LearnedRoundingConfig(bits=4, group_size=64, iterations=4), ctx)
     assert summary["quantized_linears"] == 14 and summary["mean_loss_ratio"] <= 1
     for layer in decoder_layers(loaded.model):
-        assert all(isinstance(m, QuantizedLinear) for m in layer_linears(layer).values())
+        assert not layer_linears(layer)  # no float linear left
+        assert sum(isinstance(m, QuantizedLinear) for m in layer.modules()) == 7
     after = {n: p.requires_grad for n, p in loaded.model.named_parameters()}
     assert after and all(requires[n] == r for n, r in after.items())  # norms and embeddings as they were
     assert all(p.grad is None for p in loaded.model.parameters())
@@ -187,13 +188,15 @@ def test_the_same_seed_gives_the_same_codes_and_another_seed_other_codes(tiny_ll
         loaded = load_model(str(tiny_llama_dir))
         calibration = calibration_for(loaded.tokenizer, n=12)
         ctx = StageContext(calibration=lambda: calibration, state_dir=tmp_path / "s", resume=False, fingerprint="f")
-        config = LearnedRoundingConfig(bits=4, group_size=64, iterations=6, batch_size=4, seed=seed, ignore=[])
+        config = LearnedRoundingConfig(bits=3, group_size=32, iterations=12, batch_size=4, seed=seed)
         run_learned(loaded.model, config, ctx)
-        return decoder_layers(loaded.model)[1].mlp.down_proj.qweight.clone()
+        linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+        assert len(linears) == 14
+        return torch.cat([m.qweight.flatten() for m in linears])
 
     first = codes(0)
     assert torch.equal(first, codes(0))
-    assert not torch.equal(first, codes(1))
+    assert not torch.equal(first, codes(1))  # the seed orders the batches, so the path differs
 
 
 def test_more_samples_than_the_calibration_holds_is_a_warning(tiny_llama_dir, tmp_path):
