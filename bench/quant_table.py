@@ -1,6 +1,7 @@
-"""Weight-quantization quality table on SmolLM2-135M (issue 3, "Numbers").
+"""Weight-quantization quality table on SmolLM2-135M (issue 3, "Numbers"; learned rounding: issue 13).
 
     python bench/quant_table.py                  # every row, then bench/results/quant_table.md
+                                                 #   (rows on a CUDA GPU are left out where none is found)
     python bench/quant_table.py --rows gptq-w4-g64           # re-measure one row; the table keeps the others
     python bench/quant_table.py --reuse                      # measure only rows not measured with these settings
 
@@ -9,6 +10,9 @@ perplexity = first 20 non-overlapping 2048-token windows of wiki.test.raw (CRLF-
 no BOS), the reference protocol of ../shared/data/wikitext2/README.md. Each row
 runs in its own process so its peak RSS (taken right after quantization, before
 the eval) is its own; quantization seconds are the stage's wall time.
+Rows in ``ROW_SETTINGS`` calibrate on a CUDA GPU (``device``) or with a fixed
+number of CPU threads (``threads``: the 2-core budget of issue 13, also on a
+larger machine).
 """
 
 from __future__ import annotations
@@ -66,6 +70,37 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
         {"method": "gptq", "bits": 8, "group_size": -1, "act_order": True},
         {"ppl": 21.05, "rss_mib": RSS_GOAL_MIB},
     ),
+    # Issue 13: learned rounding (SignRound), full quality on a GPU, and the 30-minute budget on 2 CPU cores
+    # (the stages of recipes/learned-w4-gpu.yaml, learned-w3.yaml and learned-w4.yaml).
+    "learned-w4-g64": (
+        "W4 g64 learned rounding (sym, AWQ init, 200 steps x 8 samples; CUDA)",
+        {"method": "learned", "bits": 4, "group_size": 64, "iterations": 200, "batch_size": 8, "init": "awq"},
+        {"ppl": 22.45, "seconds": 125},
+    ),
+    "learned-w3-g64": (
+        "W3 g64 learned rounding (sym, AWQ init, 200 steps x 8 samples; CUDA)",
+        {"method": "learned", "bits": 3, "group_size": 64, "iterations": 200, "batch_size": 8, "init": "awq"},
+        {"ppl": 26.50},
+    ),
+    "learned-w4-g64-cpu": (
+        "W4 g64 learned rounding (sym, AWQ+GPTQ init, 40 steps x 4 of 32 samples; 2 CPU threads)",
+        {
+            "method": "learned",
+            "bits": 4,
+            "group_size": 64,
+            "iterations": 40,
+            "batch_size": 4,
+            "samples": 32,
+            "init": "awq+gptq",
+        },
+        {"ppl": 23.40, "seconds": 1800},
+    ),
+}
+# name -> where the row calibrates: {"device": "cuda"} (one layer at a time on the GPU), {"threads": n} (CPU threads)
+ROW_SETTINGS: dict[str, dict] = {
+    "learned-w4-g64": {"device": "cuda"},
+    "learned-w3-g64": {"device": "cuda"},
+    "learned-w4-g64-cpu": {"threads": 2},
 }
 
 
@@ -75,11 +110,15 @@ def measure_row(name: str) -> dict:
 
     from lmpress.data import calibration_samples, load_text, token_windows, tokenize
     from lmpress.evals.perplexity import PerplexityConfig, perplexity
-    from lmpress.model import load_model
+    from lmpress.model import compute_device, load_model
     from lmpress.registry import StageContext, stage_config, stage_handler_for
 
     torch.manual_seed(0)
     label, stage, _ = ROWS[name]
+    settings = ROW_SETTINGS.get(name, {})
+    device = compute_device(settings.get("device", "cpu"), f"row {name}")
+    if "threads" in settings:
+        torch.set_num_threads(settings["threads"])
     loaded = load_model(SMOLLM2)
     model, tokenizer = loaded.model, loaded.tokenizer
     summary, seconds = {}, None
@@ -89,7 +128,11 @@ def measure_row(name: str) -> dict:
         calibration = calibration_samples(calib_ids, **CALIBRATION)
         with tempfile.TemporaryDirectory() as state_dir:
             ctx = StageContext(
-                calibration=lambda: calibration, state_dir=Path(state_dir), resume=False, fingerprint=name
+                calibration=lambda: calibration,
+                state_dir=Path(state_dir),
+                resume=False,
+                fingerprint=name,
+                device=device,
             )
             began = time.perf_counter()
             summary = stage_handler_for(config)(model, config, ctx)
@@ -110,6 +153,7 @@ def measure_row(name: str) -> dict:
         "summary": summary,
         "load_average": load_average,
         "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "machine": platform.machine(),
         "cpu": cpu_description(),
     }
@@ -166,6 +210,9 @@ def render(rows: list[dict]) -> str:
     cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
     if cpus:
         notes.append(f"CPU: {'; '.join(cpus)}.")
+    gpus = [f"{ROWS[r['row']][0]}: {r['device']}" for r in rows if r.get("device") not in (None, "cpu")]
+    if gpus:
+        notes.append(f"Calibrated on a GPU ({'; '.join(gpus)}); every eval ran on the CPU.")
     loads = [f"{ROWS[r['row']][0]}: {r['load_average']:.1f}" for r in rows if r.get("load_average") is not None]
     if loads:
         notes.append(
@@ -189,6 +236,13 @@ def main() -> int:
         return 0
 
     wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if args.rows == parser.get_default("rows"):
+        import torch
+
+        if not torch.cuda.is_available():
+            gpu_rows = [n for n in wanted if ROW_SETTINGS.get(n, {}).get("device") == "cuda"]
+            print(f"no CUDA GPU: leaving out {', '.join(gpu_rows)}", file=sys.stderr, flush=True)
+            wanted = [n for n in wanted if n not in gpu_rows]
     unknown = [r for r in wanted if r not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")

@@ -13,6 +13,7 @@ from torch import nn
 
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
+from lmpress.model import compute_device
 from lmpress.progress import QUIET, Bars
 from lmpress.recipe import DataSpec, _validate
 from lmpress.registry import StageContext, known_stages, stage_config, stage_handler_for
@@ -25,17 +26,20 @@ def quantize_model(
     data: DataSpec | dict | None = None,
     state_dir: str | Path | None = None,
     bars: Bars = QUIET,
+    device: str = "cpu",
     **settings: Any,
 ) -> dict:
     """Run one stage (``rtn``, ``gptq``, ``awq``, ...) on ``model`` in place; returns its summary.
 
     ``settings`` are the stage's recipe keys (``bits=4, group_size=64``); calibrated
-    methods need ``tokenizer`` and take their text from ``data`` (a recipe ``data:`` section).
+    methods need ``tokenizer`` and take their text from ``data`` (a recipe ``data:`` section);
+    ``device`` (cpu | cuda | auto) is where one-shot methods compute, as a recipe's ``model.device``.
     """
     if method not in known_stages():
         raise LmpressInputError(f"unknown method {method!r} (known: {', '.join(known_stages())})")
     config = _validate(stage_config(method), {"method": method, **settings}, "quantize_model()", ())
     spec = data if isinstance(data, DataSpec) else DataSpec(**(data or {}))
+    target_device = compute_device(device, "device")
 
     def calibration():
         if tokenizer is None:
@@ -51,6 +55,7 @@ def quantize_model(
             resume=False,
             fingerprint="api",
             bars=bars,
+            device=target_device,
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         return stage_handler_for(config)(model, config, ctx)

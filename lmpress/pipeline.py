@@ -32,7 +32,7 @@ from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
 from lmpress.export.manifest import write_manifest
 from lmpress.export.verify import ExportCheck, check_export, window_ppl
 from lmpress.memory import process_peak_mb, track_peak_rss
-from lmpress.model import LoadedModel, load_model, model_skeleton, resolve_checkpoint
+from lmpress.model import LoadedModel, compute_device, load_model, model_skeleton, resolve_checkpoint
 from lmpress.progress import QUIET, Bars
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.recipe import Recipe
@@ -87,7 +87,11 @@ def check_plan(recipe: Recipe, model: nn.Module) -> None:
         check_export_plan(fmt, model, targets)
 
 
-def run_stages(loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool, bars: Bars) -> list[dict]:
+def run_stages(
+    loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool, bars: Bars, device: torch.device | None = None
+) -> list[dict]:
+    """Run the recipe's stages in order; one-shot stages compute on ``device`` (``model.device`` resolved)."""
+    device = device if device is not None else compute_device(recipe.model.device)
     tokenizer = loaded.tokenizer
     data = recipe.data
 
@@ -107,9 +111,12 @@ def run_stages(loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool,
                     "model": loaded.fingerprint,
                     "data": data.model_dump(),
                     "stages": [s.model_dump() for s in recipe.stages[: index + 1]],
+                    # a state computed on a GPU is not resumed on the CPU (their float sums differ)
+                    **({"device": device.type} if device.type != "cpu" else {}),
                 }
             ),
             bars=bars,
+            device=device,
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
@@ -121,6 +128,7 @@ def run_stages(loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool,
                 "method": stage.method,
                 "settings": settings,
                 "seconds": time.perf_counter() - began,
+                "device": device.type,
                 "peak_rss_mb": peak.mb,  # this stage's own peak, not the process's so far
                 "summary": summary,
             }
@@ -187,6 +195,7 @@ def run_recipe(
     check_text_source(recipe.data.source)
     check_text_source(recipe.eval.text)
     spec = recipe.model
+    device = compute_device(spec.device)
     path = resolve_checkpoint(spec.source, spec.revision)
     check_plan(recipe, model_skeleton(path, spec.trust_remote_code))
     partial = prepare_output(out, overwrite, resume)
@@ -196,7 +205,7 @@ def run_recipe(
     evals = recipe.eval.evals
     identity = baseline_identity(loaded.fingerprint, loaded.model)
     baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, identity, "baseline", bars)
-    stages = run_stages(loaded, recipe, partial, resume, bars)
+    stages = run_stages(loaded, recipe, partial, resume, bars, device)
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)
     if shipped is not None:

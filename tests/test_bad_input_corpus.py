@@ -133,6 +133,16 @@ def fake_gguf(env: Env) -> str:
     return env.file("model.gguf", b"PK\x03\x04 a zip file, not GGUF")
 
 
+def no_gpu(raw: dict[str, Any], env: Env) -> None:
+    """For the model.device: cuda cases: skipped where a GPU makes cuda valid."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: model.device: cuda is valid here")
+
+
+def learned(**settings: Any) -> Callable[[Env], str]:
+    return edited(lambda r, e: r.update(stages=[{"method": "learned", "group_size": 32, **settings}]))
+
+
 # Recipe cases: (id, build -> recipe path, message fragment, extra CLI args) ---------------------
 
 PERPLEXITY = {"seq_len": 64, "windows": 2}
@@ -305,6 +315,27 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
         "every-layer",
         edited(lambda r, e: r.update(stages=[{"method": "structured", "layers": 2}])),
         "removes every one of the model's 2 decoder layers",
+        [],
+    ),
+    # compute device, learned rounding
+    (
+        "model-device-cuda-without-gpu",
+        edited(lambda r, e: no_gpu(r, e) or r["model"].update(device="cuda")),
+        "model.device: cuda, but no CUDA GPU is available here (torch.cuda.is_available() is False); set model.device",
+        [],
+    ),
+    ("set-model-device-cuda-without-gpu", edited(no_gpu), "no CUDA GPU", ["--set", "model.device=cuda"]),
+    ("model-device-unknown", edited(lambda r, e: r["model"].update(device="tpu")), "model.device: 'tpu'", []),
+    ("learned-lr-over-1", learned(lr=2), "stages[0].lr: Input should be less than or equal to 1", []),
+    ("learned-lr-zero", learned(lr=0), "stages[0].lr: Input should be greater than 0", []),
+    ("learned-iterations-zero", learned(iterations=0), "stages[0].iterations", []),
+    ("learned-iterations-huge", learned(iterations=10**7), "stages[0].iterations", []),
+    ("learned-unknown-init", learned(init="sgd"), "stages[0].init: 'sgd' is not one of", []),
+    ("learned-bits-5", learned(bits=5), "stages[0].bits: 5 is not one of 2, 3, 4, 8", []),
+    (
+        "learned-3-bit-to-onnx",
+        edited(lambda r, e: r.update(export={"formats": ["onnx"]}, stages=[{"method": "learned", "bits": 3}])),
+        "onnx: stages[0]: 3-bit weights",
         [],
     ),
     ("set-malformed-yaml", edited(lambda r, e: None), "is not valid YAML", ["--set", "stages[0].bits=["]),

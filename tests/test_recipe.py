@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.rtn import RTNConfig
@@ -114,3 +115,24 @@ def test_binary_recipe_names_the_byte(tmp_path):
         load_recipe(path)
     with pytest.raises(LmpressInputError, match="is not a file"):
         load_recipe(tmp_path)
+
+
+def test_model_device_defaults_to_cpu_and_is_set_by_set(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: a/b\nstages: [{method: gptq}]\n")
+    assert load_recipe(path).model.device == "cpu"
+    assert load_recipe(path, ["model.device=cuda"]).model.device == "cuda"
+    assert load_recipe(path, ["model.device=auto"]).model.device == "auto"
+    with pytest.raises(LmpressInputError, match=r"model.device: 'tpu' is not one of"):
+        load_recipe(path, ["model.device=tpu"])
+
+
+def test_compute_device_resolves_auto_and_refuses_cuda_without_a_gpu(monkeypatch):
+    from lmpress.model import compute_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compute_device("cpu") == torch.device("cpu") and compute_device("auto") == torch.device("cpu")
+    with pytest.raises(LmpressInputError, match=r"^model.device: cuda, but no CUDA GPU .* set model.device: cpu"):
+        compute_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compute_device("auto") == torch.device("cuda")

@@ -40,7 +40,8 @@ from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import apply_clip, can_fold, fold_scales, search_clip, search_scales
 from lmpress.quantize.scheme import quantize_weight_rtn
 from lmpress.quantize.targets import GPTQRounding
-from lmpress.registry import StageContext, calibration_method, register_stage, stage_handler
+from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.registry import calibration_method as method_by_name
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,10 @@ class AWQMethod(CalibrationMethod):
 
     name = "awq"
 
-    def __init__(self, config: AWQConfig) -> None:
+    def __init__(self, config: AWQConfig, rounds: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.rounds = rounds  # False: a later method of the pass rounds (learned rounding's init: awq)
         self.skipped_pairs: set[str] = set()
         self.alphas: list[float] = []
 
@@ -189,16 +191,22 @@ class AWQMethod(CalibrationMethod):
         self.scale_and_clip(session)
 
     def process_group(self, session: LayerSession, group: list[str]) -> None:
-        if self.config.rounding == "rtn":
+        if self.rounds and self.config.rounding == "rtn":
             for name in group:
                 session.apply(name, quantize_weight_rtn(session.linear(name).weight.data, session.targets[name]))
+
+
+def calibration_method(config: AWQConfig) -> AWQMethod:
+    """AWQ's scales (and clipping, when ``config.clip``) alone, as the first method of another stage's pass
+    (learned rounding's ``init: awq``): the later method rounds, so this one never quantizes."""
+    return AWQMethod(config, rounds=False)
 
 
 @stage_handler(AWQConfig)
 @torch.no_grad()
 def run_awq(model: nn.Module, config: AWQConfig, ctx: StageContext) -> dict:
     method = AWQMethod(config)
-    methods = [method] if config.rounding == "rtn" else [method, calibration_method(config.rounding, config)]
+    methods = [method] if config.rounding == "rtn" else [method, method_by_name(config.rounding, config)]
     true_sequential = config.true_sequential if config.rounding == "gptq" else False
     summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, true_sequential, config.batch_size)
     if method.skipped_pairs:

@@ -1,0 +1,372 @@
+"""Learned rounding: per-block sign-gradient descent on rounding offsets and clipping, on the layer-wise engine.
+
+Cheng, Zhang, Shen, Meng, Guo, Liu, Lv, "Optimize Weight Rounding via Signed
+Gradient Descent for the Quantization of LLMs" (arXiv:2309.05516, "SignRound").
+
+Sample recipe stage:
+
+    - method: learned
+      bits: 4
+      group_size: 64
+      symmetric: true
+      iterations: 200        # sign-gradient steps per decoder layer (1..10000)
+      lr: null               # step size, 0 < lr <= 1; null: 1/iterations (the paper's default); decays linearly to 0
+      batch_size: 8          # calibration samples per step (and per forward pass of the engine)
+      samples: null          # calibration samples the steps draw from (null: all of data.samples)
+      init: rtn              # rtn | awq (AWQ's scales folded first, same pass) | gptq (V from GPTQ's codes) | awq+gptq
+      seed: 0                # the order of the batches; same seed, same machine: the same artifact
+      ignore: [lm_head]
+
+The paper's quantization function, for each linear of the block (lines marked
+``# W~`` below):
+
+    W~ = s · (clamp(⌊W/s + V⌉ + zp, 0, 2^b − 1) − zp)
+    asymmetric: s = (max(W)·α − min(W)·β) / (2^b − 1),  zp = ⌊−min(W)·β / s⌉
+    symmetric (lmpress's grid, ``scheme.py``): s = 2·max|W|·α / (2^b − 1),  zp = 2^(b−1)  (β unused)
+
+with V ∈ [−0.5, 0.5] per weight (init 0), α, β ∈ [0.5, 1] per output row and
+group (init 1), min/max taken per group, and ⌊·⌉ rounding with a straight-through
+gradient. Per decoder layer, V, α and β of every target linear are learned
+together on the layer's output error against the unquantized layer on the same
+inputs (the outputs of the already-quantized layers before it):
+
+    L = ‖f(X; W) − f(X; W~)‖²  (mean over elements)
+    V ← clamp(V − lr_t · sign(∂L/∂V), −0.5, 0.5);  α, β likewise in [0.5, 1];  lr_t = lr · (1 − t/T)
+
+one calibration batch per step, keeping the iterate with the lowest loss seen (the
+paper compares each step's loss on its own batch; here relative to the starting
+rounding's loss on that batch, so an easy batch does not pass for a good iterate). The learned values are then
+frozen into the packed form every exporter reads (``QuantizedWeight``: codes,
+scales, zeros). This is the only lmpress method that takes gradients: it turns
+them on locally (``torch.enable_grad``) inside its own step; the engine, the
+evals and the exporters stay inference-only.
+
+``init: awq`` runs AWQ's scale search (no clipping: α, β learn the range) as the
+first method of the same pass, so the learned rounding starts from the
+rescaled weights; ``init: gptq`` starts V from GPTQ's codes (static groups, so its
+scales are the min/max ones, α = β = 1), clamped into [−0.5, 0.5]; ``init: awq+gptq``
+does both (GPTQ's codes of the rescaled weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+from torch.func import functional_call
+
+from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.calib.hooks import first_input, move_to
+from lmpress.calib.session import LayerSession
+from lmpress.calib.statistics import HessianAccumulator
+from lmpress.quantize.gptq_quantize import gptq_quantize_layer
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
+from lmpress.quantize.targets import WeightQuantConfig
+from lmpress.registry import StageContext, register_stage, stage_config, stage_handler
+from lmpress.registry import calibration_method as method_by_name
+
+MAX_ITERATIONS = 10_000
+V_RANGE = (-0.5, 0.5)
+CLIP_RANGE = (0.5, 1.0)
+
+
+@register_stage("learned")
+class LearnedRoundingConfig(WeightQuantConfig):
+    method: Literal["learned"] = "learned"
+    iterations: int = Field(200, ge=1, le=MAX_ITERATIONS)
+    lr: float | None = Field(None, gt=0, le=1, description="null: 1/iterations")
+    batch_size: int = Field(8, ge=1, le=1024, description="calibration samples per step and per forward pass")
+    samples: int | None = Field(None, ge=1, description="calibration samples the steps draw from (null: all)")
+    init: Literal["rtn", "awq", "gptq", "awq+gptq"] = "rtn"
+    seed: int = Field(0, ge=0)
+
+    @property
+    def step_size(self) -> float:
+        return self.lr if self.lr is not None else 1.0 / self.iterations
+
+
+# Tensor math -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rounding:
+    """The learnable state of one linear: rounding offsets ``v`` (out, in) and clipping factors
+    ``alpha`` (max side) and ``beta`` (min side), (out, n_groups)."""
+
+    v: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.v, self.alpha, self.beta]
+
+    def clone(self) -> Rounding:
+        return Rounding(*(t.detach().clone() for t in self.tensors()))
+
+
+def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    out_features, in_features = w.shape
+    if not scheme.fits(in_features):
+        raise ValueError(f"group size {scheme.group_size} does not divide in_features {in_features}")
+    width = scheme.group_width(in_features)
+    return w.float().reshape(out_features, in_features // width, width)
+
+
+def init_rounding(
+    w: torch.Tensor, scheme: QuantScheme, start: QuantizedWeight | None = None, requires_grad: bool = True
+) -> Rounding:
+    """V = 0, α = β = 1 (round-to-nearest with min/max scales); or V from ``start``'s codes on the same
+    min/max grid (``V = q − zp − W/s``, clamped into [−0.5, 0.5]), e.g. GPTQ's rounding."""
+    grouped = _grouped(w, scheme)
+    ones = torch.ones(grouped.shape[:2], device=w.device)
+    v = torch.zeros_like(grouped)
+    if start is not None:
+        scale, zero = compute_qparams(grouped, scheme)
+        codes = _grouped(start.qweight.to(w.device), scheme)
+        v = (codes - zero[..., None] - grouped / scale[..., None]).clamp(*V_RANGE)
+    rounding = Rounding(v.reshape(w.shape).contiguous(), ones, ones.clone())
+    for t in rounding.tensors():
+        t.requires_grad_(requires_grad)
+    return rounding
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """⌊x⌉ forward, identity gradient (straight-through)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def learned_qparams(
+    grouped: torch.Tensor, scheme: QuantScheme, alpha: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero of each (row, group) of ``grouped`` with the range clipped by α (max) and β (min);
+    differentiable in α and β, and equal to ``compute_qparams`` at α = β = 1."""
+    maxq = scheme.maxq
+    if scheme.symmetric:
+        scale = 2 * grouped.abs().amax(dim=-1) * alpha / maxq  # s = 2·max|W|·α / (2^b − 1)
+        zero = torch.full_like(scale, float((maxq + 1) // 2))  # zp = 2^(b−1)
+    else:
+        wmin = (grouped.amin(dim=-1) * beta).clamp(max=0)
+        wmax = (grouped.amax(dim=-1) * alpha).clamp(min=0)
+        scale = (wmax - wmin) / maxq  # s = (max·α − min·β) / (2^b − 1)
+        zero = round_ste(-wmin / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(0, maxq)  # zp = ⌊−min·β/s⌉
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group (as compute_qparams)
+    return scale, zero
+
+
+def learned_fake_quantize(w: torch.Tensor, scheme: QuantScheme, rounding: Rounding) -> torch.Tensor:
+    """W~ of ``w`` (out, in) in float32, differentiable in V, α and β (straight-through rounding)."""
+    grouped = _grouped(w, scheme)
+    scale, zero = learned_qparams(grouped, scheme, rounding.alpha, rounding.beta)
+    scale, zero = scale[..., None], zero[..., None]
+    q = torch.clamp(round_ste(grouped / scale + rounding.v.reshape(grouped.shape)) + zero, 0, scheme.maxq)  # W~
+    return ((q - zero) * scale).reshape(w.shape)  # W~
+
+
+@torch.no_grad()
+def freeze(w: torch.Tensor, scheme: QuantScheme, rounding: Rounding) -> QuantizedWeight:
+    """The learned rounding of ``w`` in the packed form: its dequantized weight is exactly
+    :func:`learned_fake_quantize`'s value."""
+    grouped = _grouped(w, scheme)
+    scale, zero = learned_qparams(grouped, scheme, rounding.alpha.detach(), rounding.beta.detach())
+    v = rounding.v.detach().reshape(grouped.shape)
+    # ⌊W/s + V⌉ as learned_fake_quantize computes it (round_ste's forward value is exactly torch.round's).
+    q = torch.clamp(torch.round(grouped / scale[..., None] + v) + zero[..., None], 0, scheme.maxq)
+    return QuantizedWeight(qweight=q.reshape(w.shape).to(torch.uint8), scales=scale, zeros=zero, scheme=scheme)
+
+
+def block_output(out: torch.Tensor | tuple) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def learn_block_rounding(
+    block: nn.Module,
+    weights: dict[str, tuple[torch.Tensor, QuantScheme]],
+    batch: Callable[[int], tuple[torch.Tensor, dict]],
+    targets: list[torch.Tensor],
+    iterations: int,
+    lr: float,
+    seed: int,
+    start: dict[str, Rounding] | None = None,
+) -> tuple[dict[str, Rounding], dict]:
+    """Sign-gradient descent on the rounding of the linears ``weights`` (name in ``block`` -> (float weight,
+    scheme)) against ``targets[i]``, the unquantized block's output on ``batch(i)`` (hidden, kwargs).
+
+    Each step takes one batch (a seeded permutation, repeated as needed). Batches differ in how hard they
+    are, so an iterate's loss is compared with the starting rounding's loss on the same batch (computed first,
+    one forward pass per batch): returns the rounding whose step had the lowest such ratio (the start's is 1)
+    and ``{"start_loss" (mean over the batches), "best_relative_loss", "best_step"}``.
+    """
+    rounding = start or {name: init_rounding(w, scheme) for name, (w, scheme) in weights.items()}
+    for r in rounding.values():
+        for t in r.tensors():
+            t.requires_grad_(True)
+    learnable = [t for r in rounding.values() for t in r.tensors()]
+    frozen = [p for p in block.parameters() if p.requires_grad]
+    dtype = next(block.parameters()).dtype
+
+    def loss_on(index: int) -> torch.Tensor:
+        hidden, kwargs = batch(index)
+        overrides = {
+            f"{name}.weight": learned_fake_quantize(w, scheme, rounding[name]).to(dtype)
+            for name, (w, scheme) in weights.items()
+        }
+        out = block_output(functional_call(block, overrides, (hidden,), kwargs))
+        return torch.mean((out.float() - targets[index]) ** 2)  # L = ‖f(X; W) − f(X; W~)‖²
+
+    generator = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    best, best_relative, best_step = {n: r.clone() for n, r in rounding.items()}, float("inf"), 0
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        with torch.no_grad():
+            start_losses = [loss_on(i).item() for i in range(len(targets))]
+        with torch.enable_grad():
+            for step in range(iterations):
+                if not order:
+                    order = torch.randperm(len(targets), generator=generator).tolist()
+                index = order.pop()
+                loss = loss_on(index)
+                grads = torch.autograd.grad(loss, learnable, allow_unused=True)
+                relative = loss.item() / max(start_losses[index], torch.finfo(torch.float32).tiny)
+                if relative < best_relative:
+                    best, best_relative, best_step = {n: r.clone() for n, r in rounding.items()}, relative, step
+                step_lr = lr * (1 - step / iterations)  # lr_t = lr · (1 − t/T)
+                with torch.no_grad():
+                    for t, g in zip(learnable, grads, strict=True):
+                        if g is not None:  # β has no gradient under a symmetric scheme
+                            t.sub_(step_lr * g.sign())  # V ← V − lr_t · sign(∂L/∂V), α and β likewise
+                    for r in rounding.values():
+                        r.v.clamp_(*V_RANGE)
+                        r.alpha.clamp_(*CLIP_RANGE)
+                        r.beta.clamp_(*CLIP_RANGE)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    start_loss = sum(start_losses) / len(start_losses)
+    return best, {"start_loss": start_loss, "best_relative_loss": best_relative, "best_step": best_step}
+
+
+# On the engine -----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def layer_hessians(
+    layer: nn.Module, names: list[str], batch: Callable[[int], tuple[torch.Tensor, dict]], n_batches: int
+) -> dict[str, torch.Tensor]:
+    """H = 2XXᵀ of the inputs of each linear ``names`` of ``layer`` (float weights) over ``n_batches`` batches."""
+    accumulators: dict[str, HessianAccumulator] = {}
+
+    def hook_for(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = first_input(args, kwargs)
+            if name not in accumulators:
+                accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
+            accumulators[name].add(x)
+
+        return hook
+
+    handles = [layer.get_submodule(n).register_forward_pre_hook(hook_for(n), with_kwargs=True) for n in names]
+    try:
+        for i in range(n_batches):
+            hidden, kwargs = batch(i)
+            layer(hidden, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: acc.H for name, acc in accumulators.items()}
+
+
+class LearnedRoundingMethod(CalibrationMethod):
+    """The whole layer's rounding learned in ``prepare_layer`` (it needs every linear at once), then applied."""
+
+    name = "learned"
+
+    def __init__(self, config: LearnedRoundingConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.losses: list[tuple[float, float]] = []  # (the start's mean loss, best loss / the start's) per layer
+
+    def training_batches(self, session: LayerSession) -> int:
+        n = len(session.inputs.hidden)
+        if self.config.samples is None:
+            return n
+        wanted = -(-self.config.samples // self.config.batch_size)
+        if wanted > n and not self.warnings:
+            rows = sum(session.inputs.hidden.rows)
+            self.warnings.append(f"learned: samples {self.config.samples} > the {rows} calibration samples; using all")
+        return min(n, wanted)
+
+    def prepare_layer(self, session: LayerSession) -> None:
+        names = list(session.targets)
+        if not names:
+            return
+        config = self.config
+        n_batches = self.training_batches(session)
+        dtype = next(session.layer.parameters()).dtype
+
+        def batch(i: int) -> tuple[torch.Tensor, dict]:
+            hidden = session.inputs.hidden[i].to(session.device, dtype)
+            return hidden, move_to(session.inputs.kwargs[i], session.device)
+
+        with torch.no_grad():  # the unquantized layer's outputs: what each step's output is compared with
+            targets = []
+            for i in range(n_batches):
+                hidden, kwargs = batch(i)
+                targets.append(block_output(session.layer(hidden, **kwargs)).float())
+        weights = {name: (session.linear(name).weight.data, session.targets[name]) for name in names}
+        start = None
+        if config.init.endswith("gptq"):
+            hessians = layer_hessians(session.layer, names, batch, n_batches)
+            start = {}
+            for name, (w, scheme) in weights.items():
+                codes, _ = gptq_quantize_layer(w, hessians[name], scheme, static_groups=True)
+                start[name] = init_rounding(w, scheme, codes)
+        best, info = learn_block_rounding(
+            session.layer, weights, batch, targets, config.iterations, config.step_size,
+            seed=config.seed * 100_003 + session.index, start=start,
+        )  # fmt: skip
+        del targets
+        self.losses.append((info["start_loss"], info["best_relative_loss"]))
+        for name, (w, scheme) in weights.items():
+            session.apply(name, freeze(w, scheme, best[name]))
+
+
+def calibration_method(config: LearnedRoundingConfig) -> LearnedRoundingMethod:
+    return LearnedRoundingMethod(config)
+
+
+def awq_scales_method(config: LearnedRoundingConfig) -> CalibrationMethod:
+    """AWQ's scale search and folding (no clipping: α and β learn the range; no rounding) as the pass's first
+    method, built by name so this module does not import AWQ's."""
+    awq = stage_config("awq")(
+        bits=config.bits,
+        group_size=config.group_size,
+        symmetric=config.symmetric,
+        ignore=config.ignore,
+        overrides={k: v.model_dump(exclude_none=True) for k, v in config.overrides.items()},
+        clip=False,
+        batch_size=config.batch_size,
+    )
+    return method_by_name("awq", awq)
+
+
+@stage_handler(LearnedRoundingConfig)
+@torch.no_grad()
+def run_learned(model: nn.Module, config: LearnedRoundingConfig, ctx: StageContext) -> dict:
+    method = LearnedRoundingMethod(config)
+    methods = [awq_scales_method(config), method] if config.init.startswith("awq") else [method]
+    summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, False, config.batch_size)
+    ratios = [relative for _, relative in method.losses]
+    return {
+        **summary,
+        "iterations": config.iterations,
+        "lr": config.step_size,
+        "init": config.init,
+        # the kept iterate's loss / the start's (RTN, AWQ or GPTQ) on its batch, over the layers this run computed
+        "mean_loss_ratio": sum(ratios) / len(ratios) if ratios else None,
+    }

@@ -1,0 +1,360 @@
+"""Learned rounding: the fake-quant's grid, freezing into the packed form, block error below RTN, exports, resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+import yaml
+
+from lmpress.calib.engine import capture_first_layer_inputs, expand_groups
+from lmpress.calib.session import LayerSession
+from lmpress.cli import main
+from lmpress.data import calibration_samples, load_text, tokenize
+from lmpress.model import decoder_layers, get_anatomy, layer_linears, load_model
+from lmpress.quantize.learned_rounding import (
+    CLIP_RANGE,
+    V_RANGE,
+    LearnedRoundingConfig,
+    LearnedRoundingMethod,
+    Rounding,
+    freeze,
+    init_rounding,
+    learned_fake_quantize,
+    run_learned,
+)
+from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, quantize_weight_rtn
+from lmpress.registry import StageContext
+from tests.conftest import save_tiny_model
+
+SCHEMES = [QuantScheme(4, 64, True), QuantScheme(3, 32, False), QuantScheme(2, -1, True), QuantScheme(8, 128, False)]
+
+
+def weight(out: int = 48, cols: int = 256, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, cols, generator=g) * 0.05
+    w[:, 3] *= 12  # an outlier column, so clipping matters
+    w[5, :64] = 0  # an all-zero group
+    return w
+
+
+def random_rounding(w: torch.Tensor, scheme: QuantScheme, seed: int = 1) -> Rounding:
+    g = torch.Generator().manual_seed(seed)
+    groups = (w.shape[0], w.shape[1] // scheme.group_width(w.shape[1]))
+    return Rounding(
+        v=torch.rand(w.shape, generator=g) - 0.5,
+        alpha=0.5 + 0.5 * torch.rand(groups, generator=g),
+        beta=0.5 + 0.5 * torch.rand(groups, generator=g),
+    )
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe())
+def test_the_starting_rounding_is_round_to_nearest(scheme):
+    w = weight()
+    rounding = init_rounding(w, scheme)
+    rtn = quantize_weight_rtn(w, scheme)
+    assert torch.equal(learned_fake_quantize(w, scheme, rounding), rtn.dequantize())
+    frozen = freeze(w, scheme, rounding)
+    assert torch.equal(frozen.qweight, rtn.qweight)
+    assert torch.equal(frozen.scales, rtn.scales) and torch.equal(frozen.zeros, rtn.zeros)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe())
+def test_the_frozen_weight_is_exactly_the_learned_fake_quantization(scheme):
+    w = weight()
+    rounding = random_rounding(w, scheme)
+    frozen = freeze(w, scheme, rounding)
+    assert frozen.qweight.dtype == torch.uint8 and int(frozen.qweight.max()) <= scheme.maxq
+    assert torch.equal(frozen.dequantize(), learned_fake_quantize(w, scheme, rounding))
+    # clipping shrinks the range: the codes differ from RTN's
+    assert not torch.equal(frozen.qweight, quantize_weight_rtn(w, scheme).qweight)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.describe())
+def test_gradients_reach_offsets_and_clipping_through_the_rounding(scheme):
+    w = weight()
+    rounding = init_rounding(w, scheme)
+    x = torch.randn(32, w.shape[1], generator=torch.Generator().manual_seed(2))
+    loss = ((x @ learned_fake_quantize(w, scheme, rounding).T - x @ w.T) ** 2).mean()
+    loss.backward()
+    assert rounding.v.grad.abs().sum() > 0 and rounding.alpha.grad.abs().sum() > 0
+    assert (rounding.beta.grad is None) == scheme.symmetric or rounding.beta.grad.abs().sum() > 0
+
+
+def test_a_start_from_other_codes_is_reproduced_within_the_offsets_range():
+    """init: gptq — V from another rounding's codes on the same grid, clamped into [-0.5, 0.5]."""
+    scheme = QuantScheme(4, 64, True)
+    w = weight()
+    rtn = quantize_weight_rtn(w, scheme)
+    g = torch.Generator().manual_seed(4)
+    shifted = (rtn.qweight.long() + torch.randint(-1, 2, w.shape, generator=g)).clamp(0, scheme.maxq)
+    start = QuantizedWeight(shifted.to(torch.uint8), rtn.scales, rtn.zeros, scheme)
+    rounding = init_rounding(w, scheme, start)
+    assert rounding.v.min() >= V_RANGE[0] and rounding.v.max() <= V_RANGE[1]
+    frozen = freeze(w, scheme, rounding)
+    wanted = shifted - rtn.zeros.repeat_interleave(64, 1) - w / rtn.scales.repeat_interleave(64, 1)
+    reachable = wanted.abs() < 0.5 - 1e-4
+    assert reachable.float().mean() > 0.3
+    assert torch.equal(frozen.qweight.long()[reachable], shifted[reachable])
+    assert ((frozen.qweight.long() - shifted).abs() <= 1).all()
+
+
+def test_ranges_of_the_options_are_checked():
+    for bad in ({"lr": 0}, {"lr": 1.5}, {"iterations": 0}, {"iterations": 10**6}, {"batch_size": 0}, {"init": "x"}):
+        with pytest.raises(pydantic.ValidationError):
+            LearnedRoundingConfig(**bad)
+    with pytest.raises(pydantic.ValidationError):
+        LearnedRoundingConfig(bits=5)
+    assert LearnedRoundingConfig(iterations=50).step_size == pytest.approx(1 / 50)
+    assert LearnedRoundingConfig(lr=0.01).step_size == 0.01
+
+
+# On a tiny model ---------------------------------------------------------------------------------
+
+
+def calibration_for(tokenizer, n: int = 8, seq_len: int = 32) -> torch.Tensor:
+    return calibration_samples(tokenize(tokenizer, load_text("builtin:python-docs")), n, seq_len, seed=0)
+
+
+def layer0_session(model, calibration, config) -> LayerSession:
+    inputs = capture_first_layer_inputs(model, calibration, batch_size=4, device=torch.device("cpu"))
+    layer = decoder_layers(model)[0]
+    targets = {n: config.scheme_for(f"model.layers.0.{n}") for n in layer_linears(layer)}
+    groups = expand_groups(get_anatomy(model), targets)
+    return LayerSession(0, layer, "model.layers.0.", targets, groups, inputs, torch.device("cpu"), model=model)
+
+
+@torch.no_grad()
+def layer_outputs(session: LayerSession) -> torch.Tensor:
+    return torch.cat([session.layer(hidden, **kwargs)[0] for hidden, kwargs in session.batches()])
+
+
+@pytest.mark.parametrize("init", ["rtn", "awq", "gptq", "awq+gptq"])
+def test_learned_block_output_error_is_below_rtn(tiny_llama_dir, init):
+    loaded = load_model(str(tiny_llama_dir))
+    config = LearnedRoundingConfig(bits=3, group_size=32, iterations=40, batch_size=4, init=init)
+    session = layer0_session(loaded.model, calibration_for(loaded.tokenizer), config)
+    reference = layer_outputs(session)
+    originals = {n: session.linear(n).weight.data.clone() for n in session.targets}
+
+    for name, scheme in session.targets.items():
+        session.linear(name).weight.data = quantize_weight_rtn(originals[name], scheme).dequantize()
+    rtn_error = torch.mean((layer_outputs(session) - reference) ** 2).item()
+    for name, w in originals.items():
+        session.linear(name).weight.data = w
+
+    if init.startswith("awq"):
+        from lmpress.quantize.learned_rounding import awq_scales_method
+
+        awq = awq_scales_method(config)
+        awq.prepare_layer(session)
+        torch.testing.assert_close(layer_outputs(session), reference, rtol=1e-4, atol=1e-4)  # scales fold exactly
+    method = LearnedRoundingMethod(config)
+    method.prepare_layer(session)
+    assert set(session.quantized) == set(session.targets)
+    learned_error = torch.mean((layer_outputs(session) - reference) ** 2).item()
+    start_loss, relative = method.losses[0]
+    assert start_loss > 0 and relative < 1
+    assert learned_error < 0.8 * rtn_error, (learned_error, rtn_error)
+    assert all(p.grad is None for p in session.layer.parameters())
+
+
+def test_the_stage_quantizes_every_target_and_leaves_gradients_off(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer)
+    ctx = StageContext(calibration=lambda: calibration, state_dir=tmp_path / "s", resume=False, fingerprint="f")
+    requires = {n: p.requires_grad for n, p in loaded.model.named_parameters()}
+    summary = run_learned(loaded.model, LearnedRoundingConfig(bits=4, group_size=64, iterations=4), ctx)
+    assert summary["quantized_linears"] == 14 and summary["mean_loss_ratio"] <= 1
+    for layer in decoder_layers(loaded.model):
+        assert not layer_linears(layer)  # no float linear left
+        assert sum(isinstance(m, QuantizedLinear) for m in layer.modules()) == 7
+    after = {n: p.requires_grad for n, p in loaded.model.named_parameters()}
+    assert after and all(requires[n] == r for n, r in after.items())  # norms and embeddings as they were
+    assert all(p.grad is None for p in loaded.model.parameters())
+
+
+def test_the_same_seed_gives_the_same_codes_and_another_seed_other_codes(tiny_llama_dir, tmp_path):
+    def codes(seed: int) -> torch.Tensor:
+        loaded = load_model(str(tiny_llama_dir))
+        calibration = calibration_for(loaded.tokenizer, n=12)
+        ctx = StageContext(calibration=lambda: calibration, state_dir=tmp_path / "s", resume=False, fingerprint="f")
+        config = LearnedRoundingConfig(bits=3, group_size=32, iterations=12, batch_size=4, seed=seed)
+        run_learned(loaded.model, config, ctx)
+        linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+        assert len(linears) == 14
+        return torch.cat([m.qweight.flatten() for m in linears])
+
+    first = codes(0)
+    assert torch.equal(first, codes(0))
+    assert not torch.equal(first, codes(1))  # the seed orders the batches, so the path differs
+
+
+def test_more_samples_than_the_calibration_holds_is_a_warning(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer)
+    ctx = StageContext(calibration=lambda: calibration, state_dir=tmp_path / "s", resume=False, fingerprint="f")
+    summary = run_learned(loaded.model, LearnedRoundingConfig(iterations=1, samples=100, group_size=64), ctx)
+    assert summary["warnings"] == ["learned: samples 100 > the 8 calibration samples; using all"]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["learned-w4", "learned-w3", "learned-w4-gpu"])
+def test_the_shipped_recipes_are_valid_and_never_calibrate_on_the_eval_text(name):
+    from lmpress.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", ["model.device=cpu"])
+    (stage,) = recipe.stages
+    assert isinstance(stage, LearnedRoundingConfig) and stage.group_size == 64 and stage.symmetric
+    assert recipe.data.source.endswith("wiki.valid.tokens") and recipe.eval.text.endswith("wiki.test.raw")
+    assert [str(g) for g in recipe.gates] == [
+        {"learned-w4": "ppl <= 23.4", "learned-w3": "ppl <= 26.5", "learned-w4-gpu": "ppl <= 22.45"}[name]
+    ]
+
+
+# Through the CLI: exports and resume --------------------------------------------------------------
+
+
+def _recipe(model_dir: Path, tmp_path: Path, stage: dict, formats: list[str]) -> Path:
+    recipe = {
+        "model": str(model_dir),
+        "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
+        "stages": [{"method": "learned", "iterations": 3, "batch_size": 2, **stage}],
+        "export": {"formats": formats},
+        "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
+        "gates": ["ppl_ratio <= 1000"],
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("stage", "formats"),
+    [
+        ({"bits": 4, "group_size": 32}, ["gptq", "compressed-tensors", "awq", "gguf", "onnx", "hf"]),
+        ({"bits": 3, "group_size": 64, "symmetric": False, "init": "gptq"}, ["gptq", "compressed-tensors", "hf"]),
+    ],
+    ids=["w4-g32-sym-every-format", "w3-g64-asym"],
+)
+def test_learned_artifacts_export_to_every_format_the_scheme_allows_and_load_back(
+    tiny_llama_dir, tmp_path, monkeypatch, stage, formats
+):
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    assert main(["run", str(_recipe(tiny_llama_dir, tmp_path, stage, formats)), "--out", str(out), "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [c["format"] for c in report["export_checks"]] == formats
+    assert all(c["passed"] for c in report["export_checks"]), report["export_checks"]
+
+
+@pytest.fixture(scope="module")
+def deep_llama_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("deep-llama"), "llama", num_hidden_layers=4)
+
+
+def _sha256_dir(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.glob("*.safetensors"))}
+
+
+RESUME_STAGE = {"bits": 4, "group_size": 32, "init": "awq"}
+RESUME_FORMATS = ["compressed-tensors", "gptq"]
+
+
+def _assert_resumed_identically(out: Path, ref: Path) -> None:
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
+    for fmt in RESUME_FORMATS:
+        assert _sha256_dir(out / fmt) == _sha256_dir(ref / fmt), fmt
+
+
+# A child that SIGKILLs itself once layer 1's state is on disk: no exception handler, atexit or finally runs.
+KILLED_CHILD = """
+import os, signal, sys
+from lmpress.calib.state import LayerState
+from lmpress.cli import main
+save_layer = LayerState.save_layer
+def save_then_die(self, session, inputs):
+    save_layer(self, session, inputs)
+    if session.index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+LayerState.save_layer = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    path = _recipe(deep_llama_dir, tmp_path, RESUME_STAGE, RESUME_FORMATS)
+    assert main(["run", str(path), "--out", str(tmp_path / "ref"), "--quiet"]) == 0
+    out = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, "run", str(path), "--out", str(out), "--quiet"],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not out.exists() and (tmp_path / ".run.partial").exists()
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--resume"]) == 0
+    _assert_resumed_identically(out, tmp_path / "ref")
+
+
+def test_learned_values_stay_in_range(tiny_llama_dir, monkeypatch):
+    loaded = load_model(str(tiny_llama_dir))
+    config = LearnedRoundingConfig(bits=2, group_size=32, iterations=30, lr=0.2, batch_size=4, symmetric=False)
+    session = layer0_session(loaded.model, calibration_for(loaded.tokenizer), config)
+    from lmpress.quantize import learned_rounding
+
+    seen: list[Rounding] = []
+    original = learned_rounding.learned_fake_quantize
+
+    def spy(w, scheme, rounding):
+        seen.append(rounding)
+        return original(w, scheme, rounding)
+
+    monkeypatch.setattr(learned_rounding, "learned_fake_quantize", spy)
+    LearnedRoundingMethod(config).prepare_layer(session)
+    for r in seen:
+        assert V_RANGE[0] <= r.v.min() and r.v.max() <= V_RANGE[1]
+        for t in (r.alpha, r.beta):
+            assert CLIP_RANGE[0] <= t.min() and t.max() <= CLIP_RANGE[1]
+    assert any((r.alpha < 1).any() for r in seen) and any((r.v != 0).any() for r in seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "stage", [{"method": "gptq", "bits": 4, "group_size": 32}, {"method": "learned", "bits": 4, "group_size": 32}]
+)
+def test_calibration_on_cuda_matches_the_cpu(tiny_llama_dir, tmp_path, stage):
+    """model.device: cuda — one layer and its activations on the GPU at a time, the rest of the model on the CPU."""
+    from lmpress import quantize_model
+
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        loaded = load_model(str(tiny_llama_dir))
+        settings = {k: v for k, v in stage.items() if k != "method"}
+        if stage["method"] == "learned":
+            settings.update(iterations=8, batch_size=4)
+        data = {"source": "builtin:python-docs", "samples": 8, "seq_len": 32}
+        state = tmp_path / device
+        quantize_model(loaded.model, loaded.tokenizer, stage["method"], data, state, device=device, **settings)
+        assert all(p.device.type == "cpu" for p in loaded.model.parameters())  # every layer went back
+        ids = calibration_for(loaded.tokenizer, n=2)
+        with torch.no_grad():
+            outputs[device] = loaded.model(ids).logits
+    torch.testing.assert_close(outputs["cuda"], outputs["cpu"], rtol=2e-2, atol=2e-2)
