@@ -72,6 +72,7 @@ STAGE_MODULES: dict[str, str] = {
     "rtn": "lmpress.quantize.rtn",
     "gptq": "lmpress.quantize.gptq",
     "awq": "lmpress.quantize.awq",
+    "smoothquant": "lmpress.quantize.smoothquant",
     "magnitude": "lmpress.prune.magnitude",
     "wanda": "lmpress.prune.wanda",
     "sparsegpt": "lmpress.prune.sparsegpt",
