@@ -75,8 +75,24 @@ def register_scheme_check(fmt: str) -> Callable[[Callable], Callable]:
     return decorator
 
 
+# formats that describe quantized activations (W8A8); every other format would drop them silently
+ACTIVATION_FORMATS = ("compressed-tensors",)
+
+
+def activation_refusal(fmt: str, scheme: QuantScheme) -> str | None:
+    if scheme.activations is None or fmt in ACTIVATION_FORMATS:
+        return None
+    return (
+        f"{scheme.activations} activations (W8A8), which {fmt} cannot describe (it would run the weights "
+        f"with float activations); export {' or '.join(ACTIVATION_FORMATS)}"
+    )
+
+
 def scheme_refusal(fmt: str, scheme: QuantScheme, act_order: bool) -> str | None:
     """Why ``fmt`` cannot hold a layer quantized with ``scheme`` (act-order ``g_idx`` when ``act_order``)."""
+    refusal = activation_refusal(fmt, scheme)
+    if refusal:
+        return refusal
     load_format(fmt)
     check = SCHEME_CHECKS.get(fmt)
     return None if check is None else check(scheme, act_order)
@@ -173,6 +189,10 @@ def require_quantized_layers(model: nn.Module, fmt: str) -> dict[str, QuantizedL
             f"export {fmt}: the model has no quantized layers; add a quantization stage (rtn, gptq, awq) "
             "before this export, or export format 'hf' for a dense checkpoint"
         )
+    for name, module in layers.items():
+        refusal = activation_refusal(fmt, module.scheme)
+        if refusal:
+            raise LmpressInputError(f"export {fmt}: {name}: {refusal}")
     return layers
 
 

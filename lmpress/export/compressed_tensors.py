@@ -23,6 +23,13 @@ zeros stay inside the packed 4-bit codes, because compressed-tensors keeps its
 ``sparse-24-bitmask`` layout for 8-bit ``int-quantized`` / ``float-quantized``
 weights (and 0.20 decompresses no sparse layout at all); 4-bit 2:4 kernels read
 the structure from this config.
+
+W8A8 layers (``scheme.activations == "int8"``, from SmoothQuant) are written as
+llm-compressor writes W8A8 checkpoints, in the ``int-quantized`` format: the signed
+int8 weight as ``L.weight`` (``q - 128``), ``L.weight_scale`` float32 ``(out, 1)``,
+and the config group's ``input_activations`` saying int8, symmetric, per token,
+dynamic. A checkpoint mixing packed and int8 layers has format ``mixed-precision``
+(each config group names its own).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from lmpress.export.checkpoint import (
     write_checkpoint,
 )
 from lmpress.prune.masks import nm_pattern
+from lmpress.quantize.int8_linear import int8_weight
 from lmpress.quantize.pack import (
     PACKABLE_BITS,
     ct_pack_zero_point,
@@ -64,7 +72,10 @@ from lmpress.registry import register_exporter
 
 FORMAT = "compressed-tensors"
 PACK_QUANTIZED = "pack-quantized"
-SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+INT_QUANTIZED = "int-quantized"
+MIXED = "mixed-precision"
+# "weight": an int-quantized layer's int8 weight (only a quantized layer's own tensors are looked up by suffix)
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
 # The version of compressed-tensors whose config layout this writer follows.
 CT_CONFIG_VERSION = "0.20.0"
 
@@ -84,11 +95,40 @@ def weight_args(scheme: QuantScheme) -> dict[str, Any]:
     }
 
 
+def activation_args(activations: str | None) -> dict[str, Any] | None:
+    """compressed-tensors ``QuantizationArgs`` of the input activations (None for weight-only layers)."""
+    if activations is None:
+        return None
+    if activations != "int8":
+        raise ValueError(f"no compressed-tensors form for {activations} activations")
+    return {
+        "num_bits": 8,
+        "type": "int",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "token",
+        "dynamic": True,
+        "actorder": None,
+        "block_structure": None,
+        "observer": None,
+    }
+
+
+def layer_format(scheme: QuantScheme) -> str:
+    return PACK_QUANTIZED if scheme.activations is None else INT_QUANTIZED
+
+
 def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors of one layer.
 
-    QuantizedLinear keeps its codes in exactly the ``weight_packed`` layout, so they are copied, not repacked.
+    QuantizedLinear keeps its codes in exactly the ``weight_packed`` layout, so they are copied, not repacked;
+    a W8A8 layer's codes are written unpacked as signed int8 (``int-quantized``).
     """
+    if module.scheme.activations is not None:
+        return {
+            f"{name}.weight": int8_weight(module.codes().cpu()),
+            f"{name}.weight_scale": module.scales.detach().cpu().float().clone(),
+        }
     tensors = {
         f"{name}.weight_packed": module.qweight.detach().cpu().clone(),
         f"{name}.weight_scale": module.scales.detach().cpu().clone(),
@@ -165,15 +205,16 @@ def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedLinear])
         f"group_{i}": {
             "targets": targets,
             "weights": weight_args(scheme),
-            "input_activations": None,
+            "input_activations": activation_args(scheme.activations),
             "output_activations": None,
-            "format": PACK_QUANTIZED,
+            "format": layer_format(scheme),
         }
         for i, (scheme, targets) in enumerate(groups)
     }
+    formats = {layer_format(scheme) for scheme in by_scheme}
     return {
         "quant_method": "compressed-tensors",
-        "format": PACK_QUANTIZED,
+        "format": formats.pop() if len(formats) == 1 else MIXED,
         "quantization_status": "compressed",
         "config_groups": config_groups,
         "ignore": float_linears,
@@ -222,6 +263,44 @@ def layer_weight_args(qc: dict[str, Any], name: str) -> dict[str, Any]:
     return by_class
 
 
+def layer_group(qc: dict[str, Any], name: str) -> dict[str, Any]:
+    """The config group whose ``weights`` apply to layer ``name`` (see :func:`layer_weight_args`)."""
+    weights = layer_weight_args(qc, name)
+    return next(g for g in (qc.get("config_groups") or {}).values() if g.get("weights") is weights)
+
+
+def _activations_of(group: dict[str, Any], name: str) -> str | None:
+    args = group.get("input_activations")
+    if not args:
+        return None
+    read = (args.get("type", "int"), args.get("num_bits"), args.get("strategy"), args.get("dynamic"))
+    if read != ("int", 8, "token", True) or not args.get("symmetric", True):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name} has input activations {read[0]}{read[1]} {read[2]} "
+            f"(dynamic: {read[3]}); lmpress runs symmetric int8 per-token dynamic activations"
+        )
+    return "int8"
+
+
+def _read_int_quantized(name: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
+    if (scheme.bits, scheme.group_size, scheme.symmetric, scheme.activations) != (8, -1, True, "int8"):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name} is {INT_QUANTIZED} with {scheme.describe()}; lmpress reads "
+            "8-bit symmetric per-channel weights with int8 per-token activations there"
+        )
+    weight = require_tensor(tensors, f"{name}.weight", torch.int8)
+    if weight.dim() != 2:
+        raise LmpressInputError(f"{FORMAT} checkpoint: {name}.weight has shape {tuple(weight.shape)}, expected 2-D")
+    scales = require_tensor(tensors, f"{name}.weight_scale")
+    check_shape(f"{name}.weight_scale", scales, (weight.shape[0], 1))
+    return QuantizedWeight(
+        qweight=(weight.to(torch.int16) + 128).to(torch.uint8),
+        scales=scales.float().contiguous(),
+        zeros=torch.full((weight.shape[0], 1), 128.0),
+        scheme=scheme,
+    )
+
+
 def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
     if args.get("type", "int") != "int" or args.get("strategy") not in ("group", "channel"):
         raise LmpressInputError(
@@ -239,12 +318,27 @@ def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
 @register_reader("compressed-tensors", SUFFIXES)
 def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     qc = config["quantization_config"]
-    if qc.get("format") not in (PACK_QUANTIZED, "mixed-precision"):
-        raise LmpressInputError(f"{FORMAT} checkpoint: format {qc.get('format')!r}; lmpress reads {PACK_QUANTIZED}")
+    readable = (PACK_QUANTIZED, INT_QUANTIZED)
+    if qc.get("format") not in (*readable, MIXED):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: format {qc.get('format')!r}; lmpress reads {' and '.join(readable)}"
+        )
     for group_name, group in (qc.get("config_groups") or {}).items():
-        if group.get("format") not in (PACK_QUANTIZED, None):
-            raise LmpressInputError(f"{FORMAT} checkpoint: config group {group_name} is not {PACK_QUANTIZED}")
+        if group.get("format") not in (*readable, None):
+            raise LmpressInputError(f"{FORMAT} checkpoint: config group {group_name} is not {' or '.join(readable)}")
     layers = {}
+    for key in sorted(k for k in tensors if k.endswith(".weight_scale")):
+        name = key.removesuffix(".weight_scale")
+        if f"{name}.weight_packed" in tensors:
+            continue
+        group = layer_group(qc, name)
+        if (group.get("format") or qc.get("format")) != INT_QUANTIZED:
+            raise LmpressInputError(
+                f"{FORMAT} checkpoint: {name} has a weight_scale but neither packed nor int8 weights"
+            )
+        scheme = _scheme_of(group["weights"], name)
+        scheme = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric, _activations_of(group, name))
+        layers[name] = _read_int_quantized(name, tensors, scheme)
     for key in sorted(k for k in tensors if k.endswith(".weight_packed")):
         name = key.removesuffix(".weight_packed")
         scheme = _scheme_of(layer_weight_args(qc, name), name)

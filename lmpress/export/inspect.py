@@ -84,6 +84,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
                 "bits": qw.scheme.bits,
                 "group_size": qw.scheme.group_size,
                 "sym": qw.scheme.symmetric,
+                "activations": qw.scheme.activations or "float",
                 "act_order": qw.g_idx is not None,
                 "bytes": stored,
                 "bits_per_weight": round(8 * stored / (out_features * in_features), 3),
@@ -99,6 +100,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         "bits": _single_or_list([r["bits"] for r in rows]) if rows else None,
         "group_size": _single_or_list([r["group_size"] for r in rows]) if rows else None,
         "sym": _single_or_list([r["sym"] for r in rows]) if rows else None,
+        "activations": _single_or_list([r["activations"] for r in rows]) if rows else None,
         "act_order": any(r["act_order"] for r in rows),
         "quantized_weights": quantized_weights,
         "quantized_bytes": quantized_bytes,
@@ -187,6 +189,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "bits",
         "group_size",
         "sym",
+        "activations",
         "act_order",
         "quantized_layers",
         "parameters",
@@ -206,7 +209,8 @@ def _summary_table(info: dict[str, Any]) -> Table:
 
 def _layer_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="quantized layers")
-    for column in ("layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "sparsity"):
+    columns = ("layer", "shape", "bits", "group", "sym", "activations", "act-order", "size", "bits/weight", "sparsity")
+    for column in columns:
         table.add_column(column, justify="left" if column == "layer" else "right")
     for r in rows:
         table.add_row(
@@ -215,12 +219,17 @@ def _layer_table(rows: list[dict[str, Any]]) -> Table:
             str(r["bits"]),
             "channel" if r["group_size"] == -1 else str(r["group_size"]),
             "yes" if r["sym"] else "no",
+            _activation_text(r.get("activations", "float")),
             "yes" if r["act_order"] else "no",
             f"{r['bytes'] / 1e3:.1f} kB",
             f"{r['bits_per_weight']:.3f}",
             _sparsity_text(r),
         )
     return table
+
+
+def _activation_text(activations: str) -> str:
+    return "float" if activations == "float" else f"{activations} per-token"
 
 
 def _sparsity_text(row: dict[str, Any]) -> str:
