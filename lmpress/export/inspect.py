@@ -208,23 +208,29 @@ def _summary_table(info: dict[str, Any]) -> Table:
 
 
 def _layer_table(rows: list[dict[str, Any]]) -> Table:
+    """One row per quantized layer; the activations column only when some layer quantizes its activations."""
     table = Table(title="quantized layers")
-    columns = ("layer", "shape", "bits", "group", "sym", "activations", "act-order", "size", "bits/weight", "sparsity")
+    activations = any(r.get("activations", "float") != "float" for r in rows)
+    columns = ["layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "sparsity"]
+    if activations:
+        columns.insert(5, "activations")
     for column in columns:
         table.add_column(column, justify="left" if column == "layer" else "right")
     for r in rows:
-        table.add_row(
+        cells = [
             r["name"],
             "x".join(str(v) for v in r["shape"]),
             str(r["bits"]),
             "channel" if r["group_size"] == -1 else str(r["group_size"]),
             "yes" if r["sym"] else "no",
-            _activation_text(r.get("activations", "float")),
             "yes" if r["act_order"] else "no",
             f"{r['bytes'] / 1e3:.1f} kB",
             f"{r['bits_per_weight']:.3f}",
             _sparsity_text(r),
-        )
+        ]
+        if activations:
+            cells.insert(5, _activation_text(r["activations"]))
+        table.add_row(*cells)
     return table
 
 
