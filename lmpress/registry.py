@@ -73,6 +73,7 @@ STAGE_MODULES: dict[str, str] = {
     "gptq": "lmpress.quantize.gptq",
     "awq": "lmpress.quantize.awq",
     "smoothquant": "lmpress.quantize.smoothquant",
+    "fp8": "lmpress.quantize.fp8",
     "magnitude": "lmpress.prune.magnitude",
     "wanda": "lmpress.prune.wanda",
     "sparsegpt": "lmpress.prune.sparsegpt",

@@ -31,7 +31,8 @@ from lmpress.registry import READER_MODULES, load_format, load_reader
 SAFETENSORS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-QUANTIZED_BUFFERS = ("qweight", "scales", "zeros", "g_idx")
+# a quantized layer's own buffers: QuantizedLinear's packed form; Fp8Linear's E4M3 weight and its scale
+QUANTIZED_BUFFERS = ("qweight", "scales", "zeros", "g_idx", "weight", "weight_scale")
 
 # quantization_config.quant_method -> the reader of that format: (config, tensors) -> {layer: QuantizedWeight}
 Reader = Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, QuantizedWeight]]

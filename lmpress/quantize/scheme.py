@@ -22,7 +22,8 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 # Activation schemes a quantized linear can run with (None: weight-only, float activations).
 # "int8": dynamic symmetric per-token int8 activations, int8 matrix multiplication (``int8_linear.py``).
-ACTIVATION_SCHEMES = ("int8",)
+# "fp8": dynamic per-token E4M3 activations with E4M3 weights (``fp8.py``, its own module ``Fp8Linear``).
+ACTIVATION_SCHEMES = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
