@@ -63,6 +63,18 @@ ROWS: dict[str, tuple[str, dict | None, str | None, float | None]] = {
         "compressed-tensors",
         None,
     ),
+    "fp8-channel": (
+        "FP8 W8A8 (E4M3, per-channel W, per-token A; simulated on CPU)",
+        {"method": "fp8", "weights": "channel"},
+        "compressed-tensors",
+        21.10,
+    ),
+    "fp8-tensor": (
+        "FP8 W8A8 (E4M3, per-tensor W, per-token A; simulated on CPU)",
+        {"method": "fp8", "weights": "tensor"},
+        "compressed-tensors",
+        None,
+    ),
 }
 # the row whose W8A8 model the prefill timing uses
 SPEED_ROW = "w8a8-sq-gptq"
