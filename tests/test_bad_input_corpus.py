@@ -321,6 +321,12 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
         [],
     ),
     (
+        "bnb-on-quantized-layers",
+        edited(lambda r, e: r.update(stages=[r["stages"][0], {"method": "bnb_4bit"}], export={"formats": []})),
+        "stage bnb_4bit: bitsandbytes cannot wrap 14 layer(s)",
+        [],
+    ),
+    (
         "fp8-weights-group",
         edited(lambda r, e: r.update(stages=[{"method": "fp8", "weights": "group"}])),
         "stages[0].weights",
