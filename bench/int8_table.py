@@ -75,6 +75,24 @@ ROWS: dict[str, tuple[str, dict | None, str | None, float | None]] = {
         "compressed-tensors",
         None,
     ),
+    "bnb-llm-int8": (
+        "LLM.int8 (bitsandbytes Linear8bitLt, threshold 6.0)",
+        {"method": "llm_int8", "threshold": 6.0},
+        "bitsandbytes",
+        None,
+    ),
+    "bnb-nf4": (
+        "NF4, double quant (bitsandbytes Linear4bit)",
+        {"method": "bnb_4bit", "quant_type": "nf4", "double_quant": True},
+        "bitsandbytes",
+        None,
+    ),
+    "bnb-fp4": (
+        "FP4, double quant (bitsandbytes Linear4bit)",
+        {"method": "bnb_4bit", "quant_type": "fp4", "double_quant": True},
+        "bitsandbytes",
+        None,
+    ),
 }
 # the row whose W8A8 model the prefill timing uses
 SPEED_ROW = "w8a8-sq-gptq"
@@ -187,7 +205,7 @@ def render(rows: list[dict]) -> str:
         f"{EVAL['seq_len']} tokens of wiki.test.raw (`python bench/int8_table.py`). Each quantized row is exported, "
         "read back from disk by lmpress and that artifact is scored: the W8A8 rows run int8 per-token activations "
         "through `torch._int_mm`. lm_head (tied to the embeddings) stays float. Sizes: the artifact's safetensors "
-        "(the float embedding is 113 MB of them).",
+        "(the float embedding is 113 MB of them; FP32 is 538 MB).",
     ]
     cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
     if cpus:
