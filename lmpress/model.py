@@ -213,7 +213,9 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         if method == "bitsandbytes":
             # bitsandbytes exports: transformers' own integration rebuilds bitsandbytes' modules
-            model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", use_safetensors=True)
+            from lmpress.quantize.bnb import keep_unpacked
+
+            model = keep_unpacked(AutoModelForCausalLM.from_pretrained(path, device_map="cpu", use_safetensors=True))
         elif method is not None:
             # GPTQ / AWQ / compressed-tensors exports: lmpress's own readers, no kernels package needed.
             model = load_quantized_model(path, DTYPES[dtype])

@@ -177,12 +177,27 @@ def bnb_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, kinds)}
 
 
+def keep_unpacked(model: nn.Module) -> nn.Module:
+    """Run ``model``'s 4-bit layers on bitsandbytes' dequantizing path, never its CPU repacking.
+
+    On an AVX512-BF16 CPU, ``Linear4bit`` repacks its weight for a faster kernel on the first forward
+    and unpacks it when saved; that round trip is not exact (bitsandbytes 0.50), so a candidate that
+    ran a forward before its export would no longer hold the weights it exports. lmpress's candidate
+    and every bitsandbytes artifact lmpress loads keep the packed layout as quantized.
+    """
+    for module in bnb_layers(model).values():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
 def run_bnb(model: nn.Module, config: BnBStageConfig, ctx: StageContext) -> dict:
     config.check(model)
     targets = config.targets(model)
     for name, linear in ctx.bars.track(targets.items(), f"{config.method}: layers", total=len(targets)):
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, config.wrap(linear).train(linear.training))
+    keep_unpacked(model)
     model.config.quantization_config = config.transformers_config()
     return {"quantized_layers": len(targets)}
 
