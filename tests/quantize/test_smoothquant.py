@@ -92,3 +92,19 @@ def test_scheme_carries_the_activations():
     scheme = SmoothQuantConfig().scheme_for("model.layers.0.mlp.down_proj")
     assert (scheme.bits, scheme.group_size, scheme.symmetric, scheme.activations) == (8, -1, True, "int8")
     assert SmoothQuantConfig().scheme_for("lm_head") is None
+
+
+def test_resume_restores_the_w8a8_layers(tiny_llama_dir, tmp_path):
+    """A resumed run restores finished layers from the stage state with their activation scheme."""
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer)
+    run_smoothquant(loaded.model, SmoothQuantConfig(), context(tmp_path, calibration))
+    fresh = load_model(str(tiny_llama_dir)).model
+    resumed_ctx = context(tmp_path, calibration)
+    resumed_ctx.resume = True
+    summary = run_smoothquant(fresh, SmoothQuantConfig(), resumed_ctx)
+    assert summary["resumed_at_layer"] == 2 and summary["smoothed_pairs"] == 0  # nothing recomputed
+    layers = {n: m for n, m in fresh.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(layers) == 14 and {m.scheme.activations for m in layers.values()} == {"int8"}
+    with torch.no_grad():
+        assert torch.equal(fresh(calibration).logits, loaded.model(calibration).logits)
