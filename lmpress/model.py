@@ -228,10 +228,15 @@ def load_model(
         return load_export_artifact(Path(os.path.expanduser(source)), loader, dtype, fingerprint)
     path = resolve_checkpoint(source, revision)
     verify_artifact(path)
-    quantized = quant_method(check_checkpoint_dir(path)) is not None
+    method = quant_method(check_checkpoint_dir(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        if quantized:
+        if method == "bitsandbytes":
+            # bitsandbytes exports: transformers' own integration rebuilds bitsandbytes' modules
+            from lmpress.quantize.bnb import keep_unpacked
+
+            model = keep_unpacked(AutoModelForCausalLM.from_pretrained(path, device_map="cpu", use_safetensors=True))
+        elif method is not None:
             # GPTQ / AWQ / compressed-tensors exports: lmpress's own readers, no kernels package needed.
             model = load_quantized_model(path, DTYPES[dtype])
         else:

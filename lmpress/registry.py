@@ -73,6 +73,10 @@ STAGE_MODULES: dict[str, str] = {
     "gptq": "lmpress.quantize.gptq",
     "awq": "lmpress.quantize.awq",
     "learned": "lmpress.quantize.learned_rounding",
+    "smoothquant": "lmpress.quantize.smoothquant",
+    "fp8": "lmpress.quantize.fp8",
+    "llm_int8": "lmpress.quantize.bnb",
+    "bnb_4bit": "lmpress.quantize.bnb",
     "magnitude": "lmpress.prune.magnitude",
     "wanda": "lmpress.prune.wanda",
     "sparsegpt": "lmpress.prune.sparsegpt",
@@ -91,6 +95,7 @@ EXPORT_MODULES: dict[str, str] = {
     "compressed-tensors": "lmpress.export.compressed_tensors",
     "gguf": "lmpress.export.gguf",
     "onnx": "lmpress.export.onnx",
+    "bitsandbytes": "lmpress.export.bnb",
 }
 # an export directory's single model file (no config.json) -> the module whose loader reads it
 ARTIFACT_FILE_MODULES: dict[str, str] = {"model.gguf": "lmpress.export.gguf", "model.onnx": "lmpress.export.onnx"}

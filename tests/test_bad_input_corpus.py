@@ -338,6 +338,31 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
         "onnx: stages[0]: 3-bit weights",
         [],
     ),
+    # INT8 / FP8
+    (
+        "int8-activations-with-group-size",
+        edited(lambda r, e: r.update(stages=[{"method": "smoothquant", "group_size": 64}])),
+        "int8 per-token activations need per-channel weight scales (group_size: -1), got group_size 64",
+        [],
+    ),
+    (
+        "w8a8-export-gptq",
+        edited(lambda r, e: r.update(stages=[{"method": "smoothquant"}], export={"formats": ["gptq"]})),
+        "gptq: stages[0]: int8 activations (W8A8), which gptq cannot describe",
+        [],
+    ),
+    (
+        "bnb-on-quantized-layers",
+        edited(lambda r, e: r.update(stages=[r["stages"][0], {"method": "bnb_4bit"}], export={"formats": []})),
+        "stage bnb_4bit: bitsandbytes cannot wrap 14 layer(s)",
+        [],
+    ),
+    (
+        "fp8-weights-group",
+        edited(lambda r, e: r.update(stages=[{"method": "fp8", "weights": "group"}])),
+        "stages[0].weights",
+        [],
+    ),
     ("set-malformed-yaml", edited(lambda r, e: None), "is not valid YAML", ["--set", "stages[0].bits=["]),
     ("set-missing-index", edited(lambda r, e: None), "stages[3] does not exist", ["--set", "stages[3].bits=8"]),
     ("set-without-value", edited(lambda r, e: None), "expected key.path=value", ["--set", "stages[0].bits"]),
@@ -534,6 +559,17 @@ def truncated_gguf(env: Env) -> str:
 def test_truncated_gguf_is_exit_2(env, capsys):
     code = main(["eval", truncated_gguf(env), "--quiet"])
     assert_one_line_error(code, capsys.readouterr().err, "model.gguf")
+
+
+def test_fp8_without_float8_dtypes_is_exit_2(env, capsys, monkeypatch):
+    raw = base_recipe(env)
+    raw["stages"] = [{"method": "fp8"}]
+    raw["export"]["formats"] = ["compressed-tensors"]
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    out = out_with_a_file(env.tmp)
+    code = main(["run", env.recipe(raw), "--out", str(out), "--overwrite", "--quiet"])
+    assert_one_line_error(code, capsys.readouterr().err, "stage fp8: the installed torch")
+    assert sorted(p.name for p in out.iterdir()) == [SENTINEL]
 
 
 def test_corpus_size():

@@ -31,7 +31,8 @@ from lmpress.registry import READER_MODULES, load_format, load_reader
 SAFETENSORS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-QUANTIZED_BUFFERS = ("qweight", "scales", "zeros", "g_idx")
+# a quantized layer's own buffers: QuantizedLinear's packed form; Fp8Linear's E4M3 weight and its scale
+QUANTIZED_BUFFERS = ("qweight", "scales", "zeros", "g_idx", "weight", "weight_scale")
 
 # quantization_config.quant_method -> the reader of that format: (config, tensors) -> {layer: QuantizedWeight}
 Reader = Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, QuantizedWeight]]
@@ -75,8 +76,24 @@ def register_scheme_check(fmt: str) -> Callable[[Callable], Callable]:
     return decorator
 
 
+# formats that describe quantized activations (W8A8); every other format would drop them silently
+ACTIVATION_FORMATS = ("compressed-tensors",)
+
+
+def activation_refusal(fmt: str, scheme: QuantScheme) -> str | None:
+    if scheme.activations is None or fmt in ACTIVATION_FORMATS:
+        return None
+    return (
+        f"{scheme.activations} activations (W8A8), which {fmt} cannot describe (it would run the weights "
+        f"with float activations); export {' or '.join(ACTIVATION_FORMATS)}"
+    )
+
+
 def scheme_refusal(fmt: str, scheme: QuantScheme, act_order: bool) -> str | None:
     """Why ``fmt`` cannot hold a layer quantized with ``scheme`` (act-order ``g_idx`` when ``act_order``)."""
+    refusal = activation_refusal(fmt, scheme)
+    if refusal:
+        return refusal
     load_format(fmt)
     check = SCHEME_CHECKS.get(fmt)
     return None if check is None else check(scheme, act_order)
@@ -173,6 +190,10 @@ def require_quantized_layers(model: nn.Module, fmt: str) -> dict[str, QuantizedL
             f"export {fmt}: the model has no quantized layers; add a quantization stage (rtn, gptq, awq) "
             "before this export, or export format 'hf' for a dense checkpoint"
         )
+    for name, module in layers.items():
+        refusal = activation_refusal(fmt, module.scheme)
+        if refusal:
+            raise LmpressInputError(f"export {fmt}: {name}: {refusal}")
     return layers
 
 

@@ -23,6 +23,16 @@ zeros stay inside the packed 4-bit codes, because compressed-tensors keeps its
 ``sparse-24-bitmask`` layout for 8-bit ``int-quantized`` / ``float-quantized``
 weights (and 0.20 decompresses no sparse layout at all); 4-bit 2:4 kernels read
 the structure from this config.
+
+W8A8 layers (``scheme.activations == "int8"``, from SmoothQuant) are written as
+llm-compressor writes W8A8 checkpoints, in the ``int-quantized`` format: the signed
+int8 weight as ``L.weight`` (``q - 128``), ``L.weight_scale`` float32 ``(out, 1)``,
+and the config group's ``input_activations`` saying int8, symmetric, per token,
+dynamic. FP8 layers (``Fp8Linear``, from the ``fp8`` stage) are written in the
+``float-quantized`` format: ``L.weight`` float8_e4m3fn, ``L.weight_scale`` float32
+``(out, 1)`` (channel strategy) or ``(1,)`` (tensor), input activations float8
+per token, dynamic. A checkpoint mixing formats has format ``mixed-precision``
+(each config group names its own).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from lmpress.export.checkpoint import (
     dense_tensors,
     group_count,
     plan_of,
+    quantized_layers,
     register_plan_check,
     register_reader,
     register_scheme_check,
@@ -51,6 +62,8 @@ from lmpress.export.checkpoint import (
     write_checkpoint,
 )
 from lmpress.prune.masks import nm_pattern
+from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
+from lmpress.quantize.int8_linear import int8_weight
 from lmpress.quantize.pack import (
     PACKABLE_BITS,
     ct_pack_zero_point,
@@ -64,7 +77,11 @@ from lmpress.registry import register_exporter
 
 FORMAT = "compressed-tensors"
 PACK_QUANTIZED = "pack-quantized"
-SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+INT_QUANTIZED = "int-quantized"
+FLOAT_QUANTIZED = "float-quantized"
+MIXED = "mixed-precision"
+# "weight": an int-quantized layer's int8 weight (only a quantized layer's own tensors are looked up by suffix)
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
 # The version of compressed-tensors whose config layout this writer follows.
 CT_CONFIG_VERSION = "0.20.0"
 
@@ -84,11 +101,55 @@ def weight_args(scheme: QuantScheme) -> dict[str, Any]:
     }
 
 
+def fp8_weight_args(strategy: str) -> dict[str, Any]:
+    """compressed-tensors ``QuantizationArgs`` of E4M3 weights with ``strategy`` (channel | tensor) scales."""
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": strategy,
+        "dynamic": False,
+        "actorder": None,
+        "block_structure": None,
+        "observer": "minmax",
+    }
+
+
+def activation_args(activations: str | None) -> dict[str, Any] | None:
+    """compressed-tensors ``QuantizationArgs`` of the input activations (None for weight-only layers)."""
+    if activations is None:
+        return None
+    if activations not in ("int8", "fp8"):
+        raise ValueError(f"no compressed-tensors form for {activations} activations")
+    return {
+        "num_bits": 8,
+        "type": "int" if activations == "int8" else "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "token",
+        "dynamic": True,
+        "actorder": None,
+        "block_structure": None,
+        "observer": None,
+    }
+
+
+def layer_format(scheme: QuantScheme) -> str:
+    return PACK_QUANTIZED if scheme.activations is None else INT_QUANTIZED
+
+
 def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors of one layer.
 
-    QuantizedLinear keeps its codes in exactly the ``weight_packed`` layout, so they are copied, not repacked.
+    QuantizedLinear keeps its codes in exactly the ``weight_packed`` layout, so they are copied, not repacked;
+    a W8A8 layer's codes are written unpacked as signed int8 (``int-quantized``).
     """
+    if module.scheme.activations is not None:
+        return {
+            f"{name}.weight": int8_weight(module.codes().cpu()),
+            f"{name}.weight_scale": module.scales.detach().cpu().float().clone(),
+        }
     tensors = {
         f"{name}.weight_packed": module.qweight.detach().cpu().clone(),
         f"{name}.weight_scale": module.scales.detach().cpu().clone(),
@@ -152,28 +213,40 @@ def ct_sparsity_config(layers: dict[str, QuantizedLinear]) -> dict[str, Any]:
     }
 
 
-def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dict[str, Any]:
-    by_scheme: dict[QuantScheme, list[str]] = {}
+def _group_args(key: QuantScheme | str) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """(weights, input_activations, format) of a config group: a QuantScheme, or an FP8 layer's strategy."""
+    if isinstance(key, QuantScheme):
+        return weight_args(key), activation_args(key.activations), layer_format(key)
+    return fp8_weight_args(key), activation_args("fp8"), FLOAT_QUANTIZED
+
+
+def ct_quantization_config(
+    model: nn.Module, layers: dict[str, QuantizedLinear], fp8: dict[str, Fp8Linear] | None = None
+) -> dict[str, Any]:
+    by_scheme: dict[QuantScheme | str, list[str]] = {}
     for name, module in layers.items():
         by_scheme.setdefault(module.scheme, []).append(name)
+    for name, module in (fp8 or {}).items():
+        by_scheme.setdefault(module.strategy, []).append(name)
     float_linears = unquantized_linears(model)
     if len(by_scheme) == 1:
         groups = [(next(iter(by_scheme)), ["Linear"])]
     else:
         groups = list(by_scheme.items())
-    config_groups = {
-        f"group_{i}": {
+    config_groups = {}
+    for i, (key, targets) in enumerate(groups):
+        weights, activations, fmt = _group_args(key)
+        config_groups[f"group_{i}"] = {
             "targets": targets,
-            "weights": weight_args(scheme),
-            "input_activations": None,
+            "weights": weights,
+            "input_activations": activations,
             "output_activations": None,
-            "format": PACK_QUANTIZED,
+            "format": fmt,
         }
-        for i, (scheme, targets) in enumerate(groups)
-    }
+    formats = {_group_args(key)[2] for key in by_scheme}
     return {
         "quant_method": "compressed-tensors",
-        "format": PACK_QUANTIZED,
+        "format": formats.pop() if len(formats) == 1 else MIXED,
         "quantization_status": "compressed",
         "config_groups": config_groups,
         "ignore": float_linears,
@@ -187,14 +260,15 @@ def ct_quantization_config(model: nn.Module, layers: dict[str, QuantizedLinear])
 
 @register_exporter(FORMAT)
 def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
-    layers = require_quantized_layers(model, FORMAT)
+    fp8 = fp8_layers(model)  # their buffers already carry the float-quantized names (weight, weight_scale)
+    layers = quantized_layers(model) if fp8 else require_quantized_layers(model, FORMAT)
     check_ct_plan(model, plan_of(layers))
     for name, module in layers.items():
         _check_layer(name, module)
     tensors = dense_tensors(model)
     for name, module in layers.items():
         tensors.update(ct_tensors(name, module))
-    write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers))
+    write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers, fp8))
 
 
 def _matches(name: str, target: str) -> bool:
@@ -222,6 +296,65 @@ def layer_weight_args(qc: dict[str, Any], name: str) -> dict[str, Any]:
     return by_class
 
 
+def layer_group(qc: dict[str, Any], name: str) -> dict[str, Any]:
+    """The config group whose ``weights`` apply to layer ``name`` (see :func:`layer_weight_args`)."""
+    weights = layer_weight_args(qc, name)
+    return next(g for g in (qc.get("config_groups") or {}).values() if g.get("weights") is weights)
+
+
+def _activations_of(group: dict[str, Any], name: str) -> str | None:
+    args = group.get("input_activations")
+    if not args:
+        return None
+    read = (args.get("type", "int"), args.get("num_bits"), args.get("strategy"), args.get("dynamic"))
+    if read != ("int", 8, "token", True) or not args.get("symmetric", True):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name} has input activations {read[0]}{read[1]} {read[2]} "
+            f"(dynamic: {read[3]}); lmpress runs symmetric int8 per-token dynamic activations"
+        )
+    return "int8"
+
+
+def _read_int_quantized(name: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
+    if (scheme.bits, scheme.group_size, scheme.symmetric, scheme.activations) != (8, -1, True, "int8"):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name} is {INT_QUANTIZED} with {scheme.describe()}; lmpress reads "
+            "8-bit symmetric per-channel weights with int8 per-token activations there"
+        )
+    weight = require_tensor(tensors, f"{name}.weight", torch.int8)
+    if weight.dim() != 2:
+        raise LmpressInputError(f"{FORMAT} checkpoint: {name}.weight has shape {tuple(weight.shape)}, expected 2-D")
+    scales = require_tensor(tensors, f"{name}.weight_scale")
+    check_shape(f"{name}.weight_scale", scales, (weight.shape[0], 1))
+    return QuantizedWeight(
+        qweight=(weight.to(torch.int16) + 128).to(torch.uint8),
+        scales=scales.float().contiguous(),
+        zeros=torch.full((weight.shape[0], 1), 128.0),
+        scheme=scheme,
+    )
+
+
+def _read_float_quantized(name: str, tensors: dict[str, torch.Tensor], group: dict[str, Any]) -> Fp8Weight:
+    weights, activations = group.get("weights") or {}, group.get("input_activations") or {}
+    strategy = weights.get("strategy")
+    read = (weights.get("type"), weights.get("num_bits"), strategy)
+    acts = tuple(activations.get(k) for k in ("type", "num_bits", "strategy", "dynamic"))
+    if read not in (("float", 8, "channel"), ("float", 8, "tensor")) or acts != ("float", 8, "token", True):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name} is {FLOAT_QUANTIZED} with weights {read} and activations {acts}; lmpress "
+            "reads FP8 weights with channel or tensor scales and dynamic per-token FP8 activations"
+        )
+    weight = require_tensor(tensors, f"{name}.weight", require_float8(f"{FORMAT} checkpoint {name}"))
+    scales = require_tensor(tensors, f"{name}.weight_scale")
+    expected = (weight.shape[0], 1) if strategy == "channel" else (1,)
+    if weight.dim() != 2 or scales.numel() != expected[0]:
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: {name}: weight {tuple(weight.shape)} with {scales.numel()} {strategy} scale(s)"
+        )
+    scales = scales.float().reshape(expected)
+    return Fp8Weight(weight, scales, strategy)
+
+
 def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
     if args.get("type", "int") != "int" or args.get("strategy") not in ("group", "channel"):
         raise LmpressInputError(
@@ -239,12 +372,30 @@ def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
 @register_reader("compressed-tensors", SUFFIXES)
 def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     qc = config["quantization_config"]
-    if qc.get("format") not in (PACK_QUANTIZED, "mixed-precision"):
-        raise LmpressInputError(f"{FORMAT} checkpoint: format {qc.get('format')!r}; lmpress reads {PACK_QUANTIZED}")
+    readable = (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED)
+    if qc.get("format") not in (*readable, MIXED):
+        raise LmpressInputError(
+            f"{FORMAT} checkpoint: format {qc.get('format')!r}; lmpress reads {' and '.join(readable)}"
+        )
     for group_name, group in (qc.get("config_groups") or {}).items():
-        if group.get("format") not in (PACK_QUANTIZED, None):
-            raise LmpressInputError(f"{FORMAT} checkpoint: config group {group_name} is not {PACK_QUANTIZED}")
+        if group.get("format") not in (*readable, None):
+            raise LmpressInputError(f"{FORMAT} checkpoint: config group {group_name} is not {' or '.join(readable)}")
     layers = {}
+    for key in sorted(k for k in tensors if k.endswith(".weight_scale")):
+        name = key.removesuffix(".weight_scale")
+        if f"{name}.weight_packed" in tensors:
+            continue
+        group = layer_group(qc, name)
+        if (group.get("format") or qc.get("format")) == FLOAT_QUANTIZED:
+            layers[name] = _read_float_quantized(name, tensors, group)
+            continue
+        if (group.get("format") or qc.get("format")) != INT_QUANTIZED:
+            raise LmpressInputError(
+                f"{FORMAT} checkpoint: {name} has a weight_scale but neither packed nor int8 weights"
+            )
+        scheme = _scheme_of(group["weights"], name)
+        scheme = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric, _activations_of(group, name))
+        layers[name] = _read_int_quantized(name, tensors, scheme)
     for key in sorted(k for k in tensors if k.endswith(".weight_packed")):
         name = key.removesuffix(".weight_packed")
         scheme = _scheme_of(layer_weight_args(qc, name), name)

@@ -84,6 +84,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
                 "bits": qw.scheme.bits,
                 "group_size": qw.scheme.group_size,
                 "sym": qw.scheme.symmetric,
+                "activations": qw.scheme.activations or "float",
                 "act_order": qw.g_idx is not None,
                 "bytes": stored,
                 "bits_per_weight": round(8 * stored / (out_features * in_features), 3),
@@ -99,6 +100,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         "bits": _single_or_list([r["bits"] for r in rows]) if rows else None,
         "group_size": _single_or_list([r["group_size"] for r in rows]) if rows else None,
         "sym": _single_or_list([r["sym"] for r in rows]) if rows else None,
+        "activations": _single_or_list([r["activations"] for r in rows]) if rows else None,
         "act_order": any(r["act_order"] for r in rows),
         "quantized_weights": quantized_weights,
         "quantized_bytes": quantized_bytes,
@@ -187,6 +189,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "bits",
         "group_size",
         "sym",
+        "activations",
         "act_order",
         "quantized_layers",
         "parameters",
@@ -205,11 +208,16 @@ def _summary_table(info: dict[str, Any]) -> Table:
 
 
 def _layer_table(rows: list[dict[str, Any]]) -> Table:
+    """One row per quantized layer; the activations column only when some layer quantizes its activations."""
     table = Table(title="quantized layers")
-    for column in ("layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "sparsity"):
+    activations = any(r.get("activations", "float") != "float" for r in rows)
+    columns = ["layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "sparsity"]
+    if activations:
+        columns.insert(5, "activations")
+    for column in columns:
         table.add_column(column, justify="left" if column == "layer" else "right")
     for r in rows:
-        table.add_row(
+        cells = [
             r["name"],
             "x".join(str(v) for v in r["shape"]),
             str(r["bits"]),
@@ -219,8 +227,15 @@ def _layer_table(rows: list[dict[str, Any]]) -> Table:
             f"{r['bytes'] / 1e3:.1f} kB",
             f"{r['bits_per_weight']:.3f}",
             _sparsity_text(r),
-        )
+        ]
+        if activations:
+            cells.insert(5, _activation_text(r["activations"]))
+        table.add_row(*cells)
     return table
+
+
+def _activation_text(activations: str) -> str:
+    return "float" if activations == "float" else f"{activations} per-token"
 
 
 def _sparsity_text(row: dict[str, Any]) -> str:

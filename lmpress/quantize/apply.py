@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from torch import nn
 
+from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight
 from lmpress.quantize.qlinear import QuantizedLinear, quantized_linear_from
 from lmpress.quantize.scheme import QuantizedWeight
 
 
-def apply_quantized_weight(model: nn.Module, name: str, qweight: QuantizedWeight) -> QuantizedLinear:
+def apply_quantized_weight(
+    model: nn.Module, name: str, qweight: QuantizedWeight | Fp8Weight
+) -> QuantizedLinear | Fp8Linear:
     """Swap the linear layer ``name`` (relative to ``model``) for a QuantizedLinear holding ``qweight``.
 
     The replacement keeps the bias, the device and the place in the module tree, so
     the model's forward keeps working; it holds the packed codes that exporters write.
-    Applying again to an already quantized layer replaces its weight.
+    Applying again to an already quantized layer replaces its weight. An ``Fp8Weight`` (an FP8
+    checkpoint's layer, read back) becomes an ``Fp8Linear``.
     """
     if not name:
         raise ValueError("apply_quantized_weight needs the name of a submodule, not the model itself")
@@ -27,7 +31,11 @@ def apply_quantized_weight(model: nn.Module, name: str, qweight: QuantizedWeight
         old = linear
     if not isinstance(old, nn.Linear):
         raise TypeError(f"{name} is a {type(old).__name__}, not an nn.Linear")
-    replacement = quantized_linear_from(old, qweight)
+    if isinstance(qweight, Fp8Weight):
+        bias = None if old.bias is None else old.bias.data
+        replacement = Fp8Linear.from_weight(qweight, bias).to(old.weight.device)
+    else:
+        replacement = quantized_linear_from(old, qweight)
     replacement.train(old.training)
     setattr(parent, child_name, replacement)
     return replacement

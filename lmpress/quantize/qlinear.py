@@ -23,6 +23,11 @@ So ``kernel="auto"`` (the default) runs them for bfloat16 inputs of at most
 bfloat16 for them (fast CPU decoding of a float32 model, ~50 dB SQNR against the
 reference); ``kernel="reference"``, other inputs and inputs that need gradients
 take the reference path.
+
+A layer whose scheme has ``activations: "int8"`` (W8A8, from SmoothQuant) always
+runs its int8 execution (``int8_linear.py``): activations quantized per token,
+``torch._int_mm`` on CPU and CUDA; ``kernel="reference"`` simulates the same
+function in float (fake-quantized activations times the dequantized weight).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lmpress.quantize.int8_linear import fake_quantize_per_token, int8_weight, w8a8_linear
 from lmpress.quantize.pack import ct_pack_weight, ct_unpack_weight, packed_length
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, dequantize_int
 
@@ -64,6 +70,10 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if not scheme.fits(in_features):
             raise ValueError(f"group size {scheme.group_size} does not divide in_features {in_features}")
+        if scheme.activations not in (None, "int8"):
+            raise ValueError(f"QuantizedLinear runs int8 or float activations, not {scheme.activations}")
+        if scheme.activations is not None and (scheme.bits, scheme.group_size, scheme.symmetric) != (8, -1, True):
+            raise ValueError(f"{scheme.activations} activations need 8-bit symmetric per-channel weights, got {scheme}")
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
@@ -138,11 +148,23 @@ class QuantizedLinear(nn.Module):
         return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.activations is not None:
+            return self._w8a8_forward(x)
         if self._kernel_applies(x):
             y = self._kernel_forward(x)
             if y is not None:
                 return y
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self._bias_as(x))
+
+    def _w8a8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "reference":
+            weight = self.dequantized_weight(x.dtype)
+            return nn.functional.linear(fake_quantize_per_token(x), weight, self._bias_as(x))
+        cache = self._kernel_cache
+        if cache is None or cache[1].device != x.device:
+            weight_t = int8_weight(self.codes()).t().contiguous().to(x.device)
+            cache = self._kernel_cache = ("w8a8", weight_t, self.scales[:, 0].float().to(x.device))
+        return w8a8_linear(x, cache[1], cache[2], self.bias)
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         if self.kernel == "reference" or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
@@ -160,6 +182,8 @@ class QuantizedLinear(nn.Module):
         """The CPU kernel this layer's layout allows ("int4", "int8"), or "reference" when none does."""
         if self.kernel == "reference":
             return "reference"
+        if self.scheme.activations is not None:
+            return "w8a8"
         cache = self._prepared()
         return cache[0] if cache is not None else "reference"
 

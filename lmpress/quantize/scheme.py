@@ -20,6 +20,10 @@ import torch
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+# Activation schemes a quantized linear can run with (None: weight-only, float activations).
+# "int8": dynamic symmetric per-token int8 activations, int8 matrix multiplication (``int8_linear.py``).
+# "fp8": dynamic per-token E4M3 activations with E4M3 weights (``fp8.py``, its own module ``Fp8Linear``).
+ACTIVATION_SCHEMES = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class QuantScheme:
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
+    activations: str | None = None  # one of ACTIVATION_SCHEMES, or None for weight-only quantization
 
     @property
     def maxq(self) -> int:
@@ -40,7 +45,8 @@ class QuantScheme:
 
     def describe(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
-        return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+        weights = f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+        return weights if self.activations is None else f"{weights}, {self.activations} per-token activations"
 
 
 def compute_qparams(

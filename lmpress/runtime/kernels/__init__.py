@@ -31,15 +31,24 @@ def as_is(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
 
 def linear_kernel(family: str) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
     """``"cpu"``: torch's packed int4/int8 kernels; ``"triton"``: the Triton W4A16/W8A16 kernels (CUDA);
-    ``"reference"``: the ``QuantizedLinear`` itself, shared (the numerics of lmpress's evals, no copy)."""
+    ``"reference"``: the ``QuantizedLinear`` itself, shared (the numerics of lmpress's evals, no copy).
+
+    W8A8 layers (int8 activations) run ``torch._int_mm`` in every family but "reference" (``kernels/int8.py``):
+    a weight-only kernel would silently drop their activation quantization."""
     if family == "reference":
         return as_is
     if family == "cpu":
-        from lmpress.runtime.kernels.cpu import cpu_linear
+        from lmpress.runtime.kernels.cpu import cpu_linear as weight_only
+    elif family == "triton":
+        from lmpress.runtime.kernels.cuda import triton_linear as weight_only
+    else:
+        raise ValueError(f"unknown kernel family {family!r} (cpu, triton, reference)")
 
-        return cpu_linear
-    if family == "triton":
-        from lmpress.runtime.kernels.cuda import triton_linear
+    def kernel(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+        if layer.scheme.activations == "int8":
+            from lmpress.runtime.kernels.int8 import W8A8Linear
 
-        return triton_linear
-    raise ValueError(f"unknown kernel family {family!r} (cpu, triton, reference)")
+            return W8A8Linear(layer)
+        return weight_only(layer, dtype)
+
+    return kernel

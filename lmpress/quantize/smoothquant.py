@@ -1,0 +1,257 @@
+"""SmoothQuant W8A8 (Xiao et al. 2022) on the layer-wise engine.
+
+Xiao, Lin, Seznec, Wu, Demouth, Han, "SmoothQuant: Accurate and Efficient
+Post-Training Quantization for Large Language Models" (ICML 2023, arXiv:2211.10438).
+
+Activation outliers sit in a few input channels, which per-token int8 activation
+quantization cannot represent without crushing every other channel. SmoothQuant
+moves that difficulty into the weights with a per-channel factor ``s`` that
+leaves the float function unchanged (Eq. 3):
+
+    Y = (X diag(s)⁻¹) · (diag(s) Wᵀ)
+
+with (Eq. 4) ``s_j = max|X_j|^α / max|W_j|^(1-α)``, ``max|X_j|`` over the
+calibration tokens and ``max|W_j|`` over every linear that reads ``X``. ``X / s``
+is folded into the preceding norm or linear and ``W · s`` into the linears
+(``awq_search.fold_scales``, the same exact folding AWQ uses), so nothing is
+added to the model. Then the weights are quantized to int8 per output channel
+(round-to-nearest, or GPTQ in the same pass as AWQ composes it) and the layers run
+W8A8: activations quantized per token at run time, one int8 GEMM
+(``int8_linear.py``).
+
+``alpha_search: true`` picks α per scaling pair from a grid, minimising the
+block's output error on the calibration samples with the pair's linears running
+simulated W8A8 (int8 weights of ``W·s``, per-token int8 activations of ``X/s``).
+``smooth: false`` skips smoothing: plain W8A8, the baseline the smoothing gain is
+measured against.
+
+Sample recipe stage:
+
+    - method: smoothquant
+      alpha: 0.5             # migration strength α of Eq. 4 (or alpha_search: true)
+      rounding: gptq         # rtn | gptq: int8 per-channel weights by GPTQ after smoothing
+      damp_percent: 0.01     # GPTQ keys (block_size, act_order, static_groups, mse, true_sequential)
+      ignore: [lm_head]      # with rounding: gptq only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.calib.session import LayerSession
+from lmpress.model import get_anatomy
+from lmpress.quantize.awq import GPTQ_ONLY_KEYS, _Recorded, common_parent
+from lmpress.quantize.awq_search import can_fold, fake_quantize_weight, fold_scales
+from lmpress.quantize.int8_linear import fake_quantize_per_token
+from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+from lmpress.quantize.targets import GPTQRounding, GroupSize
+from lmpress.registry import StageContext, calibration_method, register_stage, stage_handler
+
+log = logging.getLogger(__name__)
+
+RANGE_FLOOR = 1e-5
+
+
+@register_stage("smoothquant")
+class SmoothQuantConfig(GPTQRounding):
+    method: Literal["smoothquant"] = "smoothquant"
+    bits: Literal[8] = 8
+    group_size: GroupSize = -1
+    activations: Literal["int8"] = "int8"
+    smooth: bool = True
+    alpha: float = Field(0.5, ge=0, le=1)
+    alpha_search: bool = False
+    alpha_grid: int = Field(10, ge=1, le=100)
+    search_samples: int = Field(8, ge=1)
+    rounding: Literal["rtn", "gptq"] = "rtn"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SmoothQuantConfig:
+        if self.group_size != -1:
+            raise ValueError(
+                f"{self.activations} per-token activations need per-channel weight scales (group_size: -1), "
+                f"got group_size {self.group_size}: an int8 matrix product can only rescale whole output rows"
+            )
+        if not self.symmetric:
+            raise ValueError("int8 matrix multiplication needs symmetric weights (symmetric: true)")
+        if self.overrides:
+            raise ValueError("overrides are not supported: every W8A8 layer is 8-bit per-channel; use ignore")
+        stray = [k for k in GPTQ_ONLY_KEYS if k in self.model_fields_set]
+        if self.rounding == "rtn" and stray:
+            raise ValueError(f"{', '.join(stray)} only apply with rounding: gptq (rounding is rtn)")
+        if not self.smooth and {"alpha", "alpha_search", "alpha_grid"} & self.model_fields_set:
+            raise ValueError("alpha, alpha_search and alpha_grid only apply with smooth: true")
+        if self.alpha_search and "alpha" in self.model_fields_set:
+            raise ValueError("give alpha or alpha_search: true, not both")
+        return self
+
+    def scheme_for(self, name: str) -> QuantScheme | None:
+        scheme = super().scheme_for(name)
+        return None if scheme is None else dataclasses.replace(scheme, activations=self.activations)
+
+    def planned_schemes(self) -> list[tuple[str, QuantScheme]]:
+        return [(where, dataclasses.replace(s, activations=self.activations)) for where, s in super().planned_schemes()]
+
+
+def smoothing_factors(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Eq. 4: ``s_j = max|X_j|^α / max|W_j|^(1-α)`` (ranges floored at 1e-5, as the reference code does)."""
+    x_max = x_max.float().clamp(min=RANGE_FLOOR)
+    w_max = w_max.float().clamp(min=RANGE_FLOOR)
+    return (x_max.pow(alpha) / w_max.pow(1 - alpha)).clamp(min=RANGE_FLOOR)
+
+
+def weight_ranges(linears: list[nn.Linear]) -> torch.Tensor:
+    """``max|W_j|`` per input channel over every linear in ``linears`` (they share their input)."""
+    return torch.stack([linear.weight.detach().float().abs().amax(dim=0) for linear in linears]).amax(dim=0)
+
+
+class _ChannelRanges:
+    """Running ``max|X_j|`` of each watched linear's input over the calibration tokens."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, batch: int, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs["hidden_states"]
+        current = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0).float().cpu()
+        previous = self.ranges.get(name)
+        self.ranges[name] = current if previous is None else torch.maximum(previous, current)
+
+
+@torch.no_grad()
+def simulated_w8a8(linears: list[nn.Linear], s: torch.Tensor) -> list:
+    """Make ``linears`` compute what they will after smoothing by ``s`` and W8A8 quantization, in float.
+
+    Each weight becomes ``Q_w(W·s)/s`` and each input ``Q_x(X/s)·s`` (a forward pre-hook), so the product is
+    ``Q_x(X/s) · Q_w(W·s)ᵀ``. Returns the undo list for :func:`restore`.
+    """
+    scheme = QuantScheme(8, -1, True)
+    undo = []
+    for linear in linears:
+        w = linear.weight.data
+        scale = s.to(w.device, w.dtype)
+        linear.weight.data = fake_quantize_weight(w * scale, scheme) / scale
+
+        def quantize_input(module: nn.Module, args: tuple, scale: torch.Tensor = scale) -> tuple:
+            return (fake_quantize_per_token(args[0] / scale) * scale, *args[1:])
+
+        undo.append((linear, w, linear.register_forward_pre_hook(quantize_input)))
+    return undo
+
+
+def restore(undo: list) -> None:
+    for linear, weight, handle in undo:
+        linear.weight.data = weight
+        handle.remove()
+
+
+class SmoothQuantMethod(CalibrationMethod):
+    """Smoothing (Eq. 3-4) of every foldable scaling pair of the layer, then int8 RTN rounding; with
+    ``rounding: gptq`` the stage's pass runs GPTQ after it and this method only smooths."""
+
+    name = "smoothquant"
+
+    def __init__(self, config: SmoothQuantConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.skipped_pairs: set[str] = set()
+        self.alphas: list[float] = []
+        self.smoothed = 0
+
+    def pairs(self, session: LayerSession) -> list[tuple[str, list[str]]]:
+        """(source, linears) for each scaling pair of the layer whose factors fold exactly into the source."""
+        found = []
+        for prev, linears in get_anatomy(session.model).scaling_pairs:
+            linears = list(linears)
+            try:
+                source = session.layer.get_submodule(prev)
+                modules = [session.layer.get_submodule(n) for n in linears]
+            except AttributeError:
+                continue
+            if not all(n in session.targets for n in linears):
+                continue
+            if not can_fold(source, modules):
+                self.skipped_pairs.add(f"{prev} -> {', '.join(linears)}")
+                continue
+            found.append((prev, linears))
+        return found
+
+    def search_alpha(
+        self, recorded: _Recorded, module: nn.Module, block: str, linears: list[nn.Linear], x_max: torch.Tensor,
+        w_max: torch.Tensor,
+    ) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """The α on the grid whose simulated W8A8 output of ``block`` is closest (MSE) to its float output."""
+        reference = recorded.run(module, block)
+        best, best_loss, best_alpha = None, float("inf"), 0.0
+        for i in range(self.config.alpha_grid + 1):
+            alpha = i / self.config.alpha_grid
+            s = smoothing_factors(x_max, w_max, alpha)
+            undo = simulated_w8a8(linears, s)
+            try:
+                outputs = recorded.run(module, block)
+            finally:
+                restore(undo)
+            loss = sum(torch.mean((o.float() - r.float()) ** 2).item() for o, r in zip(outputs, reference, strict=True))
+            if loss < best_loss:
+                best, best_loss, best_alpha = s, loss, alpha
+        return best, best_alpha
+
+    def smooth_layer(self, session: LayerSession) -> None:
+        pairs = self.pairs(session)
+        if not pairs:
+            return
+        ranges = _ChannelRanges()
+        session.forward([linears[0] for _, linears in pairs], ranges)
+        recorded = None
+        if self.config.alpha_search:
+            recorded = _Recorded()
+            blocks = list(dict.fromkeys(common_parent(linears) for _, linears in pairs))
+            n_batches = -(-self.config.search_samples // self.config.batch_size)
+            session.forward(blocks, recorded, limit=n_batches)
+        for prev, names in pairs:
+            linears = [session.linear(n) for n in names]
+            x_max = ranges.ranges[names[0]]
+            w_max = weight_ranges(linears)
+            if recorded is None:
+                s, alpha = smoothing_factors(x_max, w_max, self.config.alpha), self.config.alpha
+            else:
+                block = common_parent(names)
+                module = session.layer.get_submodule(block)
+                s, alpha = self.search_alpha(recorded, module, block, linears, x_max, w_max)
+                recorded.divide(names + [block], s)
+            fold_scales(session.layer.get_submodule(prev), linears, s.to(session.device))
+            self.alphas.append(alpha)
+            self.smoothed += 1
+
+    def prepare_layer(self, session: LayerSession) -> None:
+        if self.config.smooth:
+            self.smooth_layer(session)
+
+    def process_group(self, session: LayerSession, group: list[str]) -> None:
+        if self.config.rounding == "rtn":
+            for name in group:
+                session.apply(name, quantize_weight_rtn(session.linear(name).weight.data, session.targets[name]))
+
+
+@stage_handler(SmoothQuantConfig)
+@torch.no_grad()
+def run_smoothquant(model: nn.Module, config: SmoothQuantConfig, ctx: StageContext) -> dict:
+    method = SmoothQuantMethod(config)
+    methods = [method] if config.rounding == "rtn" else [method, calibration_method(config.rounding, config)]
+    true_sequential = config.true_sequential if config.rounding == "gptq" else False
+    summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, true_sequential, config.batch_size)
+    if method.skipped_pairs:
+        log.info("smoothquant: pairs that cannot fold, left unsmoothed: %s", "; ".join(sorted(method.skipped_pairs)))
+    return {
+        **summary,
+        "smoothed_pairs": method.smoothed,
+        "skipped_scaling_pairs": sorted(method.skipped_pairs),
+        "mean_alpha": sum(method.alphas) / len(method.alphas) if method.alphas else None,
+    }

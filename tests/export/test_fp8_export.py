@@ -1,0 +1,57 @@
+"""FP8 as compressed-tensors float-quantized: round trip, the compressed-tensors package, inspect."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lmpress.export.checkpoint import load_quantized_model
+from lmpress.export.inspect import inspect_artifact
+from lmpress.quantize.fp8 import FP8Config, fp8_layers, run_fp8
+from lmpress.registry import StageContext
+
+
+def fp8_tiny(tiny_llama_dir, tmp_path, weights: str):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ctx = StageContext(calibration=lambda: None, state_dir=tmp_path, resume=False, fingerprint="x")
+    run_fp8(model, FP8Config(weights=weights, ignore=["lm_head", r".*layers\.0\.mlp\.up_proj"]), ctx)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("weights", ["channel", "tensor"])
+def test_round_trip_and_compressed_tensors(tiny_llama_dir, tmp_path, export, weights):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model, tokenizer = fp8_tiny(tiny_llama_dir, tmp_path, weights)
+    out = export("compressed-tensors", model, tokenizer)
+    raw = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert raw["format"] == "float-quantized" and "model.layers.0.mlp.up_proj" in raw["ignore"]
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    loaded = load_quantized_model(out)
+    assert set(fp8_layers(loaded)) == set(fp8_layers(model))
+    ids = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+    qc = QuantizationConfig.model_validate({k: v for k, v in raw.items() if k in QuantizationConfig.model_fields})
+    (scheme,) = qc.config_groups.values()
+    assert scheme.weights.type == "float" and scheme.weights.strategy == weights
+    assert scheme.input_activations.type == "float" and scheme.input_activations.dynamic
+    compressor = BaseCompressor.load_from_registry(qc.format)
+    assert type(compressor).__name__ == "FloatQuantizationCompressor"
+    for name, module in fp8_layers(model).items():
+        local = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".weight")}
+        weight = compressor.decompress(local, scheme)["weight"]
+        torch.testing.assert_close(weight.float(), module.dequantized_weight(), rtol=0, atol=0)
+
+    info = inspect_artifact(out)
+    assert info["ct_format"] == "float-quantized" and info["activations"] == "fp8"
+    assert info["quantized_layers"] == 13
