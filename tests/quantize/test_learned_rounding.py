@@ -35,6 +35,7 @@ from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, quantize_weight_rtn
 from lmpress.registry import StageContext
 from tests.conftest import save_tiny_model
+from tests.prune.test_unstructured import KILLED_CHILD
 
 SCHEMES = [QuantScheme(4, 64, True), QuantScheme(3, 32, False), QuantScheme(2, -1, True), QuantScheme(8, 128, False)]
 
@@ -277,21 +278,6 @@ def _assert_resumed_identically(out: Path, ref: Path) -> None:
     assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
     for fmt in RESUME_FORMATS:
         assert _sha256_dir(out / fmt) == _sha256_dir(ref / fmt), fmt
-
-
-# A child that SIGKILLs itself once layer 1's state is on disk: no exception handler, atexit or finally runs.
-KILLED_CHILD = """
-import os, signal, sys
-from lmpress.calib.state import LayerState
-from lmpress.cli import main
-save_layer = LayerState.save_layer
-def save_then_die(self, session, inputs):
-    save_layer(self, session, inputs)
-    if session.index == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-LayerState.save_layer = save_then_die
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
