@@ -190,6 +190,7 @@ def render(rows: list[dict]) -> str:
             size = f"{r['bytes_after'] / 1e6:.0f}"
         if params and r["parameters_after"] != r["parameters_before"]:
             params = f"{r['parameters_before'] / 1e6:.1f} -> {params}"
+        if size and r["bytes_after"] != r["bytes_before"]:
             size = f"{r['bytes_before'] / 1e6:.0f} -> {size}"
         secs = "" if r.get("seconds") is None else f"{r['seconds']:.0f}"
         sparsity = f"{r['decoder_linear_sparsity']:.1%}" if "decoder_linear_sparsity" in r else ""
@@ -200,8 +201,9 @@ def render(rows: list[dict]) -> str:
         "",
         f"SmolLM2-135M-Instruct (FP32), calibration {CALIBRATION['n_samples']} x {CALIBRATION['seq_len']} tokens of "
         f"wiki.valid.tokens (seed {CALIBRATION['seed']}), perplexity on the first {EVAL['windows']} windows of "
-        f"{EVAL['seq_len']} tokens of wiki.test.raw (`python bench/prune_table.py`). Sizes are of the float32 "
-        "model in memory (a pruned but dense or a fake-quantized layer keeps its size; the structured rows shrink). "
+        f"{EVAL['seq_len']} tokens of wiki.test.raw (`python bench/prune_table.py`). Sizes are of the model in "
+        "memory: float32 tensors, and for quantized linears their packed codes, scales and zeros (a pruned but "
+        "dense layer keeps its size; the structured rows shrink). Parameters count a quantized linear's weights. "
         "Every linear of the decoder layers is pruned; embeddings and the tied head are not.",
     ]
     cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})

@@ -187,15 +187,21 @@ def remove_layers(model: nn.Module, drop: list[int]) -> None:
 
 
 def parameter_bytes(model: nn.Module) -> tuple[int, int]:
-    """(parameters, bytes) of ``model``, tied tensors counted once."""
-    seen, params, size = set(), 0, 0
-    for p in model.parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        params += p.numel()
-        size += p.numel() * p.element_size()
+    """(weights, bytes) of ``model``, tied tensors counted once. A quantized linear counts its
+    in x out weights, and the bytes of what it holds (packed codes, scales, zeros, g_idx)."""
+    from lmpress.quantize.qlinear import QuantizedLinear
+
+    params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    params += sum(p.numel() for p in _distinct(model.parameters()))
+    size = sum(t.numel() * t.element_size() for t in _distinct(model.state_dict().values()))
     return params, size
+
+
+def _distinct(tensors) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for tensor in tensors:
+        seen.setdefault(tensor.data_ptr(), tensor)
+    return list(seen.values())
 
 
 @stage_handler(StructuredConfig)
