@@ -62,9 +62,27 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     _check_bits(bits)
     if codes.dim() != 2:
         raise ValueError(f"pack_int32 expects a 2-D tensor, got shape {tuple(codes.shape)}")
+    low, high = (int(codes.min()), int(codes.max())) if codes.numel() else (0, 0)
+    if low < 0 or high >= 2**bits:
+        raise ValueError(f"codes out of range for {bits} bits: [{low}, {high}]")
+    if bits == 8 and sys.byteorder == "little":
+        # Each byte of a little-endian word is one code, lowest first (no wide temporaries for big layers).
+        values = codes.movedim(dim, -1).to(torch.uint8)
+        values = torch.nn.functional.pad(values, (0, -values.shape[1] % 4)).contiguous()
+        words = values.reshape(-1).view(torch.int32).reshape(values.shape[0], -1)  # flat: strides of size-1 dims
+        return words.movedim(-1, dim).contiguous()
+    if WORD_BITS % bits == 0:
+        # No code straddles a word: OR each code, shifted to its place, into its word (int32 throughout;
+        # the top code's shift wraps into the sign bit, which is the bit pattern the word needs).
+        per_word = WORD_BITS // bits
+        values = codes.movedim(dim, -1).to(torch.int32)
+        values = torch.nn.functional.pad(values, (0, -values.shape[1] % per_word))
+        shifted = values.reshape(values.shape[0], -1, per_word) << torch.arange(0, WORD_BITS, bits, dtype=torch.int32)
+        words = shifted[..., 0].clone()
+        for k in range(1, per_word):
+            words |= shifted[..., k]
+        return words.movedim(-1, dim).contiguous()
     values = codes.movedim(dim, -1).to(torch.int64)
-    if values.numel() and (values.min() < 0 or values.max() >= 2**bits):
-        raise ValueError(f"codes out of range for {bits} bits: [{values.min()}, {values.max()}]")
     rows, length = values.shape
     padded = math.ceil(length / WORD_BITS) * WORD_BITS
     values = torch.nn.functional.pad(values, (0, padded - length)).reshape(rows, -1, WORD_BITS)
@@ -88,6 +106,10 @@ def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = -1) ->
     rows, n_words = words.shape
     if n_words != packed_length(length, bits):
         raise ValueError(f"{n_words} words cannot hold exactly {length} codes of {bits} bits")
+    if bits == 8 and sys.byteorder == "little":
+        # Each byte of a little-endian word is one code, lowest first: the words' bytes are the codes.
+        codes = words.contiguous().reshape(-1).view(torch.uint8).reshape(rows, -1)[:, :length]
+        return codes.movedim(-1, dim).contiguous()
     if WORD_BITS % bits == 0:
         # No code straddles a word: shift each word by every code position at once.
         shifts = torch.arange(0, WORD_BITS, bits, dtype=torch.int32, device=words.device)

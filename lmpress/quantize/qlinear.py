@@ -197,12 +197,12 @@ class QuantizedLinear(nn.Module):
             return None
         bits, width = self.scheme.bits, self.scheme.group_width(self.in_features)
         if bits == 8 and self.scales.shape[1] == 1:
-            codes = self.codes().to(torch.int16)
+            codes = (self.codes() ^ 0x80).view(torch.int8)  # q - 128 in two's complement, without a wider copy
             scale = self.scales[:, 0].float()
             offset = (128.0 - self.zeros[:, 0].float()) * scale
             has_offset = bool((self.zeros != 128).any())
             bf16 = torch.bfloat16
-            return ("int8", (codes - 128).to(torch.int8), scale.to(bf16), offset.to(bf16) if has_offset else None)
+            return ("int8", codes, scale.to(bf16), offset.to(bf16) if has_offset else None)
         if bits == 4 and self.out_features % 16 == 0 and width % 32 == 0:
             kernel_group = width if width in INT4_GROUP_SIZES else 32
             codes, scales, zeros = self.codes(), self.scales.float(), self.zeros.float()

@@ -10,11 +10,15 @@ sliding-window layer, not more than ``window - 1`` slots behind it.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
-class KVCache(nn.Module):
-    """Keys and values ``(layers, batch, kv_heads, max_len, head_dim)``, filled up to ``length``."""
+class KVCache:
+    """Keys and values, one ``(batch, kv_heads, max_len, head_dim)`` tensor per layer, filled up to ``length``.
+
+    Each layer's tensors are allocated on their own, not as views of one big tensor: a compiled
+    decode step that writes into a view would have to rebuild (copy) the whole base tensor at
+    every layer, while a write into a tensor of its own stays in place.
+    """
 
     def __init__(
         self,
@@ -25,20 +29,24 @@ class KVCache(nn.Module):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         pad: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__()
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         pad = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to(torch.long)
-        self.register_buffer("pad", pad, persistent=False)
+        self.pad = pad.to(device)
         self.max_len = max_len
         self.length = 0
         self.has_padding = bool(pad.any())
 
     @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+    @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     def positions(self, n_new: int) -> torch.Tensor:
         """RoPE positions ``(batch, n_new)`` of the next ``n_new`` slots."""
@@ -63,9 +71,9 @@ class KVCache(nn.Module):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``/``v`` ``(batch, kv_heads, n_new, head_dim)`` after ``length``; the filled views."""
         end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def advance(self, n_new: int) -> None:
         """Mark ``n_new`` more slots as filled (after every layer has written them)."""
@@ -88,7 +96,7 @@ class StaticSlots:
     hides the empty slots), so one compiled graph, or one CUDA graph, serves every step.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], pos: torch.Tensor) -> None:
         self.k, self.v, self.pos = k, v, pos
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

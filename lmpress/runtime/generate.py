@@ -151,7 +151,9 @@ def generate(
     return rows
 
 
-def _static_step(model: Transformer, token: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad, pos) -> torch.Tensor:
+def _static_step(
+    model: Transformer, token: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad, pos
+) -> torch.Tensor:
     return model.decode_static(token, k, v, pad, pos)[:, -1].float()
 
 

@@ -8,9 +8,11 @@ prompt lookup).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,17 +64,46 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
     """The runtime model and tokenizer of any model or export lmpress reads (the manifest is checked).
 
     ``dtype`` defaults to float32 on the CPU (quantized layers run bf16 kernels either way)
-    and bfloat16 on CUDA, where the Triton kernels take half-precision activations.
+    and bfloat16 on CUDA, where the Triton kernels take half-precision activations. A checkpoint
+    directory (dense, GPTQ, AWQ, compressed-tensors; a .gguf or pypkg: source once converted) is
+    read straight into the runtime (``checkpoint.py``: memory-mapped, no transformers model); other
+    exports (GGUF and ONNX directories, bitsandbytes) go through ``lmpress.model.load_model``.
     """
-    from lmpress.model import load_model
-
     device = torch.device(device)
     dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    checkpoint = _direct_checkpoint(source)
+    if checkpoint is not None:
+        from lmpress.model import DTYPES
+        from lmpress.runtime.checkpoint import load_checkpoint
+        from lmpress.runtime.tokenizer import RuntimeTokenizer
+
+        model = load_checkpoint(checkpoint, DTYPES[dtype], device)
+        return_freed_memory()
+        return model, RuntimeTokenizer(checkpoint)
+    from lmpress.model import load_model
+
     loaded = load_model(source, dtype)
     model, tokenizer = Transformer.from_hf(loaded.model, device=device), loaded.tokenizer
     del loaded  # the transformers model: the runtime holds copies of what it needs
     return_freed_memory()
     return model, tokenizer
+
+
+def _direct_checkpoint(source: str) -> Path | None:
+    """The checkpoint directory of ``source`` when the runtime reads it itself (manifest checked), else None."""
+    from lmpress.export.checkpoint import artifact_loader, quant_method
+    from lmpress.export.manifest import verify_artifact
+    from lmpress.model import check_checkpoint_dir, resolve_checkpoint
+    from lmpress.registry import READER_MODULES
+
+    if artifact_loader(Path(os.path.expanduser(source))) is not None:  # GGUF / ONNX export directories
+        return None
+    path = resolve_checkpoint(source)
+    verify_artifact(path)
+    config = check_checkpoint_dir(path)
+    if not (path / "tokenizer.json").is_file() or quant_method(config) not in (None, *READER_MODULES):
+        return None
+    return path
 
 
 def load_draft(

@@ -1,0 +1,247 @@
+"""A checkpoint directory read straight into the runtime: no transformers model, weights memory-mapped.
+
+``load_checkpoint(path)`` builds a ``Transformer`` from ``config.json`` and the safetensors
+files of a dense checkpoint or of a GPTQ / AWQ / compressed-tensors export (lmpress's own
+readers). The files are memory-mapped: one decoder layer at a time is read, fused and
+repacked into the device's kernels, and its pages of the file are then dropped from the
+process (``madvise(MADV_DONTNEED)``), so the peak memory is the runtime model plus one
+layer, never the file beside the model. An embedding table that only serves lookups (not
+tied to the output layer) stays mapped: a decode step pages in one row per token, not the
+table. Nothing here imports transformers, unless the config asks for a RoPE scaling that
+only transformers' formulas compute.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.memory import return_freed_memory
+from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.runtime.model import SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+}
+LINEARS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+class MappedSafetensors:
+    """Every tensor of a checkpoint's safetensors files as a zero-copy view of the memory-mapped file."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.maps: list[mmap.mmap] = []
+        self.where: dict[str, tuple[int, int, int, str, list[int]]] = {}  # key -> (file, start, end, dtype, shape)
+        for index, file in enumerate(files):
+            with open(file, "rb") as handle:
+                try:
+                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+                except ValueError as e:  # an empty file
+                    raise LmpressInputError(f"{file}: not a readable safetensors file ({e})") from e
+            self.maps.append(mapped)
+            for key, (dtype, shape, start, end) in _header(file, mapped).items():
+                self.where[key] = (index, start, end, dtype, shape)
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def tensor(self, key: str) -> torch.Tensor:
+        index, start, end, dtype, shape = self.where[key]
+        if DTYPES.get(dtype) is None:
+            raise LmpressInputError(f"tensor {key!r} has dtype {dtype}, which the runtime does not read")
+        flat = torch.frombuffer(self.maps[index], dtype=DTYPES[dtype], count=_count(shape), offset=start)
+        return flat.reshape(shape) if end > start else torch.empty(shape, dtype=DTYPES[dtype])
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {key: self.tensor(key) for key in self.where if key.startswith(prefix)}
+
+    def release(self, prefix: str) -> None:
+        """Drop the file's pages under every tensor whose key starts with ``prefix`` (read already, copied)."""
+        for key, (index, start, end, _, _) in self.where.items():
+            first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+            if key.startswith(prefix) and last > first:
+                self.maps[index].madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _count(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _header(file: Path, mapped: mmap.mmap) -> dict[str, tuple[str, list[int], int, int]]:
+    """safetensors layout: an 8-byte little-endian header length, a JSON header, then the data."""
+    try:
+        (length,) = struct.unpack("<Q", mapped[:8])
+        header = json.loads(mapped[8 : 8 + length])
+        base = 8 + length
+        entries = {}
+        for key, entry in header.items():
+            if key != "__metadata__":
+                start, end = entry["data_offsets"]
+                entries[key] = (entry["dtype"], list(entry["shape"]), base + start, base + end)
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise LmpressInputError(f"{file}: not a readable safetensors file (damaged or truncated?): {e}") from e
+    for key, (_, _, start, end) in entries.items():
+        if end > len(mapped) or start > end:
+            raise LmpressInputError(f"{file}: tensor {key!r} lies past the end of the file (truncated?)")
+    return entries
+
+
+class ConfigView(SimpleNamespace):
+    """``config.json`` with attribute access, as the runtime reads a transformers config."""
+
+    def __getattr__(self, name: str) -> Any:  # only called for names config.json lacks
+        raise AttributeError(name)
+
+
+def read_model_config(path: Path) -> ConfigView | Any:
+    """The model's config: a view of config.json, or transformers' own where RoPE scaling needs its formulas."""
+    from lmpress.export.checkpoint import read_config
+
+    raw = read_config(path)
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise LmpressInputError(
+            f"the runtime does not support model type {raw.get('model_type')!r} (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path)
+    if "rope_parameters" not in raw:
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+    return ConfigView(**raw)
+
+
+class CheckpointModel:
+    """The module tree ``Transformer`` reads (``model.embed_tokens``, ``model.layers``, ...), made from the files.
+
+    Layers are built one at a time as ``model.layers`` is iterated, and each layer's file pages are
+    dropped once the next one is asked for (the runtime has copied or repacked it by then).
+    """
+
+    def __init__(self, path: Path, config: Any) -> None:
+        from lmpress.export.checkpoint import safetensors_files
+
+        self.path, self.config = path, config
+        self.files = MappedSafetensors(safetensors_files(path))
+        self.reader = _reader_for(path)
+        embed = nn.Parameter(self._tensor("model.embed_tokens.weight"), requires_grad=False)
+        tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in self.files
+        self.model = SimpleNamespace(
+            embed_tokens=SimpleNamespace(weight=embed),
+            layers=self._layers(),
+            norm=_norm(self._tensor("model.norm.weight"), config),
+        )
+        self.head = _dense(embed) if tied else self._linear("lm_head")
+        if not tied and not isinstance(self.head, nn.Linear):
+            self.files.release("lm_head.")  # repacked: its pages of the file are read for good
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        if key not in self.files:
+            raise LmpressInputError(f"{self.path}: checkpoint lacks tensor {key!r}")
+        return self.files.tensor(key)
+
+    def _linear(self, name: str) -> nn.Module:
+        bias = self.files.tensor(f"{name}.bias") if f"{name}.bias" in self.files else None
+        if f"{name}.weight" in self.files and self.files.where[f"{name}.weight"][3] != "F8_E4M3":
+            return _dense(self.files.tensor(f"{name}.weight"), bias)
+        if self.reader is None:
+            raise LmpressInputError(f"{self.path}: checkpoint lacks tensor {name + '.weight'!r}")
+        config, read = self.reader
+        found = read(config, self.files.tensors(f"{name}."))
+        if name not in found:
+            raise LmpressInputError(f"{self.path}: checkpoint lacks the weights of {name!r}")
+        if not hasattr(found[name], "zeros"):
+            raise LmpressInputError(f"{self.path}: the runtime cannot run {name}'s {type(found[name]).__name__} layer")
+        return QuantizedLinear.from_quantized_weight(found[name], bias)
+
+    def _layers(self) -> Iterator[SimpleNamespace]:
+        for i in range(self.config.num_hidden_layers):
+            prefix = f"model.layers.{i}."
+            layer = SimpleNamespace(
+                input_layernorm=_norm(self._tensor(prefix + "input_layernorm.weight"), self.config),
+                post_attention_layernorm=_norm(self._tensor(prefix + "post_attention_layernorm.weight"), self.config),
+            )
+            for block, names in LINEARS.items():
+                modules = {name: self._linear(f"{prefix}{block}.{name}") for name in names}
+                for norm in ("q_norm", "k_norm"):
+                    if block == "self_attn" and f"{prefix}self_attn.{norm}.weight" in self.files:
+                        modules[norm] = _norm(self._tensor(f"{prefix}self_attn.{norm}.weight"), self.config)
+                setattr(layer, block, SimpleNamespace(**modules))
+            yield layer
+            self.files.release(prefix)
+            return_freed_memory()  # the layer's transient unpacked codes, before the next layer's
+
+
+def _reader_for(path: Path) -> tuple[dict, Any] | None:
+    """``(config.json, reader)`` for a quantized checkpoint's layers; None for a dense checkpoint."""
+    from lmpress.export.checkpoint import READERS, quant_method, read_config
+    from lmpress.registry import READER_MODULES, load_reader
+
+    method = quant_method(read_config(path))
+    if method is None:
+        return None
+    if not load_reader(method) and method not in READERS:
+        raise LmpressInputError(f"{path}: quantization method {method!r} is not one the runtime reads")
+    if method not in READER_MODULES:
+        raise LmpressInputError(f"{path}: the runtime reads gptq, awq and compressed-tensors layers, not {method!r}")
+    return read_config(path), READERS[method]
+
+
+def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    out_features, in_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
+def _norm(weight: torch.Tensor, config: Any) -> SimpleNamespace:
+    return SimpleNamespace(weight=weight, variance_epsilon=config.rms_norm_eps)
+
+
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kernels: str | None = None
+) -> Transformer:
+    """The runtime model of the checkpoint directory at ``path`` (its manifest checked by the caller)."""
+    path = Path(path)
+    config = read_model_config(path)
+    device = torch.device(device)
+    source = CheckpointModel(path, config)
+    build = Build(dtype, kernels or ("triton" if device.type == "cuda" else "cpu"), map_embedding=device.type == "cpu")
+    with torch.no_grad():
+        model = Transformer(ModelArgs.from_config(config), source, build).eval()
+    return model.to(device)

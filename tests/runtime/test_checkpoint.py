@@ -1,0 +1,85 @@
+"""The runtime reads a checkpoint directory itself (memory-mapped, no transformers model) with transformers' logits."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+import lmpress
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.checkpoint import MappedSafetensors, load_checkpoint
+from lmpress.runtime.model import Transformer
+from tests.runtime.conftest import FAMILIES, tiny_hf_model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_logits_equal_the_transformers_model(tmp_path, family):
+    hf = tiny_hf_model(family, seed=3)
+    hf.save_pretrained(tmp_path)
+    model = load_checkpoint(tmp_path)
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        actual = model(ids, model.new_cache(2, 17))
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    # the same module tree as the runtime built from the transformers model, tensor for tensor
+    built = Transformer.from_hf(hf)
+    for (name, mine), (_, theirs) in zip(model.state_dict().items(), built.state_dict().items(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
+def test_embedding_table_is_a_view_of_the_file(tmp_path):
+    tiny_hf_model("mistral", seed=1).save_pretrained(tmp_path)  # untied head
+    model = load_checkpoint(tmp_path)
+    embedding = model.tok_embeddings.weight
+    assert embedding.untyped_storage().nbytes() == embedding.numel() * 4  # a view of the file, not a copy
+    assert model.output.weight.data_ptr() != embedding.data_ptr()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
+def test_quantized_exports_read_directly_equal_the_in_memory_model(tiny_llama_dir, tmp_path, fmt):
+    from tests.runtime.test_artifacts import _writer
+
+    loaded = lmpress.load_model(str(tiny_llama_dir))
+    lmpress.quantize_model(loaded.model, method="rtn", bits=4, group_size=32, symmetric=fmt != "awq")
+    _writer(fmt)(loaded.model, loaded.tokenizer, tmp_path / fmt)
+    via_transformers = Transformer.from_hf(lmpress.load_model(str(tmp_path / fmt)).model)
+    direct = load_checkpoint(tmp_path / fmt)
+    for (name, mine), (_, theirs) in zip(direct.state_dict().items(), via_transformers.state_dict().items(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
+def test_release_drops_the_pages_read(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a.w": torch.ones(4 * mmap.PAGESIZE), "b.w": torch.full((4 * mmap.PAGESIZE,), 2.0)}, tmp_path / "m.safetensors")
+    files = MappedSafetensors([tmp_path / "m.safetensors"])
+    a, b = files.tensor("a.w"), files.tensor("b.w")
+    assert float(a.sum()) == 4 * mmap.PAGESIZE and float(b.sum()) == 8 * mmap.PAGESIZE
+    a.add_(1)  # a private mapping: written pages are the process's own, the file is untouched
+    files.release("a.")
+    assert float(b.sum()) == 8 * mmap.PAGESIZE  # b's pages kept
+    # a's whole pages were dropped and read again from the file (the write is gone), its partial edge pages kept
+    assert float(a.sum()) < 2 * 4 * mmap.PAGESIZE
+
+
+def test_damaged_checkpoints_are_one_line_errors(tmp_path):
+    tiny_hf_model("llama").save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(LmpressInputError, match="past the end of the file"):
+        load_checkpoint(tmp_path)
+    weights.write_bytes(b"\x10\x00")
+    with pytest.raises(LmpressInputError, match="not a readable safetensors file"):
+        load_checkpoint(tmp_path)
+    other = tmp_path / "other"
+    tiny_hf_model("llama").save_pretrained(other)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(other / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, other / "model.safetensors")
+    with pytest.raises(LmpressInputError, match="lacks tensor 'model.layers.1.mlp.down_proj.weight'"):
+        load_checkpoint(other)
