@@ -281,19 +281,22 @@ ROWS = {
     ),
     "lmpress-w4-head8": (
         "lmpress W4 g64, head W8 (as Q4_1's Q8_0 head)",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "bfloat16"),
+        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "float32"),
     ),
     "lmpress-w4-head8-compile": (
         "lmpress W4 g64, head W8 + torch.compile",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "bfloat16", True),
+        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "float32", True),
     ),
-    "lmpress-w4-head8-fp32": (
-        "lmpress W4 g64, head W8, FP32 activations",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "float32"),
+    "lmpress-w4-head8-bf16": (
+        "lmpress W4 g64, head W8, bf16 activations",
+        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "bfloat16"),
     ),
     "llama.cpp-q4_1": ("llama.cpp Q4_1 GGUF (llama-cpp-python)", lambda a: row_llama_cpp(a)),
     "prompt-lookup": ("lmpress FP32, prompt-lookup speculative", lambda a: row_speculative(a, None)),
-    "draft-w4": ("lmpress FP32, W4 draft speculative", lambda a: row_speculative(a, str(w4_artifact("w4g64")))),
+    "draft-w4": (
+        "lmpress FP32, W4 (head W8) draft speculative",
+        lambda a: row_speculative(a, str(w4_artifact("w4g64-head8"))),
+    ),
 }
 
 
@@ -391,7 +394,7 @@ def main() -> None:
     if "llama.cpp-q4_1" in rows and not ensure_llama_cpp(args.build_llama_cpp):
         print("llama.cpp row skipped: llama_cpp is not installed (pass --build-llama-cpp)", file=sys.stderr)
         rows.remove("llama.cpp-q4_1")
-    for label in {"w4g64"} | ({"w4g64-head8"} if any("head8" in row for row in rows) else set()):
+    for label in W4_ARTIFACTS:
         w4_artifact(label)  # made before any row is timed
     results, failed = {}, []
     for name in rows:

@@ -75,8 +75,6 @@ def _layer_windows(config) -> tuple[int | None, ...]:
 
 def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies and cos/sin scale under the config's scaling (transformers' own formulas)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
@@ -87,6 +85,9 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    # Imported here: transformers costs ~100 MB of resident memory, and default RoPE needs none of it.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
     return inv_freq.float(), float(scale)
 
@@ -149,6 +150,25 @@ def decode_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     out = scores.softmax(dim=-1).to(values.dtype) @ values
     return out.reshape(batch, heads, 1, head_dim)
+
+
+def pointwise_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``decode_attention`` written as broadcast products and sums, for the compiled decode step.
+
+    Inductor fuses these into one loop nest with the softmax; the two matmuls of
+    ``decode_attention`` stay library calls of ~20 us each on 2 CPU threads, a sixth of
+    SmolLM2's compiled W4 step (``bench/runtime.py``). Eager, it is the slower form.
+    """
+    batch, heads, _, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, 1, head_dim).float()
+    scores = (grouped * keys[:, :, None].float()).sum(-1) * head_dim**-0.5  # (batch, kv_heads, group, length)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = (scores.softmax(dim=-1)[..., None] * values[:, :, None].float()).sum(-2)
+    return out.to(values.dtype).reshape(batch, heads, 1, head_dim)
 
 
 class FusedLinear(nn.Module):
@@ -258,7 +278,9 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), cos, sin)  # queries and keys rotated in one go
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         keys, values = cache.update(layer, k, v.transpose(1, 2))
-        if n_new == 1:
+        if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
+            out = pointwise_decode_attention(q, keys, values, mask)
+        elif n_new == 1:
             out = decode_attention(q, keys, values, mask)
         else:
             out = F.scaled_dot_product_attention(
@@ -362,14 +384,15 @@ class Transformer(nn.Module):
         args = self.args
         return KVCache(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, self.dtype, pad, self.device)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits ``(batch, n_new, vocab)`` for ``tokens`` ``(batch, n_new)`` read after the cache's contents."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Logits ``(batch, n_new, vocab)`` for ``tokens`` ``(batch, n_new)`` read after the cache's contents;
+        with ``last_only``, ``(batch, 1, vocab)`` for the last position only (a prefill needs no more)."""
         tokens, n_new = tokens.to(self.device), tokens.shape[1]
         if cache.length + n_new > cache.max_len:
             raise LmpressInputError(f"{cache.length + n_new} tokens exceed the cache of {cache.max_len}")
         positions = cache.positions(n_new)
         masks = {window: cache.attention_mask(n_new, window) for window in set(self.args.windows)}
-        logits = self._run(tokens, positions, masks, cache)
+        logits = self._run(tokens, positions, masks, cache, last_only)
         cache.advance(n_new)
         return logits
 
@@ -384,13 +407,22 @@ class Transformer(nn.Module):
         positions = (pos - pad).clamp(min=0)[:, None]
         return self._run(token[:, None], positions, masks, StaticSlots(k, v, pos))
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, masks: dict, cache: KVCache | StaticSlots):
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        masks: dict,
+        cache: KVCache | StaticSlots,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         x = self.tok_embeddings(tokens)
         for i, block in enumerate(self.layers):
             h = block.attention_norm(x)
             x = x + block.attention(h, cos, sin, masks[block.attention.window], cache, i)
             x = x + block.feed_forward(block.ffn_norm(x))
+        if last_only:
+            x = x[:, -1:]
         return self.output(self.norm(x))
 
 

@@ -47,14 +47,18 @@ def test_quantized_exports_read_directly_equal_the_in_memory_model(tiny_llama_di
     _writer(fmt)(loaded.model, loaded.tokenizer, tmp_path / fmt)
     via_transformers = Transformer.from_hf(lmpress.load_model(str(tmp_path / fmt)).model)
     direct = load_checkpoint(tmp_path / fmt)
-    for (name, mine), (_, theirs) in zip(direct.state_dict().items(), via_transformers.state_dict().items(), strict=True):
+    for (name, mine), (_, theirs) in zip(
+        direct.state_dict().items(), via_transformers.state_dict().items(), strict=True
+    ):
         assert torch.equal(mine, theirs), name
 
 
 def test_release_drops_the_pages_read(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({"a.w": torch.ones(4 * mmap.PAGESIZE), "b.w": torch.full((4 * mmap.PAGESIZE,), 2.0)}, tmp_path / "m.safetensors")
+    save_file(
+        {"a.w": torch.ones(4 * mmap.PAGESIZE), "b.w": torch.full((4 * mmap.PAGESIZE,), 2.0)}, tmp_path / "m.safetensors"
+    )
     files = MappedSafetensors([tmp_path / "m.safetensors"])
     a, b = files.tensor("a.w"), files.tensor("b.w")
     assert float(a.sum()) == 4 * mmap.PAGESIZE and float(b.sum()) == 8 * mmap.PAGESIZE
