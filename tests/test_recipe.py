@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,3 +138,11 @@ def test_compute_device_resolves_auto_and_refuses_cuda_without_a_gpu(monkeypatch
         compute_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert compute_device("auto") == torch.device("cuda")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")), ids=str)
+def test_every_shipped_recipe_loads_gates_and_never_calibrates_on_the_eval_text(path):
+    recipe = load_recipe(path, ["model.device=cpu"])
+    assert recipe.stages and recipe.gates, f"{path.name}: a shipped recipe runs stages and gates them"
+    if recipe.data is not None and recipe.eval is not None and recipe.eval.text:
+        assert "wiki.test" not in recipe.data.source, f"{path.name} calibrates on the eval text"
