@@ -35,17 +35,17 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
 from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import apply_clip, can_fold, fold_scales, search_clip, search_scales
 from lmpress.quantize.scheme import quantize_weight_rtn
-from lmpress.quantize.targets import GPTQRounding
+from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding
 from lmpress.registry import StageContext, register_stage, stage_handler
 from lmpress.registry import calibration_method as method_by_name
 
 log = logging.getLogger(__name__)
 
-GPTQ_ONLY_KEYS = ("damp_percent", "block_size", "act_order", "static_groups", "mse", "true_sequential")
 NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
 
 
@@ -66,61 +66,6 @@ class AWQConfig(GPTQRounding):
         if self.rounding == "rtn" and stray:
             raise ValueError(f"{', '.join(stray)} only apply with rounding: gptq (rounding is rtn)")
         return self
-
-
-def common_parent(names: list[str]) -> str:
-    """The module the linears ``names`` belong to (the linear itself when there is one)."""
-    if len(names) == 1:
-        return names[0]
-    parts = [n.split(".")[:-1] for n in names]
-    shared = []
-    for level in zip(*parts, strict=False):
-        if len(set(level)) > 1:
-            break
-        shared.append(level[0])
-    return ".".join(shared)
-
-
-class _Recorded:
-    """Inputs of the watched modules on the search batches, stored once per distinct tensor."""
-
-    def __init__(self) -> None:
-        self.inputs: dict[str, list[torch.Tensor]] = {}
-        self.kwargs: dict[str, list[dict]] = {}
-        self.as_keyword: dict[str, bool] = {}
-        self._batch = -1
-        # Within a batch: input tensor's address -> (the tensor, kept alive so the address is not reused; its copy).
-        self._by_ptr: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, name: str, batch: int, args: tuple, kwargs: dict) -> None:
-        if batch != self._batch:
-            self._batch, self._by_ptr = batch, {}
-        x = args[0] if args else kwargs["hidden_states"]
-        _, stored = self._by_ptr.setdefault(x.data_ptr(), (x, x.detach().float().clone()))
-        self.inputs.setdefault(name, []).append(stored)
-        self.kwargs.setdefault(name, []).append({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        self.as_keyword[name] = not args
-
-    def run(self, module: nn.Module, name: str) -> list[torch.Tensor]:
-        """``module`` on the recorded inputs (kept in float32), cast to the module's dtype (a half model)."""
-        dtype = next(module.parameters()).dtype
-        outputs = []
-        for x, kwargs in zip(self.inputs[name], self.kwargs[name], strict=True):
-            x = x.to(dtype)
-            out = module(hidden_states=x, **kwargs) if self.as_keyword[name] else module(x, **kwargs)
-            outputs.append(out[0] if isinstance(out, tuple) else out)
-        return outputs
-
-    def divide(self, names: list[str], s: torch.Tensor) -> None:
-        """After folding ``s``: the recorded inputs of ``names`` are what the scaled source now produces."""
-        unique = {id(t): t for name in names for t in self.inputs.get(name, [])}
-        for t in unique.values():
-            t.div_(s)
-
-    def tokens(self, name: str, limit: int) -> torch.Tensor:
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in self.inputs[name]])
-        step = max(1, x.shape[0] // limit)
-        return x[::step][:limit]
 
 
 class AWQMethod(CalibrationMethod):
@@ -162,7 +107,7 @@ class AWQMethod(CalibrationMethod):
         watch = [block for _, _, block in pairs] + clip_names
         if not watch:
             return
-        recorded = _Recorded()
+        recorded = RecordedInputs()
         n_batches = -(-config.search_samples // config.batch_size)
         session.forward(watch, recorded, limit=n_batches)
         for prev, linears, block in pairs:

@@ -45,13 +45,13 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
 from lmpress.model import get_anatomy
-from lmpress.quantize.awq import GPTQ_ONLY_KEYS, _Recorded, common_parent
 from lmpress.quantize.awq_search import can_fold, fake_quantize_weight, fold_scales
 from lmpress.quantize.int8_linear import fake_quantize_per_token
 from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
-from lmpress.quantize.targets import GPTQRounding, GroupSize
+from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding, GroupSize
 from lmpress.registry import StageContext, calibration_method, register_stage, stage_handler
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class SmoothQuantMethod(CalibrationMethod):
         return found
 
     def search_alpha(
-        self, recorded: _Recorded, module: nn.Module, block: str, linears: list[nn.Linear], x_max: torch.Tensor,
+        self, recorded: RecordedInputs, module: nn.Module, block: str, linears: list[nn.Linear], x_max: torch.Tensor,
         w_max: torch.Tensor,
     ) -> tuple[torch.Tensor, float]:  # fmt: skip
         """The α on the grid whose simulated W8A8 output of ``block`` is closest (MSE) to its float output."""
@@ -211,7 +211,7 @@ class SmoothQuantMethod(CalibrationMethod):
         session.forward([linears[0] for _, linears in pairs], ranges)
         recorded = None
         if self.config.alpha_search:
-            recorded = _Recorded()
+            recorded = RecordedInputs()
             blocks = list(dict.fromkeys(common_parent(linears) for _, linears in pairs))
             n_batches = -(-self.config.search_samples // self.config.batch_size)
             session.forward(blocks, recorded, limit=n_batches)

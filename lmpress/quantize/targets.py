@@ -97,6 +97,10 @@ class WeightQuantConfig(StageConfig):
             )
 
 
+# The keys of GPTQRounding that only mean something with GPTQ rounding (``rounding: gptq``).
+GPTQ_ONLY_KEYS = ("damp_percent", "block_size", "act_order", "static_groups", "mse", "true_sequential")
+
+
 class GPTQRounding(WeightQuantConfig):
     """The GPTQ keys, shared by ``method: gptq`` and AWQ's ``rounding: gptq``."""
 
