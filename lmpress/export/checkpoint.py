@@ -294,10 +294,15 @@ def read_config(path: Path) -> dict[str, Any]:
     config_path = path / CONFIG_NAME
     if not config_path.is_file():
         raise LmpressInputError(f"{path}: no {CONFIG_NAME}; expected a checkpoint directory")
+    return read_json_file(config_path)
+
+
+def read_json_file(file: Path) -> dict[str, Any]:
+    """A JSON file's contents; one clear error if it is not valid JSON."""
     try:
-        return json.loads(config_path.read_text())
+        return json.loads(Path(file).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LmpressInputError(f"{config_path}: not valid JSON ({e})") from e
+        raise LmpressInputError(f"{file}: not valid JSON ({e})") from e
 
 
 def safetensors_files(path: Path) -> list[Path]:

@@ -14,6 +14,7 @@ only transformers' formulas compute.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from collections.abc import Iterator
@@ -74,7 +75,7 @@ class MappedSafetensors:
         index, start, end, dtype, shape = self.where[key]
         if DTYPES.get(dtype) is None:
             raise LmpressInputError(f"tensor {key!r} has dtype {dtype}, which the runtime does not read")
-        flat = torch.frombuffer(self.maps[index], dtype=DTYPES[dtype], count=_count(shape), offset=start)
+        flat = torch.frombuffer(self.maps[index], dtype=DTYPES[dtype], count=math.prod(shape), offset=start)
         return flat.reshape(shape) if end > start else torch.empty(shape, dtype=DTYPES[dtype])
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -86,13 +87,6 @@ class MappedSafetensors:
             first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
             if key.startswith(prefix) and last > first:
                 self.maps[index].madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
-def _count(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _header(file: Path, mapped: mmap.mmap) -> dict[str, tuple[str, list[int], int, int]]:
@@ -210,14 +204,15 @@ def _reader_for(path: Path) -> tuple[dict, Any] | None:
     from lmpress.export.checkpoint import READERS, quant_method, read_config
     from lmpress.registry import READER_MODULES, load_reader
 
-    method = quant_method(read_config(path))
+    config = read_config(path)
+    method = quant_method(config)
     if method is None:
         return None
     if not load_reader(method) and method not in READERS:
         raise LmpressInputError(f"{path}: quantization method {method!r} is not one the runtime reads")
     if method not in READER_MODULES:
         raise LmpressInputError(f"{path}: the runtime reads gptq, awq and compressed-tensors layers, not {method!r}")
-    return read_config(path), READERS[method]
+    return config, READERS[method]
 
 
 def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:

@@ -82,7 +82,7 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
         return model, RuntimeTokenizer(checkpoint)
     from lmpress.model import load_model
 
-    loaded = load_model(source, dtype)
+    loaded = load_model(source, dtype, fingerprint=False)  # the runtime needs no weights hash
     model, tokenizer = Transformer.from_hf(loaded.model, device=device), loaded.tokenizer
     del loaded  # the transformers model: the runtime holds copies of what it needs
     return_freed_memory()
@@ -99,10 +99,13 @@ def _direct_checkpoint(source: str) -> Path | None:
     if artifact_loader(Path(os.path.expanduser(source))) is not None:  # GGUF / ONNX export directories
         return None
     path = resolve_checkpoint(source)
-    verify_artifact(path)
-    config = check_checkpoint_dir(path)
+    try:
+        config = check_checkpoint_dir(path)
+    except LmpressInputError:
+        return None  # load_model checks the manifest first, then says what is wrong
     if not (path / "tokenizer.json").is_file() or quant_method(config) not in (None, *READER_MODULES):
-        return None
+        return None  # load_model checks the manifest (once)
+    verify_artifact(path)
     return path
 
 

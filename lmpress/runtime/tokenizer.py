@@ -9,7 +9,6 @@ renders it), with the same ids and text (tested against ``AutoTokenizer``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +81,9 @@ class RuntimeTokenizer:
 
 
 def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        return {}
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LmpressInputError(f"{file}: not valid JSON ({e})") from e
+    from lmpress.export.checkpoint import read_json_file
+
+    return read_json_file(file) if file.is_file() else {}
 
 
 def _token_text(token: Any) -> str | None:
