@@ -60,6 +60,15 @@ def check_text_source(source: str) -> None:
         load_text(source)
 
 
+def same_text(a: str, b: str) -> bool:
+    """Whether sources ``a`` and ``b`` name the same text (local paths compared resolved)."""
+    if a == b:
+        return True
+    if a.startswith(("builtin:", "hf:")) or b.startswith(("builtin:", "hf:")):
+        return False
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def _builtin_text(source: str) -> str:
     if source != BUILTIN_PYTHON_DOCS:
         raise LmpressInputError(f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS})")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from lmpress.cache import sha256_json
-from lmpress.data import calibration_samples, check_text_source, load_text, token_windows, tokenize
+from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
@@ -87,6 +88,16 @@ def check_plan(recipe: Recipe, model: nn.Module) -> None:
         check_export_plan(fmt, model, targets)
 
 
+def teacher_loader(checkpoint: Path, dtype: str, device: torch.device) -> Callable[[str | None], nn.Module]:
+    """``StageContext.teacher``: the unmodified model read from disk again, or model ``source``, on ``device``."""
+
+    def load(source: str | None) -> nn.Module:
+        path = checkpoint if source is None else resolve_checkpoint(source)
+        return load_model(str(path), dtype, fingerprint=False).model.to(device)
+
+    return load
+
+
 def run_stages(
     loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool, bars: Bars, device: torch.device | None = None
 ) -> list[dict]:
@@ -117,6 +128,9 @@ def run_stages(
             ),
             bars=bars,
             device=device,
+            tokenizer=tokenizer,
+            text_source=data.source,
+            teacher=teacher_loader(loaded.path, recipe.model.dtype, device),
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
@@ -194,6 +208,13 @@ def run_recipe(
     check_recipe_exports(recipe.stages, recipe.export.formats)
     check_text_source(recipe.data.source)
     check_text_source(recipe.eval.text)
+    for stage in recipe.stages:
+        for source in stage.texts():
+            check_text_source(source)
+            if same_text(source, recipe.eval.text):
+                raise LmpressInputError(
+                    f"stage {stage.method}: text {source} is the eval text; training on it would score memorization"
+                )
     spec = recipe.model
     device = compute_device(spec.device)
     path = resolve_checkpoint(spec.source, spec.revision)

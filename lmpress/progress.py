@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from rich.console import Console
@@ -49,6 +49,16 @@ class Bars:
             yield item
             self._progress.advance(task)
         self._progress.refresh()
+
+    def counter(self, description: str, total: int, completed: int = 0) -> Callable[[str], None]:
+        """A bar advanced by hand: each call moves it one step and replaces its description
+        (e.g. with the latest loss and tokens/s)."""
+        task = self._progress.add_task(description, total=total, completed=completed)
+
+        def advance(new_description: str) -> None:
+            self._progress.update(task, advance=1, description=new_description)
+
+        return advance
 
     def log(self, message: str) -> None:
         if self.enabled:

@@ -51,6 +51,10 @@ class StageConfig(StrictConfig):
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""
 
+    def texts(self) -> list[str]:
+        """Text sources this stage reads besides the recipe's calibration data (checked before any work)."""
+        return []
+
 
 class EvalConfig(StrictConfig):
     """Base of one eval in a recipe's ``eval:`` section."""
@@ -81,6 +85,7 @@ STAGE_MODULES: dict[str, str] = {
     "wanda": "lmpress.prune.wanda",
     "sparsegpt": "lmpress.prune.sparsegpt",
     "structured": "lmpress.prune.structured",
+    "distill": "lmpress.distill.stage",
 }
 EVAL_MODULES: dict[str, str] = {
     "perplexity": "lmpress.evals.perplexity",
@@ -221,6 +226,10 @@ class StageContext:
     fingerprint: str  # model + calibration data + this stage's config: resume refuses when it changed
     bars: Bars = QUIET
     device: torch.device = torch.device("cpu")
+    tokenizer: Any = None
+    text_source: str | None = None  # the recipe's calibration text (data.source)
+    # loads the unmodified model again (None) or another model source, for stages that learn from it
+    teacher: Callable[[str | None], Any] | None = None
 
 
 @dataclass

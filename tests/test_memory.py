@@ -1,8 +1,17 @@
-"""Per-stage peak RSS: the stage's own peak, not the process's so far."""
+"""Per-stage peak RSS: the stage's own peak, not the process's so far.
+
+Each scenario runs in a fresh Python process: in the test session's own process (over a
+gigabyte resident after hundreds of tests) memory freed by earlier tests goes back to the
+OS while a scenario measures, which moves its baseline by tens of megabytes.
+"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 
 from lmpress.memory import process_peak_mb, return_freed_memory, track_peak_rss
 
@@ -17,7 +26,7 @@ def touch(mb: int) -> np.ndarray:
     return np.ones(mb << 17)  # float64: 8 bytes each, every page written
 
 
-def test_a_stage_peak_excludes_what_came_before_and_the_process_peak_keeps_it():
+def a_stage_peak_excludes_what_came_before_and_the_process_peak_keeps_it() -> None:
     big = touch(400)
     before = process_peak_mb()
     del big
@@ -35,16 +44,13 @@ def test_a_stage_peak_excludes_what_came_before_and_the_process_peak_keeps_it():
     del held
 
 
-def test_without_a_resettable_high_water_mark_a_sampler_measures_the_peak(monkeypatch):
+def without_a_resettable_high_water_mark_a_sampler_measures_the_peak() -> None:
     import time
 
     import lmpress.memory
 
-    monkeypatch.setattr(lmpress.memory, "_reset_high_water_mark", lambda: False)
+    lmpress.memory._reset_high_water_mark = lambda: False
     return_freed_memory()
-    # Compared with the resident size just before the stage: memory freed by
-    # earlier tests may still be going back to the OS, so a "quiet" stage
-    # measured a moment earlier can sit higher than this one starts.
     start = resident_mb()
     with track_peak_rss() as busy:
         held = touch(200)
@@ -58,3 +64,19 @@ def test_without_a_resettable_high_water_mark_a_sampler_measures_the_peak(monkey
     with track_peak_rss() as quiet:
         time.sleep(0.05)
     assert quiet.mb < start + 100  # the 300 MB before the stage is not its peak
+
+
+SCENARIOS = {
+    "stage_peak": a_stage_peak_excludes_what_came_before_and_the_process_peak_keeps_it,
+    "sampler": without_a_resettable_high_water_mark_a_sampler_measures_the_peak,
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_peak_rss_scenario_in_a_fresh_process(scenario):
+    done = subprocess.run([sys.executable, __file__, scenario], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]]()

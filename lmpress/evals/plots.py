@@ -98,6 +98,24 @@ def plot_kld_histogram(histogram: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def plot_training_curve(losses: list[dict], evals: list[dict], path: Path) -> None:
+    """Distillation: the training loss per step and the held-out perplexity where it was measured."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, [row["loss"] for row in losses], color="tab:blue", linewidth=1, label="training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if evals:
+        right = ax.twinx()
+        right.plot([e["step"] for e in evals], [e["ppl"] for e in evals], "o-", color="tab:orange", label="held-out ppl")
+        right.set_ylabel("held-out perplexity")
+        fig.legend(loc="upper right")
+    ax.set_title("Distillation")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
     """Write the plots the report's details support into ``out_dir``; ``(title, filename)`` for report.md."""
     out_dir = Path(out_dir)
@@ -122,4 +140,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
     if histogram and sum(histogram["counts"]) > 0:
         plot_kld_histogram(histogram, out_dir / "kld_histogram.png")
         written.append(("Per-token KLD distribution", "kld_histogram.png"))
+
+    for index, stage in enumerate(report.get("stages", [])):
+        training = (stage.get("summary") or {}).get("training")
+        if training and training["losses"]:
+            name = f"training_stage{index}.png"
+            plot_training_curve(training["losses"], training["evals"], out_dir / name)
+            written.append((f"Training curve of stage {index} ({stage['method']})", name))
     return written

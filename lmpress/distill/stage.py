@@ -1,0 +1,156 @@
+"""Distillation as a recipe stage: the model the earlier stages made (pruned, quantized or smaller)
+learns from the unmodified model.
+
+Sample recipe stage (after ``sparsegpt`` 2:4, or a ``gptq`` stage at 3 bits):
+
+    - method: distill
+      text: ../shared/data/wikitext2/wiki.valid.tokens   # default: the recipe's data.source
+      seq_len: 512
+      steps: 400
+      batch_size: 4
+      lr: 5.0e-5
+      loss: forward_kl          # forward_kl | reverse_kl | jsd
+      temperature: 1.0
+      hidden: {kind: mse, weight: 1.0, layers: {0: 1, 7: 15}}   # student layer -> teacher layer
+      teacher_logits: online    # online | cache (top-k log-probabilities on disk, forward_kl only)
+      eval_every: 100           # held-out perplexity on the last eval_windows windows of the text
+      checkpoint_every: 50      # --resume continues from the last checkpoint exactly
+
+Quantized layers train with straight-through fake quantization on their own grid and are
+frozen back into the same packed form (``student.py``); pruned layers keep their masks.
+The teacher is the recipe's model as loaded from disk (``teacher:`` names another with
+the same vocabulary). The training text must not be the eval text.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from lmpress.data import load_text, tokenize
+from lmpress.distill.losses import Divergence, HiddenLoss
+from lmpress.distill.student import freeze_student, prepare_student
+from lmpress.distill.trainer import held_out_perplexity, split_windows, train_student
+from lmpress.errors import LmpressInputError
+from lmpress.model import decoder_layers
+from lmpress.registry import StageConfig, StageContext, StrictConfig, register_stage, stage_handler
+
+
+class HiddenMatch(StrictConfig):
+    kind: HiddenLoss = "mse"
+    weight: float = Field(1.0, gt=0)
+    layers: dict[int, int] = Field(min_length=1, description="student decoder layer -> teacher decoder layer")
+
+
+@register_stage("distill")
+class DistillConfig(StageConfig):
+    method: Literal["distill"] = "distill"
+    teacher: str | None = Field(None, description="teacher model source; default: the recipe's model, unmodified")
+    text: str | None = Field(None, description="training text; default: the recipe's data.source")
+    seq_len: int = Field(512, ge=8)
+    steps: int = Field(200, ge=1, le=1_000_000)
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1, description="micro-batches per step (batch_size is split among them)")
+    lr: float = Field(5e-5, gt=0, le=1.0)
+    scale_lr: float | None = Field(None, gt=0, le=1.0, description="lr of quantization scales (default: lr)")
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    max_grad_norm: float = Field(1.0, ge=0)
+    loss: Divergence = "forward_kl"
+    temperature: float = Field(1.0, gt=0)
+    logit_weight: float = Field(1.0, ge=0)
+    ce_weight: float = Field(0.0, ge=0, description="cross-entropy on the training text, added to the divergence")
+    hidden: HiddenMatch | None = None
+    teacher_logits: Literal["online", "cache"] = "online"
+    top_k: int = Field(64, ge=1, description="teacher tokens kept per position by the cache")
+    learn_scales: bool = True
+    train_embeddings: bool = False
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: bool = False
+    eval_every: int = Field(50, ge=0)
+    eval_windows: int = Field(4, ge=1, description="windows at the end of the text held out of training")
+    checkpoint_every: int = Field(50, ge=0)
+    max_minutes: float | None = Field(None, gt=0, description="stop early after this much training time")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistillConfig:
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"grad_accum: {self.grad_accum} does not divide batch_size: {self.batch_size}")
+        if self.teacher_logits == "cache" and (self.loss != "forward_kl" or self.hidden is not None):
+            raise ValueError(
+                "teacher_logits: cache keeps the teacher's top-k log-probabilities only: "
+                "use loss: forward_kl and no hidden-state loss, or teacher_logits: online"
+            )
+        if not self.logit_weight and not self.ce_weight and self.hidden is None:
+            raise ValueError("every loss weight is zero: nothing to train on")
+        return self
+
+    def texts(self) -> list[str]:
+        return [self.text] if self.text else []
+
+    def check(self, model: nn.Module) -> None:
+        if self.hidden is not None and self.teacher is None:
+            check_layer_map(self.hidden.layers.values(), len(decoder_layers(model)), "teacher")
+
+
+def check_layer_map(indices, n_layers: int, side: str) -> None:
+    bad = sorted(i for i in indices if not 0 <= i < n_layers)
+    if bad:
+        raise LmpressInputError(
+            f"stage distill: hidden.layers names {side} layer(s) {bad}; the {side} has layers 0..{n_layers - 1}"
+        )
+
+
+def check_same_vocabulary(student: nn.Module, teacher: nn.Module) -> None:
+    s, t = student.get_output_embeddings(), teacher.get_output_embeddings()
+    s_vocab = s.weight.shape[0] if s is not None else student.config.vocab_size
+    t_vocab = t.weight.shape[0] if t is not None else teacher.config.vocab_size
+    if s_vocab != t_vocab:
+        raise LmpressInputError(
+            f"stage distill: the student's vocabulary ({s_vocab} tokens) differs from the teacher's ({t_vocab}): "
+            "logit distillation needs the same tokenizer"
+        )
+
+
+@stage_handler(DistillConfig)
+def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> dict:
+    if ctx.teacher is None or ctx.tokenizer is None:
+        raise LmpressInputError("stage distill needs the recipe's model as its teacher (run it from a recipe)")
+    teacher = ctx.teacher(config.teacher)
+    check_same_vocabulary(model, teacher)
+    if config.hidden is not None:
+        check_layer_map(config.hidden.layers.keys(), len(decoder_layers(model)), "student")
+        check_layer_map(config.hidden.layers.values(), len(decoder_layers(teacher)), "teacher")
+    source = config.text or ctx.text_source
+    ids = tokenize(ctx.tokenizer, load_text(source, default_split="train"))
+    windows = split_windows(ids, config.seq_len, config.eval_windows, config.batch_size)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+
+    counts = prepare_student(model, config.learn_scales, config.train_embeddings)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ppl_before = held_out_perplexity(model, windows.held_out, ctx.device) if config.eval_every else None
+    log = train_student(
+        model, teacher, windows, config, ctx.state_dir, ctx.resume, ctx.fingerprint, ctx.device, ctx.bars
+    )
+    del teacher
+    model.to("cpu")
+    frozen = freeze_student(model)
+    return {
+        **counts,
+        "trainable_parameters": trainable,
+        "frozen_quantized_layers": frozen,
+        "training_windows": windows.train.shape[0],
+        "steps": log.step,
+        "tokens": log.tokens,
+        "train_seconds": round(log.seconds, 1),
+        "tokens_per_s": round(log.tokens / max(log.seconds, 1e-9), 1),
+        "held_out_ppl_before": ppl_before,
+        "held_out_ppl_after": log.evals[-1]["ppl"] if log.evals else None,
+        "training": {"losses": log.losses, "evals": log.evals},
+    }

@@ -1,0 +1,149 @@
+"""The student: what trains, and how it goes back to the form every exporter reads.
+
+A compressed model trains in place (recovery):
+
+- each ``QuantizedLinear`` becomes a :class:`FakeQuantLinear`: a float latent weight,
+  started at the dequantized weight, quantized on the layer's own grid in every forward
+  with straight-through rounding (Bengio et al. 2013), its group scales learnable too
+  (LSQ, Esser et al. 2020: ``∂ŵ/∂s = ⌊w/s⌉ − w/s`` inside the range). :func:`freeze_student`
+  rounds it back into a ``QuantizedLinear`` of the same scheme, zero points and ``g_idx``:
+  its dequantized weight is exactly what the last forward used;
+- a pruned layer keeps its mask: entries that are exactly zero in a float linear of a
+  decoder layer (an N:M pattern in a quantized one) are zeroed again after every
+  optimizer step, so 2:4 stays 2:4.
+
+A smaller student made from the teacher (fewer layers, narrower MLPs) is the
+structured-pruning stage's output, trained like any float model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmpress.model import decoder_layers
+from lmpress.prune.masks import nm_pattern
+from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+
+# A float layer with at least this fraction of exact zeros is taken as pruned (a trained dense
+# layer has essentially none); smaller fractions are left free to move.
+PRUNED_FRACTION = 0.05
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """⌊x⌉ forward, identity gradient (straight-through)."""
+    return x + (torch.round(x) - x).detach()
+
+
+class FakeQuantLinear(nn.Module):
+    """A quantized linear in training: ``y = x @ ((clamp(⌊w/s⌉ + z) − z) · s).T + b``."""
+
+    def __init__(self, layer: QuantizedLinear, learn_scales: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = layer.in_features, layer.out_features, layer.scheme
+        self.scale_dtype = layer.scales.dtype
+        self.weight = nn.Parameter(layer.dequantized_weight(torch.float32))
+        self.scales = nn.Parameter(layer.scales.float().clone(), requires_grad=learn_scales)
+        self.register_buffer("zeros", layer.zeros.float().clone())
+        self.register_buffer("g_idx", None if layer.g_idx is None else layer.g_idx.clone())
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float().clone())
+        self.register_buffer("mask", None)  # True = pruned (kept at zero)
+        if nm_pattern(self.weight.data) is not None:
+            self.mask = self.weight.data == 0
+
+    def _groups(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        width = self.scheme.group_width(self.in_features)
+        return torch.arange(self.in_features, device=self.weight.device) // width
+
+    def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = self._groups()
+        # the scales the export will store (e.g. float16) are the ones trained against
+        scales = self.scales + (self.scales.to(self.scale_dtype).float() - self.scales).detach()
+        return scales[:, groups], self.zeros[:, groups]
+
+    def quantized_weight(self) -> torch.Tensor:
+        scale, zero = self._scale_zero()
+        q = torch.clamp(round_ste(self.weight / scale) + zero, 0, self.scheme.maxq)
+        return (q - zero) * scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, self.quantized_weight().to(x.dtype), bias)
+
+    @torch.no_grad()
+    def freeze(self) -> QuantizedLinear:
+        scale, zero = self._scale_zero()
+        codes = torch.clamp(torch.round(self.weight / scale) + zero, 0, self.scheme.maxq)
+        qw = QuantizedWeight(
+            qweight=codes.to(torch.uint8),
+            scales=self.scales.detach().to(self.scale_dtype),
+            zeros=self.zeros.clone(),
+            scheme=self.scheme,
+            g_idx=self.g_idx,
+        )
+        return QuantizedLinear.from_quantized_weight(qw, None if self.bias is None else self.bias.detach())
+
+
+def _replace(model: nn.Module, kind: type, make) -> int:
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, kind):
+                setattr(parent, name, make(child))
+                count += 1
+    return count
+
+
+def prepare_student(model: nn.Module, learn_scales: bool = True, train_embeddings: bool = False) -> dict[str, int]:
+    """Make ``model`` trainable in place: quantized layers fake-quantize, pruned layers get fixed masks.
+
+    Embeddings (and a head tied to them) train only when ``train_embeddings``; returns counts for the report.
+    """
+    quantized = _replace(model, QuantizedLinear, lambda layer: FakeQuantLinear(layer, learn_scales))
+    masked = 0
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                zeros = module.weight.data == 0
+                if float(zeros.float().mean()) >= PRUNED_FRACTION:
+                    module.register_buffer("prune_mask", zeros)
+                    masked += 1
+            elif isinstance(module, FakeQuantLinear) and module.mask is not None:
+                masked += 1
+    for p in model.parameters():
+        p.requires_grad_(True)
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None and not train_embeddings:
+            module.weight.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, FakeQuantLinear):
+            module.scales.requires_grad_(learn_scales)
+    return {"fake_quantized_layers": quantized, "masked_layers": masked}
+
+
+@torch.no_grad()
+def apply_masks(model: nn.Module) -> None:
+    """Zero every pruned entry again (after an optimizer step)."""
+    for module in model.modules():
+        mask = getattr(module, "prune_mask", None) if isinstance(module, nn.Linear) else getattr(module, "mask", None)
+        if mask is not None:
+            module.weight.data.masked_fill_(mask, 0.0)
+
+
+def freeze_student(model: nn.Module) -> int:
+    """Turn every FakeQuantLinear back into a QuantizedLinear, drop the masks and gradients; returns the count."""
+    count = _replace(model, FakeQuantLinear, lambda layer: layer.freeze())
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and hasattr(module, "prune_mask"):
+            del module.prune_mask
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    return count
+
+
+def student_schemes(model: nn.Module) -> set[QuantScheme]:
+    return {m.scheme for m in model.modules() if isinstance(m, QuantizedLinear | FakeQuantLinear)}

@@ -1,0 +1,151 @@
+"""Distillation as a recipe stage on a tiny random Llama: it recovers what quantization lost, exports
+like any other stage, resumes exactly after a kill, and refuses bad input with exit 2."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from lmpress.cli import main
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def training_text(tmp_path) -> str:
+    from pydoc_data.topics import topics
+
+    path = tmp_path / "train.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics)[40:120]))
+    return str(path)
+
+
+def distill_stage(**changes) -> dict:
+    stage = {"method": "distill", "seq_len": 64, "steps": 60, "batch_size": 4, "lr": 1e-3, "warmup_steps": 2}
+    stage.update({"eval_every": 10, "eval_windows": 2, "checkpoint_every": 10, **changes})
+    return stage
+
+
+def write_recipe(tmp_path, model_dir, stages, name="recipe.yaml", **changes) -> str:
+    recipe = {
+        "model": str(model_dir),
+        "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
+        "stages": stages,
+        "export": {"formats": ["gptq"]},
+        "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 128, "windows": 4, "kld": {}}},
+        "gates": [],
+    }
+    recipe.update(changes)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+RTN_W2 = {"method": "rtn", "bits": 2, "group_size": 32, "ignore": ["lm_head"]}
+
+
+def run(tmp_path, model_dir, stages, out, **changes) -> dict:
+    recipe = write_recipe(tmp_path, model_dir, stages, **changes)
+    assert main(["run", recipe, "--out", str(tmp_path / out), "--quiet"]) == 0
+    return json.loads((tmp_path / out / "report.json").read_text())
+
+
+def test_distillation_recovers_what_quantization_lost_and_ships_in_the_same_format(
+    tiny_llama_dir, tmp_path, training_text
+):
+    plain = run(tmp_path, tiny_llama_dir, [RTN_W2], "plain")
+    recovered = run(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(text=training_text)], "recovered")
+    summary = recovered["stages"][1]["summary"]
+    assert summary["fake_quantized_layers"] == summary["frozen_quantized_layers"] == 14
+    assert summary["steps"] == 60 and summary["tokens"] == 60 * 4 * 64
+    losses = [row["loss"] for row in summary["training"]["losses"]]
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    # the candidate is the gptq export read back from disk, scored against the unmodified model
+    assert recovered["export_checks"][0]["passed"]
+    kld = {side: report["candidate"]["metrics"]["kld_mean"] for side, report in (("plain", plain), ("recovered", recovered))}
+    assert kld["recovered"] < 0.7 * kld["plain"], kld
+    assert (tmp_path / "recovered" / "training_stage1.png").stat().st_size > 0
+    assert "training_stage1.png" in (tmp_path / "recovered" / "report.md").read_text()
+    config = json.loads((tmp_path / "recovered" / "gptq" / "config.json").read_text())
+    assert config["quantization_config"]["bits"] == 2
+
+
+def test_a_cached_teacher_trains_the_same_way_as_an_online_one_at_full_k(tiny_llama_dir, tmp_path, training_text):
+    vocab = json.loads((Path(tiny_llama_dir) / "config.json").read_text())["vocab_size"]
+    online = run(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(text=training_text, steps=6)], "online")
+    cached = distill_stage(text=training_text, steps=6, teacher_logits="cache", top_k=vocab)
+    cache = run(tmp_path, tiny_llama_dir, [RTN_W2, cached], "cached")
+    a = [r["loss"] for r in online["stages"][1]["summary"]["training"]["losses"]]
+    b = [r["loss"] for r in cache["stages"][1]["summary"]["training"]["losses"]]
+    assert b == pytest.approx(a, rel=2e-3)  # the cache stores float16 log-probabilities
+
+
+def _weights(out: Path) -> dict:
+    return load_file(str(out / "gptq" / "model.safetensors"))
+
+
+def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llama_dir, tmp_path, training_text):
+    stages = [RTN_W2, distill_stage(text=training_text, steps=300, checkpoint_every=40, eval_every=0)]
+    recipe = write_recipe(tmp_path, tiny_llama_dir, stages)
+    out = tmp_path / "killed"
+    env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "lmpress.cli", "run", recipe, "--out", str(out), "--quiet"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    trainer = tmp_path / ".killed.partial" / "state" / "1-distill" / "checkpoint" / "trainer.json"
+    deadline = time.monotonic() + 300
+    while not trainer.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before its first checkpoint: nothing was killed mid-training"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = json.loads(trainer.read_text())["log"]["step"]
+    assert 0 < killed_at < 300
+    assert main(["run", recipe, "--out", str(out), "--resume", "--quiet"]) == 0
+    assert main(["run", recipe, "--out", str(tmp_path / "straight"), "--quiet"]) == 0
+    resumed, straight = _weights(out), _weights(tmp_path / "straight")
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        assert (resumed[name] == straight[name]).all(), name
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"][1]["summary"]["steps"] == 300
+
+
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ({"hidden": {"layers": {0: 7}}}, "names teacher layer(s) [7]; the teacher has layers 0..1"),
+        ({"hidden": {"layers": {5: 1}}}, "names student layer(s) [5]; the student has layers 0..1"),
+        ({"text": "SHORT"}, "fewer than one batch of 4"),
+        ({"text": "builtin:python-docs"}, "is the eval text"),
+        ({"loss": "jsd", "teacher_logits": "cache"}, "teacher_logits: cache keeps the teacher's top-k"),
+    ],
+)
+def test_bad_distillation_input_exits_2_with_one_line(tiny_llama_dir, tmp_path, training_text, capsys, stage, message):
+    settings = {"text": training_text, **stage}
+    if settings["text"] == "SHORT":
+        (tmp_path / "short.txt").write_text("Only a few words of training text, not one batch.")
+        settings["text"] = str(tmp_path / "short.txt")
+    recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(**settings)])
+    assert main(["run", recipe, "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path, training_text, capsys):
+    from tests.conftest import save_tiny_model
+
+    other = save_tiny_model(tmp_path / "other", "llama", vocab_size=500)
+    recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(text=training_text, teacher=str(other))])
+    assert main(["run", recipe, "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "vocabulary" in err and "differs from the teacher's (500)" in err

@@ -1,0 +1,78 @@
+"""Quantized layers train with fake quantization on their own grid and freeze back exactly; masks stay."""
+
+import pytest
+import torch
+from torch import nn
+
+from lmpress.distill.student import FakeQuantLinear, apply_masks, freeze_student, prepare_student
+from lmpress.prune.masks import nm_mask, nm_pattern
+from lmpress.quantize.qlinear import QuantizedLinear, quantized_linear_from
+from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+
+
+def quantized(bits=3, group=32, symmetric=True, seed=0, in_features=64, out_features=48, weight=None):
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=True)
+    if weight is not None:
+        linear.weight.data.copy_(weight)
+    scheme = QuantScheme(bits=bits, group_size=group, symmetric=symmetric)
+    return quantized_linear_from(linear, quantize_weight_rtn(linear.weight.data, scheme))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_fake_quant_starts_at_the_quantized_layer_and_freezes_to_what_it_computes(symmetric):
+    layer = quantized(symmetric=symmetric)
+    x = torch.randn(5, 64)
+    fake = FakeQuantLinear(layer)
+    torch.testing.assert_close(fake(x), layer(x), rtol=0, atol=1e-6)
+    # train a little: latent weights and scales move, rounding flips
+    opt = torch.optim.Adam(fake.parameters(), lr=1e-2)
+    for _ in range(20):
+        opt.zero_grad()
+        fake(x).pow(2).mean().backward()
+        opt.step()
+    frozen = fake.freeze()
+    assert isinstance(frozen, QuantizedLinear) and frozen.scheme == layer.scheme
+    assert not torch.equal(frozen.codes(), layer.codes())
+    torch.testing.assert_close(frozen.dequantized_weight(), fake.quantized_weight().detach(), rtol=0, atol=0)
+    torch.testing.assert_close(frozen(x), fake(x), rtol=0, atol=1e-5)
+
+
+def test_scales_get_the_lsq_gradient():
+    layer = quantized(bits=4, group=-1, in_features=8, out_features=1)
+    fake = FakeQuantLinear(layer)
+    w, s = fake.weight.detach(), fake.scales.detach()[:, 0]
+    x = torch.ones(1, 8)
+    fake(x).sum().backward()
+    # d/ds of Σ (⌊w/s⌉) s with straight-through rounding: Σ (⌊w/s⌉ − w/s) inside the range
+    expected = (torch.round(w / s) - w / s).sum()
+    assert fake.scales.grad[0, 0].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_pruned_entries_stay_zero_and_2_4_stays_2_4_through_training(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    layer = model.model.layers[0]
+    dense = layer.self_attn.q_proj
+    dense.weight.data[nm_mask(dense.weight.abs(), 2, 4)] = 0
+    w = layer.mlp.down_proj.weight.data.clone()
+    w[nm_mask(w.abs(), 2, 4)] = 0
+    layer.mlp.down_proj = quantized(bits=4, in_features=w.shape[1], out_features=w.shape[0], weight=w)
+    counts = prepare_student(model)
+    assert counts == {"fake_quantized_layers": 1, "masked_layers": 2}
+    assert not model.get_input_embeddings().weight.requires_grad
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.randint(0, 100, (2, 16))
+    for _ in range(5):
+        opt.zero_grad()
+        model(ids).logits.logsumexp(-1).mean().backward()
+        opt.step()
+        apply_masks(model)
+    assert nm_pattern(dense.weight.data) == "2:4"
+    assert isinstance(layer.mlp.down_proj, FakeQuantLinear)
+    freeze_student(model)
+    assert isinstance(layer.mlp.down_proj, QuantizedLinear)
+    assert nm_pattern(layer.mlp.down_proj.dequantized_weight()) == "2:4"
+    assert not hasattr(dense, "prune_mask")
+    assert not any(p.requires_grad for p in model.parameters())
