@@ -52,9 +52,8 @@ def _divergence_sum(student: torch.Tensor, teacher: torch.Tensor, kind: Divergen
     if kind == "reverse_kl":
         return F.kl_div(log_t, log_s, log_target=True, reduction="sum")  # Σ p_s (log p_s - log p_t)
     log_m = torch.logsumexp(torch.stack([log_s, log_t]), dim=0) - math.log(2)  # log ½ (p_s + p_t)
-    return 0.5 * (
-        F.kl_div(log_m, log_t, log_target=True, reduction="sum") + F.kl_div(log_m, log_s, log_target=True, reduction="sum")
-    )
+    teacher_side = F.kl_div(log_m, log_t, log_target=True, reduction="sum")
+    return 0.5 * (teacher_side + F.kl_div(log_m, log_s, log_target=True, reduction="sum"))
 
 
 def _sparse_forward_kl_sum(student: torch.Tensor, logprobs: torch.Tensor, indices: torch.Tensor, temperature: float):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field, model_validator
 from torch import nn
 

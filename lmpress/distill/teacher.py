@@ -60,7 +60,9 @@ class TeacherCache:
             np.save(directory / "filled.npy", self.filled)
             meta_path.write_text(json.dumps(meta))
 
-    def get(self, teacher: nn.Module, windows: torch.Tensor, rows: torch.Tensor, device: torch.device) -> TeacherOutputs:
+    def get(
+        self, teacher: nn.Module, windows: torch.Tensor, rows: torch.Tensor, device: torch.device
+    ) -> TeacherOutputs:
         """The cached targets of windows ``rows`` (their token ids ``windows[rows]``), computing the missing ones."""
         missing = [int(r) for r in rows if not self.filled[int(r)]]
         if missing:

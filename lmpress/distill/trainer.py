@@ -88,9 +88,8 @@ def distillation_loss(
         nll = -logprobs.gather(-1, ids[:, 1:, None]).mean()
         parts["ce"] = config.ce_weight * nll
     if hidden is not None:
-        terms = [
-            hidden_state_loss(out.hidden_states[s + 1], teacher.hidden[t], hidden.kind) for s, t in hidden.layers.items()
-        ]
+        pairs = hidden.layers.items()
+        terms = [hidden_state_loss(out.hidden_states[s + 1], teacher.hidden[t], hidden.kind) for s, t in pairs]
         parts[f"hidden_{hidden.kind}"] = hidden.weight * torch.stack(terms).mean()
     total = torch.stack(list(parts.values())).sum()
     return total, {name: float(value.detach()) for name, value in parts.items()}

@@ -108,7 +108,8 @@ def plot_training_curve(losses: list[dict], evals: list[dict], path: Path) -> No
     ax.grid(alpha=0.3)
     if evals:
         right = ax.twinx()
-        right.plot([e["step"] for e in evals], [e["ppl"] for e in evals], "o-", color="tab:orange", label="held-out ppl")
+        steps_ppl = ([e["step"] for e in evals], [e["ppl"] for e in evals])
+        right.plot(*steps_ppl, "o-", color="tab:orange", label="held-out ppl")
         right.set_ylabel("held-out perplexity")
         fig.legend(loc="upper right")
     ax.set_title("Distillation")

@@ -72,7 +72,7 @@ def test_distillation_recovers_what_quantization_lost_and_ships_in_the_same_form
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
     # the candidate is the gptq export read back from disk, scored against the unmodified model
     assert recovered["export_checks"][0]["passed"]
-    kld = {side: report["candidate"]["metrics"]["kld_mean"] for side, report in (("plain", plain), ("recovered", recovered))}
+    kld = {side: run["candidate"]["metrics"]["kld_mean"] for side, run in (("plain", plain), ("recovered", recovered))}
     assert kld["recovered"] < 0.7 * kld["plain"], kld
     assert (tmp_path / "recovered" / "training_stage1.png").stat().st_size > 0
     assert "training_stage1.png" in (tmp_path / "recovered" / "report.md").read_text()
