@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_block import write_readme_block  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmpress, before an installed one
 from quant_table import CALIBRATION, EVAL, REPO, SMOLLM2, WIKITEXT, cpu_description  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 ROW_DIR = RESULTS / "int8_rows"
-README = REPO / "README.md"
-BEGIN, END = "<!-- int8-table -->", "<!-- /int8-table -->"
 QUANT_TABLE_FP32 = RESULTS / "rows" / "fp32.json"
 PREFILL_TOKENS = 2048
 PREFILL_THREADS = 2
@@ -227,13 +226,7 @@ def render(rows: list[dict]) -> str:
 
 
 def write_readme(table: str) -> None:
-    text = README.read_text()
-    block = f"{BEGIN}\n{table}{END}"
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + f"\n\n## INT8 and FP8 results\n\n{block}\n"
-    README.write_text(text)
+    write_readme_block("int8-table", "INT8 and FP8 results", table)
 
 
 def main() -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -25,11 +24,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_table import CALIBRATION, EVAL, REPO, SMOLLM2, WIKITEXT, cpu_description  # noqa: E402
+from readme_block import write_readme_block  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 ROW_DIR = RESULTS / "prune_rows"
-README = REPO / "README.md"
-BEGIN, END = "<!-- prune-table -->", "<!-- /prune-table -->"
 W4 = {"bits": 4, "group_size": 64, "symmetric": True}
 
 # name -> (label, stages as a recipe writes them)
@@ -213,13 +211,7 @@ def render(rows: list[dict]) -> str:
 
 
 def write_readme(table: str) -> None:
-    text = README.read_text()
-    block = f"{BEGIN}\n{table}{END}"
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + f"\n\n## Pruning results\n\n{block}\n"
-    README.write_text(text)
+    write_readme_block("prune-table", "Pruning results", table)
 
 
 def main() -> int:

@@ -21,19 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lmpress.calib.hooks import set_submodule
 from lmpress.model import decoder_layers
 from lmpress.prune.masks import nm_pattern
 from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, round_ste
 
 # A float layer with at least this fraction of exact zeros is taken as pruned (a trained dense
 # layer has essentially none); smaller fractions are left free to move.
 PRUNED_FRACTION = 0.05
-
-
-def round_ste(x: torch.Tensor) -> torch.Tensor:
-    """⌊x⌉ forward, identity gradient (straight-through)."""
-    return x + (torch.round(x) - x).detach()
 
 
 class FakeQuantLinear(nn.Module):
@@ -88,13 +84,10 @@ class FakeQuantLinear(nn.Module):
 
 
 def _replace(model: nn.Module, kind: type, make) -> int:
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, kind):
-                setattr(parent, name, make(child))
-                count += 1
-    return count
+    found = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
+    for name, module in found:
+        set_submodule(model, name, make(module))
+    return len(found)
 
 
 def prepare_student(model: nn.Module, learn_scales: bool = True, train_embeddings: bool = False) -> dict[str, int]:

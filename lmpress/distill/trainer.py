@@ -27,6 +27,7 @@ from lmpress.distill.losses import hidden_state_loss, logit_divergence
 from lmpress.distill.student import apply_masks
 from lmpress.distill.teacher import TeacherCache, TeacherOutputs, teacher_forward
 from lmpress.errors import LmpressInputError
+from lmpress.evals.perplexity import token_nll
 from lmpress.progress import QUIET, Bars
 
 if TYPE_CHECKING:
@@ -102,8 +103,7 @@ def held_out_perplexity(model: nn.Module, windows: torch.Tensor, device: torch.d
     nll, count = 0.0, 0
     for window in windows:
         ids = window[None].to(device)
-        logprobs = torch.log_softmax(model(ids, use_cache=False).logits[0, :-1].float(), dim=-1)
-        nll -= logprobs.gather(-1, ids[0, 1:, None]).double().sum().item()
+        nll += token_nll(model(ids, use_cache=False).logits.float(), ids).double().sum().item()
         count += ids.shape[1] - 1
     model.train(was_training)
     return math.exp(nll / max(count, 1))

@@ -64,7 +64,7 @@ from lmpress.calib.hooks import first_input, move_to
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, round_ste
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.registry import StageContext, register_stage, stage_config, stage_handler
 from lmpress.registry import calibration_method as method_by_name
@@ -132,11 +132,6 @@ def init_rounding(
     for t in rounding.tensors():
         t.requires_grad_(requires_grad)
     return rounding
-
-
-def round_ste(x: torch.Tensor) -> torch.Tensor:
-    """⌊x⌉ forward, identity gradient (straight-through)."""
-    return x + (torch.round(x) - x).detach()
 
 
 def learned_qparams(

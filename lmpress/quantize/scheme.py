@@ -78,6 +78,11 @@ def quantize_to_int(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ma
     return torch.clamp(torch.round(w.float() / scale) + zero, 0, maxq)
 
 
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """⌊x⌉ forward, identity gradient (straight-through; Bengio et al. 2013): for weights that learn their rounding."""
+    return x + (torch.round(x) - x).detach()
+
+
 def dequantize_int(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return (q.float() - zero) * scale
 

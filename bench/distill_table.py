@@ -1,0 +1,214 @@
+"""Distillation table on SmolLM2-135M (issue 16, "Numbers"), written into the README.
+
+    python bench/distill_table.py                        # every row, then bench/results/distill_table.md and README
+    python bench/distill_table.py --rows recover-w3      # one row; the table keeps the others
+    python bench/distill_table.py --reuse                # reuse runs whose report holds the same recipe
+
+Rows, each the recipe of the same name run by ``lmpress run`` in its own process (2 CPU threads):
+
+- ``recover-24``, ``recover-w3``: the recipe's candidate (its export read back from disk) against
+  the model before training: the same recipe without its distill stage, or, when its
+  compression stages are the very stages of a row of bench/quant_table.py or
+  bench/prune_table.py (same settings, same calibration and perplexity protocol), that row.
+  Gap closed = (before − after) / (before − FP32), FP32 being the run's own baseline.
+- ``draft-student``: the recipe's export (half the layers, distilled, W4 with a W8 head) as the
+  draft of the FP32 model in lmpress's runtime: greedy speculative decoding of the grounded
+  prompt of bench/runtime.py against plain decoding, acceptance rate and speedup, output
+  checked token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_block import write_readme_block  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+ROW_DIR = RESULTS / "distill_rows"
+RUNS = REPO / "runs" / "bench-distill"
+ROWS = {
+    "recover-24": ("SparseGPT 2:4, then distilled (2:4 masks fixed)", "recipes/recover-24.yaml"),
+    "recover-w3": ("GPTQ W3 g64, then distilled (fake-quantized, re-exported packed)", "recipes/recover-w3.yaml"),
+    "draft-student": ("half the layers, distilled, W4 g64 (head W8): speculative draft", "recipes/draft-student.yaml"),
+}
+# earlier tables that measured a compressed model with the same protocol: (row file, its stages)
+EARLIER_ROWS = [RESULTS / "prune_rows" / "sparsegpt-24.json", RESULTS / "rows" / "gptq-w3-g64.json"]
+GAP_GOAL = 0.40
+SPEEDUP_GOAL = 1.3
+THREADS = 2
+
+
+def normalized(stages: list[dict]) -> list[dict]:
+    from lmpress.registry import stage_config
+
+    return [stage_config(s["method"])(**s).model_dump() for s in stages]
+
+
+def lmpress_run(recipe: dict, out: Path, reuse: bool) -> dict:
+    """``lmpress run`` of ``recipe`` into ``out`` (reused when its report holds the same recipe)."""
+    report_path = out / "report.json"
+    if reuse and report_path.exists():
+        report = json.loads(report_path.read_text())
+        if normalized(report["recipe"]["stages"]) == normalized(recipe["stages"]):
+            return report
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recipe_path = out.parent / f"{out.name}.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    command = [sys.executable, "-m", "lmpress.cli", "run", str(recipe_path), "--out", str(out), "--overwrite"]
+    done = subprocess.run(command, cwd=REPO, env=env, check=False)
+    if done.returncode not in (0, 1):  # 1: a gate failed, which the table reports
+        sys.exit(f"{recipe_path}: lmpress run exited {done.returncode}")
+    return json.loads(report_path.read_text())
+
+
+def ppl_before(recipe: dict, name: str, reuse: bool) -> tuple[float, str]:
+    """Perplexity of the model the recipe's compression stages make, and where it was measured."""
+    stages = [s for s in recipe["stages"] if s["method"] != "distill"]
+    for path in EARLIER_ROWS:
+        if path.exists():
+            row = json.loads(path.read_text())
+            if normalized(row.get("stages") or [row["stage"]]) == normalized(stages):
+                return row["ppl"], str(path.relative_to(REPO))
+    report = lmpress_run({**recipe, "stages": stages, "gates": []}, RUNS / f"{name}-before", reuse)
+    return report["candidate"]["metrics"]["ppl"], f"{RUNS.name}/{name}-before"
+
+
+def measure_recovery(name: str, recipe: dict, reuse: bool) -> dict:
+    report = lmpress_run(recipe, RUNS / name, reuse)
+    before, source = ppl_before(recipe, name, reuse)
+    fp32 = report["baseline"]["metrics"]["ppl"]
+    after = report["candidate"]["metrics"]["ppl"]
+    train = next(s for s in report["stages"] if s["method"] == "distill")
+    summary = train["summary"]
+    return {
+        "row": name,
+        "fp32": fp32,
+        "before": before,
+        "before_from": source,
+        "after": after,
+        "gap_closed": (before - after) / (before - fp32),
+        "train_seconds": summary["train_seconds"],
+        "steps": summary["steps"],
+        "tokens": summary["tokens"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "device": train["device"],
+        "export_checks_passed": all(c["passed"] for c in report["export_checks"]),
+        "run": str((RUNS / name).relative_to(REPO)),
+    }
+
+
+def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
+    report = lmpress_run(recipe, RUNS / name, reuse)
+    export = RUNS / name / recipe["export"]["formats"][0]
+    sys.path.insert(0, str(REPO / "bench"))
+    import torch
+    from runtime import row_speculative
+
+    torch.set_num_threads(THREADS)
+    args = argparse.Namespace(new_tokens=256, repeats=3, prompt_tokens=128)
+    spec = row_speculative(args, str(export))
+    train = next(s for s in report["stages"] if s["method"] == "distill")
+    return {
+        "row": name,
+        "fp32": report["baseline"]["metrics"]["ppl"],
+        "after": report["candidate"]["metrics"]["ppl"],
+        "train_seconds": train["summary"]["train_seconds"],
+        "steps": train["summary"]["steps"],
+        "tokens": train["summary"]["tokens"],
+        "tokens_per_s": train["summary"]["tokens_per_s"],
+        "device": train["device"],
+        "plain_tok_s": spec["decode_tok_s"],
+        "speculative_tok_s": spec["spec_decode_tok_s"],
+        "speedup": spec["spec_speedup"],
+        "acceptance_rate": spec["spec_acceptance_rate"],
+        "identical": spec["spec_identical_to_plain"],
+        "run": str((RUNS / name).relative_to(REPO)),
+    }
+
+
+def render(rows: dict[str, dict]) -> str:
+    lines = [
+        "| student | FP32 ppl | before | after | gap closed | training | goal | met |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, (label, _) in ROWS.items():
+        r = rows.get(name)
+        if r is None:
+            lines.append(f"| {label} | not measured | | | | | | |")
+            continue
+        training = f"{r['steps']} steps, {r['tokens']:,} tokens, {r['train_seconds'] / 60:.1f} min ({r['device']})"
+        if name == "draft-student":
+            goal = f"speedup >= {SPEEDUP_GOAL}x, identical output"
+            met = r["speedup"] >= SPEEDUP_GOAL and r["identical"]
+            result = (
+                f"speculative {r['speculative_tok_s']:.1f} vs plain {r['plain_tok_s']:.1f} tok/s = "
+                f"**{r['speedup']:.2f}x**, acceptance {r['acceptance_rate']:.2f}, identical: {r['identical']}"
+            )
+            lines.append(
+                f"| {label} | {r['fp32']:.2f} | | {r['after']:.2f} | {result} | {training} | {goal} | "
+                f"{'yes' if met else 'NO'} |"
+            )
+            continue
+        met = r["gap_closed"] >= GAP_GOAL and r["export_checks_passed"]
+        lines.append(
+            f"| {label} | {r['fp32']:.2f} | {r['before']:.2f} | {r['after']:.2f} | **{r['gap_closed']:.0%}** | "
+            f"{training} | >= {GAP_GOAL:.0%} of the gap | {'yes' if met else 'NO'} |"
+        )
+    befores = sorted({r["before_from"] for r in rows.values() if "before_from" in r})
+    notes = [
+        "",
+        "SmolLM2-135M-Instruct, training text wiki.valid.tokens (never the eval text), perplexity on the first 20 "
+        "windows of 2048 tokens of wiki.test.raw; after = the recipe's export read back from disk "
+        "(`python bench/distill_table.py`). Before: " + ", ".join(befores or ["-"]) + ".",
+        f"CPU: {platform_cpu()}, {THREADS} threads.",
+    ]
+    return "\n".join(lines + notes) + "\n"
+
+
+def platform_cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def write_readme(table: str) -> None:
+    write_readme_block("distill-table", "Distillation results", table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--reuse", action="store_true", help="reuse runs whose report holds the same recipe")
+    args = parser.parse_args()
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    ROW_DIR.mkdir(parents=True, exist_ok=True)
+    for name in wanted:
+        recipe = yaml.safe_load((REPO / ROWS[name][1]).read_text())
+        measure = measure_draft if name == "draft-student" else measure_recovery
+        row: dict[str, Any] = measure(name, recipe, args.reuse)
+        (ROW_DIR / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
+    rows = {p.stem: json.loads(p.read_text()) for p in sorted(ROW_DIR.glob("*.json"))}
+    table = render(rows)
+    (RESULTS / "distill_table.md").write_text(table)
+    write_readme(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
