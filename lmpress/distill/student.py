@@ -25,7 +25,7 @@ from lmpress.calib.hooks import set_submodule
 from lmpress.model import decoder_layers
 from lmpress.prune.masks import nm_pattern
 from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, round_ste
+from lmpress.quantize.scheme import QuantizedWeight, round_ste
 
 # A float layer with at least this fraction of exact zeros is taken as pruned (a trained dense
 # layer has essentially none); smaller fractions are left free to move.
@@ -106,14 +106,11 @@ def prepare_student(model: nn.Module, learn_scales: bool = True, train_embedding
                     masked += 1
             elif isinstance(module, FakeQuantLinear) and module.mask is not None:
                 masked += 1
-    for p in model.parameters():
-        p.requires_grad_(True)
+    for name, p in model.named_parameters():
+        p.requires_grad_(learn_scales or not name.endswith(".scales"))
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
         if module is not None and not train_embeddings:
             module.weight.requires_grad_(False)
-    for module in model.modules():
-        if isinstance(module, FakeQuantLinear):
-            module.scales.requires_grad_(learn_scales)
     return {"fake_quantized_layers": quantized, "masked_layers": masked}
 
 
@@ -136,7 +133,3 @@ def freeze_student(model: nn.Module) -> int:
         p.requires_grad_(False)
         p.grad = None
     return count
-
-
-def student_schemes(model: nn.Module) -> set[QuantScheme]:
-    return {m.scheme for m in model.modules() if isinstance(m, QuantizedLinear | FakeQuantLinear)}
