@@ -9,6 +9,9 @@ Sample recipe stage (after ``sparsegpt`` 2:4, or a ``gptq`` stage at 3 bits):
       steps: 400
       batch_size: 4
       lr: 5.0e-5
+      scale_lr: null            # quantization scales (default: lr)
+      norm_lr: null             # RMSNorm/LayerNorm weights (default: lr)
+      learn_weights: true       # false: linear weights stay, only scales, norms (and biases) train
       loss: forward_kl          # forward_kl | reverse_kl | jsd
       temperature: 1.0
       hidden: {kind: mse, weight: 1.0, layers: {0: 1, 7: 15}}   # student layer -> teacher layer
@@ -55,6 +58,7 @@ class DistillConfig(StageConfig):
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (batch_size is split among them)")
     lr: float = Field(5e-5, gt=0, le=1.0)
     scale_lr: float | None = Field(None, gt=0, le=1.0, description="lr of quantization scales (default: lr)")
+    norm_lr: float | None = Field(None, gt=0, le=1.0, description="lr of the norms' weights (default: lr)")
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -67,6 +71,7 @@ class DistillConfig(StageConfig):
     teacher_logits: Literal["online", "cache"] = "online"
     top_k: int = Field(64, ge=1, description="teacher tokens kept per position by the cache")
     learn_scales: bool = True
+    learn_weights: bool = Field(True, description="false: the linear layers' weights stay; scales, norms train")
     train_embeddings: bool = False
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
@@ -131,8 +136,10 @@ def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> d
     for p in teacher.parameters():
         p.requires_grad_(False)
 
-    counts = prepare_student(model, config.learn_scales, config.train_embeddings)
+    counts = prepare_student(model, config.learn_scales, config.train_embeddings, config.learn_weights)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if not trainable:
+        raise LmpressInputError("stage distill: nothing to train (learn_weights and learn_scales are off, no norms)")
     ppl_before = held_out_perplexity(model, windows.held_out, ctx.device) if config.eval_every else None
     log = train_student(
         model, teacher, windows, config, ctx.state_dir, ctx.resume, ctx.fingerprint, ctx.device, ctx.bars

@@ -90,10 +90,14 @@ def _replace(model: nn.Module, kind: type, make) -> int:
     return len(found)
 
 
-def prepare_student(model: nn.Module, learn_scales: bool = True, train_embeddings: bool = False) -> dict[str, int]:
+def prepare_student(
+    model: nn.Module, learn_scales: bool = True, train_embeddings: bool = False, learn_weights: bool = True
+) -> dict[str, int]:
     """Make ``model`` trainable in place: quantized layers fake-quantize, pruned layers get fixed masks.
 
-    Embeddings (and a head tied to them) train only when ``train_embeddings``; returns counts for the report.
+    Embeddings (and a head tied to them) train only when ``train_embeddings``; the weights of the
+    linear layers (latent weights of quantized ones) only when ``learn_weights``, else what trains is
+    the quantization scales, norms and biases. Returns counts for the report.
     """
     quantized = _replace(model, QuantizedLinear, lambda layer: FakeQuantLinear(layer, learn_scales))
     masked = 0
@@ -108,10 +112,19 @@ def prepare_student(model: nn.Module, learn_scales: bool = True, train_embedding
                 masked += 1
     for name, p in model.named_parameters():
         p.requires_grad_(learn_scales or not name.endswith(".scales"))
+    if not learn_weights:
+        for module in model.modules():
+            if isinstance(module, nn.Linear | FakeQuantLinear):
+                module.weight.requires_grad_(False)
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
         if module is not None and not train_embeddings:
             module.weight.requires_grad_(False)
     return {"fake_quantized_layers": quantized, "masked_layers": masked}
+
+
+def norm_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The weights (and biases) of the normalization layers (RMSNorm, LayerNorm): their own learning rate."""
+    return {p for module in model.modules() if type(module).__name__.endswith("Norm") for p in module.parameters()}
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lmpress.distill.losses import hidden_state_loss, logit_divergence
-from lmpress.distill.student import apply_masks
+from lmpress.distill.student import apply_masks, norm_parameters
 from lmpress.distill.teacher import TeacherCache, TeacherOutputs, teacher_forward
 from lmpress.errors import LmpressInputError
 from lmpress.evals.perplexity import token_nll
@@ -118,15 +118,19 @@ class TrainingLog:
     evals: list[dict[str, float]] = field(default_factory=list)  # {"step", "ppl"}
 
 
-def _parameter_groups(student: nn.Module, config: DistillConfig) -> list[dict]:
-    scales, others = [], []
+def parameter_groups(student: nn.Module, config: DistillConfig) -> list[dict]:
+    """AdamW groups: weights (``lr``, weight decay), quantization scales (``scale_lr``), norms (``norm_lr``)."""
+    norms = norm_parameters(student)
+    scales, norm, others = [], [], []
     for name, p in student.named_parameters():
         if p.requires_grad:
-            (scales if name.endswith(".scales") else others).append(p)
-    groups = [{"params": others, "lr": config.lr, "weight_decay": config.weight_decay}]
-    if scales:
-        groups.append({"params": scales, "lr": config.scale_lr or config.lr, "weight_decay": 0.0})
-    return groups
+            (scales if name.endswith(".scales") else norm if p in norms else others).append(p)
+    groups = [
+        {"params": others, "lr": config.lr, "weight_decay": config.weight_decay},
+        {"params": scales, "lr": config.scale_lr or config.lr, "weight_decay": 0.0},
+        {"params": norm, "lr": config.norm_lr or config.lr, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def train_student(
@@ -149,7 +153,7 @@ def train_student(
     if config.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     student.train()
-    optimizer = torch.optim.AdamW(_parameter_groups(student, config), betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(parameter_groups(student, config), betas=(0.9, 0.95))
     schedule = warmup_cosine(config.warmup_steps, config.steps, config.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     student, optimizer = accelerator.prepare(student, optimizer)

@@ -80,6 +80,30 @@ def test_distillation_recovers_what_quantization_lost_and_ships_in_the_same_form
     assert config["quantization_config"]["bits"] == 2
 
 
+def test_training_only_scales_and_norms_keeps_the_latent_weights_and_still_recovers(
+    tiny_llama_dir, tmp_path, training_text
+):
+    stage = distill_stage(text=training_text, steps=30, learn_weights=False, scale_lr=1e-3, norm_lr=1e-2)
+    recovered = run(tmp_path, tiny_llama_dir, [RTN_W2, stage], "scales")
+    summary = recovered["stages"][1]["summary"]
+    config = json.loads((Path(tiny_llama_dir) / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    norms = (2 * layers + 1) * hidden
+    scales = sum(out * -(-inp // 32) for out, inp in _linear_shapes(config)) * layers
+    assert summary["trainable_parameters"] == norms + scales
+    losses = [row["loss"] for row in summary["training"]["losses"]]
+    assert sum(losses[-5:]) < sum(losses[:5])
+    assert recovered["export_checks"][0]["passed"]
+
+
+def _linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(out, in) of each linear of a Llama decoder layer."""
+    d, ff = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or d // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    return [(d, d), (kv, d), (kv, d), (d, d), (ff, d), (ff, d), (d, ff)]
+
+
 def test_a_cached_teacher_trains_the_same_way_as_an_online_one_at_full_k(tiny_llama_dir, tmp_path, training_text):
     vocab = json.loads((Path(tiny_llama_dir) / "config.json").read_text())["vocab_size"]
     online = run(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(text=training_text, steps=6)], "online")

@@ -76,3 +76,28 @@ def test_pruned_entries_stay_zero_and_2_4_stays_2_4_through_training(tiny_llama_
     assert nm_pattern(layer.mlp.down_proj.dequantized_weight()) == "2:4"
     assert not hasattr(dense, "prune_mask")
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_with_learn_weights_off_only_scales_and_norms_train_each_at_its_own_lr(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lmpress.distill.stage import DistillConfig
+    from lmpress.distill.trainer import parameter_groups
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    layer = model.model.layers[0]
+    w = layer.mlp.down_proj.weight.data.clone()
+    layer.mlp.down_proj = quantized(bits=3, in_features=w.shape[1], out_features=w.shape[0], weight=w)
+    prepare_student(model, learn_weights=False)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert "model.layers.0.mlp.down_proj.scales" in trainable
+    assert "model.layers.0.input_layernorm.weight" in trainable and "model.norm.weight" in trainable
+    assert not any(name.endswith(("proj.weight", "embed_tokens.weight")) for name in trainable)
+
+    config = DistillConfig(lr=1e-5, scale_lr=2e-5, norm_lr=3e-4)
+    groups = {g["lr"]: {id(p) for p in g["params"]} for g in parameter_groups(model, config)}
+    params = dict(model.named_parameters())
+    assert groups[1e-5] == {id(params["model.layers.0.mlp.down_proj.bias"])}  # biases still train, at lr
+    assert groups[2e-5] == {id(params["model.layers.0.mlp.down_proj.scales"])}
+    norms = {id(p) for name, p in params.items() if "norm" in name}
+    assert groups[3e-4] == norms
