@@ -46,6 +46,7 @@ from lmpress.calib.hooks import (
 from lmpress.calib.moe import set_calibrate_all
 from lmpress.calib.pages import drop_file_pages, trim_heap
 from lmpress.quantize.apply import apply_quantized_weight
+from lmpress.quantize.fp8 import Fp8Weight
 from lmpress.quantize.scheme import QuantizedWeight
 
 InputHook = Callable[[str, int, tuple, dict], None]
@@ -63,7 +64,7 @@ class LayerSession:
     groups: list[list[str]]  # targets in dependency order (one group when not true-sequential)
     inputs: LayerInputs
     device: torch.device
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # replaced by QuantizedLinear
+    quantized: dict[str, QuantizedWeight | Fp8Weight] = field(default_factory=dict)  # by QuantizedLinear / Fp8Linear
     biases: dict[str, torch.Tensor] = field(default_factory=dict)  # of the quantized linears
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # linear -> bool mask of its pruned weights
     rewritten: set[str] = field(default_factory=set)  # linears whose float weight a method replaced
@@ -246,7 +247,7 @@ class LayerSession:
             for module in replaced:
                 del module.forward
 
-    def apply(self, name: str, qweight: QuantizedWeight) -> None:
+    def apply(self, name: str, qweight: QuantizedWeight | Fp8Weight) -> None:
         """Put ``qweight`` in place of linear ``name`` (relative to the layer) and record it for resume.
 
         Until :meth:`finish`, a plain float linear holding the quantized layer's

@@ -24,6 +24,7 @@ from torch import nn
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.apply import apply_quantized_weight
+from lmpress.quantize.fp8 import Fp8Weight
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ class LayerState:
         for name, q in session.quantized.items():
             tensors[f"q.{name}.qweight"] = q.qweight
             tensors[f"q.{name}.scales"] = q.scales
-            tensors[f"q.{name}.zeros"] = q.zeros
+            if not isinstance(q, Fp8Weight):  # an E4M3 weight has no zero point
+                tensors[f"q.{name}.zeros"] = q.zeros
             if q.g_idx is not None:
                 tensors[f"q.{name}.g_idx"] = q.g_idx
             meta[name] = json.dumps([q.scheme.bits, q.scheme.group_size, q.scheme.symmetric, q.scheme.activations])
@@ -106,6 +108,10 @@ class LayerState:
                 layer.get_submodule(name).bias.data.copy_(value)
         for name, scheme in meta.items():
             bits, group_size, symmetric, *activations = json.loads(scheme)
+            if activations == ["fp8"]:
+                fp8 = Fp8Weight(tensors[f"q.{name}.qweight"], tensors[f"q.{name}.scales"], "channel")
+                apply_quantized_weight(layer, name, fp8)
+                continue
             qweight = QuantizedWeight(
                 qweight=tensors[f"q.{name}.qweight"],
                 scales=tensors[f"q.{name}.scales"],

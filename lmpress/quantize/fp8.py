@@ -64,6 +64,31 @@ def quantize_fp8(w: torch.Tensor, strategy: Strategy) -> tuple[torch.Tensor, tor
     return (w / divisor).clamp(-FP8_MAX, FP8_MAX).to(dtype), scale
 
 
+def round_to_e4m3_(x: torch.Tensor) -> torch.Tensor:
+    """Round float ``x`` (already divided by its scale) in place to the nearest finite E4M3 value."""
+    dtype = require_float8("fp8")
+    return x.clamp_(-FP8_MAX, FP8_MAX).copy_(x.to(dtype))
+
+
+def fp8_channel_qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale ``max|w_row| / 448`` and zero 0 of each row of ``w``: the E4M3 counterpart of ``compute_qparams``."""
+    scale = w.float().abs().amax(dim=-1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, torch.zeros_like(scale)
+
+
+def fake_quantize_fp8(w: torch.Tensor) -> torch.Tensor:
+    """What E4M3 per-channel quantization leaves of a ``(out, in)`` weight, in its dtype (simulation, searches)."""
+    codes, scale = quantize_fp8(w, "channel")
+    return (codes.float() * scale).to(w.dtype)
+
+
+def fake_quantize_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """What per-token E4M3 quantization leaves of ``x``, in ``x``'s dtype."""
+    codes, scale = quantize_fp8_per_token(x)
+    return (codes.float() * scale).to(x.dtype)
+
+
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes of each row of ``x`` with ``s_x = max|x_row| / 448``; the scales have shape ``(..., 1)``."""
     dtype = require_float8("fp8")

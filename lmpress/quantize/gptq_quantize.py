@@ -24,6 +24,7 @@ import logging
 import torch
 
 from lmpress.calib.statistics import column_loop_threads, inverse_hessian_factor
+from lmpress.quantize.fp8 import Fp8Weight, fp8_channel_qparams, require_float8, round_to_e4m3_
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ def search_qparams_mse(
 
 
 def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if scheme.activations == "fp8":
+        return fp8_channel_qparams(w)
     return search_qparams_mse(w, scheme) if mse else compute_qparams(w, scheme)
 
 
@@ -85,7 +88,7 @@ def gptq_quantize_layer(
     static_groups: bool = False,
     mse: bool = False,
     pruned: torch.Tensor | None = None,
-) -> tuple[QuantizedWeight, dict]:
+) -> tuple[QuantizedWeight | Fp8Weight, dict]:
     """Quantize ``W`` (out, in) given ``H`` (in, in) = 2 X Xᵀ; returns the weight and ``{"damp", "dead_columns"}``.
 
     ``act_order`` takes columns by decreasing diag(H) (quantizing the columns with
@@ -96,6 +99,9 @@ def gptq_quantize_layer(
     their code is their group's zero point, and the error of setting them to zero is
     compensated on the columns after them like any rounding error (SparseGPT's joint
     sparsification and quantization, Frantar & Alistarh 2023, §3.5).
+    A scheme with FP8 activations (``activations: "fp8"``, per-channel) rounds each column to the
+    nearest E4M3 value of ``w / s_row`` instead of an integer: GPTQ's update (Eq. 2) holds for any
+    rounding grid; the result is an ``Fp8Weight``.
     """
     rows, cols = W.shape
     if not scheme.fits(cols):
@@ -106,6 +112,9 @@ def gptq_quantize_layer(
     H = H.detach().float().clone()
     width = scheme.group_width(cols)
     maxq = scheme.maxq
+    fp8 = scheme.activations == "fp8"
+    if fp8 and width != cols:
+        raise ValueError(f"FP8 weights take one scale per output channel (group_size -1), not groups of {width}")
 
     # Inputs that were always zero carry no information: fix their weights at 0 and
     # give H a unit diagonal there so it stays invertible.
@@ -174,7 +183,11 @@ def gptq_quantize_layer(
                             scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
                 if g != current_group:
                     scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
-                torch.div(w, scale_g, out=q).round_().add_(zero_g).clamp_(0, maxq)
+                torch.div(w, scale_g, out=q)
+                if fp8:
+                    round_to_e4m3_(q)  # zero is 0: the code is the E4M3 value itself
+                else:
+                    q.round_().add_(zero_g).clamp_(0, maxq)
                 if keep_t is not None:
                     q.copy_(torch.where(keep_t[col], q, zero_g))
                 # (w - dequantized) / [H_F⁻¹]_qq, written as (dequantized - w) / -[H_F⁻¹]_qq
@@ -183,20 +196,24 @@ def gptq_quantize_layer(
                 W1[i + 1 :].addr_(hinv_row[i + 1 :], err, alpha=-1)
             # Eq. 3: one batched update of every column after the block.
             Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
-    codes = codes_t.T.to(torch.uint8)
-
+    codes = codes_t.T
     g_idx = None
     if act_order:
         invperm = torch.argsort(perm)
         codes = codes[:, invperm]
         if not static:
-            g_idx = (torch.arange(cols, device=codes.device) // width)[invperm].to(torch.int32)
+            g_idx = (torch.arange(cols, device=codes.device) // width)[invperm].to(torch.int32).cpu()
+    info = {"damp": used_damp, "dead_columns": int(dead.sum())}
+    if fp8:
+        return Fp8Weight(codes.to(require_float8("gptq")).contiguous().cpu(), scales.cpu(), "channel"), info
     quantized = QuantizedWeight(
-        qweight=codes.contiguous().cpu(), scales=scales.cpu(), zeros=zeros.cpu(), scheme=scheme, g_idx=g_idx
+        qweight=codes.to(torch.uint8).contiguous().cpu(),
+        scales=scales.cpu(),
+        zeros=zeros.cpu(),
+        scheme=scheme,
+        g_idx=g_idx,
     )
-    if g_idx is not None:
-        quantized.g_idx = g_idx.cpu()
-    return quantized, {"damp": used_damp, "dead_columns": int(dead.sum())}
+    return quantized, info
 
 
 def layer_output_error(W: torch.Tensor, W_hat: torch.Tensor, X: torch.Tensor) -> float:

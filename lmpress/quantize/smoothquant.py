@@ -25,6 +25,13 @@ simulated W8A8 (int8 weights of ``W·s``, per-token int8 activations of ``X/s``)
 ``smooth: false`` skips smoothing: plain W8A8, the baseline the smoothing gain is
 measured against.
 
+``activations: fp8`` makes the same stage FP8 W8A8 (``fp8.py``): E4M3 per-channel weights
+(round-to-nearest, or GPTQ rounding onto the E4M3 grid) and dynamic per-token E4M3
+activations. A float format keeps the same relative precision at every magnitude, but a
+token's values more than ~2^14.8 below its largest one fall under E4M3's smallest normal
+number (2^-6 after scaling the largest to 448) and lose their precision: smoothing the
+outlier channels narrows that range, and the α search scores the FP8 simulation.
+
 Sample recipe stage:
 
     - method: smoothquant
@@ -32,6 +39,7 @@ Sample recipe stage:
       rounding: gptq         # rtn | gptq: int8 per-channel weights by GPTQ after smoothing
       damp_percent: 0.01     # GPTQ keys (block_size, act_order, static_groups, mse, true_sequential)
       ignore: [lm_head]      # with rounding: gptq only
+      activations: int8      # int8 | fp8 (E4M3 weights and per-token activations)
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
 from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import can_fold, fake_quantize_weight, fold_scales
+from lmpress.quantize.fp8 import Fp8Weight, fake_quantize_fp8, fake_quantize_fp8_per_token, quantize_fp8, require_float8
 from lmpress.quantize.int8_linear import fake_quantize_per_token
 from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding, GroupSize
@@ -64,7 +73,7 @@ class SmoothQuantConfig(GPTQRounding):
     method: Literal["smoothquant"] = "smoothquant"
     bits: Literal[8] = 8
     group_size: GroupSize = -1
-    activations: Literal["int8"] = "int8"
+    activations: Literal["int8", "fp8"] = "int8"
     smooth: bool = True
     alpha: float = Field(0.5, ge=0, le=1)
     alpha_search: bool = False
@@ -80,7 +89,9 @@ class SmoothQuantConfig(GPTQRounding):
                 f"got group_size {self.group_size}: an int8 matrix product can only rescale whole output rows"
             )
         if not self.symmetric:
-            raise ValueError("int8 matrix multiplication needs symmetric weights (symmetric: true)")
+            raise ValueError(f"{self.activations} matrix multiplication needs symmetric weights (symmetric: true)")
+        if self.activations == "fp8" and self.mse:
+            raise ValueError("mse: true searches integer grids; FP8 weights take max|w| / 448 per channel")
         if self.overrides:
             raise ValueError("overrides are not supported: every W8A8 layer is 8-bit per-channel; use ignore")
         stray = [k for k in GPTQ_ONLY_KEYS if k in self.model_fields_set]
@@ -126,21 +137,26 @@ class _ChannelRanges:
 
 
 @torch.no_grad()
-def simulated_w8a8(linears: list[nn.Linear], s: torch.Tensor) -> list:
+def simulated_w8a8(linears: list[nn.Linear], s: torch.Tensor, activations: str = "int8") -> list:
     """Make ``linears`` compute what they will after smoothing by ``s`` and W8A8 quantization, in float.
 
     Each weight becomes ``Q_w(W·s)/s`` and each input ``Q_x(X/s)·s`` (a forward pre-hook), so the product is
-    ``Q_x(X/s) · Q_w(W·s)ᵀ``. Returns the undo list for :func:`restore`.
+    ``Q_x(X/s) · Q_w(W·s)ᵀ``; ``Q`` rounds to int8 or to E4M3 (``activations``). Returns the undo list for
+    :func:`restore`.
     """
-    scheme = QuantScheme(8, -1, True)
+    if activations == "fp8":
+        quantize_weight, quantize_tokens = fake_quantize_fp8, fake_quantize_fp8_per_token
+    else:
+        scheme = QuantScheme(8, -1, True)
+        quantize_weight, quantize_tokens = (lambda w: fake_quantize_weight(w, scheme)), fake_quantize_per_token
     undo = []
     for linear in linears:
         w = linear.weight.data
         scale = s.to(w.device, w.dtype)
-        linear.weight.data = fake_quantize_weight(w * scale, scheme) / scale
+        linear.weight.data = quantize_weight(w * scale) / scale
 
         def quantize_input(module: nn.Module, args: tuple, scale: torch.Tensor = scale) -> tuple:
-            return (fake_quantize_per_token(args[0] / scale) * scale, *args[1:])
+            return (quantize_tokens(args[0] / scale) * scale, *args[1:])
 
         undo.append((linear, w, linear.register_forward_pre_hook(quantize_input)))
     return undo
@@ -193,7 +209,7 @@ class SmoothQuantMethod(CalibrationMethod):
         for i in range(self.config.alpha_grid + 1):
             alpha = i / self.config.alpha_grid
             s = smoothing_factors(x_max, w_max, alpha)
-            undo = simulated_w8a8(linears, s)
+            undo = simulated_w8a8(linears, s, self.config.activations)
             try:
                 outputs = recorded.run(module, block)
             finally:
@@ -237,12 +253,18 @@ class SmoothQuantMethod(CalibrationMethod):
     def process_group(self, session: LayerSession, group: list[str]) -> None:
         if self.config.rounding == "rtn":
             for name in group:
-                session.apply(name, quantize_weight_rtn(session.linear(name).weight.data, session.targets[name]))
+                w = session.linear(name).weight.data
+                if self.config.activations == "fp8":
+                    session.apply(name, Fp8Weight(*quantize_fp8(w, "channel"), "channel"))
+                else:
+                    session.apply(name, quantize_weight_rtn(w, session.targets[name]))
 
 
 @stage_handler(SmoothQuantConfig)
 @torch.no_grad()
 def run_smoothquant(model: nn.Module, config: SmoothQuantConfig, ctx: StageContext) -> dict:
+    if config.activations == "fp8":
+        require_float8("stage smoothquant (activations: fp8)")
     method = SmoothQuantMethod(config)
     methods = [method] if config.rounding == "rtn" else [method, calibration_method(config.rounding, config)]
     true_sequential = config.true_sequential if config.rounding == "gptq" else False

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmpress.calib.statistics import HessianAccumulator, inverse_hessian_factor
+from lmpress.quantize.fp8 import Fp8Weight, quantize_fp8
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer, layer_output_error, search_qparams_mse
 from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize, quantize_weight_rtn
 
@@ -145,3 +146,24 @@ def test_shape_mismatch_is_an_error():
         gptq_quantize_layer(torch.randn(4, 96), torch.eye(96), QuantScheme(4, 64, True))
     with pytest.raises(ValueError, match="Hessian shape"):
         gptq_quantize_layer(torch.randn(4, 64), torch.eye(32), QuantScheme(4, 64, True))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_onto_the_e4m3_grid(layer, act_order):
+    """FP8 weights: every code an E4M3 value of w / (max|w_row| / 448), output error below E4M3 round-to-nearest."""
+    w, x, H = layer
+    quantized, _ = gptq_quantize_layer(w, H, QuantScheme(8, -1, True, "fp8"), act_order=act_order)
+    assert isinstance(quantized, Fp8Weight) and quantized.qweight.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(quantized.scales, w.abs().amax(dim=1, keepdim=True) / 448)
+    codes = quantized.qweight.float()
+    assert torch.equal(codes, codes.to(torch.float8_e4m3fn).float()) and codes.abs().max() <= 448
+    rtn = Fp8Weight(*quantize_fp8(w, "channel"), "channel")
+    gptq_error = layer_output_error(w, quantized.dequantize(), x)
+    rtn_error = layer_output_error(w, rtn.dequantize(), x)
+    assert gptq_error < 0.8 * rtn_error, (gptq_error, rtn_error)
+
+
+def test_gptq_fp8_refuses_groups(layer):
+    w, _, H = layer
+    with pytest.raises(ValueError, match="one scale per output channel"):
+        gptq_quantize_layer(w, H, QuantScheme(8, 64, True, "fp8"))

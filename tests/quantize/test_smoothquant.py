@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lmpress.model import load_model
+from lmpress.quantize.fp8 import fp8_layers
 from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.smoothquant import SmoothQuantConfig, SmoothQuantMethod, run_smoothquant, smoothing_factors
 from tests.quantize.test_awq import calibration_for, context, layer0_session, layer_outputs, with_salient_channels
@@ -39,6 +40,7 @@ def test_smoothing_keeps_the_float_function(tiny_llama_dir):
 
 
 def w8a8_logit_error(tiny_llama_dir, tmp_path, **settings) -> tuple[float, dict]:
+    """Mean squared logit error of the tiny model after the stage; every linear but the head must be W8A8."""
     loaded = load_model(str(tiny_llama_dir))
     model = loaded.model
     with_salient_channels(model)
@@ -46,9 +48,12 @@ def w8a8_logit_error(tiny_llama_dir, tmp_path, **settings) -> tuple[float, dict]
     with torch.no_grad():
         reference = model(calibration).logits
     summary = run_smoothquant(model, SmoothQuantConfig(**settings), context(tmp_path, calibration))
-    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    assert len(quantized) == 14  # 7 linears x 2 layers; lm_head ignored
-    assert all(m.kernel_name() == "w8a8" for m in quantized.values())
+    if settings.get("activations") == "fp8":
+        assert len(fp8_layers(model)) == 14  # 7 linears x 2 layers; lm_head ignored
+    else:
+        quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        assert len(quantized) == 14
+        assert all(m.kernel_name() == "w8a8" for m in quantized.values())
     with torch.no_grad():
         logits = model(calibration).logits
     return torch.mean((logits - reference) ** 2).item(), summary
@@ -71,6 +76,30 @@ def test_alpha_search_and_gptq_rounding(tiny_llama_dir, tmp_path):
     assert searched < 1.2 * fixed
 
 
+def test_fp8_smoothing_and_gptq_lower_the_error(tiny_llama_dir, tmp_path):
+    """activations: fp8 is FP8 W8A8 (E4M3 weights, per-token E4M3 activations); smoothing the salient channels and
+    GPTQ rounding onto the E4M3 grid each lower the logit error of plain E4M3 round-to-nearest."""
+    plain, _ = w8a8_logit_error(tiny_llama_dir, tmp_path / "a", activations="fp8", smooth=False)
+    smoothed, summary = w8a8_logit_error(tiny_llama_dir, tmp_path / "b", activations="fp8", alpha=0.5)
+    assert summary["smoothed_pairs"] == 6
+    gptq, _ = w8a8_logit_error(tiny_llama_dir, tmp_path / "c", activations="fp8", smooth=False, rounding="gptq")
+    assert smoothed < plain and gptq < plain, (plain, smoothed, gptq)
+
+
+def test_resume_restores_the_fp8_layers(tiny_llama_dir, tmp_path):
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer)
+    config = SmoothQuantConfig(activations="fp8", rounding="gptq")
+    run_smoothquant(loaded.model, config, context(tmp_path, calibration))
+    fresh = load_model(str(tiny_llama_dir)).model
+    resumed_ctx = context(tmp_path, calibration)
+    resumed_ctx.resume = True
+    assert run_smoothquant(fresh, config, resumed_ctx)["resumed_at_layer"] == 2
+    assert len(fp8_layers(fresh)) == 14
+    with torch.no_grad():
+        assert torch.equal(fresh(calibration).logits, loaded.model(calibration).logits)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -81,6 +110,8 @@ def test_alpha_search_and_gptq_rounding(tiny_llama_dir, tmp_path):
         ({"smooth": False, "alpha": 0.3}, "smooth: true"),
         ({"alpha_search": True, "alpha": 0.3}, "not both"),
         ({"overrides": {".*down_proj": {"bits": 4}}}, "overrides"),
+        ({"activations": "fp8", "rounding": "gptq", "mse": True}, "E4M3|FP8"),
+        ({"activations": "int4"}, "int8"),
     ],
 )
 def test_config_refuses(settings, message):
