@@ -55,3 +55,22 @@ def test_round_trip_and_compressed_tensors(tiny_llama_dir, tmp_path, export, wei
     info = inspect_artifact(out)
     assert info["ct_format"] == "float-quantized" and info["activations"] == "fp8"
     assert info["quantized_layers"] == 13
+
+
+def test_smoothquant_fp8_exports_as_float_quantized(tiny_llama_dir, tmp_path, export):
+    """The smoothquant stage with activations: fp8 (GPTQ onto E4M3) ships like the fp8 stage: read back identical."""
+    from lmpress.quantize.smoothquant import SmoothQuantConfig, run_smoothquant
+    from tests.quantize.test_awq import calibration_for, context
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    config = SmoothQuantConfig(activations="fp8", alpha=0.5, rounding="gptq")
+    run_smoothquant(model, config, context(tmp_path / "state", calibration_for(tokenizer)))
+    out = export("compressed-tensors", model, tokenizer)
+    raw = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert raw["format"] == "float-quantized"
+    loaded = load_quantized_model(out)
+    assert len(fp8_layers(loaded)) == 14
+    ids = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
