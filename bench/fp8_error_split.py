@@ -5,9 +5,13 @@ wiki.test.raw). Each part is simulated in float on the model loaded fresh:
 ``weights`` rounds every linear's weight (lm_head aside) to E4M3 with one scale
 per output row and keeps activations float; ``activations`` keeps weights float
 and rounds each token's inputs to E4M3 per token, as ``Fp8Linear`` does;
-``both`` is what the table's FP8 row runs. Writes bench/results/fp8_error_split.json.
+``both`` is what the table's FP8 row runs; ``activations:down_proj`` (comma-separated suffixes)
+rounds only the inputs of the linears whose names end so. Adds its parts to
+bench/results/fp8_error_split.json.
 
     python bench/fp8_error_split.py [--parts weights activations both]
+    python bench/fp8_error_split.py --parts activations:q_proj,k_proj,v_proj activations:o_proj \
+        activations:gate_proj,up_proj activations:down_proj
 """
 
 from __future__ import annotations
@@ -41,13 +45,15 @@ def perplexity_with(part: str) -> float:
     windows = token_windows(
         tokenize(loaded.tokenizer, load_text(str(WIKITEXT / "wiki.test.raw"))), EVAL["seq_len"], EVAL["windows"]
     )
+    kind, _, suffixes = part.partition(":")
+    only = tuple(suffixes.split(",")) if suffixes else ("",)
     for name, linear in model.named_modules():
-        if not isinstance(linear, torch.nn.Linear) or name == "lm_head":
+        if not isinstance(linear, torch.nn.Linear) or name == "lm_head" or not name.endswith(only):
             continue
-        if part in ("weights", "both"):
+        if kind in ("weights", "both"):
             codes, scale = quantize_fp8(linear.weight.data, "channel")
             linear.weight.data = codes.float() * scale
-        if part in ("activations", "both"):
+        if kind in ("activations", "both"):
             linear.register_forward_pre_hook(round_inputs_to_e4m3)
     return perplexity(model, windows, PerplexityConfig(**EVAL, batch_size=1))["ppl"]
 
@@ -60,7 +66,8 @@ def main() -> None:
     results = {part: perplexity_with(part) for part in args.parts}
     for part, ppl in results.items():
         print(f"E4M3 {part}: ppl {ppl:.3f}")
-    OUT.write_text(json.dumps({"ppl": results, "cpu": cpu_description()}, indent=2) + "\n")
+    before = json.loads(OUT.read_text())["ppl"] if OUT.exists() else {}
+    OUT.write_text(json.dumps({"ppl": before | results, "cpu": cpu_description()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
