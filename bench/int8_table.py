@@ -81,12 +81,6 @@ ROWS: dict[str, tuple[str, dict | None, str | None, float | None]] = {
         "compressed-tensors",
         21.10,
     ),
-    "fp8-sq-gptq": (
-        "FP8 W8A8 SmoothQuant (alpha 0.5) + GPTQ onto E4M3, per-channel W, per-token A; simulated on CPU",
-        {"method": "smoothquant", "activations": "fp8", "alpha": 0.5, "rounding": "gptq"},
-        "compressed-tensors",
-        21.10,
-    ),
     "fp8-tensor": (
         "FP8 W8A8 (E4M3, per-tensor W, per-token A; simulated on CPU)",
         {"method": "fp8", "weights": "tensor"},
