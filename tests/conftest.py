@@ -90,6 +90,13 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_wide_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with hidden size 256 and MLP width 512: every linear reads whole 256-column
+    super-blocks (k-quant scales, GGUF Q4_K)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-wide"), "llama", hidden_size=256, intermediate_size=512)
+
+
+@pytest.fixture(scope="session")
 def tiny_opt_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-opt"), "opt")
 

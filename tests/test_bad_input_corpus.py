@@ -262,6 +262,28 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
         [],
     ),  # fmt: skip
     (
+        "kquant-8-bit",
+        edited(lambda r, e: r["stages"][0].update(bits=8, k_quant_scales=True)),
+        "stages[0]: k_quant_scales (Q4_K's 6-bit group scales per 256 columns) need bits: 4, group_size: 32",
+        [],
+    ),
+    (
+        "kquant-act-order",
+        edited(
+            lambda r, e: r.update(
+                stages=[{"method": "gptq", "group_size": 32, "act_order": True, "k_quant_scales": True}]
+            )
+        ),
+        "stages[0]: k_quant_scales with act_order: true needs static_groups: true",
+        [],
+    ),
+    (
+        "kquant-narrow-layers",
+        edited(lambda r, e: r.update(export={"formats": ["gguf"]}) or r["stages"][0].update(k_quant_scales=True)),
+        "stage rtn: k_quant_scales needs in_features divisible by 256 (Q4_K's super-blocks); 12 layer(s) are not",
+        [],
+    ),
+    (
         "onnx-export-3-bit",
         edited(lambda r, e: r.update(export={"formats": ["onnx"]}) or r["stages"][0].update(bits=3)),
         "onnx: stages[0]: 3-bit weights: ONNX export holds 4- or 8-bit MatMulNBits",

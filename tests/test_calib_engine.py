@@ -135,16 +135,26 @@ def test_replayed_blocks_give_the_outputs_of_a_full_recomputation(family_dir, re
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
 
 
-def _quantize_all(model_dir, tmp_path, calibration, **kwargs):
+ACT_ORDER = {"bits": 4, "group_size": 32, "act_order": True, "batch_size": 4}
+# down_proj (256 input columns) with k-quant scales: the state must carry the flag
+KQUANT = {
+    **ACT_ORDER,
+    "static_groups": True,
+    "k_quant_scales": True,
+    "overrides": {".*(q|k|v|o|gate|up)_proj": {"k_quant_scales": False}},
+}
+
+
+def _quantize_all(model_dir, tmp_path, calibration, settings=ACT_ORDER, **kwargs):
     model = load_model(str(model_dir)).model
-    config = GPTQConfig(bits=4, group_size=32, act_order=True, batch_size=4)
-    summary = run_gptq(model, config, context(tmp_path, calibration, **kwargs))
+    summary = run_gptq(model, GPTQConfig(**settings), context(tmp_path, calibration, **kwargs))
     return model, summary
 
 
-def test_resume_after_a_crash_gives_the_identical_model(deep_llama_dir, tmp_path):
+@pytest.mark.parametrize("settings", [ACT_ORDER, KQUANT], ids=["act-order", "k-quant"])
+def test_resume_after_a_crash_gives_the_identical_model(deep_llama_dir, tmp_path, settings):
     calibration = calibration_for(load_model(str(deep_llama_dir)).tokenizer)
-    reference, _ = _quantize_all(deep_llama_dir, tmp_path / "ref", calibration)
+    reference, _ = _quantize_all(deep_llama_dir, tmp_path / "ref", calibration, settings)
 
     crashing = load_model(str(deep_llama_dir)).model
 
@@ -153,17 +163,18 @@ def test_resume_after_a_crash_gives_the_identical_model(deep_llama_dir, tmp_path
 
     decoder_layers(crashing)[2].register_forward_pre_hook(crash)
     with pytest.raises(RuntimeError, match="killed"):
-        run_gptq(
-            crashing, GPTQConfig(bits=4, group_size=32, act_order=True, batch_size=4), context(tmp_path, calibration)
-        )
+        run_gptq(crashing, GPTQConfig(**settings), context(tmp_path, calibration))
     assert (tmp_path / "state" / "layer_00001.safetensors").exists()
 
-    resumed, summary = _quantize_all(deep_llama_dir, tmp_path, calibration, resume=True)
+    resumed, summary = _quantize_all(deep_llama_dir, tmp_path, calibration, settings, resume=True)
     assert summary["resumed_at_layer"] == 2
     want, got = reference.state_dict(), resumed.state_dict()
     assert want.keys() == got.keys()
     for key in want:
         assert torch.equal(want[key], got[key]), key
+    schemes = {name: m.scheme for name, m in resumed.named_modules() if hasattr(m, "scheme")}
+    assert schemes == {name: m.scheme for name, m in reference.named_modules() if hasattr(m, "scheme")}
+    assert schemes["model.layers.0.mlp.down_proj"].k_quant_scales == ("k_quant_scales" in settings)
 
 
 def test_resume_refuses_state_from_another_run(tiny_llama_dir, tmp_path):

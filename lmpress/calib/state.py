@@ -68,7 +68,10 @@ class LayerState:
                 tensors[f"q.{name}.zeros"] = q.zeros
             if q.g_idx is not None:
                 tensors[f"q.{name}.g_idx"] = q.g_idx
-            meta[name] = json.dumps([q.scheme.bits, q.scheme.group_size, q.scheme.symmetric, q.scheme.activations])
+            scheme = q.scheme
+            meta[name] = json.dumps(
+                [scheme.bits, scheme.group_size, scheme.symmetric, scheme.activations, scheme.k_quant_scales]
+            )
         for name, bias in session.biases.items():
             tensors[f"b.{name}"] = bias
         owned = tuple(f"{n}." for n in session.quantized)
@@ -107,8 +110,8 @@ class LayerState:
             elif kind == "b":
                 layer.get_submodule(name).bias.data.copy_(value)
         for name, scheme in meta.items():
-            bits, group_size, symmetric, *activations = json.loads(scheme)
-            if activations == ["fp8"]:
+            scheme = QuantScheme(*json.loads(scheme))
+            if scheme.activations == "fp8":
                 fp8 = Fp8Weight(tensors[f"q.{name}.qweight"], tensors[f"q.{name}.scales"], "channel")
                 apply_quantized_weight(layer, name, fp8)
                 continue
@@ -116,7 +119,7 @@ class LayerState:
                 qweight=tensors[f"q.{name}.qweight"],
                 scales=tensors[f"q.{name}.scales"],
                 zeros=tensors[f"q.{name}.zeros"],
-                scheme=QuantScheme(bits, group_size, symmetric, *activations),
+                scheme=scheme,
                 g_idx=tensors.get(f"q.{name}.g_idx"),
             )
             apply_quantized_weight(layer, name, qweight)

@@ -6,20 +6,29 @@ its merges and token types, the pre-tokenizer name, BOS/EOS and the chat templat
 
 Quantized layers keep lmpress's integer codes; each maps onto a GGML block type exactly:
 
-- W4, groups of 32, symmetric (zero point 8): ``Q4_0`` (per block of 32 columns a float16
-  scale ``d`` and 16 bytes of nibbles, ``w = (q - 8) * d``);
+- W4, groups of 32, symmetric (zero point 8), scales on the k-quant grid (``k_quant_scales:
+  true``; input width a multiple of 256): ``Q4_K`` (per 256 columns a float16 ``d`` and
+  ``dmin``, eight 6-bit scales ``sc_j`` and mins ``m_j``, 128 bytes of nibbles,
+  ``w = d * sc_j * q - dmin * m_j``; here ``dmin = 8 * d`` and ``m_j = sc_j``, so
+  ``w = (q - 8) * d * sc_j``). Whether a layer's scales are on that grid is read from the
+  scales themselves (``kquant.kquant_grid``), so a GPTQ or compressed-tensors checkpoint read
+  back qualifies too;
+- other W4, groups of 32, symmetric: ``Q4_0`` (per block of 32 columns a float16 scale ``d``
+  and 16 bytes of nibbles, ``w = (q - 8) * d``);
 - W8, groups of 32, symmetric (zero point 128): ``Q8_0`` (``d`` and 32 int8 ``q - 128``).
 
 The scales are stored as float16, so the file dequantizes to the candidate's weights with
-its scales rounded to float16 (what GPTQ and AWQ checkpoints store too), bit for bit.
-Other schemes have no exact GGML block (groups of 64 or 128, act-order ``g_idx`` that
-permutes columns across blocks, asymmetric zero points, 2 or 3 bits) and are refused from
-the recipe alone, before any weight is loaded, naming what would work. Every other tensor
-is written in the model's float type (F32, F16 or BF16), norms as F32.
+its scales rounded to float16 (what GPTQ and AWQ checkpoints store too), bit for bit; k-quant
+scales are float16 products ``d * sc_j`` already. Other schemes have no exact GGML block
+(groups of 64 or 128, act-order ``g_idx`` that permutes columns across blocks, asymmetric
+zero points, 2 or 3 bits) and are refused from the recipe alone, before any weight is
+loaded, naming what would work. Every other tensor is written in the model's float type
+(F32, F16 or BF16), norms as F32.
 
 llama.cpp rotates query/key pairs interleaved where transformers' Llama rotates halves, so
 ``q_proj`` and ``k_proj`` rows are permuted as llama.cpp's own converter does; a row
-permutation leaves the 32-column blocks intact. ``read_gguf`` undoes it when reading back.
+permutation leaves the blocks, which lie within a row, intact. ``read_gguf`` undoes it when
+reading back.
 """
 
 from __future__ import annotations
@@ -42,15 +51,22 @@ from lmpress.export.checkpoint import (
     register_plan_check,
     register_scheme_check,
 )
+from lmpress.export.ggml_blocks import (
+    BLOCK,
+    pack_q4_0,
+    pack_q4_k,
+    pack_q8_0,
+    unpack_q4_0,
+    unpack_q4_k,
+    unpack_q8_0,
+)
+from lmpress.quantize.kquant import SUPER_BLOCK, kquant_grid
 from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
 from lmpress.registry import register_exporter
 
 FORMAT = "gguf"
 FILE_NAME = "model.gguf"
-BLOCK = 32  # columns per Q4_0 / Q8_0 block
-Q4_0_BYTES = 2 + BLOCK // 2
-Q8_0_BYTES = 2 + BLOCK
 ARCHITECTURES = {"llama": "llama", "mistral": "llama"}  # transformers model_type -> GGUF architecture
 # tokenizer.json pre_tokenizer -> the llama.cpp pre-tokenizer with the same splits
 GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True}
@@ -76,24 +92,22 @@ TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "l
 
 @register_scheme_check(FORMAT)
 def gguf_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
-    """Why a layer quantized with ``scheme`` has no exact GGML block type, or None (Q4_0 / Q8_0)."""
-    what = "W4 g32 sym -> Q4_0, W8 g32 sym -> Q8_0, or export gptq / compressed-tensors"
+    """Why a layer quantized with ``scheme`` has no exact GGML block type, or None (Q4_K / Q4_0 / Q8_0)."""
+    what = (
+        "W4 g32 sym -> Q4_0, or Q4_K with k_quant_scales: true; W8 g32 sym -> Q8_0; or export gptq / compressed-tensors"
+    )
     if scheme.bits not in (4, 8):
         return f"{scheme.bits}-bit weights have no exact GGUF block type (GGUF here holds {what})"
     if scheme.group_size != BLOCK:
         return f"group_size {scheme.group_size} does not land on GGUF's 32-column blocks: use group_size: 32 ({what})"
     if not scheme.symmetric:
-        return f"asymmetric zero points do not fit Q4_0 / Q8_0 exactly: use symmetric: true ({what})"
+        return f"asymmetric zero points do not fit Q4_0 / Q4_K / Q8_0 exactly: use symmetric: true ({what})"
     if act_order:
         return (
             "act-order g_idx permutes columns across GGUF's 32-column blocks: "
             "set static_groups: true (or act_order: false), or export gptq"
         )
     return None
-
-
-def ggml_type_name(scheme: QuantScheme) -> str:
-    return "Q4_0" if scheme.bits == 4 else "Q8_0"
 
 
 def gguf_architecture(config: Any) -> str:
@@ -128,45 +142,7 @@ def check_gguf_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
             )
 
 
-# Blocks -----------------------------------------------------------------------------------------
-
-
-def pack_q4_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
-    """Q4_0 blocks of ``codes`` (uint8 ``(rows, cols)`` in [0, 15]) with float16 ``scales`` ``(rows, cols/32)``.
-
-    Each block: ``d`` (float16, little-endian), then byte ``j`` holds code ``j`` in its low
-    nibble and code ``j + 16`` in its high nibble. Returns uint8 ``(rows, cols/32*18)``.
-    """
-    rows, cols = codes.shape
-    q = codes.to(torch.uint8).reshape(rows, cols // BLOCK, BLOCK).numpy()
-    nibbles = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << np.uint8(4))
-    d = scales.to(torch.float16).reshape(rows, cols // BLOCK, 1).numpy().astype("<f2").view(np.uint8)
-    return np.concatenate([d, nibbles], axis=-1).reshape(rows, -1)
-
-
-def unpack_q4_0(blocks: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 ``(rows, cols)``, float16 scales ``(rows, cols/32)``) of Q4_0 ``blocks``."""
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, cols // BLOCK, Q4_0_BYTES)
-    d = b[..., :2].copy().view("<f2")[..., 0]
-    nibbles = b[..., 2:]
-    q = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)
-    return torch.from_numpy(q.reshape(-1, cols).copy()), torch.from_numpy(d.astype(np.float16))
-
-
-def pack_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
-    """Q8_0 blocks of ``codes`` (uint8 ``(rows, cols)``, zero point 128) with float16 ``scales``."""
-    rows, cols = codes.shape
-    q = (codes.to(torch.int16) - 128).to(torch.int8).reshape(rows, cols // BLOCK, BLOCK).numpy().view(np.uint8)
-    d = scales.to(torch.float16).reshape(rows, cols // BLOCK, 1).numpy().astype("<f2").view(np.uint8)
-    return np.concatenate([d, q], axis=-1).reshape(rows, -1)
-
-
-def unpack_q8_0(blocks: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 ``(rows, cols)`` with zero point 128, float16 scales) of Q8_0 ``blocks``."""
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, cols // BLOCK, Q8_0_BYTES)
-    d = b[..., :2].copy().view("<f2")[..., 0]
-    q = b[..., 2:].copy().view(np.int8).astype(np.int16) + 128
-    return torch.from_numpy(q.reshape(-1, cols).astype(np.uint8)), torch.from_numpy(d.astype(np.float16))
+# Rows -------------------------------------------------------------------------------------------
 
 
 def rope_row_order(rows: int, n_heads: int) -> torch.Tensor:
@@ -197,7 +173,11 @@ def _rope_heads(name: str, config: Any) -> int | None:
 
 
 def quantized_blocks(name: str, module: QuantizedLinear) -> tuple[np.ndarray, str]:
-    """One quantized layer as GGML blocks (rows in GGUF order) and the block type's name."""
+    """One quantized layer as GGML blocks (rows in GGUF order) and the block type's name.
+
+    W4 layers whose scales are on the k-quant grid are written as Q4_K, other W4 layers as Q4_0;
+    a layer quantized with ``k_quant_scales`` whose scales have left the grid is refused.
+    """
     reason = gguf_scheme_refusal(module.scheme, act_order_g_idx(module) is not None)
     if reason:
         raise LmpressInputError(f"export gguf: {name} ({module.scheme.describe()}): {reason}")
@@ -206,8 +186,19 @@ def quantized_blocks(name: str, module: QuantizedLinear) -> tuple[np.ndarray, st
     if not bool((zeros == expected_zero).all()):
         raise LmpressInputError(f"export gguf: {name} has zero points other than {expected_zero}; it is not symmetric")
     scales = fp16_scales(module.scales.float(), name, FORMAT)
-    pack = pack_q4_0 if module.scheme.bits == 4 else pack_q8_0
-    return pack(codes, scales), ggml_type_name(module.scheme)
+    if module.scheme.bits == 8:
+        return pack_q8_0(codes, scales), "Q8_0"
+    grid = kquant_grid(scales) if module.in_features % SUPER_BLOCK == 0 else None
+    if grid is not None:
+        d, sc = grid
+        return pack_q4_k(codes, d, d * 8, sc, sc), "Q4_K"
+    if module.scheme.k_quant_scales:
+        raise LmpressInputError(
+            f"export gguf: {name} was quantized with k_quant_scales but its float16 scales are not "
+            "d * (integer 0..63) per 256 columns (changed after quantizing?); quantize with k_quant_scales: true "
+            "(rtn, gptq, awq) and leave the scales as they come out, or set k_quant_scales: false for Q4_0"
+        )
+    return pack_q4_0(codes, scales), "Q4_0"
 
 
 def float_array(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, str]:
@@ -354,13 +345,15 @@ def file_type(kinds: list[str]) -> int:
         "BF16": LlamaFileType.MOSTLY_BF16,
         "Q4_0": LlamaFileType.MOSTLY_Q4_0,
         "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+        # the label closest to all-Q4_K layers (llama.cpp's Q4_K_M raises attn_v and ffn_down to Q6_K)
+        "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
     }
     main = max(set(kinds), key=lambda k: (kinds.count(k), k.startswith("Q")))
     return int(by_kind[main])
 
 
 def write_gguf(model: nn.Module, tokenizer: Any, path: Path, float_dtype: torch.dtype | None = None) -> None:
-    """Write ``model`` (quantized layers as Q4_0 / Q8_0) and its tokenizer as one GGUF file at ``path``.
+    """Write ``model`` (quantized layers as Q4_K / Q4_0 / Q8_0) and its tokenizer as one GGUF file at ``path``.
 
     ``float_dtype`` is the type of the unquantized 2-D weights (float32, float16 or bfloat16);
     by default the model's own.
@@ -461,19 +454,44 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
                 zeros=torch.full(scales.shape, float(8 if kind == "Q4_0" else 128)),
                 scheme=scheme,
             )
+        elif kind == "Q4_K":
+            value = q4_k_weight(data, cols, f"{path}: {tensor.name}")
         elif kind in ("F32", "F16", "BF16"):
             array = data.view(np.int16) if kind == "BF16" else data
             value = torch.from_numpy(array.copy())
             value = value.view(torch.bfloat16) if kind == "BF16" else value
             value = value.reshape([int(s) for s in reversed(tensor.shape)])
         else:
-            raise LmpressInputError(f"{path}: {tensor.name} is {kind}; lmpress reads back F32/F16/BF16/Q4_0/Q8_0")
+            raise LmpressInputError(f"{path}: {tensor.name} is {kind}; lmpress reads back F32/F16/BF16/Q4_0/Q4_K/Q8_0")
         heads = _rope_heads(module, config)
         if heads is not None:
             inverse = torch.argsort(rope_row_order(int(tensor.shape[1]), heads))
             value = _take_rows(value, inverse)
         out[module] = value
     return config, out
+
+
+def q4_k_weight(data: np.ndarray, cols: int, where: str) -> QuantizedWeight:
+    """A Q4_K tensor as lmpress's W4 g32 symmetric weight: scale ``d * sc_j``, zero point 8.
+
+    Only Q4_K whose mins are 8 times its scales (``dmin * m_j == 8 * d * sc_j``, what lmpress writes)
+    is a symmetric grid; other Q4_K files (llama.cpp's own quantizer) are refused.
+    """
+    codes, d, dmin, sc, m = unpack_q4_k(data, cols)
+    scales = d.float()[..., None] * sc.float()  # exact: 11 x 6 significant bits
+    if not torch.equal(dmin.float()[..., None] * m.float(), 8 * scales):
+        raise LmpressInputError(
+            f"{where} is Q4_K with minimums that are not 8 x its scales: not a symmetric grid lmpress holds "
+            "(lmpress reads back the Q4_K it writes)"
+        )
+    scales = scales.reshape(scales.shape[0], -1)
+    half = scales.to(torch.float16)
+    return QuantizedWeight(
+        qweight=codes,
+        scales=half if torch.equal(half.float(), scales) else scales,
+        zeros=torch.full(scales.shape, 8.0),
+        scheme=QuantScheme(4, BLOCK, True, k_quant_scales=True),
+    )
 
 
 def _take_rows(value: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> torch.Tensor | QuantizedWeight:
@@ -484,7 +502,7 @@ def _take_rows(value: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> tor
 
 @register_artifact_loader(FILE_NAME)
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The GGUF export in directory ``path`` as a transformers model; Q4_0 / Q8_0 layers as QuantizedLinear.
+    """The GGUF export in directory ``path`` as a transformers model; Q4_K / Q4_0 / Q8_0 layers as QuantizedLinear.
 
     Float tensors take ``dtype``; quantized layers keep their float16 scales.
     """

@@ -21,17 +21,21 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lmpress.quantize.kquant import live_groups, snap_to_kquant_grid
 from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize
 
 SCALE_FLOOR = 1e-4
 
 
 def fake_quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Round-to-nearest fake quantization of a ``(out, in)`` weight with min/max group scales."""
+    """Round-to-nearest fake quantization of a ``(out, in)`` weight with min/max group scales (on the
+    k-quant grid when the scheme asks for it, as RTN rounds)."""
     out_features, in_features = w.shape
     width = scheme.group_width(in_features)
     grouped = w.float().reshape(out_features, in_features // width, width)
     scale, zero = compute_qparams(grouped, scheme)
+    if scheme.k_quant_scales:
+        scale = snap_to_kquant_grid(scale, live_groups(grouped))
     return fake_quantize(grouped, scale[..., None], zero[..., None], scheme.maxq).reshape(w.shape).to(w.dtype)
 
 

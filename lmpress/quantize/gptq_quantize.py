@@ -25,6 +25,8 @@ import torch
 
 from lmpress.calib.statistics import column_loop_threads, inverse_hessian_factor
 from lmpress.quantize.fp8 import Fp8Weight, fp8_channel_qparams, require_float8, round_to_e4m3_
+from lmpress.quantize.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid
+from lmpress.quantize.kquant import super_scale as kquant_super_scale
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,32 @@ def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> tuple[torc
     return search_qparams_mse(w, scheme) if mse else compute_qparams(w, scheme)
 
 
+def upcoming_columns(
+    Wt: torch.Tensor,
+    W1: torch.Tensor,
+    Err1: torch.Tensor,
+    Hinv: torch.Tensor,
+    i1: int,
+    col: int,
+    n: int,
+    keep_t: torch.Tensor | None,
+) -> torch.Tensor:
+    """The current (already error-compensated) weights of columns ``col .. col+n``, ``(n, rows)``, while
+    the block starting at column ``i1`` (working copy ``W1``, errors so far ``Err1``) is being quantized.
+
+    Columns past the block also need the updates this block's columns so far have not yet applied
+    there (Eq. 3 runs at the block's end). Pruned entries (``keep_t`` False) will be zero: zero here too.
+    """
+    i, i2 = col - i1, i1 + W1.shape[0]
+    current = W1[i : i + n]
+    if col + n > i2:
+        pending = Hinv[i1:col, i2 : col + n].T @ Err1[:i]
+        current = torch.cat([current, Wt[i2 : col + n] - pending])
+    if keep_t is not None:
+        current = current * keep_t[col : col + n]
+    return current
+
+
 @torch.no_grad()
 def gptq_quantize_layer(
     W: torch.Tensor,
@@ -102,10 +130,15 @@ def gptq_quantize_layer(
     A scheme with FP8 activations (``activations: "fp8"``, per-channel) rounds each column to the
     nearest E4M3 value of ``w / s_row`` instead of an integer: GPTQ's update (Eq. 2) holds for any
     rounding grid; the result is an ``Fp8Weight``.
+
+    With ``scheme.k_quant_scales`` each group's scale is snapped to ``d * round(s / d)``
+    (``kquant.py``), ``d`` of each 256-column super-block taken when the loop reaches its first
+    column, from the current weights of its columns (with static groups: from the original weights,
+    up front, like the scales). Act-order without static groups cannot keep super-blocks contiguous.
     """
     rows, cols = W.shape
     if not scheme.fits(cols):
-        raise ValueError(f"group size {scheme.group_size} does not divide in_features {cols}")
+        raise ValueError(scheme.misfit(cols))
     if H.shape != (cols, cols):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match a weight with {cols} input columns")
     W = W.detach().float().clone()
@@ -115,6 +148,7 @@ def gptq_quantize_layer(
     fp8 = scheme.activations == "fp8"
     if fp8 and width != cols:
         raise ValueError(f"FP8 weights take one scale per output channel (group_size -1), not groups of {width}")
+    kquant = scheme.k_quant_scales
 
     # Inputs that were always zero carry no information: fix their weights at 0 and
     # give H a unit diagonal there so it stays invertible.
@@ -132,9 +166,13 @@ def gptq_quantize_layer(
     scales = torch.zeros(rows, n_groups, device=W.device)
     zeros = torch.zeros(rows, n_groups, device=W.device)
     static = static_groups or width == cols  # group parameters fixed up front, from the original weights
+    if kquant and act_order and not static:
+        raise ValueError("k-quant scales need contiguous groups: act_order needs static_groups")
     if static:
         for g in range(n_groups):
             scales[:, g], zeros[:, g] = group_qparams(W[:, g * width : (g + 1) * width], scheme, mse)
+        if kquant:
+            scales = snap_to_kquant_grid(scales, live_groups(W.reshape(rows, n_groups, width)))
 
     perm = torch.arange(cols, device=W.device)
     if act_order:
@@ -152,7 +190,7 @@ def gptq_quantize_layer(
     codes_t = torch.zeros(cols, rows, device=Wt.device)  # integer values, as uint8 once at the end
     keep_t = None if keep is None else keep.T.contiguous()
     column_group = (perm // width).tolist() if static else None
-    scale_g = zero_g = None
+    scale_g = zero_g = super_d = None
     current_group = -1
     threads = torch.get_num_threads()
     with column_loop_threads(1):
@@ -169,18 +207,18 @@ def gptq_quantize_layer(
                     g = column_group[col]
                 else:
                     g = col // width
-                    if col % width == 0:
-                        # Group parameters from the current (already error-compensated) weights. A group that
-                        # runs past the block also needs, on its columns after the block, the updates this
-                        # block's columns so far have not yet applied there (Eq. 3 runs at the block's end).
-                        current = W1[i : i + width]
-                        if col + width > i2:
-                            pending = Hinv[i1:col, i2 : col + width].T @ Err1[:i]
-                            current = torch.cat([current, Wt[i2 : col + width] - pending])
-                        if keep_t is not None:  # the pruned entries will be zero: the range of what stays
-                            current = current * keep_t[col : col + width]
+                    if col % width == 0:  # group parameters from the current, error-compensated weights
+                        current = upcoming_columns(Wt, W1, Err1, Hinv, i1, col, width, keep_t)
                         with column_loop_threads(threads):  # the scale search is one large tensor op
+                            if kquant and col % SUPER_BLOCK == 0:
+                                sb = upcoming_columns(Wt, W1, Err1, Hinv, i1, col, SUPER_BLOCK, keep_t)
+                                grouped = sb.T.reshape(rows, GROUPS_PER_SUPER_BLOCK, width)
+                                block_scales, _ = group_qparams(grouped, scheme, mse)
+                                live = live_groups(grouped)
+                                super_d = kquant_super_scale(torch.where(live, block_scales, 0.0))
                             scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
+                            if kquant:
+                                scales[:, g] = snap_scales(scales[:, g], super_d)
                 if g != current_group:
                     scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
                 torch.div(w, scale_g, out=q)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 from torch.func import functional_call
 
@@ -84,6 +84,15 @@ class LearnedRoundingConfig(WeightQuantConfig):
     init: Literal["rtn", "awq", "gptq", "awq+gptq"] = "rtn"
     seed: int = Field(0, ge=0)
 
+    @model_validator(mode="after")
+    def _no_kquant_scales(self) -> LearnedRoundingConfig:
+        if any(scheme.k_quant_scales for _, scheme in self.planned_schemes()):
+            raise ValueError(
+                "method learned does not keep k_quant_scales (its learned clipping moves each group's scale off "
+                "the grid); use method rtn, gptq or awq for Q4_K-ready scales"
+            )
+        return self
+
     @property
     def step_size(self) -> float:
         return self.lr if self.lr is not None else 1.0 / self.iterations
@@ -111,7 +120,7 @@ class Rounding:
 def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     out_features, in_features = w.shape
     if not scheme.fits(in_features):
-        raise ValueError(f"group size {scheme.group_size} does not divide in_features {in_features}")
+        raise ValueError(scheme.misfit(in_features))
     width = scheme.group_width(in_features)
     return w.float().reshape(out_features, in_features // width, width)
 

@@ -69,7 +69,7 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         super().__init__()
         if not scheme.fits(in_features):
-            raise ValueError(f"group size {scheme.group_size} does not divide in_features {in_features}")
+            raise ValueError(scheme.misfit(in_features))
         if scheme.activations not in (None, "int8"):
             raise ValueError(f"QuantizedLinear runs int8 or float activations, not {scheme.activations}")
         if scheme.activations is not None and (scheme.bits, scheme.group_size, scheme.symmetric) != (8, -1, True):

@@ -6,7 +6,9 @@ Convention (the one GPTQ checkpoints, vLLM and compressed-tensors use):
 Symmetric schemes fix ``zero = 2**(bits-1)`` and ``scale = 2 * max|w| / (2**bits - 1)``;
 asymmetric schemes take ``scale = (max - min) / (2**bits - 1)`` and ``zero = round(-min / scale)``.
 Scales and zeros are per output row and per group of ``group_size`` input columns
-(``group_size == -1``: one group spanning the whole row).
+(``group_size == -1``: one group spanning the whole row). With ``k_quant_scales`` (W4 g32
+symmetric only) the group scales themselves sit on llama.cpp's k-quant grid, an integer 1..63
+times one float16 per 256 columns of a row (``kquant.py``), so GGUF can store them as ``Q4_K``.
 
 This module is the contract between quantize, export and runtime: tensors in,
 tensors out, no calibration code.
@@ -17,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from lmpress.quantize.kquant import GROUP, SUPER_BLOCK, live_groups, snap_to_kquant_grid
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
@@ -32,6 +36,15 @@ class QuantScheme:
     group_size: int = 128
     symmetric: bool = True
     activations: str | None = None  # one of ACTIVATION_SCHEMES, or None for weight-only quantization
+    k_quant_scales: bool = False  # group scales on llama.cpp's k-quant grid (Q4_K): W4 g32 sym only
+
+    def __post_init__(self) -> None:
+        if self.k_quant_scales and (self.bits, self.group_size, self.symmetric) != (4, GROUP, True):
+            raise ValueError(
+                f"k_quant_scales (Q4_K's 6-bit group scales per {SUPER_BLOCK} columns) need bits: 4, "
+                f"group_size: {GROUP}, symmetric: true; got bits: {self.bits}, group_size: {self.group_size}, "
+                f"symmetric: {str(self.symmetric).lower()}"
+            )
 
     @property
     def maxq(self) -> int:
@@ -40,12 +53,22 @@ class QuantScheme:
     def group_width(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
 
+    def misfit(self, in_features: int) -> str | None:
+        """Why a layer with ``in_features`` input columns cannot take this scheme, or None."""
+        if self.group_size != -1 and in_features % self.group_size:
+            return f"group size {self.group_size} does not divide in_features {in_features}"
+        if self.k_quant_scales and in_features % SUPER_BLOCK:
+            return f"k-quant scales need in_features divisible by {SUPER_BLOCK}, got {in_features}"
+        return None
+
     def fits(self, in_features: int) -> bool:
-        return self.group_size == -1 or in_features % self.group_size == 0
+        return self.misfit(in_features) is None
 
     def describe(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         weights = f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+        if self.k_quant_scales:
+            weights += " k-quant scales"
         return weights if self.activations is None else f"{weights}, {self.activations} per-token activations"
 
 
@@ -122,13 +145,16 @@ class QuantizedWeight:
 
 
 def quantize_weight_rtn(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
-    """Round-to-nearest quantization of a ``(out, in)`` weight with min/max scales."""
+    """Round-to-nearest quantization of a ``(out, in)`` weight with min/max scales (on the k-quant grid
+    when the scheme asks for ``k_quant_scales``)."""
     out_features, in_features = w.shape
     if not scheme.fits(in_features):
-        raise ValueError(f"group size {scheme.group_size} does not divide in_features {in_features}")
+        raise ValueError(scheme.misfit(in_features))
     width = scheme.group_width(in_features)
     grouped = w.float().reshape(out_features, in_features // width, width)
     scale, zero = compute_qparams(grouped, scheme)
+    if scheme.k_quant_scales:
+        scale = snap_to_kquant_grid(scale, live_groups(grouped))
     q = quantize_to_int(grouped, scale[..., None], zero[..., None], scheme.maxq)
     return QuantizedWeight(
         qweight=q.reshape(out_features, in_features).to(torch.uint8),

@@ -3,6 +3,11 @@
 Shared by every weight quantizer (RTN, GPTQ, AWQ): ``ignore`` patterns and
 per-module ``overrides`` are Python regular expressions that must match the whole
 module name (``lm_head``, ``model.layers.0.mlp.down_proj``, ``.*down_proj``).
+
+``k_quant_scales: true`` (bits 4, group_size 32, symmetric; layers whose input width is a
+multiple of 256) puts the group scales on llama.cpp's k-quant grid, so a GGUF export stores
+those layers as ``Q4_K`` bit for bit (``kquant.py``); an override can turn it off for layers
+of other widths (``".*(q|k|v|o|gate|up)_proj": {k_quant_scales: false}``).
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from lmpress.errors import LmpressInputError
+from lmpress.quantize.kquant import SUPER_BLOCK
 from lmpress.quantize.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
 from lmpress.registry import StageConfig, StrictConfig
 
@@ -34,6 +40,7 @@ class SchemeOverride(StrictConfig):
     bits: Bits | None = None
     group_size: GroupSize | None = None
     symmetric: bool | None = None
+    k_quant_scales: bool | None = None
 
 
 class WeightQuantConfig(StageConfig):
@@ -42,6 +49,7 @@ class WeightQuantConfig(StageConfig):
     bits: Bits = 4
     group_size: GroupSize = 128
     symmetric: bool = True
+    k_quant_scales: bool = Field(False, description="group scales on llama.cpp's k-quant grid (GGUF Q4_K)")
     ignore: list[str] = ["lm_head"]
     overrides: dict[str, SchemeOverride] = {}
 
@@ -53,11 +61,36 @@ class WeightQuantConfig(StageConfig):
         _check_patterns(list(v))
         return v
 
+    @model_validator(mode="after")
+    def _schemes_ok(self) -> WeightQuantConfig:
+        for where, settings in self._scheme_settings():
+            try:
+                QuantScheme(**settings)
+            except ValueError as e:
+                raise ValueError(f"{where.removeprefix('.')}: {e}" if where else str(e)) from e
+        return self
+
+    def _base_settings(self) -> dict[str, object]:
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "k_quant_scales": self.k_quant_scales,
+        }
+
+    def _scheme_settings(self) -> list[tuple[str, dict[str, object]]]:
+        """The stage's scheme settings and each override's, with the YAML path (relative to the stage)."""
+        base = self._base_settings()
+        settings = [("", base)]
+        for pattern, override in self.overrides.items():
+            settings.append((f".overrides[{pattern!r}]", base | override.model_dump(exclude_none=True)))
+        return settings
+
     def scheme_for(self, name: str) -> QuantScheme | None:
         """The scheme for module ``name``, or None when it is ignored. The first matching override wins."""
         if any(re.fullmatch(p, name) for p in self.ignore):
             return None
-        scheme = {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
+        scheme = self._base_settings()
         for pattern, override in self.overrides.items():
             if re.fullmatch(pattern, name):
                 scheme.update(override.model_dump(exclude_none=True))
@@ -66,11 +99,7 @@ class WeightQuantConfig(StageConfig):
 
     def planned_schemes(self) -> list[tuple[str, QuantScheme]]:
         """The stage's scheme and each override's, with the YAML path (relative to the stage) that sets it."""
-        base = {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
-        schemes = [("", QuantScheme(**base))]
-        for pattern, override in self.overrides.items():
-            schemes.append((f".overrides[{pattern!r}]", QuantScheme(**(base | override.model_dump(exclude_none=True)))))
-        return schemes
+        return [(where, QuantScheme(**settings)) for where, settings in self._scheme_settings()]
 
     def targets(self, model: nn.Module) -> dict[str, tuple[nn.Linear, QuantScheme]]:
         """Every nn.Linear of ``model`` this stage quantizes, with its scheme."""
@@ -83,9 +112,10 @@ class WeightQuantConfig(StageConfig):
         return found
 
     def check(self, model: nn.Module) -> None:
+        targets = self.targets(model)
         bad = {}
-        for name, (module, scheme) in self.targets(model).items():
-            if not scheme.fits(module.in_features):
+        for name, (module, scheme) in targets.items():
+            if module.in_features % scheme.group_width(module.in_features):
                 bad[name] = (module.in_features, scheme.group_size)
         if bad:
             name, (width, group) = next(iter(bad.items()))
@@ -95,6 +125,24 @@ class WeightQuantConfig(StageConfig):
                 f"layer(s), e.g. {name} ({width}); group sizes that fit them: {workable}, "
                 "or give those layers an override"
             )
+        narrow = [n for n, (m, s) in targets.items() if s.k_quant_scales and m.in_features % SUPER_BLOCK]
+        if narrow:
+            raise LmpressInputError(f"stage {self.method}: {kquant_width_refusal(narrow, targets)}")
+
+
+def kquant_width_refusal(narrow: list[str], targets: dict[str, tuple[nn.Linear, QuantScheme]]) -> str:
+    """Why ``narrow`` layers cannot take k-quant scales, with an override that turns them off where one
+    regex over the layers' last names covers them and none of the layers that fit."""
+    first = targets[narrow[0]][0].in_features
+    message = (
+        f"k_quant_scales needs in_features divisible by {SUPER_BLOCK} (Q4_K's super-blocks); {len(narrow)} "
+        f"layer(s) are not, e.g. {narrow[0]} ({first}): set k_quant_scales: false for them in an override"
+    )
+    leaves = sorted({n.rpartition(".")[2] for n in narrow})
+    pattern = f".*({'|'.join(leaves)})" if len(leaves) > 1 else f".*{leaves[0]}"
+    if all(name in narrow for name in targets if re.fullmatch(pattern, name)):
+        message += f", e.g. overrides: {{'{pattern}': {{k_quant_scales: false}}}}"
+    return message
 
 
 # The keys of GPTQRounding that only mean something with GPTQ rounding (``rounding: gptq``).
@@ -111,3 +159,13 @@ class GPTQRounding(WeightQuantConfig):
     mse: bool = False
     true_sequential: bool = True
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
+
+    @model_validator(mode="after")
+    def _kquant_needs_contiguous_groups(self) -> GPTQRounding:
+        kquant = any(scheme.k_quant_scales for _, scheme in self.planned_schemes())
+        if kquant and self.act_order and not self.static_groups:
+            raise ValueError(
+                "k_quant_scales with act_order: true needs static_groups: true (act-order groups of permuted "
+                f"columns do not lie in Q4_K's {SUPER_BLOCK}-column super-blocks), or act_order: false"
+            )
+        return self

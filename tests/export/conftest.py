@@ -1,4 +1,4 @@
-"""Fixtures for the export tests: the tiny Llama quantized in place by RTN, and a writer runner."""
+"""Fixtures for the export tests: the tiny Llamas quantized in place by RTN, and a writer runner."""
 
 from __future__ import annotations
 
@@ -11,18 +11,27 @@ from lmpress.quantize.rtn import RTNConfig, run_rtn
 from lmpress.registry import StageContext, exporter
 
 
-@pytest.fixture
-def quantized_tiny(tiny_llama_dir, tmp_path):
-    """``quantize(**rtn_config) -> (model, tokenizer)``: a fresh tiny Llama with RTN applied."""
-
+def rtn_quantizer(model_dir: Path, tmp_path: Path):
     def quantize(**rtn_config):
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
-        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         ctx = StageContext(calibration=lambda: None, state_dir=tmp_path / "state", resume=False, fingerprint="x")
         run_rtn(model, RTNConfig(**rtn_config), ctx)
         return model, tokenizer
 
     return quantize
+
+
+@pytest.fixture
+def quantized_tiny(tiny_llama_dir, tmp_path):
+    """``quantize(**rtn_config) -> (model, tokenizer)``: a fresh tiny Llama with RTN applied."""
+    return rtn_quantizer(tiny_llama_dir, tmp_path)
+
+
+@pytest.fixture
+def quantized_wide(tiny_llama_wide_dir, tmp_path):
+    """``quantize(**rtn_config) -> (model, tokenizer)``: a fresh wide tiny Llama with RTN applied."""
+    return rtn_quantizer(tiny_llama_wide_dir, tmp_path)
 
 
 @pytest.fixture

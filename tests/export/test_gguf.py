@@ -9,19 +9,23 @@ import torch
 from gguf.quants import dequantize
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import check_recipe_exports, quantized_layers
+from lmpress.export.checkpoint import check_recipe_exports, load_quantized_model, quantized_layers
+from lmpress.export.ggml_blocks import pack_q4_k
 from lmpress.export.gguf import (
     FILE_NAME,
     gguf_scheme_refusal,
     gguf_tensor_name,
-    pack_q4_0,
+    q4_k_weight,
     rope_row_order,
     write_gguf,
 )
 from lmpress.export.verify import compare_weights
 from lmpress.model import load_model
 from lmpress.quantize.gptq import GPTQConfig
+from lmpress.quantize.kquant import kquant_grid
+from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.scheme import QuantScheme
+from tests.export.test_ggml_blocks import random_q4_k
 
 
 def gguf_tensors(path) -> dict[str, tuple[np.ndarray, str]]:
@@ -63,17 +67,6 @@ def test_quantized_layers_dequantize_bit_for_bit_with_gguf(quantized_tiny, expor
     assert "output.weight" not in stored  # tied: llama.cpp reads token_embd
     norm, _ = stored["blk.1.ffn_norm.weight"]
     assert np.array_equal(norm, model.model.layers[1].post_attention_layernorm.weight.detach().numpy())
-
-
-def test_pack_q4_0_matches_gguf_layout():
-    """pack_q4_0 against gguf's own Q4_0 quantizer on values that sit exactly on a Q4_0 grid."""
-    gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)
-    codes[:, ::32] = 0  # each block's most negative value -8*d: gguf picks d = max / -8 = d exactly
-    scales = torch.rand(8, 2, generator=gen).half()
-    weights = (codes.float() - 8) * scales.float().repeat_interleave(32, dim=1)
-    theirs = gguf.quants.quantize(weights.numpy(), gguf.GGMLQuantizationType.Q4_0)
-    assert np.array_equal(pack_q4_0(codes, scales), theirs)
 
 
 def test_gguf_metadata_and_vocabulary(quantized_tiny, export):
@@ -143,7 +136,11 @@ def test_schemes_gguf_cannot_hold_are_refused(scheme, act_order, fragment):
 
 def test_gguf_holds_w4_and_w8_g32_sym():
     assert gguf_scheme_refusal(QuantScheme(4, 32, True), False) is None
+    assert gguf_scheme_refusal(QuantScheme(4, 32, True, k_quant_scales=True), False) is None
     assert gguf_scheme_refusal(QuantScheme(8, 32, True), False) is None
+    assert "W4 g32 sym -> Q4_0, or Q4_K with k_quant_scales: true" in gguf_scheme_refusal(
+        QuantScheme(4, 64, True), False
+    )
 
 
 def test_recipe_with_act_order_is_refused_before_loading():
@@ -162,3 +159,98 @@ def test_unsupported_architecture_is_refused(tiny_opt_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_opt_dir)
     with pytest.raises(LmpressInputError, match="architecture 'opt' is not written by lmpress's GGUF writer"):
         write_gguf(model, tokenizer, tmp_path / "m.gguf")
+
+
+# Q4_K --------------------------------------------------------------------------------------------
+
+
+def test_kquant_layers_are_q4_k_and_dequantize_bit_for_bit_with_gguf(quantized_wide, export):
+    model, tokenizer = quantized_wide(bits=4, group_size=32, symmetric=True, k_quant_scales=True)
+    out = export("gguf", model, tokenizer)
+    reader = gguf.GGUFReader(str(out / FILE_NAME))
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_S)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    stored = gguf_tensors(out / FILE_NAME)
+    layers = quantized_layers(model)
+    assert len(layers) == 14
+    for name, module in layers.items():
+        qw = module.unpack()
+        assert torch.equal(qw.scales.half().float(), qw.scales)  # k-quant scales are float16 already: no rounding
+        want = expected_rows(model, name, qw.dequantize(torch.float32)).numpy()
+        target = f"{gguf_tensor_name(name)}.weight"
+        values, kind = stored[target]
+        assert kind == "Q4_K", name
+        assert np.array_equal(values, want), name
+        assert sizes[target] == module.out_features * module.in_features // 256 * 144
+
+
+def test_q4_k_only_where_the_scales_are_on_the_grid(quantized_tiny, quantized_wide, export):
+    """The tiny Llama's 128-column layers take Q4_0, down_proj (256 columns) Q4_K; without the key, all Q4_0."""
+    narrow = ".*(gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)"
+    model, tokenizer = quantized_tiny(
+        bits=4, group_size=32, k_quant_scales=True, overrides={narrow: {"k_quant_scales": False}}
+    )
+    out = export("gguf", model, tokenizer)
+    stored = gguf_tensors(out / FILE_NAME)
+    for name, module in quantized_layers(model).items():
+        values, kind = stored[f"{gguf_tensor_name(name)}.weight"]
+        assert kind == ("Q4_K" if name.endswith("down_proj") else "Q4_0"), name
+        qw = module.unpack()
+        qw.scales = qw.scales.half().float()
+        assert np.array_equal(values, expected_rows(model, name, qw.dequantize()).numpy()), name
+    reader = gguf.GGUFReader(str(out / FILE_NAME))
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+
+    model, tokenizer = quantized_wide(bits=4, group_size=32)
+    kinds = {kind for _, kind in gguf_tensors(export("gguf", model, tokenizer) / FILE_NAME).values()}
+    assert kinds == {"Q4_0", "F32"}
+
+
+def test_q4_k_reads_back_as_the_candidate(quantized_wide, export):
+    model, tokenizer = quantized_wide(bits=4, group_size=32, k_quant_scales=True)
+    out = export("gguf", model, tokenizer)
+    artifact = load_model(str(out), fingerprint=False)
+    mismatch, change, how = compare_weights(model, artifact.model)
+    assert mismatch is None, mismatch
+    assert change == 0 and how == "quantized, scales as float16"
+    layer = artifact.model.get_submodule("model.layers.0.mlp.down_proj")
+    assert isinstance(layer, QuantizedLinear) and layer.scheme == QuantScheme(4, 32, True, k_quant_scales=True)
+    ids = tokenizer("def f(x): return x", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(artifact.model(ids).logits, model(ids).logits)
+
+
+def test_gptq_checkpoint_with_kquant_scales_becomes_q4_k(quantized_wide, export):
+    """A GPTQ checkpoint carries no k-quant flag: the GGUF writer finds the grid in its float16 scales."""
+    model, tokenizer = quantized_wide(bits=4, group_size=32, k_quant_scales=True)
+    loaded = load_quantized_model(export("gptq", model, tokenizer))
+    layer = loaded.get_submodule("model.layers.1.self_attn.o_proj")
+    assert not layer.scheme.k_quant_scales
+    stored = gguf_tensors(export("gguf", loaded, tokenizer) / FILE_NAME)
+    values, kind = stored["blk.1.attn_output.weight"]
+    assert kind == "Q4_K"
+    assert np.array_equal(values, layer.unpack().dequantize().numpy())
+
+
+def test_kquant_scales_moved_off_the_grid_are_refused(quantized_wide, export):
+    model, tokenizer = quantized_wide(bits=4, group_size=32, k_quant_scales=True)
+    layer = model.get_submodule("model.layers.0.mlp.up_proj")
+    half = layer.scales[0, 0].half()
+    layer.scales[0, 0] = (half.view(torch.int16) + 1).view(torch.float16).float()  # one float16 step up
+    assert kquant_grid(layer.scales.half()) is None
+    with pytest.raises(
+        LmpressInputError,
+        match=r"export gguf: model.layers.0.mlp.up_proj was quantized with k_quant_scales but its float16 scales "
+        r"are not d \* \(integer 0..63\) per 256 columns .*quantize with k_quant_scales: true",
+    ):
+        export("gguf", model, tokenizer)
+
+
+def test_q4_k_reader_takes_mins_of_eight_scales_only():
+    codes, d, _, sc, _ = random_q4_k(3, 512, seed=1)
+    sc = sc // 2  # m = 2 sc must fit 6 bits
+    symmetric = q4_k_weight(pack_q4_k(codes, d, d * 4, sc, sc * 2), 512, "t")  # dmin m = 4d 2sc = 8 d sc
+    assert torch.equal(symmetric.scales.float(), (d.float()[..., None] * sc.float()).reshape(3, 16))
+    assert torch.all(symmetric.zeros == 8) and torch.equal(symmetric.qweight, codes)
+    with pytest.raises(LmpressInputError, match="t is Q4_K with minimums that are not 8 x its scales"):
+        q4_k_weight(pack_q4_k(codes, d, d * 4, sc, sc), 512, "t")

@@ -15,7 +15,9 @@ from lmpress.calib.session import LayerSession
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.model import DTYPES, decoder_layers, get_anatomy, load_model
 from lmpress.quantize.awq import AWQConfig, AWQMethod, run_awq
-from lmpress.quantize.awq_search import apply_clip, fold_scales, search_clip
+from lmpress.quantize.awq_search import apply_clip, fake_quantize_weight, fold_scales, search_clip
+from lmpress.quantize.kquant import kquant_grid
+from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.rtn import RTNConfig, run_rtn
 from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 from lmpress.registry import StageContext
@@ -164,3 +166,24 @@ def test_awq_works_on_half_precision_models(tiny_llama_dir, dtype):
     full = awq_kl_to_float(tiny_llama_dir, "float32")
     rtn = awq_kl_to_float(tiny_llama_dir, "float32", method="rtn")
     assert math.isfinite(half) and half < 1.25 * full and half < 0.8 * rtn, (half, full, rtn)
+
+
+def test_awq_scale_search_rounds_as_rtn_does_with_kquant_scales():
+    w = torch.randn(16, 512, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.01, 1, 512)
+    scheme = QuantScheme(4, 32, True, k_quant_scales=True)
+    assert torch.equal(fake_quantize_weight(w, scheme), quantize_weight_rtn(w, scheme).dequantize())
+
+
+@pytest.mark.parametrize(
+    "settings", [{"rounding": "rtn"}, {"rounding": "gptq", "act_order": True, "static_groups": True, "mse": True}]
+)
+def test_awq_with_kquant_scales_leaves_every_layer_on_the_grid(tiny_llama_wide_dir, tmp_path, settings):
+    loaded = load_model(str(tiny_llama_wide_dir))
+    config = AWQConfig(bits=4, group_size=32, k_quant_scales=True, search_samples=8, **settings)
+    summary = run_awq(loaded.model, config, context(tmp_path, calibration_for(loaded.tokenizer)))
+    assert summary["quantized_linears"] == 14
+    for name, module in loaded.model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            assert module.scheme.k_quant_scales, name
+            assert torch.equal(module.scales.half().float(), module.scales.float()), name
+            assert kquant_grid(module.scales.half()) is not None, name

@@ -8,6 +8,7 @@ import torch
 from lmpress.calib.statistics import HessianAccumulator, inverse_hessian_factor
 from lmpress.quantize.fp8 import Fp8Weight, quantize_fp8
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer, layer_output_error, search_qparams_mse
+from lmpress.quantize.kquant import kquant_grid
 from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize, quantize_weight_rtn
 
 
@@ -167,3 +168,56 @@ def test_gptq_fp8_refuses_groups(layer):
     w, _, H = layer
     with pytest.raises(ValueError, match="one scale per output channel"):
         gptq_quantize_layer(w, H, QuantScheme(8, 64, True, "fp8"))
+
+
+KQUANT = QuantScheme(4, 32, True, k_quant_scales=True)
+
+
+@pytest.fixture(scope="module")
+def wide_layer():
+    """Two 256-column super-blocks: with the default block size 128 the second starts a block and runs past it."""
+    x = correlated_inputs(tokens=1024, cols=512, seed=5)
+    w = torch.randn(96, 512, generator=torch.Generator().manual_seed(6)) * 0.05
+    return w, x, hessian(x)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"mse": True}, {"static_groups": True}, {"act_order": True, "static_groups": True}]
+)
+def test_kquant_scales_stay_on_the_grid_and_beat_rtn(wide_layer, options):
+    w, x, H = wide_layer
+    quantized, _ = gptq_quantize_layer(w, H, KQUANT, **options)
+    assert quantized.g_idx is None
+    assert torch.equal(quantized.scales.half().float(), quantized.scales)
+    assert kquant_grid(quantized.scales.half()) is not None
+    assert torch.all(quantized.zeros == 8)
+    gptq_error = layer_output_error(w, quantized.dequantize(), x)
+    rtn_error = layer_output_error(w, quantize_weight_rtn(w, KQUANT).dequantize(), x)
+    plain, _ = gptq_quantize_layer(w, H, QuantScheme(4, 32, True), **options)
+    assert gptq_error < 0.8 * rtn_error, (gptq_error, rtn_error)
+    assert gptq_error < 1.1 * layer_output_error(w, plain.dequantize(), x)
+
+
+def test_kquant_static_groups_snap_the_original_group_scales(wide_layer):
+    w, _, H = wide_layer
+    quantized, _ = gptq_quantize_layer(w, H, KQUANT, act_order=True, static_groups=True)
+    assert torch.equal(quantized.scales, quantize_weight_rtn(w, KQUANT).scales)
+
+
+def test_kquant_with_a_diagonal_hessian_is_rtn(wide_layer):
+    """No cross-column updates: each super-block's d comes from the original weights, as RTN's does."""
+    w, _, _ = wide_layer
+    w = w.clone()
+    w[3, 32:64] = 0
+    quantized, _ = gptq_quantize_layer(w, torch.eye(512), KQUANT, block_size=96)
+    rtn = quantize_weight_rtn(w, KQUANT)
+    assert torch.equal(quantized.scales, rtn.scales)
+    assert torch.equal(quantized.qweight, rtn.qweight)
+
+
+def test_kquant_refuses_act_order_without_static_groups(wide_layer):
+    w, _, H = wide_layer
+    with pytest.raises(ValueError, match="act_order needs static_groups"):
+        gptq_quantize_layer(w, H, KQUANT, act_order=True)
+    with pytest.raises(ValueError, match="k-quant scales need in_features divisible by 256"):
+        gptq_quantize_layer(w[:, :288], H[:288, :288], KQUANT)

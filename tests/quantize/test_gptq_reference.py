@@ -4,7 +4,9 @@ Frantar et al., "GPTQ" (arXiv:2210.17323), Algorithm 1, written here column by c
 batching: H = 2XXᵀ, λ = damp · mean(diag H), the upper Cholesky factor U of (H + λI)⁻¹, and for each column i
 q = quant(w_i), err = (w_i - q) / U_ii, W[:, i+1:] -= err · U_{i, i+1:}. Group scales are taken when a group
 starts, from the weights as updated so far (the original weights with ``static_groups``); act-order permutes
-the columns by descending diag(H) first. Only the scheme's one-group helpers come from lmpress.
+the columns by descending diag(H) first. With k-quant scales, each 256-column super-block's d is taken when its
+first column comes, from its columns as updated so far, and each group's scale is snapped to d's grid. Only the
+scheme's one-group helpers (and the k-quant ones) come from lmpress.
 
 lmpress runs in float32 with lazy block updates, so its rounding inputs w/scale differ from the float64 ones by
 float error (this reference run in float32 instead differs by at most 1.2e-5 grid steps on this layer). That moves
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
+from lmpress.quantize.kquant import SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid, super_scale
 from lmpress.quantize.scheme import QuantScheme, compute_qparams, dequantize_int, quantize_to_int
 from tests.quantize.test_gptq_quantize import correlated_inputs
 
@@ -44,6 +47,11 @@ def reference_gptq(W, H, scheme: QuantScheme, damp: float, act_order: bool, stat
     W[:, dead] = 0
     if static_groups:
         fixed = [compute_qparams(W[:, g : g + width], scheme) for g in range(0, cols, width)]
+        if scheme.k_quant_scales:
+            snapped = snap_to_kquant_grid(
+                torch.stack([s for s, _ in fixed], dim=1), live_groups(W.reshape(rows, -1, width))
+            )
+            fixed = [(snapped[:, g], z) for g, (_, z) in enumerate(fixed)]
     order = torch.arange(cols)
     if act_order:
         order = torch.argsort(torch.diag(H), descending=True, stable=True)
@@ -52,6 +60,7 @@ def reference_gptq(W, H, scheme: QuantScheme, damp: float, act_order: bool, stat
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.zeros(rows, cols)
+    scales = torch.zeros(rows, cols // width, dtype=torch.float64)
     dequantized = torch.zeros(rows, cols, dtype=torch.float64)
     tie = torch.zeros(rows, cols, dtype=torch.float64)
     for i in range(cols):
@@ -59,10 +68,18 @@ def reference_gptq(W, H, scheme: QuantScheme, damp: float, act_order: bool, stat
         if static_groups:
             scale, zero = fixed[int(order[i]) // width]
         elif i % width == 0:
+            if scheme.k_quant_scales and i % SUPER_BLOCK == 0:
+                grouped = W[:, i : i + SUPER_BLOCK].reshape(rows, -1, width)
+                block_scales, _ = compute_qparams(grouped, scheme)
+                d = super_scale(torch.where(live_groups(grouped), block_scales, 0.0))
             scale, zero = compute_qparams(W[:, i : i + width], scheme)
+            if scheme.k_quant_scales:
+                zero_tie = distance_to_half(scale.double() / d.double())  # where round(s / d) changes its answer
+                scale = snap_scales(scale, d)
             if not scheme.symmetric:
                 wmin = W[:, i : i + width].amin(dim=1).clamp(max=0)
                 zero_tie = distance_to_half(-wmin / scale.double())
+        scales[:, int(order[i]) // width if static_groups else i // width] = scale.double()
         q = quantize_to_int(W[:, i], scale, zero, scheme.maxq)
         codes[:, i] = q
         dequantized[:, i] = dequantize_int(q, scale, zero).double()
@@ -70,7 +87,13 @@ def reference_gptq(W, H, scheme: QuantScheme, damp: float, act_order: bool, stat
         err = (W[:, i] - dequantized[:, i]) / U[i, i]
         W[:, i + 1 :] -= err[:, None] * U[i, i + 1 :][None, :]
     back = torch.argsort(order)
-    return {"codes": codes[:, back], "dequantized": dequantized[:, back], "tie": tie[:, back], "order": order}
+    return {
+        "codes": codes[:, back],
+        "dequantized": dequantized[:, back],
+        "tie": tie[:, back],
+        "order": order,
+        "scales": scales,
+    }
 
 
 def distance_to_half(x: torch.Tensor) -> torch.Tensor:
@@ -139,3 +162,40 @@ def test_lazy_block_updates_give_the_codes_of_column_by_column_updates(layer, sc
         assert (blocked.g_idx is None) == (one.g_idx is None)
         if one.g_idx is not None:
             assert torch.equal(blocked.g_idx, one.g_idx)
+
+
+@pytest.fixture(scope="module")
+def wide_layer():
+    x = correlated_inputs(tokens=1024, cols=512, seed=7).double()
+    x[:, DEAD] = 0
+    H = 2 * x.T @ x / x.shape[0]
+    W = torch.randn(48, 512, generator=torch.Generator().manual_seed(8)) * 0.05
+    return W, H
+
+
+KQUANT_ORDERS = [{}, {"act_order": True, "static_groups": True}, {"static_groups": True}]
+
+
+@pytest.mark.parametrize("options", KQUANT_ORDERS, ids=["natural", "act-order-static", "static"])
+def test_gptq_with_kquant_scales_matches_the_reference(wide_layer, options):
+    """Block sizes 128 (super-blocks run past a block), 48 (a super-block starts mid-block) and 1."""
+    W, H = wide_layer
+    scheme = QuantScheme(4, 32, True, k_quant_scales=True)
+    options = {"act_order": False, "static_groups": False, **options}
+    reference = reference_gptq(W, H, scheme, DAMP, **options)
+    mask = comparable(reference)
+    assert mask.float().mean() > 0.9, "too many near ties for this layer to say anything"
+    rows = mask.all(dim=1)
+    for block_size in (128, 48, 1):
+        quantized, _ = gptq_quantize_layer(W, H.float(), scheme, block_size=block_size, damp=DAMP, **options)
+        codes = quantized.qweight.float()
+        assert torch.equal(codes[mask], reference["codes"][mask]), (
+            block_size,
+            int((codes != reference["codes"])[mask].sum()),
+        )
+        torch.testing.assert_close(
+            quantized.dequantize()[mask], reference["dequantized"][mask].float(), rtol=1e-5, atol=1e-7
+        )
+        assert rows.float().mean() > 0.3
+        # a row without near ties took every d and every sc as the reference did: the same scales
+        torch.testing.assert_close(quantized.scales[rows], reference["scales"][rows].float(), rtol=1e-6, atol=0)
