@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_table import cpu_description  # noqa: E402
 from readme_block import write_readme_block  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,16 +172,9 @@ def render(rows: dict[str, dict]) -> str:
         "SmolLM2-135M-Instruct, training text wiki.valid.tokens (never the eval text), perplexity on the first 20 "
         "windows of 2048 tokens of wiki.test.raw; after = the recipe's export read back from disk "
         "(`python bench/distill_table.py`). Before: " + ", ".join(befores or ["-"]) + ".",
-        f"CPU: {platform_cpu()}, {THREADS} threads.",
+        f"CPU: {cpu_description()}, {THREADS} threads.",
     ]
     return "\n".join(lines + notes) + "\n"
-
-
-def platform_cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def write_readme(table: str) -> None:

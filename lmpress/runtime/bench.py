@@ -121,14 +121,19 @@ def running_peak_mb(run: Callable[[], Any], device: torch.device) -> float:
     return peak.mb
 
 
+def decode_step(settings: BenchSettings, device: torch.device) -> DecodeFn:
+    """The one-token step ``settings`` ask for: eager, or compiled (on a GPU also captured in a CUDA graph)."""
+    if not settings.compile:
+        return decode_one_token
+    return compiled_decode("reduce-overhead" if device.type == "cuda" else None)
+
+
 def bench_plain(
     model: Transformer, prompt: list[int], settings: BenchSettings, bandwidth_gbs: float | None = None
 ) -> dict[str, Any]:
     """One row: prefill and decode speed of plain decoding, bytes per token, memory."""
     device = model.device
-    # On a GPU the compiled step is also captured in a CUDA graph ("reduce-overhead").
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    decode: DecodeFn = compiled_decode(mode) if settings.compile else decode_one_token
+    decode = decode_step(settings, device)
 
     def run(n: int) -> list[int]:
         return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
@@ -159,12 +164,18 @@ def bench_speculative(
     plain: dict[str, Any],
     draft: Transformer | None = None,
 ) -> dict[str, Any]:
-    """Greedy speculative decoding (``draft``, else prompt lookup) against ``plain``'s decode rate."""
+    """Greedy speculative decoding (``draft``, else prompt lookup) against ``plain``'s decode rate.
+
+    With ``settings.compile`` the draft's one-token steps are compiled (as ``plain``'s are); the
+    target's verifying forwards, over a varying number of tokens, run eager."""
     stats = SpeculativeStats()
+    draft_decode = decode_step(settings, model.device)
 
     def run(n: int, record: SpeculativeStats | None = None) -> list[int]:
         lookup = None if draft is not None else PromptLookupDrafter()
-        tokens = speculative_decode(model, prompt, draft=draft, max_new_tokens=n, prompt_lookup=lookup, stats=record)
+        tokens = speculative_decode(
+            model, prompt, draft=draft, max_new_tokens=n, prompt_lookup=lookup, stats=record, draft_decode=draft_decode
+        )
         return list(tokens)
 
     times = generation_times(run, settings.new_tokens, settings.repeats, model.device)

@@ -106,6 +106,15 @@ class Build:
         return self.kernels == "reference"
 
     @property
+    def dense_linear(self) -> type[nn.Linear]:
+        """The module class of float linear layers (their weights copied into it)."""
+        if self.kernels == "cpu":
+            from lmpress.runtime.kernels.cpu import DenseLinear
+
+            return DenseLinear
+        return nn.Linear
+
+    @property
     def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
         return linear_kernel(self.kernels)
 
@@ -192,7 +201,7 @@ def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
     if build.shares_layers:
         return FusedLinear([_runtime_linear(layer, build) for layer in layers], sizes)
     if all(type(layer) is nn.Linear for layer in layers):
-        return FusedLinear([_concat_dense(layers, build.dtype)], sizes)
+        return FusedLinear([_concat_dense(layers, build)], sizes)
     if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
         return FusedLinear([build.quantized_linear(_concat_quantized(layers), build.dtype)], sizes)
     return FusedLinear([_runtime_linear(layer, build) for layer in layers], sizes)
@@ -204,13 +213,14 @@ def _runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
     if isinstance(layer, nn.Linear):
         if build.shares_layers and layer.weight.dtype == build.dtype:
             return layer
-        return _concat_dense([layer], build.dtype)
+        return _concat_dense([layer], build)
     raise LmpressInputError(f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear or QuantizedLinear)")
 
 
-def _concat_dense(layers: list[nn.Linear], dtype: torch.dtype) -> nn.Linear:
+def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Linear:
     biased = any(layer.bias is not None for layer in layers)
-    fused = nn.Linear(layers[0].in_features, sum(la.out_features for la in layers), bias=biased, dtype=dtype)
+    out_features = sum(la.out_features for la in layers)
+    fused = build.dense_linear(layers[0].in_features, out_features, bias=biased, dtype=build.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([layer.weight.detach() for layer in layers]))
         if biased:
@@ -430,7 +440,7 @@ class Transformer(nn.Module):
 def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -> nn.Module:
     head = hf_model.get_output_embeddings()
     if type(head) is nn.Linear and head.weight is hf_model.model.embed_tokens.weight:
-        tied = nn.Linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=build.dtype)
+        tied = build.dense_linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=build.dtype)
         tied.weight = embeddings.weight  # tied embeddings: one tensor, read by both
         return tied.requires_grad_(False)
     return _runtime_linear(head, build)

@@ -19,7 +19,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.cache import KVCache
-from lmpress.runtime.generate import StopCriteria, as_batch, check_context
+from lmpress.runtime.generate import DecodeFn, StopCriteria, as_batch, check_context, decode_one_token
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, make_generator, next_token_probs
 
@@ -77,10 +77,21 @@ def _draft_distribution(draft_probs: torch.Tensor | None, i: int, token: int, li
 
 
 class ModelDrafter:
-    """Draws k tokens from a draft model, keeping its KV cache in step with the accepted text."""
+    """Draws k tokens from a draft model, keeping its KV cache in step with the accepted text.
 
-    def __init__(self, model: Transformer, max_len: int, sampling: SamplingConfig, generator: torch.Generator) -> None:
-        self.model, self.sampling, self.generator = model, sampling, generator
+    Its one-token steps run ``decode`` (a compiled step from ``compiled_decode``, say); the
+    first forward of a round reads the tokens accepted since the last one, several at once.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        max_len: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        decode: DecodeFn = decode_one_token,
+    ) -> None:
+        self.model, self.sampling, self.generator, self.decode = model, sampling, generator, decode
         self.cache = model.new_cache(1, min(max_len, model.args.max_seq_len))
         self.cached: list[int] = []  # the tokens whose keys/values the cache holds
 
@@ -96,7 +107,10 @@ class ModelDrafter:
         pending = seq[keep:]
         drafts, probs = [], []
         for _ in range(k):
-            logits = self.model(torch.tensor([pending]), self.cache)[:, -1].float().cpu()
+            if len(pending) == 1:
+                logits = self.decode(self.model, torch.tensor(pending), self.cache).cpu()
+            else:
+                logits = self.model(torch.tensor([pending]), self.cache)[:, -1].float().cpu()
             self.cached += pending
             history = torch.tensor([seq + drafts])
             q = next_token_probs(logits, self.sampling, history)
@@ -217,11 +231,13 @@ def speculative_decode(
     adaptive: bool = True,
     prompt_lookup: PromptLookupDrafter | None = None,
     stats: SpeculativeStats | None = None,
+    draft_decode: DecodeFn = decode_one_token,
 ) -> Iterator[int]:
     """Yield the target's tokens as rounds accept them: from ``draft``, or ``prompt_lookup`` when no draft is given.
 
     Same stopping rules and token budget as ``generate_tokens``; ``stats`` (if given)
-    is filled in as it runs: acceptance rate and tokens per target step.
+    is filled in as it runs: acceptance rate and tokens per target step. ``draft_decode``
+    runs the draft's one-token steps (e.g. ``compiled_decode()``).
     """
     sampling = sampling or SamplingConfig()
     batch = as_batch(prompt)
@@ -238,7 +254,7 @@ def speculative_decode(
     generator = make_generator(seed)
     capacity = min(len(seq) + max_new_tokens - 1, target.args.max_seq_len)
     n_new = capacity - len(seq) + 1  # as many tokens as plain decoding would give
-    drafter = ModelDrafter(draft, capacity, sampling, generator) if draft is not None else prompt_lookup
+    drafter = ModelDrafter(draft, capacity, sampling, generator, draft_decode) if draft is not None else prompt_lookup
     drafter = drafter or PromptLookupDrafter()
     draft_len = AdaptiveK(k, k_max, adaptive)
     cache = target.new_cache(1, capacity)

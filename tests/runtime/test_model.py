@@ -8,7 +8,7 @@ import torch
 import lmpress
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.runtime.kernels.cpu import Int4Linear, Int8Linear, cpu_linear, kernel_name
+from lmpress.runtime.kernels.cpu import DenseLinear, Int4Linear, Int8Linear, cpu_linear, kernel_name
 from lmpress.runtime.model import Transformer
 from tests.runtime.conftest import FAMILIES, tiny_hf_model
 
@@ -126,6 +126,30 @@ def test_cpu_kernel_matches_dequantize_then_matmul(bits, group_size, symmetric):
         x = torch.randn(rows, 256)
         expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
         assert sqnr_db(expected, fast(x)) > 35
+
+
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("weight_left", [False, True])
+def test_dense_linear_equals_f_linear(biased, weight_left):
+    layer = DenseLinear(256, 96, bias=biased)
+    layer.weight_left = weight_left  # else timed: either way must give F.linear's numbers
+    for shape in [(1, 256), (2, 256), (1, 1, 256), (2, 9, 256), (300, 256)]:  # decode, verify, batch, prefill
+        x = torch.randn(*shape)
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        actual = layer(x)
+        assert actual.shape == expected.shape
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    half = DenseLinear(256, 96, bias=biased, dtype=torch.bfloat16)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    torch.testing.assert_close(half(x), torch.nn.functional.linear(x, half.weight, half.bias))
+
+
+def test_float_layers_and_tied_head_run_in_dense_linear():
+    model = Transformer.from_hf(tiny_hf_model("llama"))
+    assert isinstance(model.layers[0].attention.wqkv.parts[0], DenseLinear)
+    assert isinstance(model.output, DenseLinear) and model.output.weight is model.tok_embeddings.weight
+    shared = Transformer.from_hf(tiny_hf_model("llama"), kernels="reference")
+    assert not any(isinstance(m, DenseLinear) for m in shared.modules())
 
 
 def test_unfusable_quantized_layers_stay_separate():

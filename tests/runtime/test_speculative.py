@@ -59,6 +59,28 @@ def test_greedy_output_identical_to_plain_decoding(target, target_hf, draft_kind
         assert stats.tokens_per_step == (len(actual) - 1) / stats.target_steps
 
 
+def test_draft_steps_through_a_static_decode_step(target, target_hf):
+    from lmpress.runtime.generate import static_decode
+
+    draft, step, steps = w4_copy(target_hf), static_decode(), []
+
+    def counted_step(model, token, cache):
+        steps.append(len(token))
+        return step(model, token, cache)
+
+    ids = prompt(seed=4)
+    eager, static = SpeculativeStats(), SpeculativeStats()
+    expected = list(speculative_decode(target, ids, draft=draft, max_new_tokens=48, stats=eager, adaptive=False))
+    actual = list(
+        speculative_decode(
+            target, ids, draft=draft, max_new_tokens=48, stats=static, adaptive=False, draft_decode=counted_step
+        )
+    )
+    assert actual == expected == generate(target, ids, max_new_tokens=48)[0]
+    assert (static.drafted, static.accepted) == (eager.drafted, eager.accepted)
+    assert steps and set(steps) == {1}  # the draft's one-token steps went through it
+
+
 def test_acceptance_reflects_draft_quality(target, target_hf):
     drafts = {"w4": w4_copy(target_hf), "unrelated": Transformer.from_hf(tiny_hf_model("llama", seed=9))}
     stats = {name: SpeculativeStats() for name in drafts}

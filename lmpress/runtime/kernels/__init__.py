@@ -14,10 +14,10 @@ from torch import nn
 from lmpress.quantize.qlinear import QuantizedLinear
 
 
-def dense_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Linear:
-    """``layer``'s weight dequantized once into an ``nn.Linear`` of ``dtype``: full speed, no memory saving."""
+def dense_linear(layer: QuantizedLinear, dtype: torch.dtype, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
+    """``layer``'s weight dequantized once into a ``cls`` of ``dtype``: full speed, no memory saving."""
     bias = layer.bias
-    dense = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
+    dense = cls(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
     with torch.no_grad():
         dense.weight.copy_(layer.dequantized_weight(dtype))
         if bias is not None:
