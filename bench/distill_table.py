@@ -44,6 +44,7 @@ ROWS = {
 }
 # earlier tables that measured a compressed model with the same protocol: (row file, its stages)
 EARLIER_ROWS = [RESULTS / "prune_rows" / "sparsegpt-24.json", RESULTS / "rows" / "gptq-w3-g64.json"]
+EARLIER_CPU = "AMD EPYC without AVX-512 (a row measured before rows named their CPU)"
 GAP_GOAL = 0.40
 SPEEDUP_GOAL = 1.3
 THREADS = 2
@@ -104,6 +105,7 @@ def measure_recovery(name: str, recipe: dict, reuse: bool) -> dict:
         "tokens": summary["tokens"],
         "tokens_per_s": summary["tokens_per_s"],
         "device": train["device"],
+        "cpu": cpu_description(),
         "export_checks_passed": all(c["passed"] for c in report["export_checks"]),
         "run": str((RUNS / name).relative_to(REPO)),
     }
@@ -129,6 +131,7 @@ def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
         "tokens": train["summary"]["tokens"],
         "tokens_per_s": train["summary"]["tokens_per_s"],
         "device": train["device"],
+        "cpu": cpu_description(),
         "plain_tok_s": spec["decode_tok_s"],
         "speculative_tok_s": spec["spec_decode_tok_s"],
         "speedup": spec["spec_speedup"],
@@ -172,7 +175,9 @@ def render(rows: dict[str, dict]) -> str:
         "SmolLM2-135M-Instruct, training text wiki.valid.tokens (never the eval text), perplexity on the first 20 "
         "windows of 2048 tokens of wiki.test.raw; after = the recipe's export read back from disk "
         "(`python bench/distill_table.py`). Before: " + ", ".join(befores or ["-"]) + ".",
-        f"CPU: {cpu_description()}, {THREADS} threads.",
+        f"{THREADS} threads; CPU of each row: "
+        + "; ".join(f"{name}: {r.get('cpu', EARLIER_CPU)}" for name, r in rows.items())
+        + ".",
     ]
     return "\n".join(lines + notes) + "\n"
 
