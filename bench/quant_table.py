@@ -83,7 +83,7 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
         {"ppl": 26.50},
     ),
     "learned-w4-g64-cpu": (
-        "W4 g64 learned rounding (sym, AWQ+GPTQ init, 40 steps x 4 of 32 samples; 2 CPU threads)",
+        "W4 g64 learned rounding (sym, AWQ+GPTQ init, 40 steps x 4 of 32 samples, float-model targets; 2 CPU threads)",
         {
             "method": "learned",
             "bits": 4,

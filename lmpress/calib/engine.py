@@ -61,6 +61,13 @@ class CalibrationMethod:
     def on_output(self, session: LayerSession, batch: int, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
         """Each batch's layer input and output in the layer's last pass (block-influence statistics)."""
 
+    def carried(self) -> dict[str, torch.Tensor]:
+        """Tensors the method carries from a layer to the next; saved with the next layer's inputs (resume)."""
+        return {}
+
+    def restore_carried(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back, on resume, what :meth:`carried` returned after the last finished layer."""
+
 
 @torch.no_grad()
 def capture_first_layer_inputs(
@@ -180,6 +187,10 @@ def run_calibration(
         inputs = capture_first_layer_inputs(model, calibration, batch_size, device)
         if done:
             inputs = state.load_inputs(done, inputs.kwargs)
+            carried = state.load_carried(done)
+            for method in methods:
+                prefix = f"{method.name}."
+                method.restore_carried({k.removeprefix(prefix): v for k, v in carried.items() if k.startswith(prefix)})
 
     for index in ctx.bars.track(range(done, len(layers)), f"{name}: layers", total=len(layers) - done):
         layer = layers[index]
@@ -207,7 +218,7 @@ def run_calibration(
         layer.to("cpu")
         quantized += len(session.quantized)
         rewritten += len(session.rewritten - set(session.quantized))
-        state.save_layer(session, inputs)
+        state.save_layer(session, inputs, {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()})
 
     return {
         "layers": len(layers),

@@ -59,7 +59,10 @@ class LayerState:
             if p.is_file() and (p.suffix == ".safetensors" or p.name == "progress.json"):
                 p.unlink()
 
-    def save_layer(self, session: LayerSession, next_inputs: LayerInputs) -> None:
+    def save_layer(
+        self, session: LayerSession, next_inputs: LayerInputs, carried: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write finished layer ``session.index``, the next layer's inputs and the methods' ``carried`` tensors."""
         tensors, meta = {}, {}
         for name, q in session.quantized.items():
             tensors[f"q.{name}.qweight"] = q.qweight
@@ -80,6 +83,7 @@ class LayerState:
                 tensors[f"p.{name}"] = p.detach().cpu()
         self._write(f"layer_{session.index:05d}.safetensors", tensors, meta)
         inputs = {f"h.{i}": h.contiguous() for i, h in enumerate(next_inputs.hidden)}
+        inputs.update({f"m.{name}": t.contiguous() for name, t in (carried or {}).items()})
         self._write(f"inputs_{session.index + 1:05d}.safetensors", inputs, {})
         tmp = self.progress_path.with_suffix(".tmp")
         tmp.write_text(
@@ -127,7 +131,13 @@ class LayerState:
 
     def load_inputs(self, index: int, kwargs: list[dict]) -> LayerInputs:
         tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
-        return LayerInputs(BatchStore.of([tensors[f"h.{i}"] for i in range(len(tensors))]), kwargs)
+        hidden = [tensors[f"h.{i}"] for i in range(sum(k.startswith("h.") for k in tensors))]
+        return LayerInputs(BatchStore.of(hidden), kwargs)
+
+    def load_carried(self, index: int) -> dict[str, torch.Tensor]:
+        """The methods' carried tensors saved with layer ``index``'s inputs, by ``method.name``."""
+        tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
+        return {k.removeprefix("m."): v for k, v in tensors.items() if k.startswith("m.")}
 
 
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ Sample recipe stage:
       batch_size: 8          # calibration samples per step (and per forward pass of the engine)
       samples: null          # calibration samples the steps draw from (null: all of data.samples)
       init: rtn              # rtn | awq (AWQ's scales folded first, same pass) | gptq (V from GPTQ's codes) | awq+gptq
+      reference: model       # model: match the unquantized model's block output | layer: the unquantized block's
       seed: 0                # the order of the batches; same seed, same machine: the same artifact
       ignore: [lm_head]
 
@@ -27,10 +28,14 @@ The paper's quantization function, for each linear of the block (lines marked
 with V ∈ [−0.5, 0.5] per weight (init 0), α, β ∈ [0.5, 1] per output row and
 group (init 1), min/max taken per group, and ⌊·⌉ rounding with a straight-through
 gradient. Per decoder layer, V, α and β of every target linear are learned
-together on the layer's output error against the unquantized layer on the same
-inputs (the outputs of the already-quantized layers before it):
+together on the layer's output error. Its input X~ is what the already-quantized
+layers before it produce; its target, with ``reference: model`` (the default), is
+the block's output in the unquantized model, f(X; W) on that model's own input X,
+so each block also makes up for the error the blocks before it left (as SignRound's
+implementation trains on quantized inputs against the float model's outputs);
+with ``reference: layer``, the unquantized block on the same input, f(X~; W):
 
-    L = ‖f(X; W) − f(X; W~)‖²  (mean over elements)
+    L = ‖f(X; W) − f(X~; W~)‖²  (mean over elements)
     V ← clamp(V − lr_t · sign(∂L/∂V), −0.5, 0.5);  α, β likewise in [0.5, 1];  lr_t = lr · (1 − t/T)
 
 one calibration batch per step, keeping the iterate with the lowest loss seen (the
@@ -63,6 +68,7 @@ from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.hooks import first_input, move_to
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator
+from lmpress.errors import LmpressInputError
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
 from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, round_ste
 from lmpress.quantize.targets import WeightQuantConfig
@@ -82,6 +88,9 @@ class LearnedRoundingConfig(WeightQuantConfig):
     batch_size: int = Field(8, ge=1, le=1024, description="calibration samples per step and per forward pass")
     samples: int | None = Field(None, ge=1, description="calibration samples the steps draw from (null: all)")
     init: Literal["rtn", "awq", "gptq", "awq+gptq"] = "rtn"
+    reference: Literal["model", "layer"] = Field(
+        "model", description="target: the unquantized model's block output, or the unquantized block on the same input"
+    )
     seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
@@ -219,7 +228,7 @@ def learn_block_rounding(
             for name, (w, scheme) in weights.items()
         }
         out = block_output(functional_call(block, overrides, (hidden,), kwargs))
-        return torch.mean((out.float() - targets[index]) ** 2)  # L = ‖f(X; W) − f(X; W~)‖²
+        return torch.mean((out.float() - targets[index]) ** 2)  # L = ‖f(X; W) − f(X~; W~)‖²
 
     generator = torch.Generator().manual_seed(seed)
     order: list[int] = []
@@ -294,6 +303,14 @@ class LearnedRoundingMethod(CalibrationMethod):
         super().__init__()
         self.config = config
         self.losses: list[tuple[float, float]] = []  # (the start's mean loss, best loss / the start's) per layer
+        # reference: model — the unquantized model's inputs to the next layer, for the training batches
+        self.reference_inputs: list[torch.Tensor] | None = None
+
+    def carried(self) -> dict[str, torch.Tensor]:
+        return {str(i): h for i, h in enumerate(self.reference_inputs or [])}
+
+    def restore_carried(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.reference_inputs = [tensors[str(i)] for i in range(len(tensors))] or None
 
     def training_batches(self, session: LayerSession) -> int:
         n = len(session.inputs.hidden)
@@ -306,10 +323,9 @@ class LearnedRoundingMethod(CalibrationMethod):
         return min(n, wanted)
 
     def prepare_layer(self, session: LayerSession) -> None:
-        names = list(session.targets)
-        if not names:
+        names, config = list(session.targets), self.config
+        if not names and config.reference == "layer":
             return
-        config = self.config
         n_batches = self.training_batches(session)
         dtype = next(session.layer.parameters()).dtype
 
@@ -321,7 +337,13 @@ class LearnedRoundingMethod(CalibrationMethod):
             targets = []
             for i in range(n_batches):
                 hidden, kwargs = batch(i)
+                if config.reference == "model":
+                    hidden = self._reference_input(session, i, hidden)
                 targets.append(block_output(session.layer(hidden, **kwargs)).float())
+        if config.reference == "model":
+            self.reference_inputs = [t.cpu() for t in targets]  # the unquantized model's next-layer inputs
+        if not names:
+            return
         weights = {name: (session.linear(name).weight.data, session.targets[name]) for name in names}
         start = None
         if config.init.endswith("gptq"):
@@ -338,6 +360,17 @@ class LearnedRoundingMethod(CalibrationMethod):
         self.losses.append((info["start_loss"], info["best_relative_loss"]))
         for name, (w, scheme) in weights.items():
             session.apply(name, freeze(w, scheme, best[name]))
+
+    def _reference_input(self, session: LayerSession, i: int, quantized_input: torch.Tensor) -> torch.Tensor:
+        """The unquantized model's input to this layer for training batch ``i`` (layer 0: the same as the engine's)."""
+        if session.index == 0:
+            return quantized_input
+        if self.reference_inputs is None:
+            raise LmpressInputError(
+                "learned (reference: model): the saved state lacks the unquantized model's activations; "
+                "run without --resume"
+            )
+        return self.reference_inputs[i].to(session.device, quantized_input.dtype)
 
 
 def calibration_method(config: LearnedRoundingConfig) -> LearnedRoundingMethod:

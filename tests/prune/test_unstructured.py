@@ -214,8 +214,8 @@ def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, 
 
     save_layer = LayerState.save_layer
 
-    def interrupt_after_layer_1(self, session, inputs):
-        save_layer(self, session, inputs)
+    def interrupt_after_layer_1(self, session, inputs, *carried):
+        save_layer(self, session, inputs, *carried)
         if session.index == 1:
             raise KeyboardInterrupt
 
@@ -234,8 +234,8 @@ import os, signal, sys
 from lmpress.calib.state import LayerState
 from lmpress.cli import main
 save_layer = LayerState.save_layer
-def save_then_die(self, session, inputs):
-    save_layer(self, session, inputs)
+def save_then_die(self, session, inputs, *carried):
+    save_layer(self, session, inputs, *carried)
     if session.index == 1:
         os.kill(os.getpid(), signal.SIGKILL)
 LayerState.save_layer = save_then_die

@@ -26,6 +26,7 @@ from lmpress.quantize.learned_rounding import (
     LearnedRoundingConfig,
     LearnedRoundingMethod,
     Rounding,
+    block_output,
     freeze,
     init_rounding,
     learned_fake_quantize,
@@ -182,6 +183,46 @@ def test_the_stage_quantizes_every_target_and_leaves_gradients_off(tiny_llama_di
     after = {n: p.requires_grad for n, p in loaded.model.named_parameters()}
     assert after and all(requires[n] == r for n, r in after.items())  # norms and embeddings as they were
     assert all(p.grad is None for p in loaded.model.parameters())
+
+
+@pytest.mark.parametrize("reference", ["model", "layer"])
+def test_each_block_is_trained_against_the_reference_it_names(tiny_llama_dir, tmp_path, monkeypatch, reference):
+    import lmpress.quantize.learned_rounding as learned
+
+    targets_seen = []
+
+    def recording(block, weights, batch, targets, *args, **kwargs):
+        targets_seen.append(targets[0].clone())
+        return learn(block, weights, batch, targets, *args, **kwargs)
+
+    learn = learned.learn_block_rounding
+    monkeypatch.setattr(learned, "learn_block_rounding", recording)
+    loaded = load_model(str(tiny_llama_dir))
+    calibration = calibration_for(loaded.tokenizer)
+    ctx = StageContext(calibration=lambda: calibration, state_dir=tmp_path / "s", resume=False, fingerprint="f")
+    config = LearnedRoundingConfig(bits=2, group_size=32, iterations=2, batch_size=2, reference=reference)
+    run_learned(loaded.model, config, ctx)
+    assert len(targets_seen) == 2
+    float_outputs = [_float_layer_output(tiny_llama_dir, calibration, i) for i in range(2)]
+    # Layer 0 reads the same input in both models (rounded to float16 by the engine's activation store).
+    torch.testing.assert_close(targets_seen[0], float_outputs[0], rtol=1e-2, atol=1e-2)
+    error = torch.mean((targets_seen[1] - float_outputs[1]) ** 2) / torch.mean(float_outputs[1] ** 2)
+    if reference == "model":
+        assert error < 1e-5
+    else:  # the float block on the 2-bit layer 0's output
+        assert error > 1e-3
+
+
+def _float_layer_output(model_dir: Path, calibration: torch.Tensor, index: int) -> torch.Tensor:
+    """Decoder layer ``index``'s output in the unquantized model, for the first 2 calibration samples (a hook)."""
+    loaded = load_model(str(model_dir))
+    captured = []
+    layer = decoder_layers(loaded.model)[index]
+    handle = layer.register_forward_hook(lambda m, args, out: captured.append(block_output(out)))
+    with torch.no_grad():
+        loaded.model(calibration[:2])
+    handle.remove()
+    return captured[0].float()
 
 
 def test_the_same_seed_gives_the_same_codes_and_another_seed_other_codes(tiny_llama_dir, tmp_path):
