@@ -48,8 +48,9 @@ evals and the exporters stay inference-only.
 
 ``init: awq`` runs AWQ's scale search (no clipping: α, β learn the range) as the
 first method of the same pass, so the learned rounding starts from the
-rescaled weights; ``init: gptq`` starts V from GPTQ's codes (static groups, so its
-scales are the min/max ones, α = β = 1), clamped into [−0.5, 0.5]; ``init: awq+gptq``
+rescaled weights; ``init: gptq`` starts from GPTQ's rounding (act-order within static
+groups, MSE-searched scales): α = β from its scales, V from its codes, clamped into
+[−0.5, 0.5]; ``init: awq+gptq``
 does both (GPTQ's codes of the rescaled weights).
 """
 
@@ -137,16 +138,19 @@ def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def init_rounding(
     w: torch.Tensor, scheme: QuantScheme, start: QuantizedWeight | None = None, requires_grad: bool = True
 ) -> Rounding:
-    """V = 0, α = β = 1 (round-to-nearest with min/max scales); or V from ``start``'s codes on the same
-    min/max grid (``V = q − zp − W/s``, clamped into [−0.5, 0.5]), e.g. GPTQ's rounding."""
+    """V = 0, α = β = 1 (round-to-nearest with min/max scales); or ``start``'s grid and codes, e.g. GPTQ's
+    with MSE-searched scales: α = β = its scale / the min/max one (a uniform shrink of the range, as the
+    scale search makes; clamped into [0.5, 1]) and ``V = q − zp − W/s`` on that grid, clamped into [−0.5, 0.5]."""
     grouped = _grouped(w, scheme)
-    ones = torch.ones(grouped.shape[:2], device=w.device)
+    alpha = torch.ones(grouped.shape[:2], device=w.device)
     v = torch.zeros_like(grouped)
     if start is not None:
-        scale, zero = compute_qparams(grouped, scheme)
+        minmax_scale, _ = compute_qparams(grouped, scheme)
+        alpha = (start.scales.to(w.device).float().reshape(alpha.shape) / minmax_scale).clamp(*CLIP_RANGE)
+        scale, zero = learned_qparams(grouped, scheme, alpha, alpha)
         codes = _grouped(start.qweight.to(w.device), scheme)
         v = (codes - zero[..., None] - grouped / scale[..., None]).clamp(*V_RANGE)
-    rounding = Rounding(v.reshape(w.shape).contiguous(), ones, ones.clone())
+    rounding = Rounding(v.reshape(w.shape).contiguous(), alpha, alpha.clone())
     for t in rounding.tensors():
         t.requires_grad_(requires_grad)
     return rounding
@@ -350,7 +354,8 @@ class LearnedRoundingMethod(CalibrationMethod):
             hessians = layer_hessians(session.layer, names, batch, n_batches)
             start = {}
             for name, (w, scheme) in weights.items():
-                codes, _ = gptq_quantize_layer(w, hessians[name], scheme, static_groups=True)
+                # lmpress's GPTQ recipe: act-order within static groups (no g_idx), MSE-searched scales
+                codes, _ = gptq_quantize_layer(w, hessians[name], scheme, act_order=True, static_groups=True, mse=True)
                 start[name] = init_rounding(w, scheme, codes)
         best, info = learn_block_rounding(
             session.layer, weights, batch, targets, config.iterations, config.step_size,

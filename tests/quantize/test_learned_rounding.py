@@ -33,7 +33,7 @@ from lmpress.quantize.learned_rounding import (
     run_learned,
 )
 from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, quantize_weight_rtn
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, quantize_to_int, quantize_weight_rtn
 from lmpress.registry import StageContext
 from tests.conftest import save_tiny_model
 from tests.prune.test_unstructured import KILLED_CHILD
@@ -90,6 +90,21 @@ def test_gradients_reach_offsets_and_clipping_through_the_rounding(scheme):
     loss.backward()
     assert rounding.v.grad.abs().sum() > 0 and rounding.alpha.grad.abs().sum() > 0
     assert (rounding.beta.grad is None) == scheme.symmetric or rounding.beta.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 64, True), QuantScheme(3, 32, False)])
+def test_a_start_with_searched_scales_is_reproduced_exactly(scheme):
+    """init: gptq — a start whose scales shrink the min/max range (an MSE scale search) gives α = β = the shrink."""
+    w = weight()
+    grouped = w.reshape(w.shape[0], -1, scheme.group_size)
+    shrink = 0.55 + 0.45 * torch.rand(grouped.shape[:2], generator=torch.Generator().manual_seed(2))
+    scale, zero = compute_qparams(grouped, scheme, shrink)
+    codes = quantize_to_int(grouped, scale[..., None], zero[..., None], scheme.maxq)
+    start = QuantizedWeight(codes.reshape(w.shape).to(torch.uint8), scale, zero, scheme)
+    frozen = freeze(w, scheme, init_rounding(w, scheme, start))
+    assert torch.equal(frozen.qweight, start.qweight)
+    torch.testing.assert_close(frozen.scales, scale)
+    torch.testing.assert_close(frozen.zeros.float(), zero.float())
 
 
 def test_a_start_from_other_codes_is_reproduced_within_the_offsets_range():
