@@ -23,26 +23,34 @@ from lmpress.runtime.kernels import dense_linear
 
 
 class DenseLinear(nn.Linear):
-    """A float linear layer computed as ``(W @ x.T).T`` (one input row doubled) where that is faster here.
+    """A float32 linear layer that, for up to ``FEW_ROWS`` input rows, computes ``(W @ x.T).T`` where that is faster.
 
-    On some CPUs torch's ``x @ W.T`` (``F.linear``) for a few rows and its matrix-vector
-    product for one row run at about half the speed of the same product with the weight
-    on the left: on a 2-core AMD EPYC (MKL), SmolLM2's FP32 decode step takes 21 ms this
-    way against 38 ms, and a forward over 2-9 tokens (speculative verification) 31-57 ms
-    against 60-66 ms (``bench/dense_matmul.py``). Which way is faster is timed once per
-    process (``weight_left_is_faster``); float32 on the CPU only, else ``F.linear``.
+    Which of ``x @ W.T`` (``F.linear``) and ``(W @ x.T).T`` (one row doubled into two) is faster
+    depends on the CPU, its BLAS and the weight's shape: on a 2-core AMD EPYC with MKL, the
+    weight on the left is ~4x faster for SmolLM2's 49152 x 576 head and ~6x slower for a
+    4096 x 4096 matrix-vector product. So each weight shape is timed once per process, for one
+    row (decode) and for four (speculative verification), on a weight of that shape
+    (``weight_left_is_faster``); the weight goes left only where it wins by 10% or more.
+    Measured on SmolLM2's whole FP32 model in ``bench/dense_matmul.py``. Other dtypes, devices
+    and row counts run ``F.linear``.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.weight_left = weight_left_is_faster()
+    FEW_ROWS = 16
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        float32 = self.weight.dtype == torch.float32
+        self.left_for_one, self.left_for_few = (
+            weight_left_is_faster(out_features, in_features, torch.get_num_threads()) if float32 else (False, False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.weight_left or x.device.type != "cpu" or self.weight.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
-        if rows == 1:  # the matrix-vector product is the slow path; two columns are not
+        left = self.left_for_one if rows == 1 else self.left_for_few and rows <= self.FEW_ROWS
+        if not left or x.device.type != "cpu" or self.weight.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        if rows == 1:
             flat = torch.cat((flat, flat))
         y = (self.weight @ flat.t())[:, :rows].t()
         if self.bias is not None:
@@ -51,23 +59,25 @@ class DenseLinear(nn.Linear):
 
 
 @functools.cache
-def weight_left_is_faster() -> bool:
-    """Whether ``(W @ x.T).T`` beats ``F.linear`` for 1 and 4 rows, on a 64 MiB weight (beyond the caches)."""
-    weight = torch.full((8192, 2048), 0.01)
-    x = torch.full((4, 2048), 0.01)
+def weight_left_is_faster(out_features: int, in_features: int, threads: int) -> tuple[bool, bool]:
+    """Whether ``(W @ x.T).T`` beats ``F.linear`` by >= 10% on an (out, in) float32 weight: for 1 row, for 4 rows."""
+    weight = torch.full((out_features, in_features), 0.01)
+    one, four = torch.full((1, in_features), 0.01), torch.full((4, in_features), 0.01)
 
-    def seconds(product: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    def seconds(product: Callable[[], torch.Tensor]) -> float:
         times = []
-        for _ in range(4):
+        for _ in range(6):
             began = time.perf_counter()
-            product(x[:1])
-            product(x)
+            product()
             times.append(time.perf_counter() - began)
         return min(times[1:])  # the first call warms up
 
-    linear = seconds(lambda rows: F.linear(rows, weight))
-    left = seconds(lambda rows: weight @ (torch.cat((rows, rows)) if len(rows) == 1 else rows).t())
-    return left < linear
+    def left_wins(x: torch.Tensor) -> bool:
+        linear = seconds(lambda: F.linear(x, weight))
+        left = seconds(lambda: weight @ (torch.cat((x, x)) if len(x) == 1 else x).t())
+        return left < 0.9 * linear
+
+    return left_wins(one), left_wins(four)
 
 
 class Int4Linear(nn.Module):
