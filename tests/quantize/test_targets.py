@@ -11,17 +11,12 @@ from lmpress.quantize.kquant import kquant_grid
 from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.rtn import RTNConfig, run_rtn
 from lmpress.quantize.scheme import QuantScheme
-from lmpress.recipe import parse_recipe
 from lmpress.registry import StageContext
+from tests.test_recipe import error_of
 
 
 def recipe_error(stage: dict) -> str:
-    raw = {"model": "m", "stages": [stage], "eval": {"perplexity": {"windows": 1}}}
-    with pytest.raises(LmpressInputError) as info:
-        parse_recipe(raw, origin="r.yaml")
-    message = str(info.value)
-    assert "\n" not in message
-    return message
+    return error_of({"model": "m", "stages": [stage], "eval": {"perplexity": {"windows": 1}}})
 
 
 def test_kquant_scales_reach_the_scheme_of_every_layer_but_overridden_ones():
