@@ -172,7 +172,8 @@ def render(rows: dict[str, dict]) -> str:
     befores = sorted({r["before_from"] for r in rows.values() if "before_from" in r})
     notes = [
         "",
-        "SmolLM2-135M-Instruct, training text wiki.valid.tokens (never the eval text), perplexity on the first 20 "
+        "SmolLM2-135M-Instruct, training text: each recipe's (wiki.valid.tokens; the draft: builtin:python-docs; "
+        "never the eval text), perplexity on the first 20 "
         "windows of 2048 tokens of wiki.test.raw; after = the recipe's export read back from disk "
         "(`python bench/distill_table.py`). Before: " + ", ".join(befores or ["-"]) + ".",
         f"{THREADS} threads; CPU of each row: "
