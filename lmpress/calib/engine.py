@@ -186,8 +186,7 @@ def run_calibration(
     if done < len(layers):
         inputs = capture_first_layer_inputs(model, calibration, batch_size, device)
         if done:
-            inputs = state.load_inputs(done, inputs.kwargs)
-            carried = state.load_carried(done)
+            inputs, carried = state.load_inputs(done, inputs.kwargs)
             for method in methods:
                 prefix = f"{method.name}."
                 method.restore_carried({k.removeprefix(prefix): v for k, v in carried.items() if k.startswith(prefix)})

@@ -129,15 +129,12 @@ class LayerState:
             apply_quantized_weight(layer, name, qweight)
         return len(meta)
 
-    def load_inputs(self, index: int, kwargs: list[dict]) -> LayerInputs:
+    def load_inputs(self, index: int, kwargs: list[dict]) -> tuple[LayerInputs, dict[str, torch.Tensor]]:
+        """Layer ``index``'s saved inputs, and the methods' carried tensors saved with them (by ``method.name``)."""
         tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
         hidden = [tensors[f"h.{i}"] for i in range(sum(k.startswith("h.") for k in tensors))]
-        return LayerInputs(BatchStore.of(hidden), kwargs)
-
-    def load_carried(self, index: int) -> dict[str, torch.Tensor]:
-        """The methods' carried tensors saved with layer ``index``'s inputs, by ``method.name``."""
-        tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
-        return {k.removeprefix("m."): v for k, v in tensors.items() if k.startswith("m.")}
+        carried = {k.removeprefix("m."): v for k, v in tensors.items() if k.startswith("m.")}
+        return LayerInputs(BatchStore.of(hidden), kwargs), carried
 
 
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:

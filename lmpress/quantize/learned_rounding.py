@@ -32,7 +32,8 @@ together on the layer's output error. Its input X~ is what the already-quantized
 layers before it produce; its target, with ``reference: model`` (the default), is
 the block's output in the unquantized model, f(X; W) on that model's own input X,
 so each block also makes up for the error the blocks before it left (as SignRound's
-implementation trains on quantized inputs against the float model's outputs);
+implementation, auto-round's ``quant_block``, takes its targets from the float inputs and
+trains on the quantized ones, ``q_input``);
 with ``reference: layer``, the unquantized block on the same input, f(X~; W):
 
     L = ‖f(X; W) − f(X~; W~)‖²  (mean over elements)
