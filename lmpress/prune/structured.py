@@ -6,6 +6,7 @@ Sample recipe stage:
       mlp_channels: 0.25     # fraction of each layer's MLP intermediate channels removed
       heads: 3               # query heads removed per layer, in whole GQA groups (SmolLM2: 3 per KV head)
       layers: 4              # whole decoder layers removed
+      layer_importance: angular   # angular (one pass) | kl (greedy, by the model's output)
 
 Importance comes from one pass of the calibration engine over the unmodified model
 (Minitron, Muralidharan et al. 2024, §2.2, activation-based importance):
@@ -18,7 +19,10 @@ Importance comes from one pass of the calibration engine over the unmodified mod
 - a decoder layer: the angular distance between its input and output,
   arccos(cos(x_in, x_out)) / π averaged over every calibration token (Gromov et al.
   2024, Eq. 7; ShortGPT's block influence 1 - cos, Men et al. 2024, is its cosine
-  form); the layers that change their input least go first.
+  form); the layers that change their input least go first. With ``layer_importance: kl``
+  the layers go greedily instead, each round the one whose removal moves the model's
+  next-token distribution least from the unpruned model's (``depth_kl.py``; about
+  layers x removed forward passes over ``kl_samples`` samples: for small models).
 
 Width is ranked per layer on the original model, depth on the original model too
 (one-shot, not iterative). The result has a config that says its new sizes
@@ -42,6 +46,7 @@ from lmpress.calib.engine import CalibrationMethod, run_calibration
 from lmpress.calib.session import LayerSession
 from lmpress.errors import LmpressInputError
 from lmpress.model import decoder_layers
+from lmpress.prune.depth_kl import greedy_kl_layer_drop
 from lmpress.registry import StageConfig, StageContext, register_stage, stage_handler
 
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -55,6 +60,10 @@ class StructuredConfig(StageConfig):
     heads: int = Field(0, ge=0, description="query heads removed per layer (whole GQA groups)")
     layers: int = Field(0, ge=0, description="whole decoder layers removed")
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
+    layer_importance: Literal["angular", "kl"] = Field(
+        "angular", description="angular: one pass, each layer's own change; kl: greedy, on the output (small models)"
+    )
+    kl_samples: int = Field(4, ge=1, description="calibration samples the kl criterion scores on")
 
     def check(self, model: nn.Module) -> None:
         config = model.config
@@ -218,7 +227,16 @@ def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext
     run_calibration(model, [importance], lambda name: None, fresh, batch_size=config.batch_size)
 
     distance = importance.angular_distance()
-    drop = sorted(sorted(range(len(layers)), key=lambda i: distance[i])[: config.layers])
+    kl_trace: list[float] = []
+    if config.layer_importance == "kl" and config.layers:
+        model.to(ctx.device)
+        try:
+            samples = ctx.calibration()[: config.kl_samples].to(ctx.device)
+            drop, kl_trace = greedy_kl_layer_drop(model, samples, config.layers, ctx.bars)
+        finally:
+            model.to("cpu")
+    else:
+        drop = sorted(sorted(range(len(layers)), key=lambda i: distance[i])[: config.layers])
     kept_layers = [i for i in range(len(layers)) if i not in drop]
     channels = round(mc.intermediate_size * (1 - config.mlp_channels))
     kv_kept = kv - config.heads // group
@@ -242,7 +260,9 @@ def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext
     params_after, bytes_after = parameter_bytes(model)
     return {
         "removed_layers": drop,
+        "layer_importance": config.layer_importance,
         "angular_distance": [round(d, 5) for d in distance],
+        **({"kl_after_each_removal": [round(k, 5) for k in kl_trace]} if kl_trace else {}),
         "intermediate_size": channels,
         "num_attention_heads": mc.num_attention_heads,
         "num_key_value_heads": mc.num_key_value_heads,
