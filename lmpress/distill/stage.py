@@ -16,6 +16,7 @@ Sample recipe stage (after ``sparsegpt`` 2:4, or a ``gptq`` stage at 3 bits):
       temperature: 1.0
       hidden: {kind: mse, weight: 1.0, layers: {0: 1, 7: 15}}   # student layer -> teacher layer
       teacher_logits: online    # online | cache (top-k log-probabilities on disk, forward_kl only)
+      teacher_answers: {prompts: 64, quote_tokens: 128}   # + chat prompts quoting the text, answered by the teacher
       eval_every: 100           # held-out perplexity on the last eval_windows windows of the text
       checkpoint_every: 50      # --resume continues from the last checkpoint exactly
 
@@ -29,13 +30,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import Field, model_validator
 from torch import nn
 
 from lmpress.data import load_text, tokenize
+from lmpress.distill.answers import TeacherAnswers, teacher_answer_windows
 from lmpress.distill.losses import Divergence, HiddenLoss
 from lmpress.distill.student import freeze_student, prepare_student
-from lmpress.distill.trainer import held_out_perplexity, split_windows, train_student
+from lmpress.distill.trainer import TrainingWindows, held_out_perplexity, split_windows, train_student
 from lmpress.errors import LmpressInputError
 from lmpress.model import decoder_layers
 from lmpress.registry import StageConfig, StageContext, StrictConfig, register_stage, stage_handler
@@ -69,6 +72,9 @@ class DistillConfig(StageConfig):
     ce_weight: float = Field(0.0, ge=0, description="cross-entropy on the training text, added to the divergence")
     hidden: HiddenMatch | None = None
     teacher_logits: Literal["online", "cache"] = "online"
+    teacher_answers: TeacherAnswers | None = Field(
+        None, description="add windows of chat prompts quoting the text, answered by the teacher (answers.py)"
+    )
     top_k: int = Field(64, ge=1, description="teacher tokens kept per position by the cache")
     learn_scales: bool = True
     learn_weights: bool = Field(True, description="false: the linear layers' weights stay; scales, norms train")
@@ -135,6 +141,19 @@ def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> d
     windows = split_windows(ids, config.seq_len, config.eval_windows, config.batch_size)
     for p in teacher.parameters():
         p.requires_grad_(False)
+    if config.teacher_answers is not None:
+        answers = teacher_answer_windows(
+            teacher.to(ctx.device).eval(),
+            ctx.tokenizer,
+            windows.train.flatten(),
+            config.teacher_answers,
+            config.seq_len,
+            config.seed,
+            ctx.state_dir,
+            ctx.device,
+            ctx.bars,
+        )
+        windows = TrainingWindows(torch.cat([windows.train, answers]), windows.held_out)
 
     counts = prepare_student(model, config.learn_scales, config.train_embeddings, config.learn_weights)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -173,3 +173,24 @@ def test_a_teacher_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path, 
     assert main(["run", recipe, "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "vocabulary" in err and "differs from the teacher's (500)" in err
+
+
+def test_teacher_answers_join_the_training_windows(tiny_llama_dir, tmp_path, training_text):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.distill.test_answers import TEMPLATE
+
+    model_dir = tmp_path / "chat-model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    dense = {"export": {"formats": ["hf"]}}
+    plain = run(tmp_path, model_dir, [distill_stage(text=training_text, steps=2)], "plain", **dense)
+    answers = {"prompts": 5, "quote_tokens": 8, "batch_size": 4}
+    stage = distill_stage(text=training_text, steps=2, teacher_answers=answers)
+    chat = run(tmp_path, model_dir, [stage], "chat", **dense)
+    windows = plain["stages"][0]["summary"]["training_windows"]
+    assert chat["stages"][0]["summary"]["training_windows"] == windows + 5
