@@ -1,11 +1,9 @@
 """Which decoder layers to remove, by what their removal does to the model's next-token distribution.
 
 The angular criterion (``structured.py``) ranks each layer once, by how little it changes its
-own input; layers that look idle one at a time can matter together (removing half of
-SmolLM2-135M's layers, the angular choice removed layers the model copies text with; see the
-draft-student row of bench/results/distill_table.md). This criterion is the perplexity criterion of
-Kim et al. 2024 ("Shortened LLaMA", §3.2: remove the block whose removal costs the least
-perplexity on calibration text), with the KL divergence from the unpruned model's
+own input; layers that look idle one at a time can matter together. This criterion is the
+perplexity criterion of Kim et al. 2024 ("Shortened LLaMA", §3.2: remove the block whose
+removal costs the least perplexity on calibration text), with the KL divergence from the unpruned model's
 distribution in place of perplexity, and re-scored after every removal (greedy, one layer at
 a time): removing ``n`` of ``L`` layers takes about ``n·L`` forward passes over the
 calibration samples, so it is meant for small models (drafts, students).
