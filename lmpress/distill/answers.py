@@ -8,7 +8,9 @@ a passage of ``quote_tokens`` tokens of the training text, in the tokenizer's ch
 the teacher answers greedily until the window holds ``seq_len`` tokens (its end-of-turn token
 is held back until then, so every window is full). The windows join the text's windows in
 training, and the logit loss is the same on both. They are written to the stage's state
-directory, so ``--resume`` reuses them.
+directory, so ``--resume`` reuses them. For SmolLM2's draft (recipes/draft-student.yaml) 512 answers
+made a better language model (wiki.test ppl 186 -> 175) but did not raise its acceptance on the
+runtime benchmark's code-rewrite prompt (0.34 with and without).
 """
 
 from __future__ import annotations
@@ -92,7 +94,6 @@ def teacher_answer_windows(
     path = state_dir / f"teacher_answers_{key[:16]}.pt"
     if path.exists():
         return torch.load(path)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     windows = torch.empty(len(prompts), seq_len, dtype=torch.long)
     # prompts of one length share a batch, so no padding enters the teacher
     by_length: dict[int, list[int]] = {}
@@ -109,7 +110,7 @@ def teacher_answer_windows(
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
-            pad_token_id=eos[0] if eos else 0,
+            pad_token_id=tokenizer.eos_token_id or 0,  # no padding happens; this silences generate's warning
         )
         windows[rows] = out[:, :seq_len].cpu()
     state_dir.mkdir(parents=True, exist_ok=True)

@@ -20,14 +20,9 @@ import torch
 from torch import nn
 
 from lmpress.calib.hooks import check_finite, first_input
+from lmpress.evals.kld import exact_kld
 from lmpress.model import decoder_layers, get_anatomy
 from lmpress.progress import QUIET, Bars
-
-
-def kl_from(reference_logprobs: torch.Tensor, logits: torch.Tensor) -> float:
-    """Mean over positions of KL(reference ‖ model), both over the full vocabulary."""
-    logprobs = logits.float().log_softmax(-1)
-    return float((reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1).mean())
 
 
 def _replace_input(hidden: torch.Tensor) -> Callable:
@@ -115,7 +110,7 @@ def _score_without(
     for ids, hidden, ref in zip(rows, entering, reference, strict=True):
         handle = first.register_forward_pre_hook(_replace_input(hidden), with_kwargs=True)
         try:
-            total += kl_from(ref, model(ids, use_cache=False).logits)
+            total += float(exact_kld(ref, model(ids, use_cache=False).logits.float().log_softmax(-1)).mean())
         finally:
             handle.remove()
     return total / len(rows)

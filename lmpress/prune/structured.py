@@ -25,7 +25,8 @@ Importance comes from one pass of the calibration engine over the unmodified mod
   layers x removed forward passes over ``kl_samples`` samples: for small models).
 
 Width is ranked per layer on the original model, depth on the original model too
-(one-shot, not iterative). The result has a config that says its new sizes
+(angular: one-shot; kl: greedy, each round on the model without the layers already chosen,
+all before anything is removed). The result has a config that says its new sizes
 (``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
 ``head_dim``, ``num_hidden_layers``), so any transformers install loads the saved
 checkpoint. Llama-family attention and gated MLPs only. The stage keeps no state
