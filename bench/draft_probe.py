@@ -1,0 +1,111 @@
+"""What limits a speculative draft: its step cost against the target's, and how often its greedy token is the target's.
+
+    python bench/draft_probe.py                                   # the draft-student run of bench/distill_table.py
+    python bench/draft_probe.py --draft runs/draft-student/compressed-tensors
+
+Agreement is teacher-forced (both models read the same tokens; a position agrees when their
+argmax is the same), on two texts:
+
+- ``copy``: a passage of the CPython reference text (the test split, which the draft never
+  trains on) followed by the same passage again, scored on the repeat: a model that reads its
+  context copies it; the target's agreement with the text itself is given beside it.
+- ``answer``: the target's own greedy answer to bench/runtime.py's code-rewrite prompt (what the
+  speculative benchmark decodes), scored on the answer.
+
+Writes bench/results/draft_probe.json (2 CPU threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_table import cpu_description  # noqa: E402
+from runtime import SMOLLM2, grounded_prompt  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+DEFAULT_DRAFT = REPO / "runs" / "bench-distill" / "draft-student" / "compressed-tensors"
+THREADS = 2
+
+
+@torch.no_grad()
+def greedy_tokens(model, ids: list[int]) -> torch.Tensor:
+    """The model's argmax after each prefix of ``ids``, in one forward."""
+    return model(torch.tensor([ids]), model.new_cache(1, len(ids)))[0].argmax(-1)
+
+
+@torch.no_grad()
+def greedy_answer(model, prompt: list[int], n: int) -> list[int]:
+    from lmpress.runtime.generate import generate
+
+    return generate(model, prompt, max_new_tokens=n)[0]  # EOS not special, as in the speculative benchmark
+
+
+@torch.no_grad()
+def step_ms(model, context: int = 128, repeats: int = 20) -> float:
+    from lmpress.runtime.bench import median_seconds
+    from lmpress.runtime.generate import decode_one_token
+
+    cache = model.new_cache(1, context + 1)
+    model(torch.arange(context)[None], cache)
+
+    def step() -> None:
+        cache.truncate(context)
+        decode_one_token(model, torch.tensor([5]), cache)
+
+    return 1000 * median_seconds(step, repeats, torch.device("cpu"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    parser.add_argument("--passage-tokens", type=int, default=150)
+    parser.add_argument("--passages", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+    from lmpress.data import load_text
+    from lmpress.runtime.text import load_runtime
+
+    target, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
+    draft = load_runtime(args.draft, "cpu", "float32")[0]
+    text = load_text("builtin:python-docs", default_split="test").text[:40_000]
+    text = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n, sep = args.passage_tokens, tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    copy_draft = copy_target_text = 0.0
+    for i in range(args.passages):
+        passage = text[i * 2 * n : i * 2 * n + n]
+        ids = passage + sep + passage
+        start = n + len(sep) - 1  # predictions of the repeat's tokens
+        t, d = greedy_tokens(target, ids)[start:-1], greedy_tokens(draft, ids)[start:-1]
+        copy_draft += float((d == t).float().mean()) / args.passages
+        copy_target_text += float((t == torch.tensor(ids[start + 1 :])).float().mean()) / args.passages
+    prompt = grounded_prompt(tokenizer)
+    answer = greedy_answer(target, prompt, 256)
+    ids = prompt + answer
+    start = len(prompt) - 1
+    t, d = greedy_tokens(target, ids)[start:-1], greedy_tokens(draft, ids)[start:-1]
+    result = {
+        "draft": str(Path(args.draft).resolve().relative_to(REPO))
+        if Path(args.draft).resolve().is_relative_to(REPO)
+        else args.draft,
+        "cpu": cpu_description(),
+        "threads": THREADS,
+        "target_step_ms": round(step_ms(target), 2),
+        "draft_step_ms": round(step_ms(draft), 2),
+        "copy_draft_agrees_with_target": round(copy_draft, 3),
+        "copy_target_agrees_with_text": round(copy_target_text, 3),
+        "answer_draft_agrees_with_target": round(float((d == t).float().mean()), 3),
+        "answer_target_self_check": round(float((t == torch.tensor(answer)).float().mean()), 3),
+    }
+    (RESULTS / "draft_probe.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
