@@ -75,13 +75,29 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
     # Issue 13: learned rounding (SignRound), full quality on a GPU, and the 30-minute budget on 2 CPU cores
     # (the stages of recipes/learned-w4-gpu.yaml, learned-w3.yaml and learned-w4.yaml).
     "learned-w4-g64": (
-        "W4 g64 learned rounding (sym, AWQ+GPTQ init, 200 steps x 8 of 128 samples, float-model targets)",
-        {"method": "learned", "bits": 4, "group_size": 64, "iterations": 200, "batch_size": 8, "init": "awq+gptq"},
+        "W4 g64 learned rounding (sym full-range, AWQ+GPTQ init, 200 steps x 8 of 128 samples, float-model targets)",
+        {
+            "method": "learned",
+            "bits": 4,
+            "group_size": 64,
+            "iterations": 200,
+            "batch_size": 8,
+            "init": "awq+gptq",
+            "full_range": True,
+        },
         {"ppl": 22.45, "seconds": 125},
     ),
     "learned-w3-g64": (
-        "W3 g64 learned rounding (sym, AWQ+GPTQ init, 200 steps x 8 of 128 samples, float-model targets)",
-        {"method": "learned", "bits": 3, "group_size": 64, "iterations": 200, "batch_size": 8, "init": "awq+gptq"},
+        "W3 g64 learned rounding (sym full-range, AWQ+GPTQ init, 200 steps x 8 of 128 samples, float-model targets)",
+        {
+            "method": "learned",
+            "bits": 3,
+            "group_size": 64,
+            "iterations": 200,
+            "batch_size": 8,
+            "init": "awq+gptq",
+            "full_range": True,
+        },
         {"ppl": 26.50},
     ),
     "learned-w4-g64-cpu": (

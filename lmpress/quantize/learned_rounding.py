@@ -14,6 +14,7 @@ Sample recipe stage:
       batch_size: 8          # calibration samples per step (and per forward pass of the engine)
       samples: null          # calibration samples the steps draw from (null: all of data.samples)
       init: rtn              # rtn | awq (AWQ's scales folded first, same pass) | gptq (V from GPTQ's codes) | awq+gptq
+      full_range: false      # symmetric only: the group's extreme on code 0 (s = −m/2^(b−1), sign and all)
       reference: model       # model: match the unquantized model's block output | layer: the unquantized block's
       seed: 0                # the order of the batches; same seed, same machine: the same artifact
       ignore: [lm_head]
@@ -24,6 +25,14 @@ The paper's quantization function, for each linear of the block (lines marked
     W~ = s · (clamp(⌊W/s + V⌉ + zp, 0, 2^b − 1) − zp)
     asymmetric: s = (max(W)·α − min(W)·β) / (2^b − 1),  zp = ⌊−min(W)·β / s⌉
     symmetric (lmpress's grid, ``scheme.py``): s = 2·max|W|·α / (2^b − 1),  zp = 2^(b−1)  (β unused)
+    symmetric, ``full_range``:                s = −m / 2^(b−1),  zp = 2^(b−1),
+        m = max(W)·α if max(W)·α ≥ −min(W)·β else min(W)·β  (the group's extreme, clipped, sign and all)
+
+``full_range`` is the grid of llama.cpp's Q4_0 and of auto-round's symmetric
+quantizer: the extreme lands exactly on code 0 and the other side of zero gets
+2^(b−1) − 1 steps, so the step is 2^(b−1) instead of (2^b − 1)/2 parts of the extreme
+(finer by 1/(2^b − 1)) and the extreme itself is never clipped; a negative extreme
+gives a negative scale, which every packed format holds (dequantization is (q − zp)·s).
 
 with V ∈ [−0.5, 0.5] per weight (init 0), α, β ∈ [0.5, 1] per output row and
 group (init 1), min/max taken per group, and ⌊·⌉ rounding with a straight-through
@@ -72,7 +81,7 @@ from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, round_ste
+from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, round_ste
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.registry import StageContext, register_stage, stage_config, stage_handler
 from lmpress.registry import calibration_method as method_by_name
@@ -94,6 +103,9 @@ class LearnedRoundingConfig(WeightQuantConfig):
         "model", description="target: the unquantized model's block output, or the unquantized block on the same input"
     )
     seed: int = Field(0, ge=0)
+    full_range: bool = Field(
+        False, description="symmetric only: scale -m/2^(b-1) from the group's signed extreme m (llama.cpp's Q4_0 grid)"
+    )
 
     @model_validator(mode="after")
     def _no_kquant_scales(self) -> LearnedRoundingConfig:
@@ -102,6 +114,12 @@ class LearnedRoundingConfig(WeightQuantConfig):
                 "method learned does not keep k_quant_scales (its learned clipping moves each group's scale off "
                 "the grid); use method rtn, gptq or awq for Q4_K-ready scales"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _full_range_is_symmetric(self) -> LearnedRoundingConfig:
+        if self.full_range and not all(scheme.symmetric for _, scheme in self.planned_schemes()):
+            raise ValueError("full_range is a symmetric grid: set symmetric: true (or full_range: false)")
         return self
 
     @property
@@ -115,17 +133,18 @@ class LearnedRoundingConfig(WeightQuantConfig):
 @dataclass
 class Rounding:
     """The learnable state of one linear: rounding offsets ``v`` (out, in) and clipping factors
-    ``alpha`` (max side) and ``beta`` (min side), (out, n_groups)."""
+    ``alpha`` (max side) and ``beta`` (min side), (out, n_groups); ``full_range``: which symmetric grid."""
 
     v: torch.Tensor
     alpha: torch.Tensor
     beta: torch.Tensor
+    full_range: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.v, self.alpha, self.beta]
 
     def clone(self) -> Rounding:
-        return Rounding(*(t.detach().clone() for t in self.tensors()))
+        return Rounding(*(t.detach().clone() for t in self.tensors()), full_range=self.full_range)
 
 
 def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -137,33 +156,44 @@ def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def init_rounding(
-    w: torch.Tensor, scheme: QuantScheme, start: QuantizedWeight | None = None, requires_grad: bool = True
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    start: QuantizedWeight | None = None,
+    requires_grad: bool = True,
+    full_range: bool = False,
 ) -> Rounding:
-    """V = 0, α = β = 1 (round-to-nearest with min/max scales); or ``start``'s grid and codes, e.g. GPTQ's
-    with MSE-searched scales: α = β = its scale / the min/max one (a uniform shrink of the range, as the
-    scale search makes; clamped into [0.5, 1]) and ``V = q − zp − W/s`` on that grid, clamped into [−0.5, 0.5]."""
+    """V = 0, α = β = 1 (round-to-nearest with min/max scales); or as near ``start`` (e.g. GPTQ's codes with
+    MSE-searched scales) as the grid allows: α = β = the ratio of its step to the unclipped grid's (a uniform
+    shrink of the range, as the scale search makes; clamped into [0.5, 1]) and ``V = ⌊Ŵ/s⌉ − W/s`` with Ŵ its
+    dequantized weight, clamped into [−0.5, 0.5] (on ``start``'s own grid: V = q − zp − W/s)."""
     grouped = _grouped(w, scheme)
     alpha = torch.ones(grouped.shape[:2], device=w.device)
     v = torch.zeros_like(grouped)
     if start is not None:
-        minmax_scale, _ = compute_qparams(grouped, scheme)
-        alpha = (start.scales.to(w.device).float().reshape(alpha.shape) / minmax_scale).clamp(*CLIP_RANGE)
-        scale, zero = learned_qparams(grouped, scheme, alpha, alpha)
-        codes = _grouped(start.qweight.to(w.device), scheme)
-        v = (codes - zero[..., None] - grouped / scale[..., None]).clamp(*V_RANGE)
-    rounding = Rounding(v.reshape(w.shape).contiguous(), alpha, alpha.clone())
+        unclipped, _ = learned_qparams(grouped, scheme, alpha, alpha, full_range)
+        start_scale = start.scales.to(w.device).float().reshape(alpha.shape)
+        alpha = (start_scale.abs() / unclipped.abs()).clamp(*CLIP_RANGE)
+        scale = learned_qparams(grouped, scheme, alpha, alpha, full_range)[0][..., None]
+        start_weight = _grouped(start.dequantize().to(w.device), scheme)
+        v = (torch.round(start_weight / scale) - grouped / scale).clamp(*V_RANGE)
+    rounding = Rounding(v.reshape(w.shape).contiguous(), alpha, alpha.clone(), full_range)
     for t in rounding.tensors():
         t.requires_grad_(requires_grad)
     return rounding
 
 
 def learned_qparams(
-    grouped: torch.Tensor, scheme: QuantScheme, alpha: torch.Tensor, beta: torch.Tensor
+    grouped: torch.Tensor, scheme: QuantScheme, alpha: torch.Tensor, beta: torch.Tensor, full_range: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero of each (row, group) of ``grouped`` with the range clipped by α (max) and β (min);
-    differentiable in α and β, and equal to ``compute_qparams`` at α = β = 1."""
+    differentiable in α and β, and equal to ``compute_qparams`` at α = β = 1 (without ``full_range``)."""
     maxq = scheme.maxq
-    if scheme.symmetric:
+    if scheme.symmetric and full_range:
+        high = grouped.amax(dim=-1).clamp(min=0) * alpha
+        low = grouped.amin(dim=-1).clamp(max=0) * beta
+        scale = torch.where(high >= -low, high, low) / -float((maxq + 1) // 2)  # s = −m / 2^(b−1)
+        zero = torch.full_like(scale, float((maxq + 1) // 2))
+    elif scheme.symmetric:
         scale = 2 * grouped.abs().amax(dim=-1) * alpha / maxq  # s = 2·max|W|·α / (2^b − 1)
         zero = torch.full_like(scale, float((maxq + 1) // 2))  # zp = 2^(b−1)
     else:
@@ -171,14 +201,14 @@ def learned_qparams(
         wmax = (grouped.amax(dim=-1) * alpha).clamp(min=0)
         scale = (wmax - wmin) / maxq  # s = (max·α − min·β) / (2^b − 1)
         zero = round_ste(-wmin / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(0, maxq)  # zp = ⌊−min·β/s⌉
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group (as compute_qparams)
+    scale = torch.where(scale != 0, scale, torch.ones_like(scale))  # an all-zero group (as compute_qparams)
     return scale, zero
 
 
 def learned_fake_quantize(w: torch.Tensor, scheme: QuantScheme, rounding: Rounding) -> torch.Tensor:
     """W~ of ``w`` (out, in) in float32, differentiable in V, α and β (straight-through rounding)."""
     grouped = _grouped(w, scheme)
-    scale, zero = learned_qparams(grouped, scheme, rounding.alpha, rounding.beta)
+    scale, zero = learned_qparams(grouped, scheme, rounding.alpha, rounding.beta, rounding.full_range)
     scale, zero = scale[..., None], zero[..., None]
     q = torch.clamp(round_ste(grouped / scale + rounding.v.reshape(grouped.shape)) + zero, 0, scheme.maxq)  # W~
     return ((q - zero) * scale).reshape(w.shape)  # W~
@@ -189,7 +219,8 @@ def freeze(w: torch.Tensor, scheme: QuantScheme, rounding: Rounding) -> Quantize
     """The learned rounding of ``w`` in the packed form: its dequantized weight is exactly
     :func:`learned_fake_quantize`'s value."""
     grouped = _grouped(w, scheme)
-    scale, zero = learned_qparams(grouped, scheme, rounding.alpha.detach(), rounding.beta.detach())
+    alpha, beta = rounding.alpha.detach(), rounding.beta.detach()
+    scale, zero = learned_qparams(grouped, scheme, alpha, beta, rounding.full_range)
     v = rounding.v.detach().reshape(grouped.shape)
     # ⌊W/s + V⌉ as learned_fake_quantize computes it (round_ste's forward value is exactly torch.round's).
     q = torch.clamp(torch.round(grouped / scale[..., None] + v) + zero[..., None], 0, scheme.maxq)
@@ -209,6 +240,7 @@ def learn_block_rounding(
     lr: float,
     seed: int,
     start: dict[str, Rounding] | None = None,
+    full_range: bool = False,
 ) -> tuple[dict[str, Rounding], dict]:
     """Sign-gradient descent on the rounding of the linears ``weights`` (name in ``block`` -> (float weight,
     scheme)) against ``targets[i]``, the unquantized block's output on ``batch(i)`` (hidden, kwargs).
@@ -218,7 +250,7 @@ def learn_block_rounding(
     one forward pass per batch): returns the rounding whose step had the lowest such ratio (the start's is 1)
     and ``{"start_loss" (mean over the batches), "best_relative_loss", "best_step"}``.
     """
-    rounding = start or {name: init_rounding(w, scheme) for name, (w, scheme) in weights.items()}
+    rounding = start or {name: init_rounding(w, scheme, full_range=full_range) for name, (w, scheme) in weights.items()}
     for r in rounding.values():
         for t in r.tensors():
             t.requires_grad_(True)
@@ -357,10 +389,10 @@ class LearnedRoundingMethod(CalibrationMethod):
             for name, (w, scheme) in weights.items():
                 # lmpress's GPTQ recipe: act-order within static groups (no g_idx), MSE-searched scales
                 codes, _ = gptq_quantize_layer(w, hessians[name], scheme, act_order=True, static_groups=True, mse=True)
-                start[name] = init_rounding(w, scheme, codes)
+                start[name] = init_rounding(w, scheme, codes, full_range=config.full_range)
         best, info = learn_block_rounding(
             session.layer, weights, batch, targets, config.iterations, config.step_size,
-            seed=config.seed * 100_003 + session.index, start=start,
+            seed=config.seed * 100_003 + session.index, start=start, full_range=config.full_range,
         )  # fmt: skip
         del targets
         self.losses.append((info["start_loss"], info["best_relative_loss"]))

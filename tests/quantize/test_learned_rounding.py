@@ -125,6 +125,53 @@ def test_a_start_from_other_codes_is_reproduced_within_the_offsets_range():
     assert ((frozen.qweight.long() - shifted).abs() <= 1).all()
 
 
+@pytest.mark.parametrize("bits", [4, 3])
+def test_the_full_range_grid_puts_each_groups_extreme_on_code_zero(bits):
+    """full_range at α = β = 1: s = −m/2^(b−1) with m the group's signed extreme (llama.cpp's Q4_0 grid, written
+    here from its definition): the extreme is reproduced exactly, and the mean error is below the half-range grid's."""
+    scheme = QuantScheme(bits, 64, True)
+    w = weight()
+    w[7, 64:128] *= -1  # groups whose extreme is negative and ones whose extreme is positive
+    frozen = freeze(w, scheme, init_rounding(w, scheme, full_range=True))
+    grouped = w.reshape(w.shape[0], -1, 64)
+    extreme = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))[..., 0]
+    mid = 2 ** (bits - 1)
+    live = extreme != 0
+    assert (frozen.scales < 0).any() and (frozen.scales > 0).any()
+    torch.testing.assert_close(frozen.scales[live], extreme[live] / -mid)
+    q = (torch.round(grouped / frozen.scales[..., None]) + mid).clamp(0, 2 * mid - 1)
+    assert torch.equal(frozen.qweight, q.reshape(w.shape).to(torch.uint8))
+    dequantized = frozen.dequantize().reshape(grouped.shape)
+    torch.testing.assert_close(dequantized.gather(-1, grouped.abs().argmax(-1, keepdim=True))[..., 0], extreme)
+    full_error = (frozen.dequantize() - w).pow(2).mean()
+    assert full_error < (quantize_weight_rtn(w, scheme).dequantize() - w).pow(2).mean()
+
+
+def test_full_range_clipping_learns_each_side_and_starts_from_another_grids_weights():
+    scheme = QuantScheme(4, 64, True)
+    w = weight()
+    rounding = init_rounding(w, scheme, full_range=True)
+    x = torch.randn(32, w.shape[1], generator=torch.Generator().manual_seed(2))
+    ((x @ learned_fake_quantize(w, scheme, rounding).T - x @ w.T) ** 2).mean().backward()
+    assert rounding.alpha.grad.abs().sum() > 0 and rounding.beta.grad.abs().sum() > 0
+    # a start on the half-range grid (GPTQ's): each weight goes to the full-range grid's point nearest the start's
+    # value, where V's range [-0.5, 0.5] reaches it from W/s
+    start = quantize_weight_rtn(w, scheme)
+    rounding = init_rounding(w, scheme, start, full_range=True)
+    frozen = freeze(w, scheme, rounding)
+    scale = frozen.scales.repeat_interleave(64, 1)
+    nearest = torch.round(start.dequantize() / scale)
+    reachable = (nearest - w / scale).abs() < 0.5 - 1e-4
+    assert reachable.float().mean() > 0.8
+    assert torch.equal((frozen.qweight.float() - 8)[reachable], nearest[reachable])
+    assert rounding.v.min() >= V_RANGE[0] and rounding.v.max() <= V_RANGE[1]
+
+
+def test_full_range_needs_a_symmetric_scheme():
+    with pytest.raises(pydantic.ValidationError, match="full_range is a symmetric grid"):
+        LearnedRoundingConfig(symmetric=False, full_range=True)
+
+
 def test_ranges_of_the_options_are_checked():
     for bad in ({"lr": 0}, {"lr": 1.5}, {"iterations": 0}, {"iterations": 10**6}, {"batch_size": 0}, {"init": "x"}):
         with pytest.raises(pydantic.ValidationError):
