@@ -123,9 +123,29 @@ def read_yaml_file(path: str | Path, what: str) -> Any:
             f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); a {what} is a YAML file"
         ) from e
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise LmpressInputError(f"{path}: malformed YAML{yaml_problem(e)}") from e
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: plain YAML keeps
+    the last silently, so a second ``model:`` (or ``stages:``) would replace the first unseen."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<: *anchor``: later keys may override what it brings in
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str | int | float | bool):
+                continue  # an unhashable key: the base loader says what is wrong with it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def yaml_problem(error: yaml.YAMLError) -> str:

@@ -148,6 +148,12 @@ def learned(**settings: Any) -> Callable[[Env], str]:
 PERPLEXITY = {"seq_len": 64, "windows": 2}
 RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
     ("malformed-yaml", raw_recipe("model: x\nstages:\n  - method: rtn\n   bits: 4\n"), "malformed YAML at line 4", []),
+    (
+        "duplicate-key",
+        raw_recipe("model: x\nstages:\n  - method: rtn\nmodel: y\n"),
+        "line 4, column 1: key 'model' appears twice",
+        [],
+    ),
     ("recipe-is-a-list", raw_recipe("- model: x\n"), "a recipe is a YAML mapping", []),
     ("recipe-is-a-scalar", raw_recipe("just words\n"), "a recipe is a YAML mapping", []),
     ("recipe-is-empty", raw_recipe(""), "a recipe is a YAML mapping", []),

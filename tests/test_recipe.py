@@ -78,6 +78,15 @@ def test_malformed_yaml_says_where(tmp_path):
         load_recipe(tmp_path / "missing.yaml")
 
 
+def test_a_key_given_twice_is_an_error_not_a_silent_override(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("model: {source: a}\nstages:\n  - {method: rtn, bits: 4, bits: 8}\n")
+    with pytest.raises(LmpressInputError, match=r"malformed YAML at line 3, column 28: key .bits. appears twice"):
+        load_recipe(path)
+    path.write_text("model: {source: a}\nstages:\n  - &w4 {method: rtn, bits: 4}\n  - {<<: *w4, bits: 8}\n")
+    assert [stage.bits for stage in load_recipe(path).stages] == [4, 8]  # a merge key's values may be overridden
+
+
 def test_set_overrides(tmp_path):
     raw = {"model": "a/b", "stages": [{"method": "rtn", "bits": 4}]}
     assert apply_override(raw, "stages[0].bits=8")["stages"][0]["bits"] == 8
