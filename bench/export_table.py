@@ -26,8 +26,9 @@ itself, llama.cpp's pure Q4_K falls back to the 5-bit Q5_0 for them: row ``llama
 
 Perplexity: bench/quant_table.py's protocol (first 20 windows of 2048 tokens of wiki.test.raw,
 CRLF -> LF, no BOS, lmpress's tokenizer), the runtime's logits scored with lmpress's token_nll.
-Decode: 128-token prompt, 64 greedy tokens, median of 3, 2 threads. Goal: in each runtime,
-lmpress's degradation over that runtime's FP32 at most half of the runtime quantizer's.
+Decode: 128-token prompt, 64 greedy tokens, median of 3, 2 threads. Goal (issue 15, the Q4_0 and
+MatMulNBits pairs): in each runtime, lmpress's degradation over that runtime's FP32 at most half of
+the runtime quantizer's. The Q4_K pair is reported the same way, without a goal.
 Each row is measured in its own process, one at a time.
 """
 
@@ -112,6 +113,8 @@ TABLE = {
     "onnxruntime": ("ort-fp32", [("ort-lmpress", "ort-own")]),
 }
 EXTRA_ROWS = {"llama.cpp": ["llama-own-q4k-pure"]}  # measured for reference, no goal
+# Issue 15's goal is for the Q4_0 and MatMulNBits pairs; the Q4_K pair is compared the same way, as a report
+REPORTED_PAIRS = {"llama-lmpress-q4k"}
 
 
 def work_dir() -> Path:
@@ -394,9 +397,13 @@ def table_line(rows: dict[str, dict], name: str, fp32: dict | None, own: dict | 
     delta = "" if name == TABLE[runtime][0] or fp32 is None else f"{r['ppl'] - fp32['ppl']:+.2f}"
     goal = met = ""
     if own is not None and fp32 and "ppl" in fp32 and "ppl" in own:
-        limit = own["ppl"] - (own["ppl"] - fp32["ppl"]) / 2
-        goal = f"ppl <= {limit:.2f} (half of the runtime quantizer's {own['ppl'] - fp32['ppl']:+.2f})"
-        met = "yes" if r["ppl"] <= limit else "NO"
+        removed = 1 - (r["ppl"] - fp32["ppl"]) / (own["ppl"] - fp32["ppl"])
+        if name in REPORTED_PAIRS:
+            goal = f"none (reported: removes {removed:.0%} of the runtime quantizer's {own['ppl'] - fp32['ppl']:+.2f})"
+        else:
+            limit = own["ppl"] - (own["ppl"] - fp32["ppl"]) / 2
+            goal = f"ppl <= {limit:.2f} (half of the runtime quantizer's {own['ppl'] - fp32['ppl']:+.2f})"
+            met = "yes" if r["ppl"] <= limit else "NO"
     speed = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else "not measured"
     return f"| {runtime} | {label} | {r['ppl']:.2f} | {delta} | {speed} | {r['size_mb']:.0f} | {goal} | {met} |"
 

@@ -365,16 +365,45 @@ def export_onnx(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
 # Running in ONNX Runtime -----------------------------------------------------------------------
 
 
-def onnx_session(path: Path, threads: int | None = None) -> Any:
-    """An ONNX Runtime CPU session on ``path`` (``threads``: intra-op threads, default ORT's)."""
+ONNX_DEVICES = ("cpu", "cuda", "auto")
+
+
+def onnx_providers(device: str, available: list[str]) -> list[str]:
+    """ONNX Runtime's execution providers for ``device``: cpu, cuda (CUDA first, CPU for any op it lacks)
+    or auto (cuda where ``available`` has it, else cpu)."""
+    if device not in ONNX_DEVICES:
+        raise LmpressInputError(f"ONNX device must be one of {', '.join(ONNX_DEVICES)}, got {device!r}")
+    has_cuda = "CUDAExecutionProvider" in available
+    if device == "cuda" and not has_cuda:
+        raise LmpressInputError(
+            f"ONNX device cuda: this onnxruntime has no CUDA provider (it has {', '.join(available)}); on a CUDA "
+            "machine install onnxruntime-gpu in place of onnxruntime, or use device cpu"
+        )
+    if device == "cuda" or (device == "auto" and has_cuda):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def onnx_session(path: Path, threads: int | None = None, device: str = "cpu") -> Any:
+    """An ONNX Runtime session on ``path`` (``threads``: intra-op threads, default ORT's; ``device``: as
+    ``onnx_providers`` takes it). Asked for cuda, a session that ONNX Runtime could not give its CUDA
+    provider (no GPU, a CUDA library missing) is an error rather than a silent run on the CPU; auto falls back."""
     try:
         import onnxruntime as ort
     except ImportError as e:
         raise LmpressInputError(f"running an ONNX export needs onnxruntime: {INSTALL_HINT}") from e
+    providers = onnx_providers(device, ort.get_available_providers())
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), options, providers=providers)
+    if device == "cuda" and providers[0] not in session.get_providers():
+        running = ", ".join(session.get_providers())
+        raise LmpressInputError(
+            f"ONNX Runtime could not start its {providers[0]} for {path} (running: {running}); check the CUDA "
+            "and cuDNN libraries onnxruntime-gpu needs, or use device cpu"
+        )
+    return session
 
 
 def cache_layout(session: Any) -> tuple[int, int, int]:
@@ -528,5 +557,5 @@ def read_onnx(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     model.load_state_dict({k: v.to(dtype) for k, v in dense.items()}, strict=False)
     if getattr(config, "tie_word_embeddings", False) and not quantized_layers(model).get("lm_head"):
         model.tie_weights()
-    model.forward = onnx_forward(model, onnx_session(file))
+    model.forward = onnx_forward(model, onnx_session(file, device="auto"))
     return model.eval()

@@ -14,6 +14,7 @@ from lmpress.export.checkpoint import check_recipe_exports, quantized_layers  # 
 from lmpress.export.onnx import (  # noqa: E402
     FILE_NAME,
     greedy_generate,
+    onnx_providers,
     onnx_scheme_refusal,
     onnx_session,
     run_decoder,
@@ -89,6 +90,47 @@ def test_kv_cache_and_padding(quantized_tiny, export):
     alone, _ = run_decoder(session, short)
     np.testing.assert_allclose(padded[1, 5:], alone[0], rtol=0, atol=1e-5)
     np.testing.assert_allclose(padded[0], full[0], rtol=0, atol=1e-5)
+
+
+def test_the_device_picks_onnxruntimes_provider():
+    cpu_only, with_cuda = ["CPUExecutionProvider"], ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert onnx_providers("cpu", with_cuda) == ["CPUExecutionProvider"]
+    assert onnx_providers("cuda", with_cuda) == with_cuda  # the CPU provider runs any op CUDA lacks
+    assert onnx_providers("auto", with_cuda) == with_cuda
+    assert onnx_providers("auto", cpu_only) == ["CPUExecutionProvider"]
+    with pytest.raises(LmpressInputError, match="no CUDA provider .* install onnxruntime-gpu"):
+        onnx_providers("cuda", cpu_only)
+    with pytest.raises(LmpressInputError, match="ONNX device must be one of cpu, cuda, auto, got 'gpu'"):
+        onnx_providers("gpu", with_cuda)
+
+
+HAS_CUDA_PROVIDER = "CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers()
+
+
+@pytest.mark.skipif(HAS_CUDA_PROVIDER, reason="this onnxruntime has a CUDA provider")
+def test_asking_for_cuda_without_its_provider_is_one_clear_error(quantized_tiny, export):
+    model, tokenizer = quantized_tiny(bits=4, group_size=32, symmetric=True)
+    path = export("onnx", model, tokenizer) / FILE_NAME
+    with pytest.raises(LmpressInputError, match="install onnxruntime-gpu in place of onnxruntime"):
+        onnx_session(path, device="cuda")
+    assert onnx_session(path, device="auto").get_providers() == ["CPUExecutionProvider"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA_PROVIDER, reason="needs onnxruntime-gpu on a CUDA GPU")
+@pytest.mark.parametrize(
+    "scheme", [{"bits": 4, "group_size": 32, "symmetric": True}, {"bits": 4, "group_size": 64, "symmetric": False}]
+)
+def test_cuda_provider_logits_and_greedy_tokens_match_the_cpu(quantized_tiny, export, scheme):
+    model, tokenizer = quantized_tiny(**scheme)
+    path = export("onnx", model, tokenizer) / FILE_NAME
+    cuda, cpu = onnx_session(path, device="cuda"), onnx_session(path, device="cpu")
+    assert cuda.get_providers()[0] == "CUDAExecutionProvider"
+    ids = tokenizer(TEXT, return_tensors="np").input_ids
+    logits, _ = run_decoder(cuda, ids)
+    assert relative_rms(logits, candidate_logits(model, ids)) < 1e-3  # CUDA's MatMulNBits sums in its own order
+    prompt = ids[0].tolist()
+    assert greedy_generate(cuda, prompt, 32) == greedy_generate(cpu, prompt, 32)
 
 
 def test_onnx_reads_back_as_the_candidate(quantized_tiny, export):
