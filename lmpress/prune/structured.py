@@ -7,6 +7,8 @@ Sample recipe stage:
       heads: 3               # query heads removed per layer, in whole GQA groups (SmolLM2: 3 per KV head)
       layers: 4              # whole decoder layers removed
       layer_importance: angular   # angular (one pass) | kl (greedy, by the model's output)
+      kl_samples: 4               # kl: calibration samples it scores on
+      kl_repeat: false            # kl: each sample's first half twice, so layers that copy from context count
 
 Importance comes from one pass of the calibration engine over the unmodified model
 (Minitron, Muralidharan et al. 2024, §2.2, activation-based importance):
@@ -65,6 +67,9 @@ class StructuredConfig(StageConfig):
         "angular", description="angular: one pass, each layer's own change; kl: greedy, on the output (small models)"
     )
     kl_samples: int = Field(4, ge=1, description="calibration samples the kl criterion scores on")
+    kl_repeat: bool = Field(
+        False, description="kl scores on each sample's first half followed by that half again (copying counts)"
+    )
 
     def check(self, model: nn.Module) -> None:
         config = model.config
@@ -216,6 +221,13 @@ def _distinct(tensors) -> list[torch.Tensor]:
 
 @stage_handler(StructuredConfig)
 @torch.no_grad()
+def repeated_halves(samples: torch.Tensor) -> torch.Tensor:
+    """Each row's first half, then that half again: where the text repeats, a model predicts it by copying from
+    its context (induction heads, Olsson et al. 2022), so a layer whose removal breaks copying costs KL there."""
+    half = samples[:, : samples.shape[1] // 2]
+    return torch.cat([half, half], dim=1)
+
+
 def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext) -> dict:
     config.check(model)
     mc = model.config
@@ -233,6 +245,8 @@ def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext
         model.to(ctx.device)
         try:
             samples = ctx.calibration()[: config.kl_samples].to(ctx.device)
+            if config.kl_repeat:
+                samples = repeated_halves(samples)
             drop, kl_trace = greedy_kl_layer_drop(model, samples, config.layers, ctx.bars)
         finally:
             model.to("cpu")
@@ -263,7 +277,11 @@ def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext
         "removed_layers": drop,
         "layer_importance": config.layer_importance,
         "angular_distance": [round(d, 5) for d in distance],
-        **({"kl_after_each_removal": [round(k, 5) for k in kl_trace]} if kl_trace else {}),
+        **(
+            {"kl_after_each_removal": [round(k, 5) for k in kl_trace], "kl_repeat": config.kl_repeat}
+            if kl_trace
+            else {}
+        ),
         "intermediate_size": channels,
         "num_attention_heads": mc.num_attention_heads,
         "num_key_value_heads": mc.num_key_value_heads,

@@ -9,7 +9,7 @@ from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.evals.kld import exact_kld
 from lmpress.model import decoder_layers, load_model
 from lmpress.prune.depth_kl import greedy_kl_layer_drop
-from lmpress.prune.structured import StructuredConfig, remove_layers, run_structured
+from lmpress.prune.structured import StructuredConfig, remove_layers, repeated_halves, run_structured
 from lmpress.registry import StageContext
 from tests.conftest import save_tiny_model
 
@@ -72,3 +72,18 @@ def test_the_structured_stage_removes_by_kl(five_layers, tmp_path):
     assert 3 in summary["removed_layers"] and len(summary["removed_layers"]) == 2
     assert summary["kl_after_each_removal"][0] == pytest.approx(0.0, abs=1e-6)
     assert model.config.num_hidden_layers == 3
+
+
+def test_repeated_halves_score_on_the_text_and_its_repeat(five_layers, tmp_path):
+    loaded, samples = five_layers
+    doubled = repeated_halves(samples)
+    assert doubled.shape == samples.shape
+    assert torch.equal(doubled[:, :12], samples[:, :12]) and torch.equal(doubled[:, 12:], samples[:, :12])
+    # the stage scores on those rows: the same choice and KL as the criterion run on them directly
+    model = copy.deepcopy(loaded.model)
+    want, trace = greedy_kl_layer_drop(model, doubled[:2], 2)
+    ctx = StageContext(calibration=lambda: samples, state_dir=tmp_path, resume=False, fingerprint="f")
+    config = StructuredConfig(layers=2, layer_importance="kl", kl_samples=2, kl_repeat=True)
+    summary = run_structured(model, config, ctx)
+    assert summary["removed_layers"] == want and summary["kl_repeat"] is True
+    assert summary["kl_after_each_removal"] == [round(k, 5) for k in trace]
