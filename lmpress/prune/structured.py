@@ -219,8 +219,6 @@ def _distinct(tensors) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-@stage_handler(StructuredConfig)
-@torch.no_grad()
 def repeated_halves(samples: torch.Tensor) -> torch.Tensor:
     """Each row's first half, then that half again: where the text repeats, a model predicts it by copying from
     its context (induction heads, Olsson et al. 2022), so a layer whose removal breaks copying costs KL there."""
@@ -228,6 +226,8 @@ def repeated_halves(samples: torch.Tensor) -> torch.Tensor:
     return torch.cat([half, half], dim=1)
 
 
+@stage_handler(StructuredConfig)
+@torch.no_grad()
 def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext) -> dict:
     config.check(model)
     mc = model.config

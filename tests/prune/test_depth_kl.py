@@ -10,7 +10,7 @@ from lmpress.evals.kld import exact_kld
 from lmpress.model import decoder_layers, load_model
 from lmpress.prune.depth_kl import greedy_kl_layer_drop
 from lmpress.prune.structured import StructuredConfig, remove_layers, repeated_halves, run_structured
-from lmpress.registry import StageContext
+from lmpress.registry import StageContext, stage_handler_for
 from tests.conftest import save_tiny_model
 
 
@@ -84,6 +84,6 @@ def test_repeated_halves_score_on_the_text_and_its_repeat(five_layers, tmp_path)
     want, trace = greedy_kl_layer_drop(model, doubled[:2], 2)
     ctx = StageContext(calibration=lambda: samples, state_dir=tmp_path, resume=False, fingerprint="f")
     config = StructuredConfig(layers=2, layer_importance="kl", kl_samples=2, kl_repeat=True)
-    summary = run_structured(model, config, ctx)
+    summary = stage_handler_for(config)(model, config, ctx)  # as the pipeline calls it
     assert summary["removed_layers"] == want and summary["kl_repeat"] is True
     assert summary["kl_after_each_removal"] == [round(k, 5) for k in trace]
