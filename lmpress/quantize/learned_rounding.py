@@ -33,6 +33,8 @@ quantizer: the extreme lands exactly on code 0 and the other side of zero gets
 2^(b−1) − 1 steps, so the step is 2^(b−1) instead of (2^b − 1)/2 parts of the extreme
 (finer by 1/(2^b − 1)) and the extreme itself is never clipped; a negative extreme
 gives a negative scale, which every packed format holds (dequantization is (q − zp)·s).
+Measured on SmolLM2-135M (W4 g64, the full-quality recipe, bench/quant_table.py): 23.10 with
+it against 22.84 without, so it is off by default.
 
 with V ∈ [−0.5, 0.5] per weight (init 0), α, β ∈ [0.5, 1] per output row and
 group (init 1), min/max taken per group, and ⌊·⌉ rounding with a straight-through
