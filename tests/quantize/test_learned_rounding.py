@@ -349,8 +349,13 @@ def _recipe(model_dir: Path, tmp_path: Path, stage: dict, formats: list[str]) ->
     [
         ({"bits": 4, "group_size": 32}, ["gptq", "compressed-tensors", "awq", "gguf", "onnx", "hf"]),
         ({"bits": 3, "group_size": 64, "symmetric": False, "init": "gptq"}, ["gptq", "compressed-tensors", "hf"]),
+        # negative scales (a group whose extreme is negative) in every packed format
+        (
+            {"bits": 4, "group_size": 32, "full_range": True},
+            ["gptq", "compressed-tensors", "awq", "gguf", "onnx", "hf"],
+        ),
     ],
-    ids=["w4-g32-sym-every-format", "w3-g64-asym"],
+    ids=["w4-g32-sym-every-format", "w3-g64-asym", "w4-g32-full-range-every-format"],
 )
 def test_learned_artifacts_export_to_every_format_the_scheme_allows_and_load_back(
     tiny_llama_dir, tmp_path, monkeypatch, stage, formats
