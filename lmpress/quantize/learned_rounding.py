@@ -30,8 +30,8 @@ The paper's quantization function, for each linear of the block (lines marked
 
 ``full_range`` is the grid of llama.cpp's Q4_0 and of auto-round's symmetric
 quantizer: the extreme lands exactly on code 0 and the other side of zero gets
-2^(b−1) − 1 steps, so the step is 2^(b−1) instead of (2^b − 1)/2 parts of the extreme
-(finer by 1/(2^b − 1)) and the extreme itself is never clipped; a negative extreme
+2^(b−1) − 1 steps, so the step is |m|/2^(b−1) instead of lmpress's 2|m|/(2^b − 1)
+(finer by a factor 2^b/(2^b − 1)) and the extreme itself is never clipped; a negative extreme
 gives a negative scale, which every packed format holds (dequantization is (q − zp)·s).
 Measured on SmolLM2-135M (W4 g64, the full-quality recipe, bench/quant_table.py): 23.10 with
 it against 22.84 without, so it is off by default.
