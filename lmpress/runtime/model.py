@@ -142,34 +142,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def decode_attention(
+FEW_QUERIES = 16  # up to this many new tokens (a decode step, a speculative round) attend by few_query_attention
+
+
+def few_query_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """Attention of one query per row ``(batch, heads, 1, head_dim)`` over the cache, as two matmuls.
+    """Attention of a few queries per row ``(batch, heads, n, head_dim)`` over the cache, as two matmuls.
 
     The queries sharing a KV head (GQA) are stacked as rows of one matmul against that head's keys,
     so keys and values are read once and never repeated. On the CPU this beats
-    ``scaled_dot_product_attention``'s kernel for a single query (~40 us per call on SmolLM2).
+    ``scaled_dot_product_attention``'s kernel for a single query (~40 us per call on SmolLM2),
+    and for a speculative round's 2-9 queries its math path, which repeats each KV head per query head.
     """
-    batch, heads, _, head_dim = q.shape
+    batch, heads, n, head_dim = q.shape
     kv_heads = keys.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * n, head_dim)
     scores = (grouped @ keys.transpose(-1, -2)).float() * head_dim**-0.5  # softmax in float32, as SDPA's
-    if mask is not None:  # (batch, 1, 1, length): the same slots for every head
-        scores = scores.masked_fill(~mask, float("-inf"))
-    out = scores.softmax(dim=-1).to(values.dtype) @ values
-    return out.reshape(batch, heads, 1, head_dim)
+    if mask is not None:  # (batch, 1, n, length): the same slots for every head
+        scores = scores.view(batch, kv_heads, heads // kv_heads, n, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    out = scores.view(batch, kv_heads, heads // kv_heads * n, -1).softmax(dim=-1).to(values.dtype) @ values
+    return out.reshape(batch, heads, n, head_dim)
 
 
 def pointwise_decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """``decode_attention`` written as broadcast products and sums, for the compiled decode step.
+    """``few_query_attention`` for one query, written as broadcast products and sums, for the compiled decode step.
 
     Inductor fuses these into one loop nest with the softmax; the two matmuls of
-    ``decode_attention`` stay library calls of ~20 us each on 2 CPU threads, a sixth of
+    ``few_query_attention`` stay library calls of ~20 us each on 2 CPU threads, a sixth of
     SmolLM2's compiled W4 step (``bench/runtime.py``). Eager, it would materialize the broadcast
-    products, so the growing-cache path keeps ``decode_attention``.
+    products, so the growing-cache path keeps ``few_query_attention``.
     """
     batch, heads, _, head_dim = q.shape
     kv_heads = keys.shape[1]
@@ -291,8 +295,8 @@ class Attention(nn.Module):
         keys, values = cache.update(layer, k, v.transpose(1, 2))
         if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
             out = pointwise_decode_attention(q, keys, values, mask)
-        elif n_new == 1:
-            out = decode_attention(q, keys, values, mask)
+        elif n_new <= FEW_QUERIES:
+            out = few_query_attention(q, keys, values, mask)
         else:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads

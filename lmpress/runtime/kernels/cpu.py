@@ -11,8 +11,8 @@ keep only the repacked weight, not the original packed codes. Float weights run 
 from __future__ import annotations
 
 import functools
+import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +26,12 @@ class DenseLinear(nn.Linear):
     """A float32 linear layer that, for up to ``FEW_ROWS`` input rows, computes ``(W @ x.T).T`` where that is faster.
 
     Which of ``x @ W.T`` (``F.linear``) and ``(W @ x.T).T`` (one row doubled into two) is faster
-    depends on the CPU, its BLAS and the weight's shape (``bench/dense_matmul.py``, SmolLM2's
-    FP32 forward on a 2-core AMD EPYC: one token 39.6 ms with ``F.linear`` everywhere, 20.9 ms
-    with the weight left everywhere; the probe chooses per shape and does not pick every
-    winner). So each weight shape is timed once per process, for one row (decode) and for four
-    (speculative verification), on a weight of that shape (``weight_left_is_faster``); the
-    weight goes left only where it wins by 10% or more. Other dtypes, devices and row counts
-    run ``F.linear``.
+    depends on the CPU, its BLAS and the weight's shape. So each weight shape is timed once per
+    process, for one row (decode) and for four (speculative verification), streaming copies of a
+    weight of that shape from memory (``weight_left_is_faster``); the weight goes left only where
+    it wins by 10% or more. SmolLM2's FP32 forward on a 2-core AMD EPYC (``bench/dense_matmul.py``):
+    one token 37.1 ms with ``F.linear`` everywhere, 20.2 ms as probed; three tokens 85.1 vs 26.2 ms.
+    Other dtypes, devices and row counts run ``F.linear``.
     """
 
     FEW_ROWS = 16
@@ -50,31 +49,42 @@ class DenseLinear(nn.Linear):
         left = self.left_for_one if rows == 1 else self.left_for_few and rows <= self.FEW_ROWS
         if not left or x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        if rows == 1:
-            flat = torch.cat((flat, flat))
+        # Row-major rows, so that flat.t() is a transposed view: BLAS multiplies W by a contiguous (in, rows)
+        # matrix 3-4x slower on this path, and a previous DenseLinear's output is exactly such a view.
+        flat = torch.cat((flat, flat)) if rows == 1 else flat.contiguous()
         y = (self.weight @ flat.t())[:, :rows].t()
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+STREAMED_BYTES = 128 * 2**20  # well past a server CPU's last-level cache per core complex (32 MiB on EPYC)
+
+
 @functools.cache
 def weight_left_is_faster(out_features: int, in_features: int, threads: int) -> tuple[bool, bool]:
-    """Whether ``(W @ x.T).T`` beats ``F.linear`` by >= 10% on an (out, in) float32 weight: for 1 row, for 4 rows."""
-    weight = torch.full((out_features, in_features), 0.01)
+    """Whether ``(W @ x.T).T`` beats ``F.linear`` by >= 10% on an (out, in) float32 weight: for 1 row, for 4 rows.
+
+    Timed as decoding runs them: over copies of the weight totalling ``STREAMED_BYTES``, so each
+    product reads its weight from memory, not from a cache that one small weight would fit in
+    (a single cache-resident copy favoured ``F.linear`` where it loses by 2-3x in the model,
+    bench/dense_matmul.py); the two forms alternate, medians of 5 passes.
+    """
+    copies = max(1, -(-STREAMED_BYTES // (out_features * in_features * 4)))
+    weights = [torch.full((out_features, in_features), 0.01) for _ in range(copies)]
     one, four = torch.full((1, in_features), 0.01), torch.full((4, in_features), 0.01)
 
-    def seconds(product: Callable[[], torch.Tensor]) -> float:
-        times = []
-        for _ in range(6):
-            began = time.perf_counter()
-            product()
-            times.append(time.perf_counter() - began)
-        return min(times[1:])  # the first call warms up
-
     def left_wins(x: torch.Tensor) -> bool:
-        linear = seconds(lambda: F.linear(x, weight))
-        left = seconds(lambda: weight @ (torch.cat((x, x)) if len(x) == 1 else x).t())
+        right = torch.cat((x, x)).t() if len(x) == 1 else x.t()
+        products = {"linear": lambda w: F.linear(x, w), "left": lambda w: w @ right}
+        times: dict[str, list[float]] = {name: [] for name in products}
+        for _ in range(6):
+            for name, product in products.items():
+                began = time.perf_counter()
+                for weight in weights:
+                    product(weight)
+                times[name].append(time.perf_counter() - began)
+        linear, left = (statistics.median(times[name][1:]) for name in products)  # the first pass warms up
         return left < 0.9 * linear
 
     return left_wins(one), left_wins(four)
