@@ -21,7 +21,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import track_peak_rss
-from lmpress.runtime.generate import DecodeFn, compiled_decode, decode_one_token, generate
+from lmpress.runtime.generate import ForwardFn, compiled_forward, decode_with, generate, model_forward
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, speculative_decode
 
@@ -121,19 +121,23 @@ def running_peak_mb(run: Callable[[], Any], device: torch.device) -> float:
     return peak.mb
 
 
-def decode_step(settings: BenchSettings, device: torch.device) -> DecodeFn:
-    """The one-token step ``settings`` ask for: eager, or compiled (on a GPU also captured in a CUDA graph)."""
+def forward_step(settings: BenchSettings, device: torch.device) -> ForwardFn:
+    """The decoding forward ``settings`` ask for: eager, or compiled (on a GPU also captured in CUDA graphs)."""
     if not settings.compile:
-        return decode_one_token
-    return compiled_decode("reduce-overhead" if device.type == "cuda" else None)
+        return model_forward
+    return compiled_forward("reduce-overhead" if device.type == "cuda" else None)
 
 
 def bench_plain(
-    model: Transformer, prompt: list[int], settings: BenchSettings, bandwidth_gbs: float | None = None
+    model: Transformer,
+    prompt: list[int],
+    settings: BenchSettings,
+    bandwidth_gbs: float | None = None,
+    forward: ForwardFn | None = None,
 ) -> dict[str, Any]:
     """One row: prefill and decode speed of plain decoding, bytes per token, memory."""
     device = model.device
-    decode = decode_step(settings, device)
+    decode = decode_with(forward or forward_step(settings, device))
 
     def run(n: int) -> list[int]:
         return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
@@ -163,18 +167,19 @@ def bench_speculative(
     settings: BenchSettings,
     plain: dict[str, Any],
     draft: Transformer | None = None,
+    forward: ForwardFn | None = None,
 ) -> dict[str, Any]:
     """Greedy speculative decoding (``draft``, else prompt lookup) against ``plain``'s decode rate.
 
-    With ``settings.compile`` the draft's one-token steps are compiled (as ``plain``'s are); the
-    target's verifying forwards, over a varying number of tokens, run eager."""
+    With ``settings.compile`` the draft's steps and the target's verifying forwards are compiled,
+    as ``plain``'s steps are."""
     stats = SpeculativeStats()
-    draft_decode = decode_step(settings, model.device)
+    forward = forward or forward_step(settings, model.device)
 
     def run(n: int, record: SpeculativeStats | None = None) -> list[int]:
         lookup = None if draft is not None else PromptLookupDrafter()
         tokens = speculative_decode(
-            model, prompt, draft=draft, max_new_tokens=n, prompt_lookup=lookup, stats=record, draft_decode=draft_decode
+            model, prompt, draft=draft, max_new_tokens=n, prompt_lookup=lookup, stats=record, forward=forward
         )
         return list(tokens)
 
@@ -207,9 +212,10 @@ def benchmark(
         )
     bandwidth = copy_bandwidth_gbs(model.device)
     result = {"settings": asdict(settings), "device": str(model.device), "threads": torch.get_num_threads()}
-    result["plain"] = bench_plain(model, prompt, settings, bandwidth)
+    forward = forward_step(settings, model.device)  # one compiled forward per model, shared by both rows
+    result["plain"] = bench_plain(model, prompt, settings, bandwidth, forward)
     if draft is not None or prompt_lookup:
-        result["speculative"] = bench_speculative(model, prompt, settings, result["plain"], draft)
+        result["speculative"] = bench_speculative(model, prompt, settings, result["plain"], draft, forward)
     return result
 
 

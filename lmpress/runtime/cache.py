@@ -90,7 +90,7 @@ class KVCache:
 
 
 class StaticSlots:
-    """A decode step's view of a ``KVCache`` for compiled steps: it writes slot ``pos`` and reads every slot.
+    """A compiled step's view of a ``KVCache``: it writes the new tokens' slots ``pos`` and reads every slot.
 
     Nothing here depends on how full the cache is (``pos`` is a tensor, the mask
     hides the empty slots), so one compiled graph, or one CUDA graph, serves every step.
@@ -105,10 +105,11 @@ class StaticSlots:
         return self.k[layer], self.v[layer]
 
 
-def static_decode_mask(pad: torch.Tensor, pos: torch.Tensor, max_len: int, window: int | None) -> torch.Tensor:
-    """Boolean ``(batch, 1, 1, max_len)``: the slots a query at slot ``pos`` sees (filled, not padding, in window)."""
-    slot = torch.arange(max_len, device=pad.device)[None, :]
-    visible = (slot <= pos) & (slot >= pad[:, None])
+def static_slots_mask(pad: torch.Tensor, pos: torch.Tensor, max_len: int, window: int | None) -> torch.Tensor:
+    """Boolean ``(batch, 1, n, max_len)``: the slots each query at slots ``pos`` ``(n,)`` sees (filled up to its
+    own, not padding, in window)."""
+    slot = torch.arange(max_len, device=pad.device)
+    visible = (slot <= pos[:, None])[None] & (slot >= pad[:, None])[:, None]
     if window is not None:
-        visible = visible & (pos - slot < window)
-    return visible[:, None, None, :]
+        visible = visible & (pos[:, None] - slot < window)[None]
+    return visible[:, None]

@@ -20,7 +20,8 @@ from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, make_generator, sample
 
 FINISHED = -1  # what ``generate_tokens`` yields for a row that has already stopped
-DecodeFn = Callable[[Transformer, torch.Tensor, KVCache], torch.Tensor]
+DecodeFn = Callable[[Transformer, torch.Tensor, KVCache], torch.Tensor]  # (batch,) -> logits (batch, vocab)
+ForwardFn = Callable[[Transformer, torch.Tensor, KVCache], torch.Tensor]  # (batch, n) -> logits (batch, n, vocab)
 
 
 @torch.no_grad()
@@ -153,25 +154,45 @@ def generate(
     return rows
 
 
+def model_forward(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Read ``tokens`` ``(batch, n)`` after the cache's contents; float logits ``(batch, n, vocab)``."""
+    return model(tokens, cache).float()
+
+
+def decode_with(forward: ForwardFn) -> DecodeFn:
+    """The one-token step of a ``ForwardFn``."""
+
+    def decode(model: Transformer, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return forward(model, token[:, None], cache)[:, -1]
+
+    return decode
+
+
 def _static_step(
-    model: Transformer, token: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad, pos
+    model: Transformer, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad, pos
 ) -> torch.Tensor:
-    return model.decode_static(token, k, v, pad, pos)[:, -1].float()
+    return model.forward_static(tokens, k, v, pad, pos).float()
+
+
+def static_forward(step: Callable[..., torch.Tensor] = _static_step) -> ForwardFn:
+    """A ``ForwardFn`` running ``step`` (``_static_step``, or a compiled form of it) on a cache's tensors."""
+
+    @torch.no_grad()
+    def forward(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        n = tokens.shape[1]
+        if cache.length + n > cache.max_len:
+            raise LmpressInputError(f"{cache.length + n} tokens exceed the cache of {cache.max_len}")
+        pos = torch.arange(cache.length, cache.length + n, device=model.device)
+        logits = step(model, tokens.to(model.device), cache.k, cache.v, cache.pad, pos)
+        cache.advance(n)
+        return logits.clone()  # a CUDA graph overwrites its output at the next replay
+
+    return forward
 
 
 def static_decode(step: Callable[..., torch.Tensor] = _static_step) -> DecodeFn:
-    """A ``DecodeFn`` running ``step`` (``_static_step``, or a compiled form of it) on a cache's tensors."""
-
-    @torch.no_grad()
-    def decode(model: Transformer, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        if cache.length + 1 > cache.max_len:
-            raise LmpressInputError(f"{cache.length + 1} tokens exceed the cache of {cache.max_len}")
-        pos = torch.tensor([cache.length], device=model.device)
-        logits = step(model, token.to(model.device), cache.k, cache.v, cache.pad, pos)
-        cache.advance(1)
-        return logits.clone()  # a CUDA graph overwrites its output at the next replay
-
-    return decode
+    """The one-token step of ``static_forward(step)``."""
+    return decode_with(static_forward(step))
 
 
 def _own_static_step() -> Callable[..., torch.Tensor]:
@@ -181,14 +202,16 @@ def _own_static_step() -> Callable[..., torch.Tensor]:
     return types.FunctionType(code, _static_step.__globals__, _static_step.__name__)
 
 
-def compiled_decode(mode: str | None = None) -> DecodeFn:
-    """The decode step as one ``torch.compile``'d graph of fixed shapes (``Transformer.decode_static``).
+def compiled_forward(mode: str | None = None) -> ForwardFn:
+    """A forward over a few tokens as ``torch.compile``'d graphs of fixed shapes (``Transformer.forward_static``).
 
-    It compiles once per model and cache size and is reused at every step; ``mode="reduce-overhead"``
-    also captures it in a CUDA graph on a GPU. Dynamo's guards on the model's ~600 parameters
-    cost ~0.5 ms per call on 2 CPU threads (7% of SmolLM2's W4 step), so they are dropped:
-    each model gets its own compiled step, and the cache's tensors stay guarded (a new cache
-    size recompiles).
+    It compiles once per model and cache size for one token (decode), and once more for any other
+    count (a speculative round's 2-9 tokens: the count becomes a symbolic size), and is reused at
+    every step; ``mode="reduce-overhead"`` also captures it in CUDA graphs on a GPU. Dynamo's
+    guards on the model's ~600 parameters cost ~0.5 ms per call on 2 CPU threads (7% of SmolLM2's
+    W4 step), so they are dropped: each model gets its own compiled step, and the cache's tensors
+    stay guarded (a new cache size recompiles). Long reads (a prompt) belong to the model's own
+    forward: the static step's attention is written for a few queries.
     """
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if mode is not None:
@@ -200,4 +223,9 @@ def compiled_decode(mode: str | None = None) -> DecodeFn:
             steps[model] = torch.compile(_own_static_step(), fullgraph=True, options=options)
         return steps[model](model, *args)
 
-    return static_decode(step)
+    return static_forward(step)
+
+
+def compiled_decode(mode: str | None = None) -> DecodeFn:
+    """The one-token step of ``compiled_forward(mode)``."""
+    return decode_with(compiled_forward(mode))

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
-from lmpress.runtime.cache import KVCache, StaticSlots, static_decode_mask
+from lmpress.runtime.cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.kernels import linear_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -165,24 +165,25 @@ def few_query_attention(
     return out.reshape(batch, heads, n, head_dim)
 
 
-def pointwise_decode_attention(
+def pointwise_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """``few_query_attention`` for one query, written as broadcast products and sums, for the compiled decode step.
+    """``few_query_attention`` written as broadcast products and sums, for the compiled static step.
 
     Inductor fuses these into one loop nest with the softmax; the two matmuls of
     ``few_query_attention`` stay library calls of ~20 us each on 2 CPU threads, a sixth of
     SmolLM2's compiled W4 step (``bench/runtime.py``). Eager, it would materialize the broadcast
     products, so the growing-cache path keeps ``few_query_attention``.
     """
-    batch, heads, _, head_dim = q.shape
+    batch, heads, n, head_dim = q.shape
     kv_heads = keys.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, 1, head_dim).float()
-    scores = (grouped * keys[:, :, None].float()).sum(-1) * head_dim**-0.5  # (batch, kv_heads, group, length)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    out = (scores.softmax(dim=-1)[..., None] * values[:, :, None].float()).sum(-2)
-    return out.to(values.dtype).reshape(batch, heads, 1, head_dim)
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, n, 1, head_dim).float()
+    keys, values = keys[:, :, None, None].float(), values[:, :, None, None].float()
+    scores = (grouped * keys).sum(-1) * head_dim**-0.5  # (batch, kv_heads, group, n, length)
+    if mask is not None:  # (batch, 1, n, length)
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    out = (scores.softmax(dim=-1)[..., None] * values).sum(-2)
+    return out.to(q.dtype).reshape(batch, heads, n, head_dim)
 
 
 class FusedLinear(nn.Module):
@@ -294,7 +295,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         keys, values = cache.update(layer, k, v.transpose(1, 2))
         if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
-            out = pointwise_decode_attention(q, keys, values, mask)
+            out = pointwise_attention(q, keys, values, mask)
         elif n_new <= FEW_QUERIES:
             out = few_query_attention(q, keys, values, mask)
         else:
@@ -411,16 +412,16 @@ class Transformer(nn.Module):
         cache.advance(n_new)
         return logits
 
-    def decode_static(
-        self, token: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad: torch.Tensor, pos: torch.Tensor
+    def forward_static(
+        self, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad: torch.Tensor, pos: torch.Tensor
     ) -> torch.Tensor:
-        """Logits ``(batch, 1, vocab)`` for one token per row ``(batch,)`` written at slot ``pos`` (a 1-element
-        tensor) of a cache's ``k``/``v`` with row padding ``pad``. Every shape is fixed by the cache's size, so
+        """Logits ``(batch, n, vocab)`` for ``tokens`` ``(batch, n)`` written at slots ``pos`` ``(n,)`` of a
+        cache's ``k``/``v`` with row padding ``pad``. Every shape is fixed by the cache's size and ``n``, so
         this is the step ``torch.compile`` (and CUDA graphs) can capture once; the caller advances the cache."""
         max_len = k[0].shape[2]
-        masks = {window: static_decode_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
-        positions = (pos - pad).clamp(min=0)[:, None]
-        return self._run(token[:, None], positions, masks, StaticSlots(k, v, pos))
+        masks = {window: static_slots_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
+        positions = (pos[None, :] - pad[:, None]).clamp(min=0)
+        return self._run(tokens, positions, masks, StaticSlots(k, v, pos))
 
     def _run(
         self,

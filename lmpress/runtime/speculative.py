@@ -19,8 +19,8 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.cache import KVCache
-from lmpress.runtime.generate import DecodeFn, StopCriteria, as_batch, check_context, decode_one_token
-from lmpress.runtime.model import Transformer
+from lmpress.runtime.generate import ForwardFn, StopCriteria, as_batch, check_context, model_forward
+from lmpress.runtime.model import FEW_QUERIES, Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, make_generator, next_token_probs
 
 
@@ -79,8 +79,8 @@ def _draft_distribution(draft_probs: torch.Tensor | None, i: int, token: int, li
 class ModelDrafter:
     """Draws k tokens from a draft model, keeping its KV cache in step with the accepted text.
 
-    Its one-token steps run ``decode`` (a compiled step from ``compiled_decode``, say); the
-    first forward of a round reads the tokens accepted since the last one, several at once.
+    Its reads run ``forward`` (``compiled_forward()``, say): one token per step, and at the start of
+    a round the tokens accepted since the last one, several at once.
     """
 
     def __init__(
@@ -89,9 +89,9 @@ class ModelDrafter:
         max_len: int,
         sampling: SamplingConfig,
         generator: torch.Generator,
-        decode: DecodeFn = decode_one_token,
+        forward: ForwardFn = model_forward,
     ) -> None:
-        self.model, self.sampling, self.generator, self.decode = model, sampling, generator, decode
+        self.model, self.sampling, self.generator, self.forward = model, sampling, generator, forward
         self.cache = model.new_cache(1, min(max_len, model.args.max_seq_len))
         self.cached: list[int] = []  # the tokens whose keys/values the cache holds
 
@@ -107,10 +107,7 @@ class ModelDrafter:
         pending = seq[keep:]
         drafts, probs = [], []
         for _ in range(k):
-            if len(pending) == 1:
-                logits = self.decode(self.model, torch.tensor(pending), self.cache).cpu()
-            else:
-                logits = self.model(torch.tensor([pending]), self.cache)[:, -1].float().cpu()
+            logits = read(self.forward, self.model, pending, self.cache, last_only=True)[:, -1].cpu()
             self.cached += pending
             history = torch.tensor([seq + drafts])
             q = next_token_probs(logits, self.sampling, history)
@@ -139,6 +136,19 @@ class PromptLookupDrafter:
                 if seq[start : start + n] == pattern:
                     return seq[start + n : start + n + k], None
         return [], None
+
+
+def read(
+    forward: ForwardFn, model: Transformer, tokens: list[int], cache: KVCache, last_only: bool = False
+) -> torch.Tensor:
+    """Float logits ``(1, n, vocab)`` (``(1, 1, vocab)`` for the last token with ``last_only``) for ``tokens``
+    read after the cache: a few through ``forward``, more (a prompt) through the model's own forward,
+    whose attention is built for long reads and which then skips the output layer for all but the last."""
+    ids = torch.tensor([tokens])
+    if len(tokens) > FEW_QUERIES:
+        return model(ids, cache, last_only=last_only).float()
+    logits = forward(model, ids, cache)
+    return logits[:, -1:] if last_only else logits
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -231,13 +241,13 @@ def speculative_decode(
     adaptive: bool = True,
     prompt_lookup: PromptLookupDrafter | None = None,
     stats: SpeculativeStats | None = None,
-    draft_decode: DecodeFn = decode_one_token,
+    forward: ForwardFn = model_forward,
 ) -> Iterator[int]:
     """Yield the target's tokens as rounds accept them: from ``draft``, or ``prompt_lookup`` when no draft is given.
 
     Same stopping rules and token budget as ``generate_tokens``; ``stats`` (if given)
-    is filled in as it runs: acceptance rate and tokens per target step. ``draft_decode``
-    runs the draft's one-token steps (e.g. ``compiled_decode()``).
+    is filled in as it runs: acceptance rate and tokens per target step. ``forward`` runs the
+    draft's steps and the target's verifying reads (e.g. ``compiled_forward()``).
     """
     sampling = sampling or SamplingConfig()
     batch = as_batch(prompt)
@@ -254,13 +264,13 @@ def speculative_decode(
     generator = make_generator(seed)
     capacity = min(len(seq) + max_new_tokens - 1, target.args.max_seq_len)
     n_new = capacity - len(seq) + 1  # as many tokens as plain decoding would give
-    drafter = ModelDrafter(draft, capacity, sampling, generator, draft_decode) if draft is not None else prompt_lookup
+    drafter = ModelDrafter(draft, capacity, sampling, generator, forward) if draft is not None else prompt_lookup
     drafter = drafter or PromptLookupDrafter()
     draft_len = AdaptiveK(k, k_max, adaptive)
     cache = target.new_cache(1, capacity)
     prompt_len = len(seq)
     with torch.no_grad():
-        logits = target(torch.tensor([seq]), cache)[:, -1].float().cpu()
+        logits = target(torch.tensor([seq]), cache, last_only=True)[:, -1].float().cpu()
     emitted = [int(draw(next_token_probs(logits, sampling, torch.tensor([seq])), generator)[0])]
     while True:
         for token in emitted:
@@ -269,7 +279,7 @@ def speculative_decode(
             if stops.done(seq[prompt_len:]) or len(seq) - prompt_len == n_new:
                 return
         remaining = n_new - (len(seq) - prompt_len)
-        drafted, emitted = _round(target, cache, seq, drafter, draft_len, remaining, sampling, generator)
+        drafted, emitted = _round(target, forward, cache, seq, drafter, draft_len, remaining, sampling, generator)
         stats.target_steps += 1
         stats.step_tokens += len(emitted)
         stats.drafted += drafted
@@ -279,6 +289,7 @@ def speculative_decode(
 @torch.no_grad()
 def _round(
     target: Transformer,
+    forward: ForwardFn,
     cache: KVCache,
     seq: list[int],
     drafter: ModelDrafter | PromptLookupDrafter,
@@ -294,7 +305,7 @@ def _round(
     began = time.perf_counter()
     drafts, draft_probs = drafter.propose(seq, k) if k else ([], None)
     drafted = time.perf_counter()
-    logits = target(torch.tensor([seq[-1:] + drafts]), cache)[0].float().cpu()
+    logits = read(forward, target, seq[-1:] + drafts, cache)[0].cpu()
     target_probs = _target_probs(logits, seq, drafts, sampling)
     emitted = verify(target_probs, drafts, draft_probs, generator)
     draft_len.update(len(drafts), len(emitted) - 1, time.perf_counter() - drafted, drafted - began)

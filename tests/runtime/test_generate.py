@@ -141,6 +141,27 @@ def test_static_decode_step_equals_the_growing_cache(family):
     assert generate(model, prompts, max_new_tokens=16, decode=static_decode()) == expected
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_static_forward_over_a_few_tokens_equals_the_growing_cache(family):
+    """A speculative round's read (several tokens at once) through the fixed-shape step: same logits as the
+    model's own forward, for a left-padded batch and past a sliding window."""
+    from lmpress.runtime.generate import left_pad, static_forward
+
+    model = Transformer.from_hf(tiny_hf_model(family, seed=4, sliding_window=6 if family == "mistral" else None))
+    tokens, pad = left_pad([prompt(10, seed=1), prompt(3, seed=2)])
+    step = static_forward()
+    for n in (1, 2, 5):
+        caches = [model.new_cache(2, 24, pad) for _ in range(2)]
+        for cache in caches:
+            model(tokens, cache)
+        reads = [torch.randint(3, 256, (2, n), generator=torch.Generator().manual_seed(n)) for _ in range(2)]
+        for read in reads:  # two reads in a row: the second attends to the first's slots
+            expected = model(read, caches[0]).float()
+            actual = step(model, read, caches[1])
+            torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        assert caches[1].length == caches[0].length == 10 + 2 * n
+
+
 @pytest.mark.slow
 def test_compiled_decode_equals_eager_for_each_model_it_serves():
     """One compiled step serving two models whose caches have the same shape (only their widths differ):

@@ -59,26 +59,29 @@ def test_greedy_output_identical_to_plain_decoding(target, target_hf, draft_kind
         assert stats.tokens_per_step == (len(actual) - 1) / stats.target_steps
 
 
-def test_draft_steps_through_a_static_decode_step(target, target_hf):
-    from lmpress.runtime.generate import static_decode
+def test_draft_and_verification_step_through_a_static_forward(target, target_hf):
+    from lmpress.runtime.generate import static_forward
 
-    draft, step, steps = w4_copy(target_hf), static_decode(), []
+    draft, step, steps = w4_copy(target_hf), static_forward(), []
 
-    def counted_step(model, token, cache):
-        steps.append(len(token))
-        return step(model, token, cache)
+    def counted_step(model, tokens, cache):
+        steps.append((model is draft, tokens.shape[1]))
+        return step(model, tokens, cache)
 
     ids = prompt(seed=4)
     eager, static = SpeculativeStats(), SpeculativeStats()
     expected = list(speculative_decode(target, ids, draft=draft, max_new_tokens=48, stats=eager, adaptive=False))
     actual = list(
         speculative_decode(
-            target, ids, draft=draft, max_new_tokens=48, stats=static, adaptive=False, draft_decode=counted_step
+            target, ids, draft=draft, max_new_tokens=48, stats=static, adaptive=False, forward=counted_step
         )
     )
     assert actual == expected == generate(target, ids, max_new_tokens=48)[0]
     assert (static.drafted, static.accepted) == (eager.drafted, eager.accepted)
-    assert steps and set(steps) == {1}  # the draft's one-token steps went through it
+    draft_reads = {n for is_draft, n in steps if is_draft}
+    assert 1 in draft_reads and max(draft_reads) <= 2  # the draft's steps went through it, the prompt did not
+    verified = [n for is_draft, n in steps if not is_draft]  # the target's: k=4 drafts + 1, fewer near the end
+    assert len(verified) == static.target_steps and max(verified) == 5
 
 
 def test_acceptance_reflects_draft_quality(target, target_hf):
