@@ -1,4 +1,4 @@
-"""What limits a speculative draft: its step cost against the target's, and how often its greedy token is the target's.
+"""What limits a speculative draft: what a round costs, and how often its greedy token is the target's.
 
     python bench/draft_probe.py                                   # the draft-student run of bench/distill_table.py
     python bench/draft_probe.py --draft runs/draft-student/compressed-tensors
@@ -12,6 +12,8 @@ argmax is the same), on two texts:
 - ``answer``: the target's own greedy answer to bench/runtime.py's code-rewrite prompt (what the
   speculative benchmark decodes), scored on the answer.
 
+Also times what a speculative round costs: the target's read of 1-5 tokens (its verification of
+0-4 drafts) and the draft's of 1-2, eager and with ``compiled_forward``, after a 440-token context.
 Writes bench/results/draft_probe.json (2 CPU threads).
 """
 
@@ -48,18 +50,35 @@ def greedy_answer(model, prompt: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
-def step_ms(model, context: int = 128, repeats: int = 20) -> float:
+def forward_ms(model, n: int, forward=None, context: int = 440, repeats: int = 20) -> float:
+    """Median ms of one read of ``n`` tokens after ``context`` (a speculative round's verification for n > 1)."""
     from lmpress.runtime.bench import median_seconds
-    from lmpress.runtime.generate import decode_one_token
+    from lmpress.runtime.generate import model_forward
 
-    cache = model.new_cache(1, context + 1)
-    model(torch.arange(context)[None], cache)
+    forward = forward or model_forward
+    cache = model.new_cache(1, context + n)
+    model(torch.arange(context)[None] + 100, cache)
+    tokens = torch.full((1, n), 5)
 
-    def step() -> None:
+    def read() -> None:
         cache.truncate(context)
-        decode_one_token(model, torch.tensor([5]), cache)
+        forward(model, tokens, cache)
 
-    return 1000 * median_seconds(step, repeats, torch.device("cpu"))
+    read()  # a compiled forward compiles here
+    return 1000 * median_seconds(read, repeats, torch.device("cpu"))
+
+
+def round_costs(target, draft) -> dict[str, float]:
+    """What a round costs, eager and compiled: the target's read of 1-5 tokens, the draft's of 1 and 2."""
+    from lmpress.runtime.generate import compiled_forward
+
+    costs = {}
+    for mode, forward in (("eager", None), ("compiled", compiled_forward())):
+        for n in (1, 2, 3, 4, 5):
+            costs[f"{mode}_target_{n}_tokens_ms"] = round(forward_ms(target, n, forward), 2)
+        for n in (1, 2):
+            costs[f"{mode}_draft_{n}_tokens_ms"] = round(forward_ms(draft, n, forward), 2)
+    return costs
 
 
 def main() -> None:
@@ -96,8 +115,7 @@ def main() -> None:
         else args.draft,
         "cpu": cpu_description(),
         "threads": THREADS,
-        "target_step_ms": round(step_ms(target), 2),
-        "draft_step_ms": round(step_ms(draft), 2),
+        **round_costs(target, draft),
         "copy_draft_agrees_with_target": round(copy_draft, 3),
         "copy_target_agrees_with_text": round(copy_target_text, 3),
         "answer_draft_agrees_with_target": round(float((d == t).float().mean()), 3),
