@@ -5,7 +5,8 @@
 Times one forward of the whole FP32 runtime model (all 30 layers and the tied 49152-row head,
 weights streamed from memory, not cache-resident) after a 128-token prompt, for the token counts
 that decoding (1), speculative verification (2-9) and prefill (32-128) read; medians of 7.
-Writes bench/results/dense_matmul.md.
+Also times ``W @ x.T`` on one weight shape with ``x`` row-major against ``x.T`` contiguous (why
+``DenseLinear`` hands BLAS row-major rows). Writes bench/results/dense_matmul.md.
 """
 
 from __future__ import annotations
@@ -39,6 +40,21 @@ def forward_ms(model, prompt: list[int], n: int, repeats: int) -> float:
             model(torch.tensor([prompt[:n]]), cache)
             times.append(time.perf_counter() - began)
     return statistics.median(times) * 1000
+
+
+def layout_us(rows: int, row_major: bool, shape: tuple[int, int] = (3072, 576), repeats: int = 7) -> float:
+    """Median us of ``W @ x.T`` for ``rows`` rows, ``x`` row-major (``x.T`` a transposed view) or column-major
+    (``x.T`` contiguous, as a previous ``(W @ x.T).T`` output hands it on), over 256 MB of weights."""
+    weights = [torch.randn(shape) for _ in range(256 * 2**20 // (shape[0] * shape[1] * 4))]
+    x = torch.randn(rows, shape[1])
+    right = x.t() if row_major else x.t().contiguous()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for weight in weights:
+            weight @ right
+        times.append((time.perf_counter() - began) / len(weights))
+    return statistics.median(times) * 1e6
 
 
 def main() -> int:
@@ -75,6 +91,11 @@ def main() -> int:
         f"\n\nSmolLM2-135M FP32 runtime forward after a 128-token prompt, {args.threads} threads, "
         f"{cpu_description()}; (W @ x.T).T applies to <= {DenseLinear.FEW_ROWS} rows. The probe chose: {probe}.\n"
     )
+    layout_rows = (2, 4, 8)
+    table += "\n| W @ x.T, 3072 x 576, us per product, rows: | " + " | ".join(map(str, layout_rows)) + " |\n"
+    table += "| --- |" + " --- |" * len(layout_rows) + "\n"
+    for label, row_major in (("x row-major (x.T a view)", True), ("x.T contiguous", False)):
+        table += f"| {label} | " + " | ".join(f"{layout_us(r, row_major):.0f}" for r in layout_rows) + " |\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "dense_matmul.md").write_text(table)
     print(table)

@@ -19,7 +19,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.cache import KVCache
-from lmpress.runtime.generate import ForwardFn, StopCriteria, as_batch, check_context, model_forward
+from lmpress.runtime.generate import ForwardFn, StopCriteria, as_batch, check_context, model_forward, prefill
 from lmpress.runtime.model import FEW_QUERIES, Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, make_generator, next_token_probs
 
@@ -270,7 +270,7 @@ def speculative_decode(
     cache = target.new_cache(1, capacity)
     prompt_len = len(seq)
     with torch.no_grad():
-        logits = target(torch.tensor([seq]), cache, last_only=True)[:, -1].float().cpu()
+        logits = prefill(target, torch.tensor([seq]), cache).cpu()
     emitted = [int(draw(next_token_probs(logits, sampling, torch.tensor([seq])), generator)[0])]
     while True:
         for token in emitted:

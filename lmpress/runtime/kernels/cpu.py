@@ -30,7 +30,7 @@ class DenseLinear(nn.Linear):
     process, for one row (decode) and for four (speculative verification), streaming copies of a
     weight of that shape from memory (``weight_left_is_faster``); the weight goes left only where
     it wins by 10% or more. SmolLM2's FP32 forward on a 2-core AMD EPYC (``bench/dense_matmul.py``):
-    one token 37.1 ms with ``F.linear`` everywhere, 20.2 ms as probed; three tokens 85.1 vs 26.2 ms.
+    one token 37.8 ms with ``F.linear`` everywhere, 21.4 ms as probed; three tokens 82.7 vs 25.0 ms.
     Other dtypes, devices and row counts run ``F.linear``.
     """
 
@@ -50,7 +50,7 @@ class DenseLinear(nn.Linear):
         if not left or x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         # Row-major rows, so that flat.t() is a transposed view: BLAS multiplies W by a contiguous (in, rows)
-        # matrix 3-4x slower on this path, and a previous DenseLinear's output is exactly such a view.
+        # matrix 2-4x slower (bench/dense_matmul.py), and a previous DenseLinear's output is exactly such a view.
         flat = torch.cat((flat, flat)) if rows == 1 else flat.contiguous()
         y = (self.weight @ flat.t())[:, :rows].t()
         if self.bias is not None:
