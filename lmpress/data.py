@@ -2,6 +2,8 @@
 
 Sources:
   builtin:python-docs          the CPython reference text in ``pydoc_data.topics`` (always installed)
+  builtin:python-source        the source of the standard library's top-level modules (``*.py`` in its
+                               directory, sorted by name): code, as the running Python ships it
   hf:DATASET[:CONFIG[:SPLIT]]  a hub dataset's ``text`` column, e.g. ``hf:wikitext:wikitext-2-raw-v1``
   PATH.txt | .jsonl | .parquet a local file (``text`` field / column for jsonl and parquet)
 
@@ -23,6 +25,7 @@ import torch
 from lmpress.errors import LmpressInputError
 
 BUILTIN_PYTHON_DOCS = "builtin:python-docs"
+BUILTIN_PYTHON_SOURCE = "builtin:python-source"
 TEXT_SUFFIXES = (".txt", ".raw", ".tokens", ".jsonl", ".parquet")
 
 
@@ -70,9 +73,23 @@ def same_text(a: str, b: str) -> bool:
 
 
 def _builtin_text(source: str) -> str:
+    if source == BUILTIN_PYTHON_SOURCE:
+        return _python_source()
     if source != BUILTIN_PYTHON_DOCS:
-        raise LmpressInputError(f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS})")
+        raise LmpressInputError(
+            f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS}, {BUILTIN_PYTHON_SOURCE})"
+        )
     return _python_docs()
+
+
+def _python_source() -> str:
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))
+    if not files:
+        raise LmpressInputError(f"{BUILTIN_PYTHON_SOURCE}: no standard library sources in {stdlib}")
+    return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
 def _python_docs() -> str:

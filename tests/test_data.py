@@ -12,6 +12,13 @@ def test_builtin_python_docs_is_deterministic():
     assert len(a.text) > 100_000 and a.sha256 == b.sha256 and "\r\n" not in a.text
 
 
+def test_builtin_python_source_is_the_standard_librarys_code():
+    a, b = load_text("builtin:python-source"), load_text("builtin:python-source")
+    assert len(a.text) > 1_000_000 and a.sha256 == b.sha256
+    assert "class Fraction(" in a.text  # fractions.py
+    assert "def namedtuple(" not in a.text  # collections is a package: only top-level modules are read
+
+
 def test_local_files(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"line one\r\nline two\r\n")
     assert load_text(str(tmp_path / "a.txt")).text == "line one\nline two\n"

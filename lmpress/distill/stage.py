@@ -6,6 +6,7 @@ Sample recipe stage (after ``sparsegpt`` 2:4, or a ``gptq`` stage at 3 bits):
     - method: distill
       text: ../shared/data/wikitext2/wiki.valid.tokens   # default: the recipe's data.source
       seq_len: 512
+      text_windows: null        # at most this many windows of the text (a seeded choice; default: all)
       steps: 400
       batch_size: 4
       lr: 5.0e-5
@@ -56,6 +57,9 @@ class DistillConfig(StageConfig):
     teacher: str | None = Field(None, description="teacher model source; default: the recipe's model, unmodified")
     text: str | None = Field(None, description="training text; default: the recipe's data.source")
     seq_len: int = Field(512, ge=8)
+    text_windows: int | None = Field(
+        None, ge=1, description="train on at most this many windows of the text (a seeded choice); default: all"
+    )
     steps: int = Field(200, ge=1, le=1_000_000)
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (batch_size is split among them)")
@@ -89,6 +93,8 @@ class DistillConfig(StageConfig):
 
     @model_validator(mode="after")
     def _consistent(self) -> DistillConfig:
+        if self.text_windows is not None and self.text_windows < self.batch_size:
+            raise ValueError(f"text_windows: {self.text_windows} is fewer than one batch ({self.batch_size})")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"grad_accum: {self.grad_accum} does not divide batch_size: {self.batch_size}")
         if self.teacher_logits == "cache" and (self.loss != "forward_kl" or self.hidden is not None):
@@ -139,13 +145,17 @@ def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> d
     source = config.text or ctx.text_source
     ids = tokenize(ctx.tokenizer, load_text(source, default_split="train"))
     windows = split_windows(ids, config.seq_len, config.eval_windows, config.batch_size)
+    quoted = windows.train.flatten()
+    if config.text_windows is not None and config.text_windows < windows.train.shape[0]:
+        chosen = torch.randperm(windows.train.shape[0], generator=torch.Generator().manual_seed(config.seed))
+        windows = TrainingWindows(windows.train[chosen[: config.text_windows].sort().values], windows.held_out)
     for p in teacher.parameters():
         p.requires_grad_(False)
     if config.teacher_answers is not None:
         answers = teacher_answer_windows(
             teacher.to(ctx.device).eval(),
             ctx.tokenizer,
-            windows.train.flatten(),
+            quoted,
             config.teacher_answers,
             config.seq_len,
             config.seed,

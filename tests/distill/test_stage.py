@@ -151,6 +151,7 @@ def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llam
         ({"hidden": {"layers": {5: 1}}}, "names student layer(s) [5]; the student has layers 0..1"),
         ({"text": "SHORT"}, "fewer than one batch of 4"),
         ({"text": "builtin:python-docs"}, "is the eval text"),
+        ({"text_windows": 2}, "text_windows: 2 is fewer than one batch (4)"),
         ({"loss": "jsd", "teacher_logits": "cache"}, "teacher_logits: cache keeps the teacher's top-k"),
     ],
 )
@@ -194,3 +195,6 @@ def test_teacher_answers_join_the_training_windows(tiny_llama_dir, tmp_path, tra
     chat = run(tmp_path, model_dir, [stage], "chat", **dense)
     windows = plain["stages"][0]["summary"]["training_windows"]
     assert chat["stages"][0]["summary"]["training_windows"] == windows + 5
+    stage = distill_stage(text=training_text, steps=2, teacher_answers=answers, text_windows=6)
+    capped = run(tmp_path, model_dir, [stage], "capped", **dense)
+    assert windows > 6 and capped["stages"][0]["summary"]["training_windows"] == 6 + 5
