@@ -4,8 +4,10 @@
     lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE]
     lmpress compare RUN_A RUN_B
     lmpress inspect ARTIFACT [--json]
-    lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT | --prompt-lookup] [--stream] [--device cpu|cuda]
-    lmpress bench ARTIFACT [--prompt-tokens N] [--new-tokens N] [--draft ARTIFACT | --prompt-lookup] [--json FILE]
+    lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup] [--stream]
+                     [--device cpu|cuda]
+    lmpress bench ARTIFACT [--prompt-tokens N] [--new-tokens N] [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup]
+                  [--json FILE]
 
 Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input (one line, no
 traceback), 3 unexpected error (with traceback).
@@ -35,6 +37,18 @@ def command(name: str) -> Callable:
         return fn
 
     return decorator
+
+
+def add_draft_vocab_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="the draft scores only the N tokens most frequent in --draft-vocab-text (output unchanged)",
+    )
+    parser.add_argument(
+        "--draft-vocab-text", default="builtin:python-docs", metavar="SOURCE", help="text to count tokens in"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--draft", metavar="ARTIFACT", help="speculative decoding with this draft model")
     gen.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts")
+    add_draft_vocab_arguments(gen)
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     gen.add_argument("--device", help="cpu or cuda (default: cuda where a GPU is found, else the CPU)")
     bench = sub.add_parser("bench", help="speed of any model or export on lmpress's runtime: latency, tok/s, GB/s")
@@ -94,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", action="store_true", help="time a torch.compile'd decode step")
     bench.add_argument("--draft", metavar="ARTIFACT", help="also time speculative decoding with this draft")
     bench.add_argument("--prompt-lookup", action="store_true", help="also time prompt-lookup speculative decoding")
+    add_draft_vocab_arguments(bench)
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
     ins.add_argument("artifact", help="a checkpoint directory (gptq, awq, compressed-tensors, hf) or a run directory")
@@ -219,6 +235,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         draft=args.draft,
         prompt_lookup=args.prompt_lookup,
+        draft_vocab=args.draft_vocab,
+        draft_vocab_text=args.draft_vocab_text,
         device=device,
         on_text=(lambda piece: print(piece, end="", flush=True)) if args.stream else pieces.append,
     )
@@ -243,7 +261,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
     device, where = resolve_device(args.device)
     model, tokenizer = load_runtime(args.artifact, device, args.dtype)
-    draft = load_draft(args.draft, model, tokenizer, device, args.dtype) if args.draft is not None else None
+    if args.draft is None and args.draft_vocab is not None:
+        raise LmpressInputError("--draft-vocab cuts a draft model's vocabulary: give --draft")
+    draft = (
+        load_draft(args.draft, model, tokenizer, device, args.dtype, args.draft_vocab, args.draft_vocab_text)
+        if args.draft is not None
+        else None
+    )
     prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt)
     result = benchmark(model, prompt, settings, draft=draft, prompt_lookup=args.prompt_lookup)
     result["artifact"], result["device_choice"] = args.artifact, where

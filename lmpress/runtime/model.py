@@ -350,6 +350,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, layer, args.windows[i], build) for i, layer in enumerate(base.layers))
         self.norm = _copy_norm(base.norm, args.norm_eps, build)
         self.output = _output_layer(hf_model, self.tok_embeddings, build)
+        self.output_tokens: torch.Tensor | None = None  # token id of each output row, where not all (a draft's)
         inv_freq, rope_scale = rope_inverse_frequencies(hf_model.config)
         angles = torch.arange(args.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)

@@ -107,7 +107,7 @@ class ModelDrafter:
         pending = seq[keep:]
         drafts, probs = [], []
         for _ in range(k):
-            logits = read(self.forward, self.model, pending, self.cache, last_only=True)[:, -1].cpu()
+            logits = whole_vocabulary(self.model, read(self.forward, self.model, pending, self.cache, True)[:, -1])
             self.cached += pending
             history = torch.tensor([seq + drafts])
             q = next_token_probs(logits, self.sampling, history)
@@ -116,6 +116,42 @@ class ModelDrafter:
             probs.append(q[0])
             pending = [token]
         return drafts, torch.stack(probs) if probs else None
+
+
+def whole_vocabulary(model: Transformer, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``(rows, n)`` of a model that scores part of the vocabulary as ``(rows, vocab)`` on the CPU, the
+    tokens it does not score at -inf (never drawn)."""
+    logits = logits.cpu()
+    if model.output_tokens is None:
+        return logits
+    whole = logits.new_full((logits.shape[0], model.args.vocab_size), float("-inf"))
+    whole[:, model.output_tokens] = logits
+    return whole
+
+
+def restrict_vocabulary(draft: Transformer, tokens: torch.Tensor) -> None:
+    """Make ``draft`` score only ``tokens`` (its output layer cut to their rows): FR-Spec (Zhao et al. 2025).
+
+    A draft's output layer over a large vocabulary is a large part of a draft step (SmolLM2's
+    49,152 x 576 head is half of a W4 half-depth draft's bytes). The target still verifies over
+    the whole vocabulary, so the output does not change; a token outside ``tokens`` is only never
+    proposed. ``frequent_tokens`` picks them from a text.
+    """
+    tokens = torch.as_tensor(tokens, dtype=torch.long).unique()
+    if tokens.numel() == 0 or tokens[0] < 0 or tokens[-1] >= draft.args.vocab_size:
+        raise LmpressInputError(f"a draft vocabulary needs token ids in [0, {draft.args.vocab_size})")
+    from lmpress.runtime.kernels.cpu import output_rows
+
+    draft.output = output_rows(draft.output, tokens.to(draft.device))
+    draft.output_tokens = tokens
+
+
+def frequent_tokens(ids: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """The ``n`` most frequent token ids of ``ids`` (ties to the lower id), ascending."""
+    if not 1 <= n <= vocab_size:
+        raise LmpressInputError(f"a draft vocabulary of {n} tokens: choose 1 to {vocab_size}")
+    counts = torch.bincount(ids.flatten(), minlength=vocab_size)[:vocab_size]
+    return torch.argsort(counts, descending=True, stable=True)[:n].sort().values
 
 
 class PromptLookupDrafter:

@@ -17,12 +17,20 @@ from typing import Any
 
 import torch
 
+from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
 from lmpress.errors import LmpressInputError
 from lmpress.memory import return_freed_memory
 from lmpress.runtime.generate import generate_tokens
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig
-from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, check_same_vocabulary, speculative_decode
+from lmpress.runtime.speculative import (
+    PromptLookupDrafter,
+    SpeculativeStats,
+    check_same_vocabulary,
+    frequent_tokens,
+    restrict_vocabulary,
+    speculative_decode,
+)
 
 
 @dataclass
@@ -110,11 +118,22 @@ def _direct_checkpoint(source: str) -> Path | None:
 
 
 def load_draft(
-    source: str, target: Transformer, target_tokenizer: Any, device: torch.device | str, dtype: str | None = None
+    source: str,
+    target: Transformer,
+    target_tokenizer: Any,
+    device: torch.device | str,
+    dtype: str | None = None,
+    vocabulary: int | None = None,
+    vocabulary_text: str = BUILTIN_PYTHON_DOCS,
 ) -> Transformer:
-    """A draft model for ``target``, refused when its tokenizer differs from the target's."""
+    """A draft model for ``target``, refused when its tokenizer differs from the target's; with ``vocabulary``,
+    scoring only that many tokens, the most frequent in ``vocabulary_text`` (``restrict_vocabulary``)."""
     draft, draft_tokenizer = load_runtime(source, device, dtype)
     check_same_vocabulary(target, draft, target_tokenizer, draft_tokenizer)
+    if vocabulary is not None:
+        text = load_text(vocabulary_text, default_split="train").text
+        ids = torch.tensor(target_tokenizer.encode(text, add_special_tokens=False))
+        restrict_vocabulary(draft, frequent_tokens(ids, vocabulary, draft.args.vocab_size))
     return draft
 
 
@@ -139,8 +158,11 @@ def generate_text(
     prompt_lookup: bool = False,
     device: torch.device | str = "cpu",
     on_text: Callable[[str], None] = print,
+    draft_vocab: int | None = None,
+    draft_vocab_text: str = BUILTIN_PYTHON_DOCS,
 ) -> GenerationResult:
-    """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes."""
+    """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes.
+    ``draft_vocab``, ``draft_vocab_text``: ``load_draft``'s ``vocabulary`` and ``vocabulary_text``."""
     if draft is not None and prompt_lookup:
         raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
     if max_new_tokens < 1:
@@ -151,7 +173,13 @@ def generate_text(
     if not ids:
         raise LmpressInputError("the prompt is empty")
     common = dict(max_new_tokens=max_new_tokens, sampling=config, eos_token_id=tokenizer.eos_token_id, seed=seed)
-    draft_model = load_draft(draft, model, tokenizer, device) if draft is not None else None
+    if draft is None and draft_vocab is not None:
+        raise LmpressInputError("--draft-vocab cuts a draft model's vocabulary: give --draft")
+    draft_model = (
+        load_draft(draft, model, tokenizer, device, vocabulary=draft_vocab, vocabulary_text=draft_vocab_text)
+        if draft is not None
+        else None
+    )
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()
     if draft is not None or prompt_lookup:

@@ -175,6 +175,55 @@ def test_speculative_sampling_follows_target_distribution():
     assert chi_square(counts, joint) < CHI2_CRITICAL_999[15]
 
 
+@pytest.mark.parametrize("head", ["float", "int8"])
+def test_a_draft_cut_to_part_of_the_vocabulary_drafts_only_from_it_and_changes_no_output(target, target_hf, head):
+    from lmpress.runtime.kernels.cpu import kernel_name
+    from lmpress.runtime.speculative import ModelDrafter, frequent_tokens, restrict_vocabulary
+
+    quantized = copy.deepcopy(target_hf)
+    head_scheme = {"ignore": [], "overrides": {"lm_head": {"bits": 8, "group_size": -1}}} if head == "int8" else {}
+    lmpress.quantize_model(quantized, method="rtn", bits=4, group_size=32, **head_scheme)
+    draft = Transformer.from_hf(quantized)
+    assert kernel_name(draft.output) == ("int8" if head == "int8" else "dense")
+    ids = prompt(seed=5)
+    expected = generate(target, ids, max_new_tokens=40)[0]
+    with torch.no_grad():
+        whole = draft(torch.tensor([ids]), draft.new_cache(1, 32))
+    # the prompt's and the answer's tokens but the answer's third: the round that needs it must reject
+    tokens = frequent_tokens(torch.tensor(ids + expected), 48, 256)
+    tokens = tokens[tokens != expected[2]]
+    restrict_vocabulary(draft, tokens)
+    with torch.no_grad():
+        cut = draft(torch.tensor([ids]), draft.new_cache(1, 32))
+    torch.testing.assert_close(cut, whole[..., tokens], rtol=1e-5, atol=1e-5)
+
+    drafts, _ = ModelDrafter(draft, 64, SamplingConfig(), torch.Generator()).propose(ids, 8)
+    assert len(drafts) == 8 and set(drafts) <= set(tokens.tolist())
+    stats = SpeculativeStats()
+    assert list(speculative_decode(target, ids, draft=draft, max_new_tokens=40, stats=stats)) == expected
+    assert stats.accepted > 0
+    sampling = SamplingConfig(temperature=0.8)  # drafts drawn from the cut vocabulary, verified over all of it
+    assert len(list(speculative_decode(target, ids, draft=draft, max_new_tokens=40, sampling=sampling, seed=3))) == 40
+
+
+def test_frequent_tokens_and_bad_draft_vocabularies(target_hf):
+    from lmpress.runtime.speculative import frequent_tokens, restrict_vocabulary
+
+    ids = torch.tensor([5, 7, 7, 9, 9, 9, 3])
+    assert frequent_tokens(ids, 2, 16).tolist() == [7, 9]
+    assert frequent_tokens(ids, 3, 16).tolist() == [3, 7, 9]  # 3 and 5 tie; the lower id wins
+    assert frequent_tokens(ids, 5, 16).tolist() == [0, 3, 5, 7, 9]  # then unseen ids, lowest first
+    with pytest.raises(LmpressInputError, match="1 to 16"):
+        frequent_tokens(ids, 17, 16)
+    draft = Transformer.from_hf(target_hf)
+    with pytest.raises(LmpressInputError, match=r"token ids in \[0, 256\)"):
+        restrict_vocabulary(draft, torch.tensor([1, 256]))
+    w4_head = copy.deepcopy(target_hf)
+    lmpress.quantize_model(w4_head, method="rtn", bits=4, group_size=32, ignore=[])
+    with pytest.raises(LmpressInputError, match="only an int8 or float output layer.*this one is int4"):
+        restrict_vocabulary(Transformer.from_hf(w4_head), torch.tensor([1, 2]))
+
+
 def test_draft_with_another_vocabulary_is_input_error(target):
     other = Transformer.from_hf(tiny_hf_model("llama", vocab_size=300))
     with pytest.raises(LmpressInputError, match="vocabulary"):

@@ -20,7 +20,9 @@ def reference_text(model_dir, new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("mode", [[], ["--stream"], ["--prompt-lookup"], ["--draft", "SELF"]])
+@pytest.mark.parametrize(
+    "mode", [[], ["--stream"], ["--prompt-lookup"], ["--draft", "SELF"], ["--draft", "SELF", "--draft-vocab", "40"]]
+)
 def test_greedy_text_equals_transformers_generate(tiny_llama_dir, capsys, mode):
     mode = [str(tiny_llama_dir) if arg == "SELF" else arg for arg in mode]
     code = main(["generate", str(tiny_llama_dir), "--prompt", PROMPT, "--max-new-tokens", "12", *mode])
@@ -38,9 +40,13 @@ def test_greedy_text_equals_transformers_generate(tiny_llama_dir, capsys, mode):
         (["--top-p", "1.5"], "top_p must lie in (0, 1]"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--prompt-lookup", "--draft", "x"], "choose one"),
+        (["--draft-vocab", "40"], "--draft-vocab cuts a draft model's vocabulary: give --draft"),
+        (["--draft", "SELF", "--draft-vocab", "0"], "a draft vocabulary of 0 tokens: choose 1 to"),
+        (["--draft", "SELF", "--draft-vocab", "9", "--draft-vocab-text", "nope.txt"], "nope.txt does not exist"),
     ],
 )
 def test_bad_generation_settings_are_exit_2(tiny_llama_dir, capsys, args, message):
+    args = [str(tiny_llama_dir) if arg == "SELF" else arg for arg in args]
     assert main(["generate", str(tiny_llama_dir), "--prompt", PROMPT, *args]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert message in err and "Traceback" not in err

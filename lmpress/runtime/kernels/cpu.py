@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmpress.errors import LmpressInputError
 from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.runtime.kernels import dense_linear
 
@@ -159,6 +160,27 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
     if prepared is not None and prepared[0] == "int8":
         return Int8Linear(prepared, layer.in_features, layer.out_features, bias)
     return dense_linear(layer, dtype, DenseLinear)
+
+
+@torch.no_grad()
+def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """A copy of ``layer`` that computes only its output rows ``rows`` (the int8 or float kernel it had)."""
+    bias = getattr(layer, "bias", None)
+    bias = None if bias is None else bias[rows].clone()
+    if isinstance(layer, Int8Linear):
+        offset = None if layer.offset is None else layer.offset[rows].contiguous()
+        prepared = ("int8", layer.weight[rows].contiguous(), layer.scale[rows].contiguous(), offset)
+        return Int8Linear(prepared, layer.in_features, len(rows), bias)
+    if isinstance(layer, nn.Linear):
+        dtype = layer.weight.dtype
+        cut = DenseLinear(layer.in_features, len(rows), bias=bias is not None, dtype=dtype)
+        cut.weight.copy_(layer.weight[rows])
+        if bias is not None:
+            cut.bias.copy_(bias)
+        return cut.requires_grad_(False)
+    raise LmpressInputError(
+        f"only an int8 or float output layer can be cut to part of the vocabulary; this one is {kernel_name(layer)}"
+    )
 
 
 def kernel_name(module: nn.Module) -> str:
