@@ -2,6 +2,7 @@
 
     python bench/draft_probe.py                                   # the draft-student run of bench/distill_table.py
     python bench/draft_probe.py --draft runs/draft-student/compressed-tensors
+    python bench/draft_probe.py --draft-vocab 16384   # the draft scoring the 16,384 tokens most frequent in its text
 
 Agreement is teacher-forced (both models read the same tokens; a position agrees when their
 argmax is the same), on two texts:
@@ -14,7 +15,7 @@ argmax is the same), on two texts:
 
 Also times what a speculative round costs: the target's read of 1-5 tokens (its verification of
 0-4 drafts) and the draft's of 1-2, eager and with ``compiled_forward``, after a 440-token context.
-Writes bench/results/draft_probe.json (2 CPU threads).
+Writes bench/results/draft_probe.json (draft_probe_vocabN.json with --draft-vocab N; 2 CPU threads).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ THREADS = 2
 
 @torch.no_grad()
 def greedy_tokens(model, ids: list[int]) -> torch.Tensor:
-    """The model's argmax after each prefix of ``ids``, in one forward."""
-    return model(torch.tensor([ids]), model.new_cache(1, len(ids)))[0].argmax(-1)
+    """The model's argmax after each prefix of ``ids``, in one forward (token ids of the whole vocabulary)."""
+    best = model(torch.tensor([ids]), model.new_cache(1, len(ids)))[0].argmax(-1)
+    return best if model.output_tokens is None else model.output_tokens[best]
 
 
 @torch.no_grad()
@@ -86,13 +88,15 @@ def main() -> None:
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT))
     parser.add_argument("--passage-tokens", type=int, default=150)
     parser.add_argument("--passages", type=int, default=4)
+    parser.add_argument("--draft-vocab", type=int, help="the draft scores only this many tokens (restrict_vocabulary)")
+    parser.add_argument("--draft-vocab-text", default="builtin:python-source", help="text whose tokens are counted")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     from lmpress.data import load_text
-    from lmpress.runtime.text import load_runtime
+    from lmpress.runtime.text import load_draft, load_runtime
 
     target, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
-    draft = load_runtime(args.draft, "cpu", "float32")[0]
+    draft = load_draft(args.draft, target, tokenizer, "cpu", "float32", args.draft_vocab, args.draft_vocab_text)
     text = load_text("builtin:python-docs", default_split="test").text[:40_000]
     text = tokenizer(text, add_special_tokens=False)["input_ids"]
     n, sep = args.passage_tokens, tokenizer("\n\n", add_special_tokens=False)["input_ids"]
@@ -113,6 +117,7 @@ def main() -> None:
         "draft": str(Path(args.draft).resolve().relative_to(REPO))
         if Path(args.draft).resolve().is_relative_to(REPO)
         else args.draft,
+        "draft_vocab": args.draft_vocab and {"tokens": args.draft_vocab, "text": args.draft_vocab_text},
         "cpu": cpu_description(),
         "threads": THREADS,
         **round_costs(target, draft),
@@ -121,7 +126,8 @@ def main() -> None:
         "answer_draft_agrees_with_target": round(float((d == t).float().mean()), 3),
         "answer_target_self_check": round(float((t == torch.tensor(answer)).float().mean()), 3),
     }
-    (RESULTS / "draft_probe.json").write_text(json.dumps(result, indent=1) + "\n")
+    name = f"draft_probe_vocab{args.draft_vocab}.json" if args.draft_vocab else "draft_probe.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 

@@ -174,12 +174,22 @@ def row_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bool
     return benchmark(model, plain_prompt(tokenizer, args.prompt_tokens), settings)["plain"]
 
 
-def row_speculative(args: argparse.Namespace, draft_source: str | None, compile: bool = False) -> dict[str, Any]:
+def row_speculative(
+    args: argparse.Namespace,
+    draft_source: str | None,
+    compile: bool = False,
+    draft_vocab: int | None = None,
+    draft_vocab_text: str = "builtin:python-docs",
+) -> dict[str, Any]:
     from lmpress.runtime.bench import BenchSettings, benchmark
-    from lmpress.runtime.text import load_runtime
+    from lmpress.runtime.text import load_draft, load_runtime
 
     model, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
-    draft = load_runtime(draft_source, "cpu", "float32")[0] if draft_source else None
+    draft = (
+        load_draft(draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text)
+        if draft_source
+        else None
+    )
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=compile)
     result = benchmark(model, grounded_prompt(tokenizer), settings, draft=draft, prompt_lookup=draft is None)
     return {**result["plain"], **{f"spec_{k}": v for k, v in result["speculative"].items()}}

@@ -212,9 +212,13 @@ def check_same_vocabulary(
 class AdaptiveK:
     """The draft length of each round, chosen to maximize expected tokens per second.
 
-    With a per-token acceptance rate ``a`` (averaged over recent rounds), a round of ``k``
-    drafts emits ``(1 - a**(k+1)) / (1 - a)`` tokens in expectation (Leviathan et al. 2023,
-    eq. 1) and costs one target forward over ``k + 1`` tokens plus ``k`` draft steps. Both
+    With a per-token acceptance rate ``a``, a round of ``k`` drafts emits ``(1 - a**(k+1)) / (1 - a)``
+    tokens in expectation (Leviathan et al. 2023, eq. 1) and costs one target forward over ``k + 1``
+    tokens plus ``k`` draft steps. ``a`` is estimated as that model has it: each round tries its
+    drafts in turn until the first rejection, so it made ``accepted + 1`` trials (``accepted`` when
+    all were taken) with ``accepted`` successes; recent rounds' counts weigh most. (Accepted over
+    drafted counts the drafts after a rejection as failures too: at a = 0.74, four-draft rounds
+    would read as 0.56 and settle on rounds too short, as a 2-core CPU run of SmolLM2's draft did.) Both
     costs are timed as rounds run: on a CPU a forward over 9 tokens costs 2-3 single-token
     steps, on a GPU about one. A length not timed yet is priced by a line through the
     timings so far (optimistically, 10% of a step per extra token, while only one length has
@@ -227,7 +231,7 @@ class AdaptiveK:
         if not 1 <= k <= k_max:
             raise LmpressInputError(f"speculative decoding needs 1 <= k <= k_max, got k={k}, k_max={k_max}")
         self.k, self.k_max, self.adaptive = k, k_max, adaptive
-        self.acceptance = 0.5
+        self.accepted, self.trials = 0.5, 1.0  # running counts of drafts accepted and tried (a prior of 0.5)
         self.forward_seconds: dict[int, float] = {}  # tokens verified -> seconds of one target forward
         self.draft_seconds = 0.0  # per drafted token
 
@@ -237,12 +241,17 @@ class AdaptiveK:
             return
         self.forward_seconds[drafted + 1] = self._average(self.forward_seconds.get(drafted + 1), forward_seconds)
         if drafted:
-            self.acceptance = self._average(self.acceptance, accepted / drafted)
+            self.accepted = self._average(self.accepted, accepted)
+            self.trials = self._average(self.trials, accepted + (accepted < drafted))
             self.draft_seconds = self._average(self.draft_seconds or None, draft_seconds / drafted)
         self.k = max(range(1, self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.round_seconds(k))
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.SMOOTHING) * old + self.SMOOTHING * new
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials
 
     def expected_tokens(self, k: int) -> float:
         return sum(self.acceptance**i for i in range(k + 1))

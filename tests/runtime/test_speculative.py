@@ -135,6 +135,20 @@ def test_k_adapts_to_acceptance_and_cost():
     assert fixed.k == 3
 
 
+def test_k_estimates_the_per_token_acceptance_of_rounds_that_stop_at_the_first_rejection():
+    from lmpress.runtime.speculative import AdaptiveK
+
+    generator = torch.Generator().manual_seed(0)
+    for rate in (0.3, 0.75, 0.9):
+        k, estimates = AdaptiveK(4, 8, adaptive=True), []
+        for _ in range(400):
+            taken = torch.rand(k.k, generator=generator) < rate
+            accepted = int(taken.long().cumprod(0).sum())  # drafts taken before the first rejection
+            k.update(k.k, accepted, 1.0 + 0.1 * k.k, 0.2 * k.k)
+            estimates.append(k.acceptance)
+        assert abs(sum(estimates[100:]) / 300 - rate) < 0.05, rate
+
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
