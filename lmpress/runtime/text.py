@@ -85,9 +85,10 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
         from lmpress.runtime.checkpoint import load_checkpoint
         from lmpress.runtime.tokenizer import RuntimeTokenizer
 
-        model = load_checkpoint(checkpoint, DTYPES[dtype], device)
+        model, tokenizer = load_checkpoint(checkpoint, DTYPES[dtype], device), RuntimeTokenizer(checkpoint)
+        # after both: parsing tokenizer.json leaves ~13 MiB freed in the heap (of SmolLM2's 39 MiB tokenizer)
         return_freed_memory()
-        return model, RuntimeTokenizer(checkpoint)
+        return model, tokenizer
     from lmpress.model import load_model
 
     loaded = load_model(source, dtype, fingerprint=False)  # the runtime needs no weights hash
