@@ -14,7 +14,9 @@ argmax is the same), on two texts:
   speculative benchmark decodes), scored on the answer.
 
 Also times what a speculative round costs: the target's read of 1-5 tokens (its verification of
-0-4 drafts) and the draft's of 1-2, eager and with ``compiled_forward``, after a 440-token context.
+0-4 drafts) and the draft's of 1-2, eager and with ``compiled_forward``, after a 440-token context;
+and the same reads inside compiled speculative decoding of that prompt (``loop_*``: there the
+target's weights pass through the caches between the draft's steps), with the draft's read of the prompt.
 Writes bench/results/draft_probe.json (draft_probe_vocabN.json with --draft-vocab N; 2 CPU threads).
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -40,8 +43,9 @@ THREADS = 2
 @torch.no_grad()
 def greedy_tokens(model, ids: list[int]) -> torch.Tensor:
     """The model's argmax after each prefix of ``ids``, in one forward (token ids of the whole vocabulary)."""
-    best = model(torch.tensor([ids]), model.new_cache(1, len(ids)))[0].argmax(-1)
-    return best if model.output_tokens is None else model.output_tokens[best]
+    from lmpress.runtime.speculative import whole_vocabulary
+
+    return whole_vocabulary(model, model(torch.tensor([ids]), model.new_cache(1, len(ids)))[0]).argmax(-1)
 
 
 @torch.no_grad()
@@ -83,6 +87,40 @@ def round_costs(target, draft) -> dict[str, float]:
     return costs
 
 
+@torch.no_grad()
+def in_loop_costs(target, draft, prompt: list[int], new_tokens: int = 256, runs: int = 3) -> dict[str, float]:
+    """Compiled speculative decoding of ``prompt`` as the benchmark runs it, each read timed where it happens:
+    the draft's and the target's steps (medians over the last of ``runs`` runs), the draft's prompt read."""
+    import statistics
+
+    from lmpress.runtime.generate import compiled_forward
+    from lmpress.runtime.speculative import SpeculativeStats, speculative_decode
+
+    compiled, times = compiled_forward(), {}
+
+    def timed(model, tokens, cache):
+        began = time.perf_counter()
+        logits = compiled(model, tokens, cache)
+        times.setdefault(("draft" if model is draft else "target", tokens.shape[1]), []).append(
+            time.perf_counter() - began
+        )
+        return logits
+
+    for _ in range(runs):  # the first compiles
+        times.clear()
+        stats = SpeculativeStats()
+        list(speculative_decode(target, prompt, draft=draft, max_new_tokens=new_tokens, stats=stats, forward=timed))
+    cache = draft.new_cache(1, len(prompt))
+    began = time.perf_counter()
+    draft(torch.tensor([prompt]), cache, last_only=True)
+    costs = {"loop_draft_prompt_read_s": round(time.perf_counter() - began, 3)}
+    for (who, n), seconds in sorted(times.items()):
+        if who == "draft" or len(seconds) >= 5:
+            costs[f"loop_{who}_{n}_tokens_ms"] = round(1000 * statistics.median(seconds), 2)
+    costs["loop_tokens_per_target_step"] = round(stats.tokens_per_step, 2)
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT))
@@ -121,6 +159,7 @@ def main() -> None:
         "cpu": cpu_description(),
         "threads": THREADS,
         **round_costs(target, draft),
+        **in_loop_costs(target, draft, grounded_prompt(tokenizer)),
         "copy_draft_agrees_with_target": round(copy_draft, 3),
         "copy_target_agrees_with_text": round(copy_target_text, 3),
         "answer_draft_agrees_with_target": round(float((d == t).float().mean()), 3),

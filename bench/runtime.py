@@ -185,11 +185,7 @@ def row_speculative(
     from lmpress.runtime.text import load_draft, load_runtime
 
     model, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
-    draft = (
-        load_draft(draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text)
-        if draft_source
-        else None
-    )
+    draft = load_draft(draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text)
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=compile)
     result = benchmark(model, grounded_prompt(tokenizer), settings, draft=draft, prompt_lookup=draft is None)
     return {**result["plain"], **{f"spec_{k}": v for k, v in result["speculative"].items()}}

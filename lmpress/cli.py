@@ -261,13 +261,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
     device, where = resolve_device(args.device)
     model, tokenizer = load_runtime(args.artifact, device, args.dtype)
-    if args.draft is None and args.draft_vocab is not None:
-        raise LmpressInputError("--draft-vocab cuts a draft model's vocabulary: give --draft")
-    draft = (
-        load_draft(args.draft, model, tokenizer, device, args.dtype, args.draft_vocab, args.draft_vocab_text)
-        if args.draft is not None
-        else None
-    )
+    draft = load_draft(args.draft, model, tokenizer, device, args.dtype, args.draft_vocab, args.draft_vocab_text)
     prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt)
     result = benchmark(model, prompt, settings, draft=draft, prompt_lookup=args.prompt_lookup)
     result["artifact"], result["device_choice"] = args.artifact, where

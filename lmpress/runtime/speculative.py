@@ -217,8 +217,8 @@ class AdaptiveK:
     tokens plus ``k`` draft steps. ``a`` is estimated as that model has it: each round tries its
     drafts in turn until the first rejection, so it made ``accepted + 1`` trials (``accepted`` when
     all were taken) with ``accepted`` successes; recent rounds' counts weigh most. (Accepted over
-    drafted counts the drafts after a rejection as failures too: at a = 0.74, four-draft rounds
-    would read as 0.56 and settle on rounds too short, as a 2-core CPU run of SmolLM2's draft did.) Both
+    drafted counts the drafts after a rejection as failures too: at a = 0.74, three-draft rounds
+    read as 0.56, and rounds were chosen too short.) Both
     costs are timed as rounds run: on a CPU a forward over 9 tokens costs 2-3 single-token
     steps, on a GPU about one. A length not timed yet is priced by a line through the
     timings so far (optimistically, 10% of a step per extra token, while only one length has

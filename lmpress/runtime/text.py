@@ -86,7 +86,7 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
         from lmpress.runtime.tokenizer import RuntimeTokenizer
 
         model, tokenizer = load_checkpoint(checkpoint, DTYPES[dtype], device), RuntimeTokenizer(checkpoint)
-        # after both: parsing tokenizer.json leaves ~13 MiB freed in the heap (of SmolLM2's 39 MiB tokenizer)
+        # after both: parsing tokenizer.json leaves ~13 MiB freed in the heap (bench/load_memory.py)
         return_freed_memory()
         return model, tokenizer
     from lmpress.model import load_model
@@ -119,16 +119,21 @@ def _direct_checkpoint(source: str) -> Path | None:
 
 
 def load_draft(
-    source: str,
+    source: str | None,
     target: Transformer,
     target_tokenizer: Any,
     device: torch.device | str,
     dtype: str | None = None,
     vocabulary: int | None = None,
     vocabulary_text: str = BUILTIN_PYTHON_DOCS,
-) -> Transformer:
-    """A draft model for ``target``, refused when its tokenizer differs from the target's; with ``vocabulary``,
-    scoring only that many tokens, the most frequent in ``vocabulary_text`` (``restrict_vocabulary``)."""
+) -> Transformer | None:
+    """A draft model for ``target`` (None without ``source``), refused when its tokenizer differs from the
+    target's; with ``vocabulary``, scoring only that many tokens, the most frequent in ``vocabulary_text``
+    (``restrict_vocabulary``)."""
+    if source is None:
+        if vocabulary is not None:
+            raise LmpressInputError("--draft-vocab cuts a draft model's vocabulary: give --draft")
+        return None
     draft, draft_tokenizer = load_runtime(source, device, dtype)
     check_same_vocabulary(target, draft, target_tokenizer, draft_tokenizer)
     if vocabulary is not None:
@@ -174,13 +179,7 @@ def generate_text(
     if not ids:
         raise LmpressInputError("the prompt is empty")
     common = dict(max_new_tokens=max_new_tokens, sampling=config, eos_token_id=tokenizer.eos_token_id, seed=seed)
-    if draft is None and draft_vocab is not None:
-        raise LmpressInputError("--draft-vocab cuts a draft model's vocabulary: give --draft")
-    draft_model = (
-        load_draft(draft, model, tokenizer, device, vocabulary=draft_vocab, vocabulary_text=draft_vocab_text)
-        if draft is not None
-        else None
-    )
+    draft_model = load_draft(draft, model, tokenizer, device, vocabulary=draft_vocab, vocabulary_text=draft_vocab_text)
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()
     if draft is not None or prompt_lookup:
