@@ -55,13 +55,17 @@ def verify(
     out: list[int] = []
     for i, token in enumerate(drafts):
         p = target_probs[i]
-        q = _draft_distribution(draft_probs, i, token, p)
+        q_token = float(draft_probs[i, token]) if draft_probs is not None else 1.0  # deterministic: one-hot q
         # Leviathan et al. 2023: accept x ~ q with probability min(1, p(x) / q(x)) ...
-        if p[token] >= q[token] or (p[token] > 0 and float(torch.rand(1, generator=generator)) < p[token] / q[token]):
+        if p[token] >= q_token or (p[token] > 0 and float(torch.rand(1, generator=generator)) < p[token] / q_token):
             out.append(token)
             continue
         # ... else draw from norm(max(0, p - q)), which makes the emitted token exactly p-distributed.
-        residual = (p - q).clamp(min=0)
+        if draft_probs is not None:
+            residual = (p - draft_probs[i]).clamp(min=0)
+        else:
+            residual = p.clone()
+            residual[token] = 0.0
         out.append(
             int(draw((residual / residual.sum())[None], generator)[0]) if residual.sum() > 0 else int(p.argmax())
         )
@@ -70,10 +74,11 @@ def verify(
     return out
 
 
-def _draft_distribution(draft_probs: torch.Tensor | None, i: int, token: int, like: torch.Tensor) -> torch.Tensor:
-    if draft_probs is not None:
-        return draft_probs[i]
-    return torch.nn.functional.one_hot(torch.tensor(token), like.shape[-1]).to(like.dtype)
+def verify_greedy(target_best: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """``verify`` for greedy decoding, where every distribution is one-hot: the drafts up to the first that is
+    not the target's argmax ``target_best`` (one per draft and one after the last), then the target's token."""
+    n = _common_prefix(list(drafts), list(target_best))
+    return list(drafts[:n]) + [target_best[n]]
 
 
 class ModelDrafter:
@@ -94,6 +99,8 @@ class ModelDrafter:
         self.model, self.sampling, self.generator, self.forward = model, sampling, generator, forward
         self.cache = model.new_cache(1, min(max_len, model.args.max_seq_len))
         self.cached: list[int] = []  # the tokens whose keys/values the cache holds
+        # Greedy without a repetition penalty: each draft is the argmax of the scored rows, no distribution built.
+        self.argmax_only = sampling.greedy and sampling.repetition_penalty == 1.0
 
     def room(self, seq_len: int) -> int:
         """How many drafts fit after ``seq_len`` tokens (it reads all but the last draft)."""
@@ -107,15 +114,24 @@ class ModelDrafter:
         pending = seq[keep:]
         drafts, probs = [], []
         for _ in range(k):
-            logits = whole_vocabulary(self.model, read(self.forward, self.model, pending, self.cache, True)[:, -1])
+            logits = read(self.forward, self.model, pending, self.cache, True)[:, -1]
             self.cached += pending
-            history = torch.tensor([seq + drafts])
-            q = next_token_probs(logits, self.sampling, history)
-            token = int(draw(q, self.generator)[0])
+            if self.argmax_only:
+                token = scored_argmax(self.model, logits)
+            else:
+                q = next_token_probs(whole_vocabulary(self.model, logits), self.sampling, torch.tensor([seq + drafts]))
+                token = int(draw(q, self.generator)[0])
+                probs.append(q[0])
             drafts.append(token)
-            probs.append(q[0])
             pending = [token]
         return drafts, torch.stack(probs) if probs else None
+
+
+def scored_argmax(model: Transformer, logits: torch.Tensor) -> int:
+    """The token id of the largest of ``logits`` ``(1, n)``, the scores of ``model.output_tokens`` when it has them
+    (ascending ids, so ties go to the lowest id as over the whole vocabulary)."""
+    best = int(logits.argmax())
+    return int(model.output_tokens[best]) if model.output_tokens is not None else best
 
 
 def whole_vocabulary(model: Transformer, logits: torch.Tensor) -> torch.Tensor:
@@ -351,8 +367,10 @@ def _round(
     drafts, draft_probs = drafter.propose(seq, k) if k else ([], None)
     drafted = time.perf_counter()
     logits = read(forward, target, seq[-1:] + drafts, cache)[0].cpu()
-    target_probs = _target_probs(logits, seq, drafts, sampling)
-    emitted = verify(target_probs, drafts, draft_probs, generator)
+    if sampling.greedy and sampling.repetition_penalty == 1.0:
+        emitted = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+    else:
+        emitted = verify(_target_probs(logits, seq, drafts, sampling), drafts, draft_probs, generator)
     draft_len.update(len(drafts), len(emitted) - 1, time.perf_counter() - drafted, drafted - began)
     return len(drafts), emitted
 

@@ -13,7 +13,13 @@ from lmpress.errors import LmpressInputError
 from lmpress.runtime.generate import generate
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, next_token_probs
-from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, speculative_decode, verify
+from lmpress.runtime.speculative import (
+    PromptLookupDrafter,
+    SpeculativeStats,
+    speculative_decode,
+    verify,
+    verify_greedy,
+)
 from tests.runtime.conftest import tiny_hf_model
 
 # Chi-square critical values at p = 0.001 (a correct sampler fails with probability 1/1000 per seed).
@@ -167,6 +173,28 @@ def test_verify_emits_target_distributed_tokens():
     assert chi_square(first, p[0]) < CHI2_CRITICAL_999[5]
     # The test has power: the drafts themselves (q-distributed) fail it by far.
     assert chi_square(drafted, p[0]) > 10 * CHI2_CRITICAL_999[5]
+
+
+def test_verify_with_a_deterministic_draft_emits_target_distributed_tokens():
+    """A draft with no distribution (prompt lookup, greedy drafts) is a one-hot q: the law still holds."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.05, 0.4, 0.1, 0.2, 0.15, 0.1], [0.3, 0.1, 0.1, 0.2, 0.2, 0.1]])
+    first = torch.zeros(6)
+    for _ in range(6000):
+        first[verify(p, [3], None, gen)[0]] += 1
+    assert chi_square(first, p[0]) < CHI2_CRITICAL_999[5]
+
+
+def test_greedy_verification_is_verify_on_one_hot_distributions():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=gen))
+        best = torch.randint(0, 4, (k + 1,), generator=gen).tolist()
+        drafts = torch.randint(0, 4, (k,), generator=gen).tolist()
+        one_hot = torch.nn.functional.one_hot(torch.tensor(best), 4).float()
+        drafted = torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long), 4).float() if k else None
+        expected = verify_greedy(best, drafts)
+        assert verify(one_hot, drafts, drafted, gen) == expected == verify(one_hot, drafts, None, gen)
 
 
 def test_speculative_sampling_follows_target_distribution():
