@@ -136,6 +136,9 @@ def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
         "row": name,
         "fp32": report["baseline"]["metrics"]["ppl"],
         "after": report["candidate"]["metrics"]["ppl"],
+        "eval_text": report["recipe"]["eval"]["text"],
+        "top1_agreement": report["candidate"]["metrics"].get("top1_agreement"),
+        "gates_passed": report["passed"],
         "train_seconds": train["summary"]["train_seconds"],
         "steps": train["summary"]["steps"],
         "tokens": train["summary"]["tokens"],
@@ -181,6 +184,14 @@ def render(rows: dict[str, dict]) -> str:
             goal = f"speedup >= {SPEEDUP_GOAL}x, identical output"
             met = r["speedup"] >= SPEEDUP_GOAL and r["identical"]
             result = (
+                ""
+                if r.get("top1_agreement") is None
+                else (
+                    f"on {r['eval_text']}: ppl {r['after']:.2f} vs FP32 {r['fp32']:.2f}, top-1 agreement with FP32 "
+                    f"{r['top1_agreement']:.2f} (recipe gates passed: {r['gates_passed']}); "
+                )
+            )
+            result += (
                 f"compiled: speculative {r['speculative_tok_s']:.1f} vs plain {r['plain_tok_s']:.1f} tok/s = "
                 f"**{r['speedup']:.2f}x**, acceptance {r['acceptance_rate']:.2f}, identical: {r['identical']}"
             )
@@ -195,10 +206,8 @@ def render(rows: dict[str, dict]) -> str:
                         f"{e['speculative_tok_s']:.1f} vs {e['plain_tok_s']:.1f} tok/s = {e['speedup']:.2f}x, "
                         f"identical: {e['identical']}"
                     )
-            lines.append(
-                f"| {label} | {r['fp32']:.2f} | | {r['after']:.2f} | {result} | {training} | {goal} | "
-                f"{'yes' if met else 'NO'} |"
-            )
+            ppl = "| |" if r.get("top1_agreement") is not None else f"| {r['fp32']:.2f} | | {r['after']:.2f} |"
+            lines.append(f"| {label} {ppl} {result} | {training} | {goal} | {'yes' if met else 'NO'} |")
             continue
         met = r["gap_closed"] >= GAP_GOAL and r["export_checks_passed"]
         lines.append(
@@ -211,7 +220,8 @@ def render(rows: dict[str, dict]) -> str:
         "SmolLM2-135M-Instruct, training text: each recipe's (wiki.valid.tokens; the draft: builtin:python-source "
         "and the teacher's answers to chat prompts quoting it; "
         "never the eval text), perplexity on the first 20 "
-        "windows of 2048 tokens of wiki.test.raw; after = the recipe's export read back from disk "
+        "windows of 2048 tokens of wiki.test.raw (the draft: its recipe's eval, named in its row); after = the "
+        "recipe's export read back from disk "
         "(`python bench/distill_table.py`). Before: " + ", ".join(befores or ["-"]) + ".",
         f"{THREADS} threads; CPU of each row: "
         + "; ".join(f"{name}: {r.get('cpu', EARLIER_CPU)}" for name, r in rows.items())
