@@ -159,7 +159,8 @@ def window_protocol(ctx: EvalContext, tokenizer, windows: torch.Tensor, **settin
 
 
 def vocab_size(model: nn.Module) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    head = model.get_output_embeddings()  # nn.Linear or a quantized head (no .weight): both know out_features
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 @eval_handler(PerplexityConfig)

@@ -158,6 +158,25 @@ def test_exact_kld_equals_full_vocabulary_reference(tiny, docs_text, tmp_path):
     assert 0 < result.metrics["top1_agreement"] < 1 and result.metrics["kld_mean"] > 0.05
 
 
+def test_a_candidate_with_a_quantized_head_is_scored_exactly(tiny, docs_text, tmp_path):
+    """A quantized output head has no ``.weight`` (a speculative draft with a W8 head): the candidate side only
+    needs its vocabulary size, and its scores still equal the full-vocabulary reference."""
+    import copy
+
+    import lmpress
+    from lmpress.quantize.qlinear import QuantizedLinear
+
+    model, tokenizer = tiny
+    candidate = copy.deepcopy(model)
+    lmpress.quantize_model(candidate, method="rtn", bits=4, group_size=32, ignore=[])
+    assert isinstance(candidate.get_output_embeddings(), QuantizedLinear)
+    _run(model, tokenizer, docs_text, "baseline", tmp_path, EXACT)
+    result = _run(candidate, tokenizer, docs_text, "candidate", tmp_path, EXACT)
+    exact, agree = _full_vocabulary(model, candidate, _windows(EXACT, tokenizer, docs_text, tmp_path), EXACT)
+    assert result.metrics["kld_mean"] == pytest.approx(exact.mean().item(), rel=1e-5)
+    assert result.metrics["top1_agreement"] == pytest.approx(agree.double().mean().item())
+
+
 def test_top_k_never_exceeds_exact(tiny, docs_text, tmp_path):
     model, tokenizer = tiny
     candidate = perturbed(model, 2.0)
