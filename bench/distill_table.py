@@ -18,6 +18,9 @@ Rows, each the recipe of the same name run by ``lmpress run`` in its own process
   decoding on a CPU, the one the goal is judged against) and eager. The draft scores the
   ``DRAFT_VOCAB`` tokens most frequent in its training text (``restrict_vocabulary``; the
   target verifies over the whole vocabulary); compiled with the whole vocabulary is given beside.
+  Each speculative measurement runs in a fresh process; the goal's (compiled) in ``PROCESSES`` of them,
+  judged by the median speedup. A reused run made with another eval section or gates than the
+  recipe's is scored again with ``lmpress eval`` (into ``runs/bench-distill/draft-student-eval``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ EARLIER_CPU = "AMD EPYC without AVX-512 (a row measured before rows named their 
 GAP_GOAL = 0.40
 SPEEDUP_GOAL = 1.3
 DRAFT_VOCAB = 16384
+PROCESSES = 3  # fresh processes that measure the draft row's compiled speedup (the median judges the goal)
 THREADS = 2
 
 
@@ -115,30 +119,81 @@ def measure_recovery(name: str, recipe: dict, reuse: bool) -> dict:
     }
 
 
-def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
-    report = lmpress_run(recipe, RUNS / name, reuse)
-    export = RUNS / name / recipe["export"]["formats"][0]
+def speculative_in_process(export: Path, compile: bool, vocab: tuple[int, str] | None) -> dict:
+    """bench/runtime.py's speculative row for the draft ``export``, measured in a fresh process."""
+    spec = {"draft": str(export), "compile": compile, "vocab": vocab}
+    child = [sys.executable, __file__, "--speculative", json.dumps(spec)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    done = subprocess.run(child, capture_output=True, text=True, cwd=REPO, env=env, check=False)
+    if done.returncode != 0:
+        sys.exit(f"speculative measurement of {export} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_speculative(spec: dict) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
     import torch
     from runtime import row_speculative
 
     torch.set_num_threads(THREADS)
     args = argparse.Namespace(new_tokens=256, repeats=3, prompt_tokens=128)
+    return row_speculative(args, spec["draft"], spec["compile"], *(spec["vocab"] or ()))
+
+
+def evaluated(report: dict, recipe: dict, export: Path, out: Path) -> dict:
+    """``report``, or where it was made with another eval section or gates than ``recipe``'s (a reused run),
+    ``lmpress eval`` of ``export`` against the recipe's model with the recipe's eval and gates."""
+    wanted = {"eval": recipe.get("eval"), "gates": recipe.get("gates", [])}
+    if normalized_eval(report["recipe"]) == normalized_eval(wanted):
+        return report
+    if (out / "report.json").exists() and normalized_eval(json.loads((out / "report.json").read_text())) == (
+        normalized_eval(wanted)
+    ):
+        return json.loads((out / "report.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    suite = out.parent / f"{out.name}.yaml"
+    suite.write_text(yaml.safe_dump(wanted, sort_keys=False))
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    command = [sys.executable, "-m", "lmpress.cli", "eval", str(export), "--suite", str(suite)]
+    command += ["--baseline", recipe["model"]["source"], "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, env=env, check=False)
+    if done.returncode not in (0, 1):  # 1: a gate failed, which the table reports
+        sys.exit(f"{suite}: lmpress eval exited {done.returncode}")
+    result = json.loads((out / "report.json").read_text())
+    return {**result, "recipe": {**result.get("recipe", {}), **wanted}}
+
+
+def normalized_eval(recipe: dict) -> tuple[dict, list[str]]:
+    """A recipe's eval section and gates with every default filled in, as a run's report.json holds them."""
+    from lmpress.recipe import parse_recipe
+
+    raw = {"model": {"source": "unused"}, "eval": recipe.get("eval") or {}, "gates": recipe.get("gates") or []}
+    as_run = parse_recipe(raw).as_dict()
+    return as_run["eval"], as_run["gates"]
+
+
+def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
+    report = lmpress_run(recipe, RUNS / name, reuse)
+    export = RUNS / name / recipe["export"]["formats"][0]
+    scores = evaluated(report, recipe, export, RUNS / f"{name}-eval")
     # Against the runtime's fastest plain decoding (torch.compile'd steps, the draft's and the verifications'
-    # compiled too); the eager pair is reported beside it.
+    # compiled too); the eager pair is reported beside it. A process's plain rate moves by up to ~15% from
+    # one process to the next on this machine (55-64 tok/s compiled) while the speculative one moves less,
+    # so the goal's row is measured in PROCESSES fresh processes and judged by the median speedup.
     train = next(s for s in report["stages"] if s["method"] == "distill")
     distill = next(s for s in recipe["stages"] if s["method"] == "distill")
     vocab = (DRAFT_VOCAB, distill.get("text") or recipe["data"]["source"])
-    spec = row_speculative(args, str(export), True, *vocab)
-    eager = row_speculative(args, str(export), False, *vocab)
-    whole = row_speculative(args, str(export), compile=True)
+    runs = sorted((speculative_in_process(export, True, vocab) for _ in range(PROCESSES)), key=speedup_of)
+    spec = runs[len(runs) // 2]
+    eager = speculative_in_process(export, False, vocab)
+    whole = speculative_in_process(export, True, None)
     return {
         "row": name,
-        "fp32": report["baseline"]["metrics"]["ppl"],
-        "after": report["candidate"]["metrics"]["ppl"],
-        "eval_text": report["recipe"]["eval"]["text"],
-        "top1_agreement": report["candidate"]["metrics"].get("top1_agreement"),
-        "gates_passed": report["passed"],
+        "fp32": scores["baseline"]["metrics"]["ppl"],
+        "after": scores["candidate"]["metrics"]["ppl"],
+        "eval_text": scores["recipe"]["eval"]["text"],
+        "top1_agreement": scores["candidate"]["metrics"].get("top1_agreement"),
+        "gates_passed": scores["passed"],
         "train_seconds": train["summary"]["train_seconds"],
         "steps": train["summary"]["steps"],
         "tokens": train["summary"]["tokens"],
@@ -149,7 +204,11 @@ def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
         "speculative_tok_s": spec["spec_decode_tok_s"],
         "speedup": spec["spec_speedup"],
         "acceptance_rate": spec["spec_acceptance_rate"],
-        "identical": spec["spec_identical_to_plain"],
+        "identical": all(r["spec_identical_to_plain"] for r in runs),
+        "processes": [
+            {"plain_tok_s": r["decode_tok_s"], "speculative_tok_s": r["spec_decode_tok_s"], "speedup": speedup_of(r)}
+            for r in runs
+        ],
         "draft_vocab": {"tokens": vocab[0], "text": vocab[1]},
         "whole_vocab": {
             "plain_tok_s": whole["decode_tok_s"],
@@ -167,6 +226,10 @@ def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
         },
         "run": str((RUNS / name).relative_to(REPO)),
     }
+
+
+def speedup_of(row: dict) -> float:
+    return row["spec_speedup"]
 
 
 def render(rows: dict[str, dict]) -> str:
@@ -191,10 +254,21 @@ def render(rows: dict[str, dict]) -> str:
                     f"{r['top1_agreement']:.2f} (recipe gates passed: {r['gates_passed']}); "
                 )
             )
+            processes = r.get("processes", [])
             result += (
-                f"compiled: speculative {r['speculative_tok_s']:.1f} vs plain {r['plain_tok_s']:.1f} tok/s = "
-                f"**{r['speedup']:.2f}x**, acceptance {r['acceptance_rate']:.2f}, identical: {r['identical']}"
+                f"compiled{f', the median of {len(processes)} processes' if processes else ''}: speculative "
+                f"{r['speculative_tok_s']:.1f} vs plain {r['plain_tok_s']:.1f} tok/s = **{r['speedup']:.2f}x**, "
+                f"acceptance {r['acceptance_rate']:.2f}, identical: {r['identical']}"
             )
+            if processes:
+                result += (
+                    " (each process: "
+                    + ", ".join(
+                        f"{p['speculative_tok_s']:.1f} vs {p['plain_tok_s']:.1f} = {p['speedup']:.2f}x"
+                        for p in processes
+                    )
+                    + ")"
+                )
             if "draft_vocab" in r:
                 v = r["draft_vocab"]
                 result += f"; the draft scoring the {v['tokens']:,} tokens most frequent in {v['text']}"
@@ -238,7 +312,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--reuse", action="store_true", help="reuse runs whose report holds the same recipe")
+    parser.add_argument("--speculative", help=argparse.SUPPRESS)  # a child: one speculative measurement
     args = parser.parse_args()
+    if args.speculative:
+        print(json.dumps(measure_speculative(json.loads(args.speculative))))
+        return 0
     wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in wanted if r not in ROWS]
     if unknown:
