@@ -146,10 +146,10 @@ def evaluated(report: dict, recipe: dict, export: Path, out: Path) -> dict:
     wanted = {"eval": recipe.get("eval"), "gates": recipe.get("gates", [])}
     if normalized_eval(report["recipe"]) == normalized_eval(wanted):
         return report
-    if (out / "report.json").exists() and normalized_eval(json.loads((out / "report.json").read_text())) == (
-        normalized_eval(wanted)
-    ):
-        return json.loads((out / "report.json").read_text())
+    if (out / "report.json").exists():  # scored before: reused while its eval and gates are still the recipe's
+        earlier = json.loads((out / "report.json").read_text())
+        if normalized_eval(earlier["recipe"]) == normalized_eval(wanted):
+            return earlier
     out.mkdir(parents=True, exist_ok=True)
     suite = out.parent / f"{out.name}.yaml"
     suite.write_text(yaml.safe_dump(wanted, sort_keys=False))
@@ -159,8 +159,7 @@ def evaluated(report: dict, recipe: dict, export: Path, out: Path) -> dict:
     done = subprocess.run(command, cwd=REPO, env=env, check=False)
     if done.returncode not in (0, 1):  # 1: a gate failed, which the table reports
         sys.exit(f"{suite}: lmpress eval exited {done.returncode}")
-    result = json.loads((out / "report.json").read_text())
-    return {**result, "recipe": {**result.get("recipe", {}), **wanted}}
+    return json.loads((out / "report.json").read_text())
 
 
 def normalized_eval(recipe: dict) -> tuple[dict, list[str]]:

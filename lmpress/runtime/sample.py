@@ -38,6 +38,11 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy without a repetition penalty: the next token is the argmax of the raw logits."""
+        return self.greedy and self.repetition_penalty == 1.0
+
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
     """The CTRL rule (Keskar et al. 2019), as transformers applies it: a seen token's logit is divided

@@ -99,8 +99,6 @@ class ModelDrafter:
         self.model, self.sampling, self.generator, self.forward = model, sampling, generator, forward
         self.cache = model.new_cache(1, min(max_len, model.args.max_seq_len))
         self.cached: list[int] = []  # the tokens whose keys/values the cache holds
-        # Greedy without a repetition penalty: each draft is the argmax of the scored rows, no distribution built.
-        self.argmax_only = sampling.greedy and sampling.repetition_penalty == 1.0
 
     def room(self, seq_len: int) -> int:
         """How many drafts fit after ``seq_len`` tokens (it reads all but the last draft)."""
@@ -116,7 +114,7 @@ class ModelDrafter:
         for _ in range(k):
             logits = read(self.forward, self.model, pending, self.cache, True)[:, -1]
             self.cached += pending
-            if self.argmax_only:
+            if self.sampling.argmax_only:  # no distribution built: the argmax of the rows it scores
                 token = scored_argmax(self.model, logits)
             else:
                 q = next_token_probs(whole_vocabulary(self.model, logits), self.sampling, torch.tensor([seq + drafts]))
@@ -367,7 +365,7 @@ def _round(
     drafts, draft_probs = drafter.propose(seq, k) if k else ([], None)
     drafted = time.perf_counter()
     logits = read(forward, target, seq[-1:] + drafts, cache)[0].cpu()
-    if sampling.greedy and sampling.repetition_penalty == 1.0:
+    if sampling.argmax_only:
         emitted = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
     else:
         emitted = verify(_target_probs(logits, seq, drafts, sampling), drafts, draft_probs, generator)
