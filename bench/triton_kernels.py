@@ -95,14 +95,29 @@ def w4_rows(n: int, k: int, copy_gbs: float) -> dict:
     tg_bytes = tg_weight.numel() * tg_weight.element_size() + tg_sz.numel() * 2
     row.update(tinygemm_us=round(t_tg, 2), tinygemm_pct_copy=round(100 * tg_bytes / t_tg / 1e3 / copy_gbs, 1))
     row["gemv_speedup_vs_tinygemm"] = round(t_tg / t_triton, 3)
+    row["gemv_config"] = tuned_config("gemv")
     xp = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=torch.bfloat16)
-    checked("triton_gemm", xp.float() @ weight.T, w4a16_matmul(xp, packed), row)
+    reference = xp.float() @ weight.T
+    checked("triton_gemm", reference, w4a16_matmul(xp, packed, "gemm"), row)
+    checked("prefill", reference, w4a16_matmul(xp, packed), row)
     dense = weight.to(torch.bfloat16)
-    t_gemm = bench_ms(lambda: w4a16_matmul(xp, packed)) * 1e3
+    t_gemm = bench_ms(lambda: w4a16_matmul(xp, packed, "gemm")) * 1e3
+    t_prefill = bench_ms(lambda: w4a16_matmul(xp, packed)) * 1e3
     t_cublas = bench_ms(lambda: xp @ dense.T) * 1e3
-    row.update(triton_gemm_us=round(t_gemm, 1), cublas_gemm_us=round(t_cublas, 1))
+    row.update(triton_gemm_us=round(t_gemm, 1), prefill_us=round(t_prefill, 1), cublas_gemm_us=round(t_cublas, 1))
     row["gemm_ratio_vs_cublas"] = round(t_cublas / t_gemm, 3)
+    row["prefill_ratio_vs_cublas"] = round(t_cublas / t_prefill, 3)
+    row["gemm_config"] = tuned_config("gemm")
     return row
+
+
+def tuned_config(kind: str) -> str:
+    """The config the autotuner chose for the last shape it tuned (kwargs, warps, stages)."""
+    from lmpress.runtime.kernels import triton as tk
+
+    tuner = tk._tuned(kind)
+    config = list(tuner.cache.values())[-1] if tuner.cache else None
+    return "untuned" if config is None else f"{config.kwargs} w{config.num_warps} s{config.num_stages}"
 
 
 def w8_rows(n: int, k: int, copy_gbs: float) -> dict:
@@ -156,6 +171,7 @@ def main() -> None:
     summary = {
         "gemv_geomean_speedup_vs_tinygemm": round(geomean([r["gemv_speedup_vs_tinygemm"] for r in w4]), 3),
         "gemm_geomean_ratio_vs_cublas": round(geomean([r["gemm_ratio_vs_cublas"] for r in w4]), 3),
+        "prefill_geomean_ratio_vs_cublas": round(geomean([r["prefill_ratio_vs_cublas"] for r in w4]), 3),
         "w8_geomean_speedup_vs_cublas_bf16": round(geomean([r["w8_speedup_vs_cublas_bf16"] for r in w8]), 3),
         "gemv_pct_copy_at_4096x14336": next(r["triton_gemv_pct_copy"] for r in w4 if r["shape"] == "4096x14336"),
     }
@@ -163,12 +179,21 @@ def main() -> None:
         "W4A16 g128 sym decode, M=1 bf16 (us; % of copy bandwidth)",
         w4,
         ["shape", "weight_mb", "triton_gemv_us", "triton_gemv_gbs", "triton_gemv_pct_copy", "tinygemm_us",
-         "tinygemm_pct_copy", "gemv_speedup_vs_tinygemm", "triton_gemv_sqnr_db", "tinygemm_sqnr_db"],
+         "tinygemm_pct_copy", "gemv_speedup_vs_tinygemm", "triton_gemv_sqnr_db", "tinygemm_sqnr_db", "gemv_config"],
     )  # fmt: skip
     print_table(
         f"W4A16 prefill, M={PREFILL_ROWS} (us)",
         w4,
-        ["shape", "triton_gemm_us", "cublas_gemm_us", "gemm_ratio_vs_cublas", "triton_gemm_sqnr_db"],
+        [
+            "shape",
+            "triton_gemm_us",
+            "gemm_ratio_vs_cublas",
+            "prefill_us",
+            "prefill_ratio_vs_cublas",
+            "cublas_gemm_us",
+            "triton_gemm_sqnr_db",
+            "prefill_sqnr_db",
+        ],
     )
     print_table(
         "W8A16 per-channel decode, M=1 vs bf16 cuBLAS GEMV (us)",

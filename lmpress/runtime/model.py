@@ -127,9 +127,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            from lmpress.runtime.kernels.triton import rms_norm
+            from lmpress.runtime.kernels.cuda import triton_rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return triton_rms_norm(x, self.weight, self.eps)
         # One fused op. In float32 it equals transformers' x * rsqrt(mean(x^2) + eps) * weight bit for bit;
         # in half precision it scales before the final rounding where transformers rounds first (1 ulp apart).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

@@ -76,12 +76,14 @@ def reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), layer.dequantized_weight(torch.float32), bias)
 
 
-def check(layer: QuantizedLinear, m: int, dtype: torch.dtype, lead: tuple[int, ...] = ()) -> None:
+def check(
+    layer: QuantizedLinear, m: int, dtype: torch.dtype, lead: tuple[int, ...] = (), path: str | None = None
+) -> None:
     bits = layer.scheme.bits
     packed = tk.prepare_w4a16(layer) if bits == 4 else tk.prepare_w8a16(layer)
     matmul = tk.w4a16_matmul if bits == 4 else tk.w8a16_matmul
     x = torch.randn(*lead, m, layer.in_features, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
-    y = matmul(x, packed)
+    y = matmul(x, packed, path)
     assert y.dtype == dtype and y.shape == (*lead, m, layer.out_features)
     got, bound = sqnr_db(reference(x, layer), y), sqnr_bound(dtype, x.numel() // layer.in_features)
     assert got >= bound, f"SQNR {got:.1f} dB < {bound:.1f} dB"
@@ -107,6 +109,71 @@ LAYOUTS = [
 @pytest.mark.parametrize("m", [1, 3, 8, 17])
 def test_matmul_matches_dequantized_reference_bf16(bits, n, k, group, symmetric, act_order, m):
     check(make_layer(n, k, QuantScheme(bits, group, symmetric), act_order), m, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits,n,k,group,symmetric,act_order", LAYOUTS[::2])
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_split_k(monkeypatch, bits, n, k, group, symmetric, act_order, split):
+    """The GEMV with K in 1 or 3 slices (the default tiles use 2): partial sums added by the last slice."""
+    monkeypatch.setitem(tk.DEFAULT_GEMV, "SPLIT_K", split)
+    monkeypatch.setitem(tk.DEFAULT_GEMV, "NB", 1)
+    check(make_layer(n, k, QuantScheme(bits, group, symmetric), act_order), 3, torch.bfloat16)
+
+
+def test_split_k_leaves_its_counters_at_zero_and_repeats_bit_for_bit():
+    packed = tk.prepare_w4a16(make_layer(40, 256, QuantScheme(4, 32, False)))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    first = tk.w4a16_matmul(x, packed)
+    _, count = tk._SPLIT_WORKSPACE[torch.device(DEVICE)]
+    assert int(count.abs().sum()) == 0
+    for _ in range(3):
+        assert torch.equal(tk.w4a16_matmul(x, packed), first)
+
+
+@pytest.mark.parametrize("bits,n,k,group,symmetric,act_order", LAYOUTS)
+def test_dequantize_then_cublas_path(bits, n, k, group, symmetric, act_order):
+    check(
+        make_layer(n, k, QuantScheme(bits, group, symmetric), act_order, bias=True), 9, torch.bfloat16, path="dequant"
+    )
+
+
+def test_dequantized_path_in_row_chunks(monkeypatch):
+    """A layer larger than the scratch matrix is dequantized and multiplied a chunk of rows at a time."""
+    monkeypatch.setattr(tk, "SCRATCH_ELEMENTS", 20 * 128)
+    monkeypatch.setattr(tk, "_SCRATCH", {})
+    check(make_layer(48, 96, QuantScheme(4, 32, False), act_order=True, bias=True), 9, torch.float16, path="dequant")
+
+
+@pytest.mark.parametrize("bits,group,act_order", [(4, 32, True), (8, -1, False), (4, 64, False)])
+def test_dequantize_writes_the_sorted_weight(bits, group, act_order):
+    layer = make_layer(24, 192, QuantScheme(bits, group, False), act_order)
+    packed = tk.prepare_w4a16(layer) if bits == 4 else tk.prepare_w8a16(layer)
+    expected = layer.dequantized_weight(torch.float32)
+    if packed.perm is not None:
+        expected = expected[:, packed.perm.long()]
+    got = tk.dequantize(packed, torch.float32)
+    assert got.shape == (24, packed.n_blocks * packed.block)
+    # Only the scales' rounding to fp16 (relative 2**-11) separates the two.
+    torch.testing.assert_close(got[:, :192], expected, rtol=SCALE_ROUNDOFF, atol=1e-7)
+
+
+def test_default_paths_by_rows_and_bad_paths():
+    assert [tk.matmul_path(m) for m in (1, 8, 9, tk.DEQUANT_MIN_ROWS)] == ["gemv", "gemv", "gemm", "dequant"]
+    packed = tk.prepare_w4a16(make_layer(16, 64, QuantScheme(4, 32, True)))
+    x = torch.randn(9, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        tk.w4a16_matmul(x, packed, path="gemv")
+    with pytest.raises(ValueError, match="unknown path 'marlin'"):
+        tk.w4a16_matmul(x, packed, path="marlin")
+
+
+def test_autotune_pruning_keeps_splits_that_fit():
+    configs = tk.GEMV_CONFIGS
+    kept = tk._splits_that_fit(configs, {"N": 4096, "G": 8}, BM=1)
+    assert {c.kwargs["SPLIT_K"] for c in kept} == {1, 2, 4}  # 8 blocks: NB (>= 2) blocks per slice
+    assert all(c.kwargs["SPLIT_K"] * c.kwargs["NB"] <= 8 for c in kept if c.kwargs["SPLIT_K"] > 1)
+    huge = tk._splits_that_fit(configs, {"N": 2**20, "G": 1024}, BM=8)  # partials over SPLIT_PARTIALS
+    assert {c.kwargs["SPLIT_K"] for c in huge} == {1}
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -189,11 +256,31 @@ def test_gpu_llama_shapes(bits, group, symmetric):
     layer = make_layer(4096, 4096, QuantScheme(bits, group, symmetric), bias=False)
     for m in (1, 4, 2048):
         check(layer, m, torch.bfloat16)
+    check(layer, 2048, torch.bfloat16, path="gemm")
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(
         tk.rms_norm(x, weight, 1e-5).float(), rms_norm_reference(x, weight, 1e-5), rtol=2**-8, atol=1e-6
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
+@pytest.mark.parametrize("n,k", [(4096, 14336), (14336, 4096)])
+def test_gpu_autotuned_split_k_gemv_is_right_every_time(monkeypatch, n, k):
+    """Every config the autotuner keeps, run concurrently on the GPU: right and bit-identical across 50 calls."""
+    monkeypatch.setattr(tk, "AUTOTUNE", True)
+    layer = make_layer(n, k, QuantScheme(4, 128, True))
+    packed = tk.prepare_w4a16(layer)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = reference(x, layer)
+    for config in tk._splits_that_fit(tk.GEMV_CONFIGS, {"N": n, "G": packed.n_blocks}, BM=1):
+        monkeypatch.setattr(tk, "DEFAULT_GEMV", {**config.kwargs, "num_warps": config.num_warps})
+        monkeypatch.setattr(tk, "AUTOTUNE", False)
+        first = tk.w4a16_matmul(x, packed)
+        assert sqnr_db(ref, first) >= sqnr_bound(torch.bfloat16, 1), config
+        outs = [tk.w4a16_matmul(x, packed) for _ in range(50)]
+        assert all(torch.equal(o, first) for o in outs), f"{config}: results differ between calls (a race)"
 
 
 @pytest.mark.parametrize(("bits", "group_size", "act_order"), [(4, 32, False), (4, 32, True), (8, -1, False)])

@@ -5,6 +5,10 @@ kernel for up to ``DECODE_MAX_ROWS`` rows (decode) and the tiled GEMM above (pre
 Activations go in as float16 or bfloat16 (the runtime's dtype on a GPU). Layouts the
 kernels cannot run (2/3 bits, group widths that are not a power of two, act-order
 groups of unequal size) fall back to a dense weight, as on the CPU.
+
+The kernels enter the model as custom ops (``lmpress::triton_qmatmul``, ``lmpress::triton_rms_norm``),
+so ``torch.compile`` treats each as one opaque call with a known output shape instead of tracing
+the autotuner, and a CUDA graph captures their launches.
 """
 
 from __future__ import annotations
@@ -18,6 +22,44 @@ from lmpress.runtime.kernels import dense_linear
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
+@torch.library.custom_op("lmpress::triton_qmatmul", mutates_args=())
+def triton_qmatmul(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    in_features: int,
+    block: int,
+    zero: int,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` by the Triton kernels for the packed tensors of a ``PackedWeight``."""
+    from lmpress.runtime.kernels import triton as tk
+
+    packed = tk.PackedWeight(bits, in_features, words.shape[0], block, words, scales, zeros, zero, perm, bias)
+    return (tk.w4a16_matmul if bits == 4 else tk.w8a16_matmul)(x, packed)
+
+
+@triton_qmatmul.register_fake
+def _(x, words, scales, zeros, perm, bias, bits, in_features, block, zero) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], words.shape[0]))
+
+
+@torch.library.custom_op("lmpress::triton_rms_norm", mutates_args=())
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis by the fused Triton kernel."""
+    from lmpress.runtime.kernels.triton import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+@triton_rms_norm.register_fake
+def _(x, weight, eps) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class TritonLinear(nn.Module):
     """A quantized linear layer run by ``w4a16_matmul`` / ``w8a16_matmul``; the packed tensors are buffers."""
 
@@ -28,28 +70,13 @@ class TritonLinear(nn.Module):
         for name in ("words", "scales", "zeros", "perm", "bias"):
             self.register_buffer(name, getattr(packed, name))
 
-    def packed(self):
-        from lmpress.runtime.kernels.triton import PackedWeight
-
-        return PackedWeight(
-            bits=self.bits,
-            in_features=self.in_features,
-            out_features=self.out_features,
-            block=self.block,
-            words=self.words,
-            scales=self.scales,
-            zeros=self.zeros,
-            zero=self.zero,
-            perm=self.perm,
-            bias=self.bias,
-        )
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from lmpress.runtime.kernels import triton as tk
-
         act = x if x.dtype in KERNEL_DTYPES else x.to(torch.bfloat16)
-        matmul = tk.w4a16_matmul if self.bits == 4 else tk.w8a16_matmul
-        return matmul(act, self.packed()).to(x.dtype)
+        y = triton_qmatmul(
+            act, self.words, self.scales, self.zeros, self.perm, self.bias,
+            self.bits, self.in_features, self.block, self.zero,
+        )  # fmt: skip
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         act = ", act-order" if self.perm is not None else ""

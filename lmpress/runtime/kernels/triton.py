@@ -162,10 +162,19 @@ def prepare_w8a16(source: QuantizedLinear | QuantizedWeight) -> PackedWeight:
 
 
 @triton.jit
-def _codes_f32(words, j: tl.constexpr, BITS: tl.constexpr):
-    """Code ``j`` of every word as fp32: ``q | 0x4B000000`` is the float ``2**23 + q`` (exact for q < 2**23)."""
-    q = (words >> (j * BITS)) & ((1 << BITS) - 1)
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _scaled_codes_f32(words, high, j: tl.constexpr, BITS: tl.constexpr):
+    """Code ``j`` times ``2**(BITS * (j % H))`` as fp32, ``H = 16 / BITS`` codes per half word, one LOP3 each.
+
+    Masking in place (no shift) keeps the code's weight ``2**(BITS * (j % H))``, at most ``2**12``,
+    so ``2**23 + q * 2**(BITS * (j % H))`` is still exact; the caller scales the activation by the
+    inverse. ``high`` is ``words >> 16``, shifted once per word for the upper half.
+    """
+    H: tl.constexpr = 16 // BITS
+    if j < H:
+        part = words & (((1 << BITS) - 1) << (j * BITS))
+    else:
+        part = high & (((1 << BITS) - 1) << ((j - H) * BITS))
+    return (part | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -182,27 +191,39 @@ def _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask, G, ZERO: tl.constexp
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, KW, G, stride_xm, stride_ym,
     BITS: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """``y[:M] = x[:M] @ W.T`` for M <= BM (decode): one program per BN rows of W, streaming all of K."""
+    """``y[:M] = x[:M] @ W.T`` for M <= BM (decode).
+
+    Program ``(n, k)`` streams BN rows of W over the k-th of ``SPLIT_K`` slices of the blocks, so a
+    layer with few rows still puts enough loads in flight to fill the memory system. With a split,
+    each program writes its fp32 partial sums to ``part`` and counts itself in ``count[n]``; the last
+    of a row tile to arrive adds the partials, writes ``y`` and resets the counter for the next call
+    (serial split-K: one launch, no atomics on the output, a fixed summation order).
+    """
     PER: tl.constexpr = 32 // BITS
     T: tl.constexpr = C // PER
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, T)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    per_split = tl.cdiv(G, SPLIT_K)
+    b_first = pid_k * per_split
+    b_last = tl.minimum(b_first + per_split, G)
     acc = tl.zeros((BM, BN, NB, T), dtype=tl.float32)
-    for b0 in range(0, G, NB):
+    for b0 in range(b_first, b_last, NB):
         offs_b = b0 + tl.arange(0, NB)
-        mask_b = offs_b < G
+        mask_b = offs_b < b_last
         word_idx = offs_b[:, None] * T + offs_r[None, :]  # [NB, T]
         mask_w = mask_n[:, None, None] & mask_b[None, :, None]
         words = tl.load(w_ptr + offs_n[:, None, None] * KW + word_idx[None, :, :], mask=mask_w, other=0)
+        high = words >> 16
         scale, zero = _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask_n[:, None] & mask_b[None, :], G, ZERO)
         dot = tl.zeros((BM, BN, NB, T), dtype=tl.float32)
         xsum = tl.zeros((BM, 1, NB, T), dtype=tl.float32)
@@ -213,14 +234,31 @@ def _gemv_kernel(
                 col = tl.load(perm_ptr + col, mask=(col < K) & mask_b[:, None], other=0)
             xj = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + col[None, :, :], mask=mask_x, other=0.0)
             xj = xj.to(tl.float32)[:, None, :, :]
-            dot += xj * _codes_f32(words, j, BITS)[None, :, :, :]
             xsum += xj
+            # _scaled_codes_f32 weighs code j by 2**(BITS * (j % H)): undo it on the activation.
+            inverse: tl.constexpr = 1.0 / (1 << (BITS * (j % (16 // BITS))))
+            dot += (xj * inverse) * _scaled_codes_f32(words, high, j, BITS)[None, :, :, :]
+        # sum_j (q_j - z) s x_j = s * (sum_j q_j x_j - z * sum_j x_j), per block
         acc += scale[None, :, :, None] * (dot - zero[None, :, :, None] * xsum)
     y = tl.sum(tl.sum(acc, axis=3), axis=2)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K > 1:
+        tl.store(part_ptr + pid_k * BM * N + tile, y, mask=mask_y)
+        tl.debug_barrier()  # every thread's partial is written before the counter is raised (release below)
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            y = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(SPLIT_K):  # ".cg": read the other programs' partials from L2, never a stale L1 line
+                y += tl.load(part_ptr + s * BM * N + tile, mask=mask_y, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 @triton.jit
@@ -279,6 +317,33 @@ def _gemm_kernel(
 
 
 @triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr, N, KW, G, stride_out,
+    BITS: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """``out[:N, :K_pad] = (q - zero) * scale`` in ``out``'s dtype, columns in (sorted) order: BN rows x NB blocks."""
+    PER: tl.constexpr = 32 // BITS
+    T: tl.constexpr = C // PER
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_b = tl.program_id(1) * NB + tl.arange(0, NB)
+    offs_r = tl.arange(0, T)
+    mask_n = offs_n < N
+    mask_b = offs_b < G
+    mask = mask_n[:, None, None] & mask_b[None, :, None]
+    words = tl.load(w_ptr + offs_n[:, None, None] * KW + (offs_b[:, None] * T + offs_r[None, :])[None, :, :], mask=mask)
+    high = words >> 16
+    scale, zero = _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask_n[:, None] & mask_b[None, :], G, ZERO)
+    for j in tl.static_range(PER):
+        inverse: tl.constexpr = 1.0 / (1 << (BITS * (j % (16 // BITS))))
+        q = _scaled_codes_f32(words, high, j, BITS) * inverse
+        w = (q - zero[:, :, None]) * scale[:, :, None]
+        col = offs_b[:, None] * C + j * T + offs_r[None, :]  # code j of word r is column j * T + r
+        tl.store(
+            out_ptr + offs_n[:, None, None] * stride_out + col[None, :, :], w.to(out_ptr.dtype.element_ty), mask=mask
+        )
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, stride_x, stride_r, stride_y, stride_h, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -315,37 +380,83 @@ def _autotuning() -> bool:
     return AUTOTUNE and not _interpreting()
 
 
-# H100: the GEMV wants many programs with several loads in flight (N/BN programs, NB blocks per
-# iteration); the GEMM wants 128-256 wide tiles and a 3-4 stage pipeline.
+# H100: the GEMV wants thousands of programs with several loads in flight (row tiles of BN, NB
+# blocks per iteration, SPLIT_K slices of K); the GEMM wants 128-256 wide tiles and a 3-4 stage
+# pipeline. The autotuner times each kept config per layer shape on first use.
 GEMV_CONFIGS = [
-    triton.Config({"BN": bn, "NB": nb}, num_warps=w, num_stages=s)
-    for bn, nb, w, s in [(16, 2, 4, 2), (32, 1, 4, 2), (32, 2, 4, 3), (64, 1, 4, 2), (16, 4, 4, 2), (64, 2, 8, 2)]
+    triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=4, num_stages=2)
+    for bn in (8, 16, 32)
+    for nb in (2, 4)
+    for split in (1, 2, 4, 8, 16)
+] + [
+    triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=w, num_stages=2)
+    for bn, nb, split, w in [(4, 4, 4, 2), (4, 4, 8, 2), (16, 2, 4, 2), (64, 2, 4, 8), (64, 2, 8, 8)]
 ]
 GEMM_CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "NB": nb, "GROUP_M": 8}, num_warps=w, num_stages=s)
     for bm, bn, nb, w, s in [(128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (256, 128, 1, 8, 3), (128, 128, 2, 8, 3)]
 ]
-# Untuned (interpreter, AUTOTUNE off): small tiles; the GEMM's BM follows M.
-DEFAULT_GEMV = {"BN": 16, "NB": 2, "num_warps": 4}
+# Untuned (interpreter, AUTOTUNE off): small tiles, a split of K so that path is exercised; the GEMM's BM follows M.
+DEFAULT_GEMV = {"BN": 16, "NB": 2, "SPLIT_K": 2, "num_warps": 4}
 DEFAULT_GEMM = {"BN": 16, "NB": 1, "GROUP_M": 4, "num_warps": 4}
+# Split-K partial sums: at most this many fp32 values (32 MiB), shared by every layer on a device.
+SPLIT_PARTIALS = 2**23
+# From this many rows on, prefill dequantizes the weight into a scratch matrix and multiplies with
+# cuBLAS (one pass over the weight, then the library's GEMM); below, the fused GEMM kernel.
+DEQUANT_MIN_ROWS = 128
+# The scratch matrix holds at most this many weights (128 MiB in bf16); larger layers go by row chunks.
+SCRATCH_ELEMENTS = 2**26
+
+
+def _splits_that_fit(configs, nargs, **kwargs):
+    """Autotune pruning: a split needs >= NB blocks per slice and its partials within ``SPLIT_PARTIALS``."""
+    n, blocks, rows = nargs["N"], nargs["G"], kwargs["BM"]
+    kept = [
+        c
+        for c in configs
+        if c.kwargs["SPLIT_K"] == 1
+        or (c.kwargs["SPLIT_K"] * c.kwargs["NB"] <= blocks and c.kwargs["SPLIT_K"] * rows * n <= SPLIT_PARTIALS)
+    ]
+    return kept
 
 
 @functools.cache
 def _tuned(kind: str):
     if kind == "gemv":
-        return triton.autotune(GEMV_CONFIGS, key=["N", "KW", "BM", "C", "BITS"])(_gemv_kernel)
+        return triton.autotune(
+            GEMV_CONFIGS, key=["N", "KW", "BM", "C", "BITS"], prune_configs_by={"early_config_prune": _splits_that_fit}
+        )(_gemv_kernel)
     return triton.autotune(GEMM_CONFIGS, key=["N", "KW", "C", "BITS"])(_gemm_kernel)
 
 
-def _launch(kind: str, args: tuple, flags: dict, m: int, n: int) -> None:
-    """Run the GEMV (``kind == "gemv"``) or GEMM kernel, autotuned or with the default tiles."""
-    if kind == "gemv":
-        flags = {**flags, "BM": triton.next_power_of_2(m)}
-        if _autotuning():
-            _tuned("gemv")[lambda meta: (triton.cdiv(n, meta["BN"]),)](*args, **flags)
-        else:
-            _gemv_kernel[(triton.cdiv(n, DEFAULT_GEMV["BN"]),)](*args, **flags, **DEFAULT_GEMV)
-        return
+_SPLIT_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial sums and per-row-tile arrival counters (kept at zero between calls) for split-K GEMVs."""
+    part, count = _SPLIT_WORKSPACE.get(device, (None, None))
+    if part is None or part.numel() < partials:
+        part = torch.empty(partials, dtype=torch.float32, device=device)
+    if count is None or count.numel() < tiles:
+        count = torch.zeros(tiles, dtype=torch.int32, device=device)
+    _SPLIT_WORKSPACE[device] = (part, count)
+    return part, count
+
+
+def _launch_gemv(args: tuple, flags: dict, m: int, n: int, device: torch.device) -> None:
+    bm = triton.next_power_of_2(m)
+    # Enough partials for the largest split any kept config can use, a counter per row for any BN.
+    part, count = _split_workspace(device, min(SPLIT_PARTIALS, 16 * bm * n), n)
+    args = (*args[:7], part, count, *args[7:])
+    flags = {**flags, "BM": bm}
+    if _autotuning():
+        _tuned("gemv")[lambda meta: (triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])](*args, **flags)
+    else:
+        grid = (triton.cdiv(n, DEFAULT_GEMV["BN"]), DEFAULT_GEMV["SPLIT_K"])
+        _gemv_kernel[grid](*args, **flags, **DEFAULT_GEMV)
+
+
+def _launch_gemm(args: tuple, flags: dict, m: int, n: int) -> None:
     # The interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9): dot in fp32 there.
     flags = {**flags, "DOT_F32": _interpreting()}
     if _autotuning():
@@ -371,14 +482,93 @@ def _check_input(x: torch.Tensor, packed: PackedWeight) -> None:
         raise RuntimeError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU testing)")
 
 
-def _matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+PATHS = ("gemv", "gemm", "dequant")
+
+
+def matmul_path(rows: int) -> str:
+    """The kernel ``rows`` activation rows run by default: the GEMV (decode), the fused GEMM, or dequantize + cuBLAS."""
+    if rows <= DECODE_MAX_ROWS:
+        return "gemv"
+    return "gemm" if rows < DEQUANT_MIN_ROWS else "dequant"
+
+
+def dequantize(packed: PackedWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight ``(N, K_pad)`` in ``dtype``, its columns in the packed (act-order sorted) order.
+
+    Columns past ``in_features`` (per-channel K padded to the block) hold ``-zero * scale``: slice them off.
+    """
+    n, k_pad = packed.out_features, packed.n_blocks * packed.block
+    if out is None:
+        out = torch.empty((n, k_pad), dtype=dtype, device=packed.words.device)
+    bn, nb = 16, 4
+    _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(packed.n_blocks, nb))](
+        packed.words, packed.scales, packed.words if packed.zeros is None else packed.zeros, out,
+        n, packed.words.shape[1], packed.n_blocks, out.stride(0),
+        BITS=packed.bits, C=packed.block, ZERO=packed.zero, BN=bn, NB=nb, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _rows_of(packed: PackedWeight, first: int, last: int) -> PackedWeight:
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[first:last]
+
+    return PackedWeight(
+        bits=packed.bits,
+        in_features=packed.in_features,
+        out_features=last - first,
+        block=packed.block,
+        words=rows(packed.words),
+        scales=rows(packed.scales),
+        zeros=rows(packed.zeros),
+        zero=packed.zero,
+        perm=packed.perm,
+        bias=rows(packed.bias),
+    )
+
+
+def _dequantized_matmul(flat: torch.Tensor, packed: PackedWeight, y: torch.Tensor) -> None:
+    """``y = flat @ W.T (+ bias)``: W dequantized into a per-device scratch matrix, by row chunks, then cuBLAS."""
+    k, k_pad, n = packed.in_features, packed.n_blocks * packed.block, packed.out_features
+    chunk = max(1, min(n, SCRATCH_ELEMENTS // k_pad))
+    key = (flat.device, flat.dtype)
+    scratch = _SCRATCH.get(key)
+    if scratch is None or scratch.numel() < chunk * k_pad:
+        scratch = _SCRATCH[key] = torch.empty(chunk * k_pad, dtype=flat.dtype, device=flat.device)
+    a = flat if packed.perm is None else flat.index_select(1, packed.perm)
+    for first in range(0, n, chunk):
+        part = _rows_of(packed, first, min(n, first + chunk))
+        w = dequantize(part, flat.dtype, scratch[: part.out_features * k_pad].view(part.out_features, k_pad))
+        w = w[:, :k]
+        if part.bias is None:
+            out = torch.mm(a, w.T)
+        else:
+            out = torch.addmm(part.bias.to(flat.dtype), a, w.T)
+        if chunk == n:
+            y.copy_(out)
+        else:
+            y[:, first : first + part.out_features] = out
+
+
+def _matmul(x: torch.Tensor, packed: PackedWeight, path: str | None) -> torch.Tensor:
     _check_input(x, packed)
     flat = x.reshape(-1, packed.in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     m, n = flat.shape[0], packed.out_features
+    path = path or matmul_path(m)
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
+    if path == "gemv" and m > DECODE_MAX_ROWS:
+        raise ValueError(f"the GEMV takes at most {DECODE_MAX_ROWS} rows, got {m}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    if path == "dequant":
+        _dequantized_matmul(flat, packed, y)
         return y.reshape(*x.shape[:-1], n)
     dummy = packed.words
     args = (
@@ -395,25 +585,29 @@ def _matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         HAS_PERM=packed.perm is not None,
         HAS_BIAS=packed.bias is not None,
     )
-    _launch("gemv" if m <= DECODE_MAX_ROWS else "gemm", args, flags, m, n)
+    if path == "gemv":
+        _launch_gemv(args, flags, m, n, x.device)
+    else:
+        _launch_gemm(args, flags, m, n)
     return y.reshape(*x.shape[:-1], n)
 
 
-def w4a16_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+def w4a16_matmul(x: torch.Tensor, packed: PackedWeight, path: str | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_w4a16`` weight; any leading shape, fp16/bf16 in and out.
 
-    Up to ``DECODE_MAX_ROWS`` rows run the GEMV kernel, more the tiled GEMM.
+    ``path`` (default ``matmul_path(rows)``): ``"gemv"`` up to ``DECODE_MAX_ROWS`` rows, ``"gemm"``
+    the fused tiled GEMM, ``"dequant"`` the weight dequantized once, then cuBLAS.
     """
     if packed.bits != 4:
         raise ValueError(f"w4a16_matmul needs a 4-bit weight, got {packed.bits} bits")
-    return _matmul(x, packed)
+    return _matmul(x, packed, path)
 
 
-def w8a16_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+def w8a16_matmul(x: torch.Tensor, packed: PackedWeight, path: str | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_w8a16`` weight; see ``w4a16_matmul``."""
     if packed.bits != 8:
         raise ValueError(f"w8a16_matmul needs an 8-bit weight, got {packed.bits} bits")
-    return _matmul(x, packed)
+    return _matmul(x, packed, path)
 
 
 def rms_norm(
