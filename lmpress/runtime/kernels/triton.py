@@ -387,10 +387,10 @@ GEMV_CONFIGS = [
     triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=4, num_stages=2)
     for bn in (8, 16, 32)
     for nb in (2, 4)
-    for split in (1, 2, 4, 8, 16)
+    for split in (1, 4, 8, 16)
 ] + [
     triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=w, num_stages=2)
-    for bn, nb, split, w in [(4, 4, 4, 2), (4, 4, 8, 2), (16, 2, 4, 2), (64, 2, 4, 8), (64, 2, 8, 8)]
+    for bn, nb, split, w in [(16, 2, 2, 4), (4, 4, 8, 2), (64, 2, 8, 8)]
 ]
 GEMM_CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "NB": nb, "GROUP_M": 8}, num_warps=w, num_stages=s)
