@@ -77,7 +77,8 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
         per_word = WORD_BITS // bits
         values = codes.movedim(dim, -1).to(torch.int32)
         values = torch.nn.functional.pad(values, (0, -values.shape[1] % per_word))
-        shifted = values.reshape(values.shape[0], -1, per_word) << torch.arange(0, WORD_BITS, bits, dtype=torch.int32)
+        shifts = torch.arange(0, WORD_BITS, bits, dtype=torch.int32, device=values.device)
+        shifted = values.reshape(values.shape[0], -1, per_word) << shifts
         words = shifted[..., 0].clone()
         for k in range(1, per_word):
             words |= shifted[..., k]

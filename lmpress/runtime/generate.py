@@ -218,10 +218,16 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
         options.update(torch._inductor.list_mode_options(mode))
     steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def step(model: Transformer, *args: Any) -> torch.Tensor:
+    def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, *args: Any) -> torch.Tensor:
         if model not in steps:
             steps[model] = torch.compile(_own_static_step(), fullgraph=True, options=options)
-        return steps[model](model, *args)
+        if mode == "reduce-overhead":
+            # A CUDA graph may write into the cache only if its tensors are static inputs; unguarded, so a
+            # new cache of the same size re-records the graph instead of recompiling.
+            for t in (*k, *v):
+                if not hasattr(t, "_dynamo_static_input_type"):
+                    torch._dynamo.mark_static_address(t, guard=False)
+        return steps[model](model, tokens, k, v, *args)
 
     return static_forward(step)
 

@@ -178,6 +178,12 @@ def _scaled_codes_f32(words, high, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _code_weight_inverse(j: tl.constexpr, BITS: tl.constexpr):
+    """``2**-(BITS * (j % H))``: undoes the weight ``_scaled_codes_f32`` leaves on code ``j``."""
+    return 1.0 / (1 << (BITS * (j % (16 // BITS))))
+
+
+@triton.jit
 def _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask, G, ZERO: tl.constexpr):
     """Scale and zero of rows ``offs_n`` and blocks ``offs_b`` as fp32 ``[BN, NB]``."""
     ptrs = offs_n[:, None] * G + offs_b[None, :]
@@ -236,8 +242,7 @@ def _gemv_kernel(
             xj = xj.to(tl.float32)[:, None, :, :]
             xsum += xj
             # _scaled_codes_f32 weighs code j by 2**(BITS * (j % H)): undo it on the activation.
-            inverse: tl.constexpr = 1.0 / (1 << (BITS * (j % (16 // BITS))))
-            dot += (xj * inverse) * _scaled_codes_f32(words, high, j, BITS)[None, :, :, :]
+            dot += (xj * _code_weight_inverse(j, BITS)) * _scaled_codes_f32(words, high, j, BITS)[None, :, :, :]
         # sum_j (q_j - z) s x_j = s * (sum_j q_j x_j - z * sum_j x_j), per block
         acc += scale[None, :, :, None] * (dot - zero[None, :, :, None] * xsum)
     y = tl.sum(tl.sum(acc, axis=3), axis=2)
@@ -334,8 +339,7 @@ def _dequantize_kernel(
     high = words >> 16
     scale, zero = _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask_n[:, None] & mask_b[None, :], G, ZERO)
     for j in tl.static_range(PER):
-        inverse: tl.constexpr = 1.0 / (1 << (BITS * (j % (16 // BITS))))
-        q = _scaled_codes_f32(words, high, j, BITS) * inverse
+        q = _scaled_codes_f32(words, high, j, BITS) * _code_weight_inverse(j, BITS)
         w = (q - zero[:, :, None]) * scale[:, :, None]
         col = offs_b[:, None] * C + j * T + offs_r[None, :]  # code j of word r is column j * T + r
         tl.store(
