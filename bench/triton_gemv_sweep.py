@@ -1,4 +1,4 @@
-"""Sweep of the W4 GEMV's tiles at Llama-3-8B shapes, untuned launches (CUDA only): which tiles win where.
+"""Sweep of the one-row W4 GEMV's tiles at Llama-3-8B shapes, untuned launches (CUDA only): which win where.
 
     python bench/triton_gemv_sweep.py --out bench/results/triton_gemv_sweep.json
 
@@ -20,7 +20,7 @@ import torch
 
 from bench.triton_kernels import SHAPES, copy_bandwidth_gbs, quantized_layer, sqnr_db
 
-TILES = list(itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 4, 8), (4, 8)))
+TILES = list(itertools.product((32, 64, 128, 256), (1, 2), (1, 4, 8), (1, 2, 4)))
 
 
 def main() -> None:

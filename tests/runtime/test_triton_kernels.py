@@ -113,11 +113,12 @@ def test_matmul_matches_dequantized_reference_bf16(bits, n, k, group, symmetric,
 
 @pytest.mark.parametrize("bits,n,k,group,symmetric,act_order", LAYOUTS[::2])
 @pytest.mark.parametrize("split", [1, 3])
-def test_gemv_split_k(monkeypatch, bits, n, k, group, symmetric, act_order, split):
-    """The GEMV with K in 1 or 3 slices (the default tiles use 2): partial sums added by the last slice."""
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_split_k(monkeypatch, bits, n, k, group, symmetric, act_order, split, m):
+    """Both GEMVs (one row; 2-8 rows) with K in 1 or 3 slices (the default tiles use 2)."""
     monkeypatch.setitem(tk.DEFAULT_GEMV, "SPLIT_K", split)
     monkeypatch.setitem(tk.DEFAULT_GEMV, "NB", 1)
-    check(make_layer(n, k, QuantScheme(bits, group, symmetric), act_order), 3, torch.bfloat16)
+    check(make_layer(n, k, QuantScheme(bits, group, symmetric), act_order), m, torch.bfloat16)
 
 
 def test_split_k_leaves_its_counters_at_zero_and_repeats_bit_for_bit():
@@ -168,9 +169,10 @@ def test_default_paths_by_rows_and_bad_paths():
 
 
 def test_autotune_pruning_keeps_splits_that_fit():
-    configs = tk.GEMV_CONFIGS
+    configs = tk.GEMV_ROW_CONFIGS
     kept = tk._splits_that_fit(configs, {"N": 4096, "G": 8}, BM=1)
-    assert {c.kwargs["SPLIT_K"] for c in kept} == {1, 2, 4}  # 8 blocks: NB (>= 2) blocks per slice
+    splits = {(c.kwargs["SPLIT_K"], c.kwargs["NB"]) for c in kept}
+    assert (8, 1) in splits and (8, 2) not in splits and (4, 2) in splits  # 8 blocks: >= NB blocks per slice
     assert all(c.kwargs["SPLIT_K"] * c.kwargs["NB"] <= 8 for c in kept if c.kwargs["SPLIT_K"] > 1)
     huge = tk._splits_that_fit(configs, {"N": 2**20, "G": 1024}, BM=8)  # partials over SPLIT_PARTIALS
     assert {c.kwargs["SPLIT_K"] for c in huge} == {1}
@@ -274,7 +276,7 @@ def test_gpu_autotuned_split_k_gemv_is_right_every_time(monkeypatch, n, k):
     packed = tk.prepare_w4a16(layer)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     ref = reference(x, layer)
-    for config in tk._splits_that_fit(tk.GEMV_CONFIGS, {"N": n, "G": packed.n_blocks}, BM=1):
+    for config in tk._splits_that_fit(tk.GEMV_ROW_CONFIGS, {"N": n, "G": packed.n_blocks}, BM=1):
         monkeypatch.setattr(tk, "DEFAULT_GEMV", {**config.kwargs, "num_warps": config.num_warps})
         monkeypatch.setattr(tk, "AUTOTUNE", False)
         first = tk.w4a16_matmul(x, packed)

@@ -1,269 +1,34 @@
 """Triton kernels for CUDA: W4A16 / W8A16 dequantize-and-multiply and a fused RMSNorm.
 
-Weight layout (``prepare_w4a16`` / ``prepare_w8a16``, once at load). The input axis is cut
-into blocks of ``C`` columns (the group width; per-channel weights use ``C = 128`` with the
-row's scale repeated and K zero-padded), so every block has one scale and zero per row.
-A block's codes live in ``T = C * bits / 32`` int32 words per row, and *within a block* the
-packing is interleaved: nibble (or byte) ``j`` of word ``r`` holds column ``j * T + r``.
-Unpacking nibble ``j`` of a ``[rows, T]`` word tile then yields ``T`` *consecutive* columns,
-so the matching activations are one contiguous vector load (the "shift over a tiled
-layout" used by gemlite and by FasterTransformer-style GEMV kernels) instead of a stride-8
-gather. Words are stored ``(N, K / (32 / bits))``, row-major: a GEMV program streams whole
-rows, and the GEMM kernel reorders a tile back to column order in registers.
-
-Act-order (``g_idx``) is handled by sorting the input columns by group
-(``perm = argsort(g_idx)``, as lmpress's CPU path does) so groups are contiguous; the
-kernels gather the activation columns through ``perm``. Every group must then hold
-exactly ``group_size`` columns (true of GPTQ's act-order).
-
-Dequantization: ``w = (q - zero) * scale`` with fp16 scales (fp32 where fp16 would
-overflow or lose them) and uint8 zeros, or one compile-time zero when all zeros agree
-(symmetric schemes), which saves a load per block. Codes become floats through the
-exponent trick (``q | 0x4B000000`` read as fp32 is ``2**23 + q``), avoiding the
-quarter-rate integer-to-float conversion. The GEMV factors each word's scale out:
-``sum_j (q_j - z) s x_j = s * (sum_j q_j x_j - z * sum_j x_j)``. Accumulation is fp32.
+The weight layout and the helpers that read codes are in ``triton_pack`` (``prepare_w4a16`` /
+``prepare_w8a16`` repack once at load); the decode GEMVs are in ``triton_gemv``. Here: the fused
+GEMM (9-127 rows), the dequantize kernel that prefill (128 rows and more) runs before cuBLAS,
+RMSNorm, the autotuning configurations and the entry points, ``w4a16_matmul`` / ``w8a16_matmul``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
-from lmpress.quantize.scheme import QuantizedWeight
+from lmpress.runtime.kernels.triton_gemv import _gemv_kernel, _gemv_row_kernel
+from lmpress.runtime.kernels.triton_pack import (
+    PackedWeight,
+    _code_weight_inverse,
+    _load_block_qparams,
+    _scaled_codes_f32,
+    prepare_w4a16,
+    prepare_w8a16,
+)
 
-PER_CHANNEL_BLOCK = 128
+__all__ = ["PackedWeight", "dequantize", "matmul_path", "prepare_w4a16", "prepare_w8a16", "rms_norm"]
+__all__ += ["w4a16_matmul", "w8a16_matmul"]
+
 DECODE_MAX_ROWS = 8
-FP16_MIN_NORMAL = 2.0**-14
-FP16_MAX = 65504.0
-
-
-@dataclass
-class PackedWeight:
-    """A quantized linear layer in the kernels' layout (see the module docstring)."""
-
-    bits: int
-    in_features: int
-    out_features: int
-    block: int  # C: columns per block, one scale/zero per row and block
-    words: torch.Tensor  # (N, K_pad * bits / 32) int32, interleaved within blocks
-    scales: torch.Tensor  # (N, K_pad / C) float16 or float32
-    zeros: torch.Tensor | None  # (N, K_pad / C) uint8, or None when every zero equals `zero`
-    zero: int
-    perm: torch.Tensor | None  # (K,) int32 source column of each sorted column (act-order)
-    bias: torch.Tensor | None
-
-    @property
-    def codes_per_word(self) -> int:
-        return 32 // self.bits
-
-    @property
-    def n_blocks(self) -> int:
-        return self.scales.shape[1]
-
-    def nbytes(self) -> int:
-        """Bytes a matmul reads for the weight: codes, scales and zeros."""
-        zeros = 0 if self.zeros is None else self.zeros.numel()
-        return self.words.numel() * 4 + self.scales.numel() * self.scales.element_size() + zeros
-
-
-# Packing ----------------------------------------------------------------------------------
-
-
-def _unpacked(source: QuantizedLinear | QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor | None]:
-    if isinstance(source, QuantizedLinear):
-        return source.unpack(), source.bias
-    if isinstance(source, QuantizedWeight):
-        return source, None
-    raise TypeError(f"expected a QuantizedLinear or QuantizedWeight, got {type(source).__name__}")
-
-
-def _act_order_perm(qw: QuantizedWeight, block: int) -> torch.Tensor | None:
-    in_features = qw.qweight.shape[1]
-    if trivial_g_idx(qw.g_idx, in_features, qw.scheme):
-        return None
-    g_idx = qw.g_idx.long()
-    counts = torch.bincount(g_idx, minlength=qw.scales.shape[1])
-    if not bool((counts == block).all()):
-        raise ValueError(f"act-order needs every group to hold exactly {block} columns, got counts {counts.tolist()}")
-    return torch.argsort(g_idx, stable=True)
-
-
-def _interleave_blocks(codes: torch.Tensor, block: int, bits: int) -> torch.Tensor:
-    """``(N, K_pad)`` codes -> ``(N, K_pad * bits / 32)`` int32 words, interleaved within each block."""
-    per = 32 // bits
-    n, k_pad = codes.shape
-    t = block // per
-    # (N, blocks, j, r) -> (N, blocks, r, j): word r of a block gathers columns j * T + r.
-    grouped = codes.to(torch.int64).reshape(n, k_pad // block, per, t).transpose(2, 3)
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
-    words = (grouped << shifts).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32).reshape(n, -1).contiguous()
-
-
-def _scale_tensor(scales: torch.Tensor) -> torch.Tensor:
-    """fp16 when every scale is a normal fp16 number (GPTQ checkpoints store them so), else fp32."""
-    s = scales.float().abs()
-    if bool(((s >= FP16_MIN_NORMAL) & (s <= FP16_MAX)).all()):
-        return scales.to(torch.float16).contiguous()
-    return scales.float().contiguous()
-
-
-def _prepare(source: QuantizedLinear | QuantizedWeight, bits: int) -> PackedWeight:
-    qw, bias = _unpacked(source)
-    if qw.scheme.bits != bits:
-        raise ValueError(f"expected a {bits}-bit weight, got {qw.scheme.describe()}")
-    out_features, in_features = qw.qweight.shape
-    per_channel = qw.scales.shape[1] == 1 and qw.scheme.group_size in (-1, in_features)
-    block = PER_CHANNEL_BLOCK if per_channel else qw.scheme.group_width(in_features)
-    if block % (32 // bits) or block & (block - 1):
-        raise ValueError(f"group width {block} must be a power of two holding whole int32 words")
-    perm = _act_order_perm(qw, block)
-    codes, scales, zeros = qw.qweight, qw.scales, qw.zeros
-    if perm is not None:
-        codes = codes[:, perm]
-    k_pad = -(-in_features // block) * block
-    codes = torch.nn.functional.pad(codes.to(torch.int32), (0, k_pad - in_features))
-    if per_channel:
-        scales, zeros = scales.expand(-1, k_pad // block), zeros.expand(-1, k_pad // block)
-    zeros = zeros.round().to(torch.uint8)
-    uniform = zeros.numel() > 0 and bool((zeros == zeros.flatten()[0]).all())
-    return PackedWeight(
-        bits=bits,
-        in_features=in_features,
-        out_features=out_features,
-        block=block,
-        words=_interleave_blocks(codes, block, bits),
-        scales=_scale_tensor(scales),
-        zeros=None if uniform else zeros.contiguous(),
-        zero=int(zeros.flatten()[0]) if uniform else -1,
-        perm=None if perm is None else perm.to(torch.int32),
-        bias=None if bias is None else bias.detach().clone(),
-    )
-
-
-def prepare_w4a16(source: QuantizedLinear | QuantizedWeight) -> PackedWeight:
-    """Repack a 4-bit layer (or unpacked weight) for ``w4a16_matmul``; bias is kept for a QuantizedLinear."""
-    return _prepare(source, 4)
-
-
-def prepare_w8a16(source: QuantizedLinear | QuantizedWeight) -> PackedWeight:
-    """Repack an 8-bit layer (or unpacked weight) for ``w8a16_matmul``."""
-    return _prepare(source, 8)
-
-
-# Kernels ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _scaled_codes_f32(words, high, j: tl.constexpr, BITS: tl.constexpr):
-    """Code ``j`` times ``2**(BITS * (j % H))`` as fp32, ``H = 16 / BITS`` codes per half word, one LOP3 each.
-
-    Masking in place (no shift) keeps the code's weight ``2**(BITS * (j % H))``, at most ``2**12``,
-    so ``2**23 + q * 2**(BITS * (j % H))`` is still exact; the caller scales the activation by the
-    inverse. ``high`` is ``words >> 16``, shifted once per word for the upper half.
-    """
-    H: tl.constexpr = 16 // BITS
-    if j < H:
-        part = words & (((1 << BITS) - 1) << (j * BITS))
-    else:
-        part = high & (((1 << BITS) - 1) << ((j - H) * BITS))
-    return (part | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _code_weight_inverse(j: tl.constexpr, BITS: tl.constexpr):
-    """``2**-(BITS * (j % H))``: undoes the weight ``_scaled_codes_f32`` leaves on code ``j``."""
-    return 1.0 / (1 << (BITS * (j % (16 // BITS))))
-
-
-@triton.jit
-def _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask, G, ZERO: tl.constexpr):
-    """Scale and zero of rows ``offs_n`` and blocks ``offs_b`` as fp32 ``[BN, NB]``."""
-    ptrs = offs_n[:, None] * G + offs_b[None, :]
-    scale = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    if ZERO >= 0:
-        zero = tl.full(scale.shape, ZERO, tl.float32)
-    else:
-        zero = tl.load(z_ptr + ptrs, mask=mask, other=0).to(tl.float32)
-    return scale, zero
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, KW, G, stride_xm, stride_ym,
-    BITS: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    """``y[:M] = x[:M] @ W.T`` for M <= BM (decode).
-
-    Program ``(n, k)`` streams BN rows of W over the k-th of ``SPLIT_K`` slices of the blocks, so a
-    layer with few rows still puts enough loads in flight to fill the memory system. With a split,
-    each program writes its fp32 partial sums to ``part`` and counts itself in ``count[n]``; the last
-    of a row tile to arrive adds the partials, writes ``y`` and resets the counter for the next call
-    (serial split-K: one launch, no atomics on the output, a fixed summation order).
-    """
-    PER: tl.constexpr = 32 // BITS
-    T: tl.constexpr = C // PER
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_r = tl.arange(0, T)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    per_split = tl.cdiv(G, SPLIT_K)
-    b_first = pid_k * per_split
-    b_last = tl.minimum(b_first + per_split, G)
-    acc = tl.zeros((BM, BN, NB, T), dtype=tl.float32)
-    for b0 in range(b_first, b_last, NB):
-        offs_b = b0 + tl.arange(0, NB)
-        mask_b = offs_b < b_last
-        word_idx = offs_b[:, None] * T + offs_r[None, :]  # [NB, T]
-        mask_w = mask_n[:, None, None] & mask_b[None, :, None]
-        words = tl.load(w_ptr + offs_n[:, None, None] * KW + word_idx[None, :, :], mask=mask_w, other=0)
-        high = words >> 16
-        scale, zero = _load_block_qparams(s_ptr, z_ptr, offs_n, offs_b, mask_n[:, None] & mask_b[None, :], G, ZERO)
-        dot = tl.zeros((BM, BN, NB, T), dtype=tl.float32)
-        xsum = tl.zeros((BM, 1, NB, T), dtype=tl.float32)
-        for j in tl.static_range(PER):
-            col = offs_b[:, None] * C + j * T + offs_r[None, :]  # [NB, T], contiguous along T
-            mask_x = mask_m[:, None, None] & ((col < K) & mask_b[:, None])[None, :, :]
-            if HAS_PERM:
-                col = tl.load(perm_ptr + col, mask=(col < K) & mask_b[:, None], other=0)
-            xj = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + col[None, :, :], mask=mask_x, other=0.0)
-            xj = xj.to(tl.float32)[:, None, :, :]
-            xsum += xj
-            # _scaled_codes_f32 weighs code j by 2**(BITS * (j % H)): undo it on the activation.
-            dot += (xj * _code_weight_inverse(j, BITS)) * _scaled_codes_f32(words, high, j, BITS)[None, :, :, :]
-        # sum_j (q_j - z) s x_j = s * (sum_j q_j x_j - z * sum_j x_j), per block
-        acc += scale[None, :, :, None] * (dot - zero[None, :, :, None] * xsum)
-    y = tl.sum(tl.sum(acc, axis=3), axis=2)
-    mask_y = mask_m[:, None] & mask_n[None, :]
-    tile = offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT_K > 1:
-        tl.store(part_ptr + pid_k * BM * N + tile, y, mask=mask_y)
-        tl.debug_barrier()  # every thread's partial is written before the counter is raised (release below)
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            y = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(SPLIT_K):  # ".cg": read the other programs' partials from L2, never a stale L1 line
-                y += tl.load(part_ptr + s * BM * N + tile, mask=mask_y, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 @triton.jit
@@ -387,21 +152,27 @@ def _autotuning() -> bool:
 # H100: the GEMV wants thousands of programs with several loads in flight (row tiles of BN, NB
 # blocks per iteration, SPLIT_K slices of K); the GEMM wants 128-256 wide tiles and a 3-4 stage
 # pipeline. The autotuner times each kept config per layer shape on first use.
-GEMV_CONFIGS = [
+GEMV_CONFIGS = [  # 2-8 rows
     triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=4, num_stages=2)
     for bn in (8, 16, 32)
     for nb in (2, 4)
-    for split in (1, 4, 8, 16)
-] + [
+    for split in (1, 4, 8)
+]
+# One row: [BN, T] tiles; a thread holding several rows reuses each activation it loads (BN 64-256
+# over 1-4 warps: ~5 instructions per code in the loop's SASS, against ~8 and 32 barriers per
+# iteration in the 4D kernel). 40 configs: ~1 s of compilation each, once per machine.
+GEMV_ROW_CONFIGS = [
     triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=w, num_stages=2)
-    for bn, nb, split, w in [(16, 2, 2, 4), (4, 4, 8, 2), (64, 2, 8, 8)]
+    for bn, w in ((32, 1), (64, 1), (64, 2), (128, 2), (256, 4))
+    for nb in (1, 2)
+    for split in (1, 2, 4, 8)
 ]
 GEMM_CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "NB": nb, "GROUP_M": 8}, num_warps=w, num_stages=s)
     for bm, bn, nb, w, s in [(128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (256, 128, 1, 8, 3), (128, 128, 2, 8, 3)]
 ]
 # Untuned (interpreter, AUTOTUNE off): small tiles, a split of K so that path is exercised; the GEMM's BM follows M.
-DEFAULT_GEMV = {"BN": 16, "NB": 2, "SPLIT_K": 2, "num_warps": 4}
+DEFAULT_GEMV = {"BN": 16, "NB": 2, "SPLIT_K": 2, "num_warps": 4}  # both GEMV kernels
 DEFAULT_GEMM = {"BN": 16, "NB": 1, "GROUP_M": 4, "num_warps": 4}
 # Split-K partial sums: at most this many fp32 values (32 MiB), shared by every layer on a device.
 SPLIT_PARTIALS = 2**23
@@ -426,11 +197,12 @@ def _splits_that_fit(configs, nargs, **kwargs):
 
 @functools.cache
 def _tuned(kind: str):
-    if kind == "gemv":
-        return triton.autotune(
-            GEMV_CONFIGS, key=["N", "KW", "BM", "C", "BITS"], prune_configs_by={"early_config_prune": _splits_that_fit}
-        )(_gemv_kernel)
-    return triton.autotune(GEMM_CONFIGS, key=["N", "KW", "C", "BITS"])(_gemm_kernel)
+    """The autotuned kernel of ``kind``: "gemv_row" (one row), "gemv" (2-8 rows) or "gemm"."""
+    if kind == "gemm":
+        return triton.autotune(GEMM_CONFIGS, key=["N", "KW", "C", "BITS"])(_gemm_kernel)
+    kernel, configs = (_gemv_row_kernel, GEMV_ROW_CONFIGS) if kind == "gemv_row" else (_gemv_kernel, GEMV_CONFIGS)
+    prune = {"early_config_prune": _splits_that_fit}
+    return triton.autotune(configs, key=["N", "KW", "BM", "C", "BITS"], prune_configs_by=prune)(kernel)
 
 
 _SPLIT_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -453,11 +225,12 @@ def _launch_gemv(args: tuple, flags: dict, m: int, n: int, device: torch.device)
     part, count = _split_workspace(device, min(SPLIT_PARTIALS, 16 * bm * n), n)
     args = (*args[:7], part, count, *args[7:])
     flags = {**flags, "BM": bm}
+    kind = "gemv_row" if m == 1 else "gemv"
     if _autotuning():
-        _tuned("gemv")[lambda meta: (triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])](*args, **flags)
+        _tuned(kind)[lambda meta: (triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])](*args, **flags)
     else:
-        grid = (triton.cdiv(n, DEFAULT_GEMV["BN"]), DEFAULT_GEMV["SPLIT_K"])
-        _gemv_kernel[grid](*args, **flags, **DEFAULT_GEMV)
+        kernel = _gemv_row_kernel if m == 1 else _gemv_kernel
+        kernel[(triton.cdiv(n, DEFAULT_GEMV["BN"]), DEFAULT_GEMV["SPLIT_K"])](*args, **flags, **DEFAULT_GEMV)
 
 
 def _launch_gemm(args: tuple, flags: dict, m: int, n: int) -> None:
