@@ -73,7 +73,10 @@ def _gemv_row_kernel(
             live_cols = offs_r * 0 + b < b_last
             words = tl.load(w_ptr + offs_n[:, None] * KW + b * T + offs_r[None, :], mask=live_rows[:, None], other=0)
             high = words >> 16
-            scale = tl.load(s_ptr + offs_n * G + b, mask=live_rows, other=0.0).to(tl.float32)
+            # Loaded as a [BN, T] tile (stride 0 along T), already in the words' layout: a [BN] load would
+            # cross shared memory to get there, two barriers per block (bench/triton_sass.py).
+            scale_ptrs = s_ptr + offs_n[:, None] * G + b + offs_r[None, :] * 0
+            scale = tl.load(scale_ptrs, mask=live_rows[:, None], other=0.0).to(tl.float32)
             if ZERO >= 0:
                 zero = tl.full((BN, 1), ZERO, tl.float32)
             else:
@@ -87,7 +90,7 @@ def _gemv_row_kernel(
                 xj = tl.load(x_ptr + col, mask=mask_x, other=0.0).to(tl.float32) * _code_weight_inverse(j, BITS)
                 magic = 8388608.0 + zero * _code_weight(j, BITS)  # 2**23 + z * w: the float of code z
                 dot += (_codes_magic_f32(words, high, j, BITS) - magic) * xj[None, :]
-            acc += scale[:, None] * dot
+            acc += scale * dot
     y = tl.sum(acc, axis=1)
     bias = 0.0
     if HAS_BIAS:
