@@ -29,6 +29,14 @@ from lmpress.runtime.kernels.triton_pack import (
 
 
 @triton.jit
+def _slice_of_blocks(G, SPLIT_K: tl.constexpr):
+    """The blocks ``[first, last)`` of K that program ``(n, k)`` streams: the k-th of ``SPLIT_K`` equal slices."""
+    per_split = tl.cdiv(G, SPLIT_K)
+    first = tl.program_id(1) * per_split
+    return first, tl.minimum(first + per_split, G)
+
+
+@triton.jit
 def _write_output(
     y, y_ptrs, part_ptrs, part_stride, count_ptr, bias, mask, pid_n, pid_k, SPLIT_K: tl.constexpr
 ):  # fmt: skip
@@ -55,16 +63,12 @@ def _gemv_row_kernel(
     BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """``y[0] = x[0] @ W.T``: program ``(n, k)`` streams BN rows over slice k, NB blocks per iteration."""
-    PER: tl.constexpr = 32 // BITS
-    T: tl.constexpr = C // PER
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    T: tl.constexpr = C * BITS // 32
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, T)
     mask_n = offs_n < N
-    per_split = tl.cdiv(G, SPLIT_K)
-    b_first = pid_k * per_split
-    b_last = tl.minimum(b_first + per_split, G)
+    b_first, b_last = _slice_of_blocks(G, SPLIT_K)
     acc = tl.zeros((BN, T), dtype=tl.float32)
     for b0 in range(b_first, b_last, NB):
         for i in tl.static_range(NB):
@@ -82,7 +86,7 @@ def _gemv_row_kernel(
             else:
                 zero = tl.load(z_ptr + offs_n * G + b, mask=live_rows, other=0).to(tl.float32)[:, None]
             dot = tl.zeros((BN, T), dtype=tl.float32)
-            for j in tl.static_range(PER):
+            for j in tl.static_range(32 // BITS):
                 col = b * C + j * T + offs_r  # code j of word r is column j * T + r of the block
                 mask_x = (col < K) & live_cols
                 if HAS_PERM:
@@ -115,9 +119,7 @@ def _gemv_kernel(
     offs_r = tl.arange(0, T)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    per_split = tl.cdiv(G, SPLIT_K)
-    b_first = pid_k * per_split
-    b_last = tl.minimum(b_first + per_split, G)
+    b_first, b_last = _slice_of_blocks(G, SPLIT_K)
     acc = tl.zeros((BM, BN, NB, T), dtype=tl.float32)
     for b0 in range(b_first, b_last, NB):
         offs_b = b0 + tl.arange(0, NB)
