@@ -6,8 +6,8 @@ Weights are random, quantized round-to-nearest (W4 g128 symmetric; W8 per-channe
 symmetric). Decode: the autotuned one-row GEMV (its chosen tile is reported). Prefill, 2048
 rows: the fused GEMM (``path="gemm"``) and the default prefill path (the weight dequantized by a
 Triton kernel into a scratch matrix, then cuBLAS). Each kernel is checked against
-dequantize-then-matmul in float32 at the shape before it is timed. Times are medians of ``triton.testing.do_bench`` (which
-clears the L2 cache before every run, so weights come from HBM). Bandwidth counts the
+dequantize-then-matmul in float32 at the shape before it is timed. Times are medians of
+``triton.testing.do_bench`` (which clears the L2 cache before every run, so weights come from HBM). Bandwidth counts the
 bytes a kernel must read for its weight (codes + scales + zeros), compared with a
 device-to-device copy measured in the same run (bytes read + written).
 
