@@ -25,7 +25,7 @@ ARGS = ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "perm_ptr", "bias_ptr", "y_ptr", "pa
 ARGS += ["M", "N", "K", "KW", "G", "stride_xm", "stride_ym"]
 TYPES = ["*bf16", "*i32", "*fp16", "*u8", "*i32", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 7
 ALIGNED = ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "count_ptr", "K", "KW", "N", "stride_xm", "stride_ym"]
-# (kernel, BN, NB, SPLIT_K, warps)
+# (kernel, BN, NB, SPLIT_K, warps[, bits, zero]): zero -1 is a per-row, per-block zero point (asymmetric)
 CASES = [
     ("_gemv_kernel", 16, 2, 4, 4),
     ("_gemv_kernel", 32, 2, 4, 4),
@@ -33,6 +33,8 @@ CASES = [
     ("_gemv_row_kernel", 64, 2, 4, 2),
     ("_gemv_row_kernel", 128, 1, 4, 2),
     ("_gemv_row_kernel", 256, 1, 4, 4),
+    ("_gemv_row_kernel", 128, 1, 4, 2, 4, -1),
+    ("_gemv_row_kernel", 128, 1, 4, 2, 8, 128),
 ]
 
 
@@ -42,7 +44,7 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def loop_profile(kernel: str, bn: int, nb: int, split: int, warps: int, bits: int = 4) -> dict:
+def loop_profile(kernel: str, bn: int, nb: int, split: int, warps: int, bits: int = 4, zero: int = 8) -> dict:
     """Compile ``kernel`` for sm_90 and profile its main loop (see the module docstring)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -50,7 +52,7 @@ def loop_profile(kernel: str, bn: int, nb: int, split: int, warps: int, bits: in
 
     from lmpress.runtime.kernels import triton_gemv
 
-    constants = dict(BITS=bits, C=128, ZERO=8 if bits == 4 else 128, HAS_PERM=False, HAS_BIAS=False, BM=1)
+    constants = dict(BITS=bits, C=128, ZERO=zero, HAS_PERM=False, HAS_BIAS=False, BM=1)
     constants |= dict(BN=bn, NB=nb, SPLIT_K=split)
     signature = dict(zip(ARGS, TYPES, strict=True)) | {name: "constexpr" for name in constants}
     index = {name: i for i, name in enumerate(signature)}
@@ -74,8 +76,10 @@ def loop_profile(kernel: str, bn: int, nb: int, split: int, warps: int, bits: in
     body = collections.Counter(op for at, op, _ in instructions if start <= at <= end)
     codes_per_thread = bn * (128 * bits // 32) * nb * (32 // bits) / (32 * warps)
     registers = int(re.search(r"REG:(\d+)", usage)[1])
+    spilled = int(re.search(r"LOCAL:(\d+)", usage)[1])
     return {
-        "kernel": kernel, "BN": bn, "NB": nb, "SPLIT_K": split, "warps": warps, "registers": registers,
+        "kernel": kernel, "bits": bits, "zero": zero, "BN": bn, "NB": nb, "SPLIT_K": split, "warps": warps,
+        "registers": registers, "local_bytes": spilled,
         "loop_instructions": sum(body.values()), "codes_per_thread": codes_per_thread,
         "instructions_per_code": round(sum(body.values()) / codes_per_thread, 2), "barriers": body["BAR"],
         "top": body.most_common(8),
@@ -87,11 +91,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = [loop_profile(*case) for case in CASES]
-    print("| kernel | BN | NB | warps | registers | loop instructions per code | barriers per iteration |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | bits | zero | BN | NB | warps | registers | loop instructions per code", end="")
+    print(" | barriers per iteration |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['kernel']} | {r['BN']} | {r['NB']} | {r['warps']} | {r['registers']} | "
+            f"| {r['kernel']} | {r['bits']} | {r['zero']} | {r['BN']} | {r['NB']} | {r['warps']} | {r['registers']} | "
             f"{r['instructions_per_code']} | {r['barriers']} |"
         )
     if args.out:

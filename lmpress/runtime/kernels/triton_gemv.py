@@ -77,23 +77,25 @@ def _gemv_row_kernel(
             live_cols = offs_r * 0 + b < b_last
             words = tl.load(w_ptr + offs_n[:, None] * KW + b * T + offs_r[None, :], mask=live_rows[:, None], other=0)
             high = words >> 16
-            # Loaded as a [BN, T] tile (stride 0 along T), already in the words' layout: a [BN] load would
-            # cross shared memory to get there, two barriers per block (bench/triton_sass.py).
-            scale_ptrs = s_ptr + offs_n[:, None] * G + b + offs_r[None, :] * 0
-            scale = tl.load(scale_ptrs, mask=live_rows[:, None], other=0.0).to(tl.float32)
+            # Scale and zero loaded as [BN, T] tiles (stride 0 along T), already in the words' layout: a [BN]
+            # load would cross shared memory to get there, two barriers per block (bench/triton_sass.py).
+            qparams = offs_n[:, None] * G + b + offs_r[None, :] * 0
+            scale = tl.load(s_ptr + qparams, mask=live_rows[:, None], other=0.0).to(tl.float32)
             if ZERO >= 0:
                 zero = tl.full((BN, 1), ZERO, tl.float32)
             else:
-                zero = tl.load(z_ptr + offs_n * G + b, mask=live_rows, other=0).to(tl.float32)[:, None]
+                zero = tl.load(z_ptr + qparams, mask=live_rows[:, None], other=0).to(tl.float32)
             dot = tl.zeros((BN, T), dtype=tl.float32)
-            for j in tl.static_range(32 // BITS):
-                col = b * C + j * T + offs_r  # code j of word r is column j * T + r of the block
-                mask_x = (col < K) & live_cols
-                if HAS_PERM:
-                    col = tl.load(perm_ptr + col, mask=mask_x, other=0)
-                xj = tl.load(x_ptr + col, mask=mask_x, other=0.0).to(tl.float32) * _code_weight_inverse(j, BITS)
-                magic = 8388608.0 + zero * _code_weight(j, BITS)  # 2**23 + z * w: the float of code z
-                dot += (_codes_magic_f32(words, high, j, BITS) - magic) * xj[None, :]
+            for k in tl.static_range(16 // BITS):  # codes k and k + H of a word share their weight w
+                magic = 8388608.0 + zero * _code_weight(k, BITS)  # 2**23 + z * w: the float of code z
+                for half in tl.static_range(2):
+                    j = half * (16 // BITS) + k
+                    col = b * C + j * T + offs_r  # code j of word r is column j * T + r of the block
+                    mask_x = (col < K) & live_cols
+                    if HAS_PERM:
+                        col = tl.load(perm_ptr + col, mask=mask_x, other=0)
+                    xj = tl.load(x_ptr + col, mask=mask_x, other=0.0).to(tl.float32) * _code_weight_inverse(j, BITS)
+                    dot += (_codes_magic_f32(words, high, j, BITS) - magic) * xj[None, :]
             acc += scale * dot
     y = tl.sum(acc, axis=1)
     bias = 0.0
