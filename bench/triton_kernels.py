@@ -97,7 +97,7 @@ def w4_rows(n: int, k: int, copy_gbs: float) -> dict:
     tg_bytes = tg_weight.numel() * tg_weight.element_size() + tg_sz.numel() * 2
     row.update(tinygemm_us=round(t_tg, 2), tinygemm_pct_copy=round(100 * tg_bytes / t_tg / 1e3 / copy_gbs, 1))
     row["gemv_speedup_vs_tinygemm"] = round(t_tg / t_triton, 3)
-    row["gemv_config"] = tuned_config("gemv")
+    row["gemv_config"] = tuned_config("gemv_row")  # one row: the row kernel
     xp = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=torch.bfloat16)
     reference = xp.float() @ weight.T
     checked("triton_gemm", reference, w4a16_matmul(xp, packed, "gemm"), row)

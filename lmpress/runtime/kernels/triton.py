@@ -159,8 +159,8 @@ GEMV_CONFIGS = [  # 2-8 rows
     for split in (1, 4, 8)
 ]
 # One row: [BN, T] tiles; a thread holding several rows reuses each activation it loads (BN 64-256
-# over 1-4 warps: ~5 instructions per code in the loop's SASS, against ~8 and 32 barriers per
-# iteration in the 4D kernel). 40 configs: ~1 s of compilation each, once per machine.
+# over 1-4 warps: 5.3-5.8 instructions per code in the loop's SASS, against 7.8-8.8 and 16-32
+# barriers per iteration in the 4D kernel; bench/triton_sass.py). 40 configs, each compiled once.
 GEMV_ROW_CONFIGS = [
     triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=w, num_stages=2)
     for bn, w in ((32, 1), (64, 1), (64, 2), (128, 2), (256, 4))
@@ -186,13 +186,12 @@ SCRATCH_ELEMENTS = 2**26
 def _splits_that_fit(configs, nargs, **kwargs):
     """Autotune pruning: a split needs >= NB blocks per slice and its partials within ``SPLIT_PARTIALS``."""
     n, blocks, rows = nargs["N"], nargs["G"], kwargs["BM"]
-    kept = [
+    return [
         c
         for c in configs
         if c.kwargs["SPLIT_K"] == 1
         or (c.kwargs["SPLIT_K"] * c.kwargs["NB"] <= blocks and c.kwargs["SPLIT_K"] * rows * n <= SPLIT_PARTIALS)
     ]
-    return kept
 
 
 @functools.cache
@@ -320,13 +319,12 @@ def _dequantized_matmul(flat: torch.Tensor, packed: PackedWeight, y: torch.Tenso
         part = _rows_of(packed, first, min(n, first + chunk))
         w = dequantize(part, flat.dtype, scratch[: part.out_features * k_pad].view(part.out_features, k_pad))
         w = w[:, :k]
+        out = y if chunk == n else None  # one chunk: cuBLAS writes y itself, no copy
         if part.bias is None:
-            out = torch.mm(a, w.T)
+            out = torch.mm(a, w.T, out=out)
         else:
-            out = torch.addmm(part.bias.to(flat.dtype), a, w.T)
-        if chunk == n:
-            y.copy_(out)
-        else:
+            out = torch.addmm(part.bias.to(flat.dtype), a, w.T, out=out)
+        if chunk < n:
             y[:, first : first + part.out_features] = out
 
 
