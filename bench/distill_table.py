@@ -15,7 +15,9 @@ Rows, each the recipe of the same name run by ``lmpress run`` in its own process
   draft of the FP32 model in lmpress's runtime: greedy speculative decoding of the grounded
   prompt of bench/runtime.py against plain decoding, acceptance rate and speedup, output
   checked token for token; both with torch.compile'd steps (the runtime's fastest plain
-  decoding on a CPU, the one the goal is judged against) and eager. The draft scores the
+  decoding on a CPU, the one the goal is judged against) and eager. Decode rates exclude the
+  prefill (both models read the prompt before the first token); plain and speculative runs are
+  timed in turn (``interleaved_generation_times``), and the whole run's ratio is given beside. The draft scores the
   ``DRAFT_VOCAB`` tokens most frequent in its training text (``restrict_vocabulary``; the
   target verifies over the whole vocabulary); compiled with the whole vocabulary is given beside.
   Each speculative measurement runs in a fresh process; the goal's (compiled) in ``PROCESSES`` of them,
@@ -136,7 +138,7 @@ def measure_speculative(spec: dict) -> dict:
     from runtime import row_speculative
 
     torch.set_num_threads(THREADS)
-    args = argparse.Namespace(new_tokens=256, repeats=3, prompt_tokens=128)
+    args = argparse.Namespace(new_tokens=256, repeats=5, prompt_tokens=128)
     return row_speculative(args, spec["draft"], spec["compile"], *(spec["vocab"] or ()))
 
 
@@ -199,25 +201,31 @@ def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
         "tokens_per_s": train["summary"]["tokens_per_s"],
         "device": train["device"],
         "cpu": cpu_description(),
-        "plain_tok_s": spec["decode_tok_s"],
+        "plain_tok_s": spec["spec_plain_decode_tok_s"],
         "speculative_tok_s": spec["spec_decode_tok_s"],
         "speedup": spec["spec_speedup"],
+        "whole_run_speedup": spec["spec_whole_run_speedup"],
         "acceptance_rate": spec["spec_acceptance_rate"],
         "identical": all(r["spec_identical_to_plain"] for r in runs),
         "processes": [
-            {"plain_tok_s": r["decode_tok_s"], "speculative_tok_s": r["spec_decode_tok_s"], "speedup": speedup_of(r)}
+            {
+                "plain_tok_s": r["spec_plain_decode_tok_s"],
+                "speculative_tok_s": r["spec_decode_tok_s"],
+                "speedup": speedup_of(r),
+                "whole_run_speedup": r["spec_whole_run_speedup"],
+            }
             for r in runs
         ],
         "draft_vocab": {"tokens": vocab[0], "text": vocab[1]},
         "whole_vocab": {
-            "plain_tok_s": whole["decode_tok_s"],
+            "plain_tok_s": whole["spec_plain_decode_tok_s"],
             "speculative_tok_s": whole["spec_decode_tok_s"],
             "speedup": whole["spec_speedup"],
             "acceptance_rate": whole["spec_acceptance_rate"],
             "identical": whole["spec_identical_to_plain"],
         },
         "eager": {
-            "plain_tok_s": eager["decode_tok_s"],
+            "plain_tok_s": eager["spec_plain_decode_tok_s"],
             "speculative_tok_s": eager["spec_decode_tok_s"],
             "speedup": eager["spec_speedup"],
             "acceptance_rate": eager["spec_acceptance_rate"],
@@ -259,6 +267,8 @@ def render(rows: dict[str, dict]) -> str:
                 f"{r['speculative_tok_s']:.1f} vs plain {r['plain_tok_s']:.1f} tok/s = **{r['speedup']:.2f}x**, "
                 f"acceptance {r['acceptance_rate']:.2f}, identical: {r['identical']}"
             )
+            if "whole_run_speedup" in r:
+                result += f"; the whole run, both models' prefills included: {r['whole_run_speedup']:.2f}x"
             if processes:
                 result += (
                     " (each process: "

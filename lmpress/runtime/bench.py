@@ -21,9 +21,16 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import track_peak_rss
-from lmpress.runtime.generate import ForwardFn, compiled_forward, decode_with, generate, model_forward
+from lmpress.runtime.generate import (
+    ForwardFn,
+    compile_reads,
+    compiled_forward,
+    decode_with,
+    generate,
+    model_forward,
+)
 from lmpress.runtime.model import Transformer
-from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, speculative_decode
+from lmpress.runtime.speculative import K_MAX, PromptLookupDrafter, SpeculativeStats, speculative_decode
 
 COPY_MEGABYTES = 512
 
@@ -98,11 +105,26 @@ def generation_times(
 ) -> tuple[float, float]:
     """Median seconds to generate 1 and ``new_tokens`` tokens (after a warm-up run of the same length, which
     also compiles a compiled step for this cache size)."""
-    generate_n(new_tokens)
-    return (
-        median_seconds(lambda: generate_n(1), repeats, device),
-        median_seconds(lambda: generate_n(new_tokens), repeats, device),
-    )
+    return interleaved_generation_times({"run": generate_n}, new_tokens, repeats, device)["run"]
+
+
+def interleaved_generation_times(
+    runs: dict[str, Callable[[int], Any]], new_tokens: int, repeats: int, device: torch.device
+) -> dict[str, tuple[float, float]]:
+    """``generation_times`` of several ways to generate, timed in turn within each repeat, so that a machine
+    whose speed drifts (a shared VM's moves by 15% within a minute) slows them alike and their ratio holds."""
+    for generate_n in runs.values():
+        generate_n(new_tokens)
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in runs}
+    for _ in range(repeats):
+        for name, generate_n in runs.items():
+            for n, samples in zip((1, new_tokens), times[name], strict=True):
+                synchronize(device)
+                start = time.perf_counter()
+                generate_n(n)
+                synchronize(device)
+                samples.append(time.perf_counter() - start)
+    return {name: (statistics.median(one), statistics.median(many)) for name, (one, many) in times.items()}
 
 
 def decode_rate(times: tuple[float, float], new_tokens: int) -> float:
@@ -169,12 +191,17 @@ def bench_speculative(
     draft: Transformer | None = None,
     forward: ForwardFn | None = None,
 ) -> dict[str, Any]:
-    """Greedy speculative decoding (``draft``, else prompt lookup) against ``plain``'s decode rate.
+    """Greedy speculative decoding (``draft``, else prompt lookup) against plain decoding, the two timed in
+    turn (``interleaved_generation_times``; ``plain``, the plain row timed before, is reported beside).
 
     With ``settings.compile`` the draft's steps and the target's verifying forwards are compiled,
-    as ``plain``'s steps are."""
+    as the plain steps are."""
     stats = SpeculativeStats()
     forward = forward or forward_step(settings, model.device)
+    decode = decode_with(forward)
+
+    def run_plain(n: int) -> list[int]:
+        return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
 
     def run(n: int, record: SpeculativeStats | None = None) -> list[int]:
         lookup = None if draft is not None else PromptLookupDrafter()
@@ -183,14 +210,24 @@ def bench_speculative(
         )
         return list(tokens)
 
-    times = generation_times(run, settings.new_tokens, settings.repeats, model.device)
-    rate = decode_rate(times, settings.new_tokens)
+    if settings.compile:  # every read length a round may use compiled before the timed runs
+        capacity = min(len(prompt) + settings.new_tokens - 1, model.args.max_seq_len)
+        compile_reads(forward, model, capacity, range(1, K_MAX + 2))
+        if draft is not None:
+            compile_reads(forward, draft, min(capacity, draft.args.max_seq_len), (1, 2))
+    times = interleaved_generation_times(
+        {"plain": run_plain, "speculative": run}, settings.new_tokens, settings.repeats, model.device
+    )
+    rate, plain_rate = (decode_rate(times[name], settings.new_tokens) for name in ("speculative", "plain"))
     speculative_tokens = run(settings.new_tokens, stats)
     plain_tokens = generate(model, prompt, max_new_tokens=settings.new_tokens)[0]
     return {
         "drafter": "draft model" if draft is not None else "prompt lookup",
         "decode_tok_s": rate,
-        "speedup": rate / plain["decode_tok_s"],
+        "plain_decode_tok_s": plain_rate,  # timed in turn with the speculative runs: the speedup's base
+        "plain_row_decode_tok_s": plain["decode_tok_s"],
+        "speedup": rate / plain_rate,
+        "whole_run_speedup": times["plain"][1] / times["speculative"][1],  # prefills (both models') included
         "acceptance_rate": stats.acceptance_rate,
         "tokens_per_target_step": stats.tokens_per_step,
         "identical_to_plain": speculative_tokens == plain_tokens,
@@ -252,7 +289,8 @@ def render_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     if spec:
         rows += [
             (f"speculative decode ({spec['drafter']})", f"{spec['decode_tok_s']:.1f} tok/s"),
-            ("speculative speedup", f"{spec['speedup']:.2f}x plain decoding"),
+            ("speculative speedup", f"{spec['speedup']:.2f}x plain decoding ({spec['plain_decode_tok_s']:.1f} tok/s)"),
+            ("whole run, prefills included", f"{spec['whole_run_speedup']:.2f}x"),
             ("acceptance rate", f"{spec['acceptance_rate']:.2f}"),
             ("tokens per target step", f"{spec['tokens_per_target_step']:.2f}"),
             ("same tokens as plain decoding", "yes" if spec["identical_to_plain"] else "NO"),

@@ -202,34 +202,60 @@ def _own_static_step() -> Callable[..., torch.Tensor]:
     return types.FunctionType(code, _static_step.__globals__, _static_step.__name__)
 
 
+STATIC_TOKENS = 4  # reads of up to this many tokens get a graph of their own (decode, verifying up to 3 drafts)
+
+
 def compiled_forward(mode: str | None = None) -> ForwardFn:
     """A forward over a few tokens as ``torch.compile``'d graphs of fixed shapes (``Transformer.forward_static``).
 
-    It compiles once per model and cache size for one token (decode), and once more for any other
-    count (a speculative round's 2-9 tokens: the count becomes a symbolic size), and is reused at
-    every step; ``mode="reduce-overhead"`` also captures it in CUDA graphs on a GPU. Dynamo's
-    guards on the model's ~600 parameters cost ~0.5 ms per call on 2 CPU threads (7% of SmolLM2's
-    W4 step), so they are dropped: each model gets its own compiled step, and the cache's tensors
-    stay guarded (a new cache size recompiles). Long reads (a prompt) belong to the model's own
-    forward: the static step's attention is written for a few queries.
+    Each model gets one graph per token count up to ``STATIC_TOKENS`` (decode, a draft model's
+    re-read of two tokens, verifying 1-3 drafts) and one graph for any longer read, where the count
+    is a symbolic size; each is compiled at its first use (seconds to a minute for SmolLM2 on 2 CPU
+    threads: ``compile_reads`` pays that up front) and reused at every step.
+    Specialized counts run faster than the symbolic graph (SmolLM2 FP32 on 2 CPU threads, inside
+    speculative decoding: 19.6 vs 20.5 ms to verify one draft, bench/draft_probe.py's ``loop_*``).
+    ``mode="reduce-overhead"`` also captures them in CUDA graphs on a GPU. Dynamo's guards on the
+    model's ~600 parameters cost ~0.5 ms per call on 2 CPU threads (7% of SmolLM2's W4 step), so
+    they are dropped: each model gets its own compiled steps, and the cache's tensors stay guarded
+    (a new cache size recompiles). Long reads (a prompt) belong to the model's own forward: the
+    static step's attention is written for a few queries.
     """
-    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    # The guards left check every input's sizes and strides, so the graphs' own size asserts (~300 per call,
+    # 0.15 ms of a 2.9 ms draft step on 2 CPU threads) repeat them.
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False}
     if mode is not None:
         options.update(torch._inductor.list_mode_options(mode))
     steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, *args: Any) -> torch.Tensor:
         if model not in steps:
-            steps[model] = torch.compile(_own_static_step(), fullgraph=True, options=options)
+            steps[model] = tuple(torch.compile(_own_static_step(), fullgraph=True, options=options) for _ in "ab")
         if mode == "reduce-overhead":
             # A CUDA graph may write into the cache only if its tensors are static inputs; unguarded, so a
             # new cache of the same size re-records the graph instead of recompiling.
             for t in (*k, *v):
                 if not hasattr(t, "_dynamo_static_input_type"):
                     torch._dynamo.mark_static_address(t, guard=False)
-        return steps[model](model, tokens, k, v, *args)
+        fixed, symbolic = steps[model]
+        pad, pos = args
+        if tokens.shape[1] > STATIC_TOKENS:  # symbolic from its first compile: one graph for every longer read
+            torch._dynamo.maybe_mark_dynamic(tokens, 1)
+            torch._dynamo.maybe_mark_dynamic(pos, 0)
+            return symbolic(model, tokens, k, v, pad, pos)
+        torch._dynamo.mark_static(tokens, 1)  # never generalized to a symbolic count (a cache size may be)
+        torch._dynamo.mark_static(pos, 0)
+        return fixed(model, tokens, k, v, pad, pos)
 
     return static_forward(step)
+
+
+def compile_reads(forward: ForwardFn, model: Transformer, max_len: int, counts: Sequence[int]) -> None:
+    """Run ``forward`` once for each token count in ``counts`` on a scratch cache of ``max_len`` slots, so a
+    compiled forward has the graphs a decode with caches of that size will use before it is timed."""
+    cache = model.new_cache(1, max_len)
+    for n in counts:
+        cache.reset()
+        forward(model, torch.zeros((1, n), dtype=torch.long), cache)
 
 
 def compiled_decode(mode: str | None = None) -> DecodeFn:

@@ -105,6 +105,13 @@ class ModelDrafter:
         return self.cache.max_len - seq_len + 1
 
     @torch.no_grad()
+    def read_prompt(self, prompt: list[int]) -> None:
+        """Read the prompt into the cache, as the target's prefill does (the first round then reads one token)."""
+        self.cache.reset()
+        prefill(self.model, torch.tensor([prompt]), self.cache)
+        self.cached = list(prompt)
+
+    @torch.no_grad()
     def propose(self, seq: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         keep = min(_common_prefix(self.cached, seq), len(seq) - 1)  # re-read at least the last token
         self.cache.truncate(keep)
@@ -179,6 +186,9 @@ class PromptLookupDrafter:
     def room(self, seq_len: int) -> int:
         return seq_len
 
+    def read_prompt(self, prompt: list[int]) -> None:
+        """Nothing to read: the lookup searches the text itself."""
+
     def propose(self, seq: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             pattern = seq[-n:]
@@ -221,6 +231,9 @@ def check_same_vocabulary(
         )
     if target_tok is not None and draft_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
         raise LmpressInputError("the draft's tokenizer differs from the target's: use a draft with the same tokenizer")
+
+
+K_MAX = 8  # the longest round speculative_decode drafts by default
 
 
 class AdaptiveK:
@@ -296,7 +309,7 @@ def speculative_decode(
     tokenizer: Any = None,
     seed: int | None = None,
     k: int = 4,
-    k_max: int = 8,
+    k_max: int = K_MAX,
     adaptive: bool = True,
     prompt_lookup: PromptLookupDrafter | None = None,
     stats: SpeculativeStats | None = None,
@@ -304,7 +317,8 @@ def speculative_decode(
 ) -> Iterator[int]:
     """Yield the target's tokens as rounds accept them: from ``draft``, or ``prompt_lookup`` when no draft is given.
 
-    Same stopping rules and token budget as ``generate_tokens``; ``stats`` (if given)
+    The prefill reads the prompt into the draft's cache as well as the target's, before the first
+    token. Same stopping rules and token budget as ``generate_tokens``; ``stats`` (if given)
     is filled in as it runs: acceptance rate and tokens per target step. ``forward`` runs the
     draft's steps and the target's verifying reads (e.g. ``compiled_forward()``).
     """
@@ -330,6 +344,7 @@ def speculative_decode(
     prompt_len = len(seq)
     with torch.no_grad():
         logits = prefill(target, torch.tensor([seq]), cache).cpu()
+    drafter.read_prompt(seq)  # part of the prefill, as the target's read: not left to the first round
     emitted = [int(draw(next_token_probs(logits, sampling, torch.tensor([seq])), generator)[0])]
     while True:
         for token in emitted:

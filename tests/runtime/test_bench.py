@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from lmpress.cli import main
-from lmpress.runtime.bench import BenchSettings, benchmark, copy_bandwidth_gbs, kv_cache_bytes
+from lmpress.runtime.bench import (
+    BenchSettings,
+    benchmark,
+    copy_bandwidth_gbs,
+    interleaved_generation_times,
+    kv_cache_bytes,
+)
 from lmpress.runtime.model import Transformer
 from tests.runtime.conftest import tiny_hf_model
 
@@ -44,7 +50,18 @@ def test_speculative_bench_with_a_draft_model():
     spec = result["speculative"]
     assert spec["drafter"] == "draft model" and spec["identical_to_plain"]
     assert spec["acceptance_rate"] > 0.5  # a bf16 copy agrees with its fp32 target on most greedy tokens
-    assert spec["speedup"] == pytest.approx(spec["decode_tok_s"] / result["plain"]["decode_tok_s"])
+    assert spec["speedup"] == pytest.approx(spec["decode_tok_s"] / spec["plain_decode_tok_s"])
+    assert spec["plain_row_decode_tok_s"] == result["plain"]["decode_tok_s"] and spec["whole_run_speedup"] > 0
+
+
+def test_interleaved_generation_times_alternate_the_runs_within_each_repeat():
+    calls = []
+    runs = {name: (lambda n, name=name: calls.append((name, n))) for name in ("plain", "speculative")}
+    times = interleaved_generation_times(runs, new_tokens=5, repeats=2, device=torch.device("cpu"))
+    warm_up = [("plain", 5), ("speculative", 5)]
+    repeat = [("plain", 1), ("plain", 5), ("speculative", 1), ("speculative", 5)]
+    assert calls == warm_up + 2 * repeat
+    assert set(times) == {"plain", "speculative"} and all(0 <= one and 0 <= many for one, many in times.values())
 
 
 def test_kv_cache_bytes_and_copy_bandwidth():

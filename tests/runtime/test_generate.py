@@ -175,3 +175,22 @@ def test_compiled_decode_equals_eager_for_each_model_it_serves():
         Transformer.from_hf(tiny_hf_model("llama", seed=5, intermediate_size=192, vocab_size=300)),
     ):
         assert generate(model, prompts, max_new_tokens=12, decode=decode) == generate(model, prompts, max_new_tokens=12)
+
+
+@pytest.mark.slow
+def test_compiled_forward_reads_every_token_count_as_eager_at_two_cache_sizes():
+    """Counts up to STATIC_TOKENS run graphs of their own and longer ones a symbolic graph; a second cache
+    size recompiles them. Every read must give the eager forward's logits and leave the cache as it does."""
+    from lmpress.runtime.generate import STATIC_TOKENS, compiled_forward
+
+    model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
+    forward = compiled_forward()
+    for max_len in (40, 56):
+        for n in range(1, STATIC_TOKENS + 3):
+            caches = [model.new_cache(1, max_len) for _ in range(2)]
+            for cache in caches:
+                model(torch.tensor([prompt(9, seed=n)]), cache)
+            read = torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(n))
+            expected = model(read, caches[0]).float()
+            torch.testing.assert_close(forward(model, read, caches[1]), expected, rtol=1e-4, atol=1e-4)
+            assert caches[1].length == caches[0].length == 9 + n
