@@ -267,8 +267,6 @@ def render(rows: dict[str, dict]) -> str:
                 f"{r['speculative_tok_s']:.1f} vs plain {r['plain_tok_s']:.1f} tok/s = **{r['speedup']:.2f}x**, "
                 f"acceptance {r['acceptance_rate']:.2f}, identical: {r['identical']}"
             )
-            if "whole_run_speedup" in r:
-                result += f"; the whole run, both models' prefills included: {r['whole_run_speedup']:.2f}x"
             if processes:
                 result += (
                     " (each process: "
@@ -278,6 +276,8 @@ def render(rows: dict[str, dict]) -> str:
                     )
                     + ")"
                 )
+            if "whole_run_speedup" in r:
+                result += f"; the whole run, both models' prefills included: {r['whole_run_speedup']:.2f}x"
             if "draft_vocab" in r:
                 v = r["draft_vocab"]
                 result += f"; the draft scoring the {v['tokens']:,} tokens most frequent in {v['text']}"

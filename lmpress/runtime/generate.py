@@ -212,8 +212,9 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
     re-read of two tokens, verifying 1-3 drafts) and one graph for any longer read, where the count
     is a symbolic size; each is compiled at its first use (seconds to a minute for SmolLM2 on 2 CPU
     threads: ``compile_reads`` pays that up front) and reused at every step.
-    Specialized counts run faster than the symbolic graph (SmolLM2 FP32 on 2 CPU threads, inside
-    speculative decoding: 19.6 vs 20.5 ms to verify one draft, bench/draft_probe.py's ``loop_*``).
+    Specialized counts run faster than the symbolic graph (a one-off A/B in one process, SmolLM2 FP32
+    on 2 CPU threads inside speculative decoding: verifying 1 draft 19.6 vs 20.5 ms, 3 drafts 22.2 ms
+    where the symbolic graph took 23.5 ms for 2; speculative decoding 73.9 vs 70.7 tok/s).
     ``mode="reduce-overhead"`` also captures them in CUDA graphs on a GPU. Dynamo's guards on the
     model's ~600 parameters cost ~0.5 ms per call on 2 CPU threads (7% of SmolLM2's W4 step), so
     they are dropped: each model gets its own compiled steps, and the cache's tensors stay guarded
