@@ -5,7 +5,7 @@
     lmpress compare RUN_A RUN_B
     lmpress inspect ARTIFACT [--json]
     lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup] [--stream]
-                     [--device cpu|cuda]
+                     [--compile] [--device cpu|cuda]
     lmpress bench ARTIFACT [--prompt-tokens N] [--new-tokens N] [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup]
                   [--json FILE]
 
@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts")
     add_draft_vocab_arguments(gen)
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step (CUDA graphs on a GPU; compiling takes a while)",
+    )
     gen.add_argument("--device", help="cpu or cuda (default: cuda where a GPU is found, else the CPU)")
     bench = sub.add_parser("bench", help="speed of any model or export on lmpress's runtime: latency, tok/s, GB/s")
     bench.add_argument("artifact", help="an export lmpress wrote, a checkpoint directory, .gguf file or pypkg:")
@@ -238,6 +243,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
         draft_vocab_text=args.draft_vocab_text,
         device=device,
+        compile=args.compile,
         on_text=(lambda piece: print(piece, end="", flush=True)) if args.stream else pieces.append,
     )
     print("" if args.stream else "".join(pieces))

@@ -24,10 +24,9 @@ from lmpress.memory import track_peak_rss
 from lmpress.runtime.generate import (
     ForwardFn,
     compile_reads,
-    compiled_forward,
     decode_with,
+    decoding_forward,
     generate,
-    model_forward,
 )
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.speculative import K_MAX, PromptLookupDrafter, SpeculativeStats, speculative_decode
@@ -144,10 +143,8 @@ def running_peak_mb(run: Callable[[], Any], device: torch.device) -> float:
 
 
 def forward_step(settings: BenchSettings, device: torch.device) -> ForwardFn:
-    """The decoding forward ``settings`` ask for: eager, or compiled (on a GPU also captured in CUDA graphs)."""
-    if not settings.compile:
-        return model_forward
-    return compiled_forward("reduce-overhead" if device.type == "cuda" else None)
+    """The decoding forward ``settings`` ask for (``decoding_forward``)."""
+    return decoding_forward(device, settings.compile)
 
 
 def bench_plain(

@@ -250,6 +250,13 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
     return static_forward(step)
 
 
+def decoding_forward(device: torch.device, compile: bool) -> ForwardFn:
+    """The forward decoding runs on ``device``: eager, or compiled (on a GPU also captured in CUDA graphs)."""
+    if not compile:
+        return model_forward
+    return compiled_forward("reduce-overhead" if device.type == "cuda" else None)
+
+
 def compile_reads(forward: ForwardFn, model: Transformer, max_len: int, counts: Sequence[int]) -> None:
     """Run ``forward`` once for each token count in ``counts`` on a scratch cache of ``max_len`` slots, so a
     compiled forward has the graphs a decode with caches of that size will use before it is timed."""

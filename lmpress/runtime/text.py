@@ -20,7 +20,7 @@ import torch
 from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
 from lmpress.errors import LmpressInputError
 from lmpress.memory import return_freed_memory
-from lmpress.runtime.generate import generate_tokens
+from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig
 from lmpress.runtime.speculative import (
@@ -166,9 +166,11 @@ def generate_text(
     on_text: Callable[[str], None] = print,
     draft_vocab: int | None = None,
     draft_vocab_text: str = BUILTIN_PYTHON_DOCS,
+    compile: bool = False,
 ) -> GenerationResult:
     """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes.
-    ``draft_vocab``, ``draft_vocab_text``: ``load_draft``'s ``vocabulary`` and ``vocabulary_text``."""
+    ``draft_vocab``, ``draft_vocab_text``: ``load_draft``'s ``vocabulary`` and ``vocabulary_text``;
+    ``compile``: decode (and draft and verify) through ``torch.compile``'d steps, CUDA graphs on a GPU."""
     if draft is not None and prompt_lookup:
         raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
     if max_new_tokens < 1:
@@ -180,6 +182,7 @@ def generate_text(
         raise LmpressInputError("the prompt is empty")
     common = dict(max_new_tokens=max_new_tokens, sampling=config, eos_token_id=tokenizer.eos_token_id, seed=seed)
     draft_model = load_draft(draft, model, tokenizer, device, vocabulary=draft_vocab, vocabulary_text=draft_vocab_text)
+    forward = decoding_forward(model.device, compile)
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()
     if draft is not None or prompt_lookup:
@@ -190,10 +193,12 @@ def generate_text(
             draft=draft_model,
             prompt_lookup=PromptLookupDrafter() if prompt_lookup else None,
             stats=result.speculative,
+            forward=forward,
             **common,
         )
     else:
-        tokens = (int(step[0]) for step in generate_tokens(model, ids, **common) if int(step[0]) >= 0)
+        steps = generate_tokens(model, ids, decode=decode_with(forward), **common)
+        tokens = (int(step[0]) for step in steps if int(step[0]) >= 0)
     for piece in _text_pieces(tokenizer, tokens, result.tokens):
         on_text(piece)
     result.seconds = time.perf_counter() - began

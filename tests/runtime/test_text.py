@@ -21,7 +21,16 @@ def reference_text(model_dir, new_tokens: int) -> str:
 
 
 @pytest.mark.parametrize(
-    "mode", [[], ["--stream"], ["--prompt-lookup"], ["--draft", "SELF"], ["--draft", "SELF", "--draft-vocab", "40"]]
+    "mode",
+    [
+        [],
+        ["--stream"],
+        ["--prompt-lookup"],
+        ["--draft", "SELF"],
+        ["--draft", "SELF", "--draft-vocab", "40"],
+        ["--compile"],
+        ["--compile", "--draft", "SELF"],
+    ],
 )
 def test_greedy_text_equals_transformers_generate(tiny_llama_dir, capsys, mode):
     mode = [str(tiny_llama_dir) if arg == "SELF" else arg for arg in mode]
@@ -31,7 +40,7 @@ def test_greedy_text_equals_transformers_generate(tiny_llama_dir, capsys, mode):
     assert captured.out.rstrip("\n") == reference_text(tiny_llama_dir, 12)
     assert "12 new tokens" in captured.err
     if mode:
-        assert ("acceptance" in captured.err) == (mode != ["--stream"])
+        assert ("acceptance" in captured.err) == ("--draft" in mode or "--prompt-lookup" in mode)
 
 
 @pytest.mark.parametrize(
