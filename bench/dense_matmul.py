@@ -42,11 +42,15 @@ def forward_ms(model, prompt: list[int], n: int, repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
-def layout_us(rows: int, row_major: bool, shape: tuple[int, int] = (3072, 576), repeats: int = 7) -> float:
+def layout_us(
+    rows: int, row_major: bool, shape: tuple[int, int] = (3072, 576), repeats: int = 7, pad_to: int = 0
+) -> float:
     """Median us of ``W @ x.T`` for ``rows`` rows, ``x`` row-major (``x.T`` a transposed view) or column-major
-    (``x.T`` contiguous, as a previous ``(W @ x.T).T`` output hands it on), over 256 MB of weights."""
-    weights = [torch.randn(shape) for _ in range(256 * 2**20 // (shape[0] * shape[1] * 4))]
+    (``x.T`` contiguous, as a previous ``(W @ x.T).T`` output hands it on), over 256 MB of weights; with
+    ``pad_to``, ``x``'s first row repeated to that many rows (as ``DenseLinear`` pads 3 rows to 4)."""
+    weights = [torch.randn(shape) for _ in range(max(1, 256 * 2**20 // (shape[0] * shape[1] * 4)))]
     x = torch.randn(rows, shape[1])
+    x = torch.cat([x] + [x[:1]] * (pad_to - rows)) if pad_to > rows else x
     right = x.t() if row_major else x.t().contiguous()
     times = []
     for _ in range(repeats):
@@ -96,6 +100,12 @@ def main() -> int:
     table += "| --- |" + " --- |" * len(layout_rows) + "\n"
     for label, row_major in (("x row-major (x.T a view)", True), ("x.T contiguous", False)):
         table += f"| {label} | " + " | ".join(f"{layout_us(r, row_major):.0f}" for r in layout_rows) + " |\n"
+    shapes = sorted({(o, i) for o, i, _ in choices})
+    table += "\n| W @ x.T over 3 rows, us per product: | " + " | ".join(f"{o} x {i}" for o, i in shapes) + " |\n"
+    table += "| --- |" + " --- |" * len(shapes) + "\n"
+    for label, pad_to in (("3 rows", 0), ("3 rows padded to 4 (DenseLinear)", 4)):
+        cells = " | ".join(f"{layout_us(3, True, shape, pad_to=pad_to):.0f}" for shape in shapes)
+        table += f"| {label} | {cells} |\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "dense_matmul.md").write_text(table)
     print(table)
