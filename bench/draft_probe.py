@@ -93,13 +93,11 @@ def in_loop_costs(target, draft, prompt: list[int], new_tokens: int = 256, runs:
     the draft's and the target's steps (medians over the last of ``runs`` runs), the draft's prompt read."""
     import statistics
 
-    from lmpress.runtime.generate import compile_reads, compiled_forward
-    from lmpress.runtime.speculative import K_MAX, SpeculativeStats, speculative_decode
+    from lmpress.runtime.generate import compiled_forward
+    from lmpress.runtime.speculative import SpeculativeStats, compile_rounds, speculative_decode
 
     compiled, times = compiled_forward(), {}
-    capacity = len(prompt) + new_tokens - 1
-    compile_reads(compiled, target, capacity, range(1, K_MAX + 2))  # as the benchmark does before it times
-    compile_reads(compiled, draft, capacity, (1, 2))
+    compile_rounds(compiled, target, draft, len(prompt), new_tokens)  # as the benchmark does before it times
 
     def timed(model, tokens, cache):
         began = time.perf_counter()

@@ -21,15 +21,9 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import track_peak_rss
-from lmpress.runtime.generate import (
-    ForwardFn,
-    compile_reads,
-    decode_with,
-    decoding_forward,
-    generate,
-)
+from lmpress.runtime.generate import ForwardFn, decode_with, decoding_forward, generate
 from lmpress.runtime.model import Transformer
-from lmpress.runtime.speculative import K_MAX, PromptLookupDrafter, SpeculativeStats, speculative_decode
+from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, compile_rounds, speculative_decode
 
 COPY_MEGABYTES = 512
 
@@ -111,7 +105,8 @@ def interleaved_generation_times(
     runs: dict[str, Callable[[int], Any]], new_tokens: int, repeats: int, device: torch.device
 ) -> dict[str, tuple[float, float]]:
     """``generation_times`` of several ways to generate, timed in turn within each repeat, so that a machine
-    whose speed drifts (a shared VM's moves by 15% within a minute) slows them alike and their ratio holds."""
+    whose speed drifts (a shared VM's: plain decoding ran 55-62 tok/s across bench/distill_table.py's three
+    processes) slows them alike and their ratio holds."""
     for generate_n in runs.values():
         generate_n(new_tokens)
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in runs}
@@ -142,11 +137,6 @@ def running_peak_mb(run: Callable[[], Any], device: torch.device) -> float:
     return peak.mb
 
 
-def forward_step(settings: BenchSettings, device: torch.device) -> ForwardFn:
-    """The decoding forward ``settings`` ask for (``decoding_forward``)."""
-    return decoding_forward(device, settings.compile)
-
-
 def bench_plain(
     model: Transformer,
     prompt: list[int],
@@ -156,7 +146,7 @@ def bench_plain(
 ) -> dict[str, Any]:
     """One row: prefill and decode speed of plain decoding, bytes per token, memory."""
     device = model.device
-    decode = decode_with(forward or forward_step(settings, device))
+    decode = decode_with(forward or decoding_forward(device, settings.compile))
 
     def run(n: int) -> list[int]:
         return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
@@ -194,7 +184,7 @@ def bench_speculative(
     With ``settings.compile`` the draft's steps and the target's verifying forwards are compiled,
     as the plain steps are."""
     stats = SpeculativeStats()
-    forward = forward or forward_step(settings, model.device)
+    forward = forward or decoding_forward(model.device, settings.compile)
     decode = decode_with(forward)
 
     def run_plain(n: int) -> list[int]:
@@ -207,11 +197,8 @@ def bench_speculative(
         )
         return list(tokens)
 
-    if settings.compile:  # every read length a round may use compiled before the timed runs
-        capacity = min(len(prompt) + settings.new_tokens - 1, model.args.max_seq_len)
-        compile_reads(forward, model, capacity, range(1, K_MAX + 2))
-        if draft is not None:
-            compile_reads(forward, draft, min(capacity, draft.args.max_seq_len), (1, 2))
+    if settings.compile:
+        compile_rounds(forward, model, draft, len(prompt), settings.new_tokens)
     times = interleaved_generation_times(
         {"plain": run_plain, "speculative": run}, settings.new_tokens, settings.repeats, model.device
     )
@@ -246,7 +233,7 @@ def benchmark(
         )
     bandwidth = copy_bandwidth_gbs(model.device)
     result = {"settings": asdict(settings), "device": str(model.device), "threads": torch.get_num_threads()}
-    forward = forward_step(settings, model.device)  # one compiled forward per model, shared by both rows
+    forward = decoding_forward(model.device, settings.compile)  # one compiled forward per model, shared by both rows
     result["plain"] = bench_plain(model, prompt, settings, bandwidth, forward)
     if draft is not None or prompt_lookup:
         result["speculative"] = bench_speculative(model, prompt, settings, result["plain"], draft, forward)

@@ -210,8 +210,8 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
 
     Each model gets one graph per token count up to ``STATIC_TOKENS`` (decode, a draft model's
     re-read of two tokens, verifying 1-3 drafts) and one graph for any longer read, where the count
-    is a symbolic size; each is compiled at its first use (seconds to a minute for SmolLM2 on 2 CPU
-    threads: ``compile_reads`` pays that up front) and reused at every step.
+    is a symbolic size; each is compiled at its first use (5-30 s for SmolLM2 on 2 CPU threads, in
+    one-off timings: ``compile_reads`` pays that up front) and reused at every step.
     Specialized counts run faster than the symbolic graph (a one-off A/B in one process, SmolLM2 FP32
     on 2 CPU threads inside speculative decoding: verifying 1 draft 19.6 vs 20.5 ms, 3 drafts 22.2 ms
     where the symbolic graph took 23.5 ms for 2; speculative decoding 73.9 vs 70.7 tok/s).
@@ -221,16 +221,19 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
     (a new cache size recompiles). Long reads (a prompt) belong to the model's own forward: the
     static step's attention is written for a few queries.
     """
-    # The guards left check every input's sizes and strides, so the graphs' own size asserts (~300 per call,
-    # 0.15 ms of a 2.9 ms draft step on 2 CPU threads) repeat them.
+    # The guards left check every input's sizes and strides, so the graphs' own size asserts (~300 per call)
+    # repeat them (a one-off A/B, with alignment asserts off too: a 2.88 ms draft step took 2.74 ms).
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False}
     if mode is not None:
         options.update(torch._inductor.list_mode_options(mode))
     steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, *args: Any) -> torch.Tensor:
+    def compile_step() -> Callable[..., torch.Tensor]:
+        return torch.compile(_own_static_step(), fullgraph=True, options=options)
+
+    def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos) -> torch.Tensor:
         if model not in steps:
-            steps[model] = tuple(torch.compile(_own_static_step(), fullgraph=True, options=options) for _ in "ab")
+            steps[model] = (compile_step(), compile_step())  # the counts' graphs, the symbolic graph
         if mode == "reduce-overhead":
             # A CUDA graph may write into the cache only if its tensors are static inputs; unguarded, so a
             # new cache of the same size re-records the graph instead of recompiling.
@@ -238,7 +241,6 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
                 if not hasattr(t, "_dynamo_static_input_type"):
                     torch._dynamo.mark_static_address(t, guard=False)
         fixed, symbolic = steps[model]
-        pad, pos = args
         if tokens.shape[1] > STATIC_TOKENS:  # symbolic from its first compile: one graph for every longer read
             torch._dynamo.maybe_mark_dynamic(tokens, 1)
             torch._dynamo.maybe_mark_dynamic(pos, 0)

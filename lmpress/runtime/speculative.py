@@ -19,7 +19,15 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.cache import KVCache
-from lmpress.runtime.generate import ForwardFn, StopCriteria, as_batch, check_context, model_forward, prefill
+from lmpress.runtime.generate import (
+    ForwardFn,
+    StopCriteria,
+    as_batch,
+    check_context,
+    compile_reads,
+    model_forward,
+    prefill,
+)
 from lmpress.runtime.model import FEW_QUERIES, Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, make_generator, next_token_probs
 
@@ -236,6 +244,23 @@ def check_same_vocabulary(
 K_MAX = 8  # the longest round speculative_decode drafts by default
 
 
+def cache_slots(target: Transformer, prompt_len: int, max_new_tokens: int) -> int:
+    """The cache size speculative decoding gives both models: the prompt and all new tokens but the last."""
+    return min(prompt_len + max_new_tokens - 1, target.args.max_seq_len)
+
+
+def compile_rounds(
+    forward: ForwardFn, target: Transformer, draft: Transformer | None, prompt_len: int, max_new_tokens: int
+) -> None:
+    """Compile every read a speculative decode with these sizes may make through ``forward`` (the target's
+    verifications of up to ``K_MAX`` drafts, the draft's steps of one or two tokens), so none compiles
+    inside a timed run."""
+    capacity = cache_slots(target, prompt_len, max_new_tokens)
+    compile_reads(forward, target, capacity, range(1, K_MAX + 2))
+    if draft is not None:
+        compile_reads(forward, draft, min(capacity, draft.args.max_seq_len), (1, 2))
+
+
 class AdaptiveK:
     """The draft length of each round, chosen to maximize expected tokens per second.
 
@@ -335,7 +360,7 @@ def speculative_decode(
     stats = stats if stats is not None else SpeculativeStats()
     stops = StopCriteria(eos_token_id, stop_strings, tokenizer)
     generator = make_generator(seed)
-    capacity = min(len(seq) + max_new_tokens - 1, target.args.max_seq_len)
+    capacity = cache_slots(target, len(seq), max_new_tokens)
     n_new = capacity - len(seq) + 1  # as many tokens as plain decoding would give
     drafter = ModelDrafter(draft, capacity, sampling, generator, forward) if draft is not None else prompt_lookup
     drafter = drafter or PromptLookupDrafter()

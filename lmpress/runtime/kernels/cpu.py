@@ -52,7 +52,8 @@ class DenseLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         # Row-major rows, so that flat.t() is a transposed view: BLAS multiplies W by a contiguous (in, rows)
         # matrix 2-4x slower (bench/dense_matmul.py), and a previous DenseLinear's output is exactly such a view.
-        # One row is doubled into two and three padded to four: BLAS is slower over 3 columns than over 4.
+        # One row is doubled into two and three padded to four: BLAS is slower over 3 columns than over 4
+        # (bench/dense_matmul.py).
         flat = torch.cat((flat, flat[:1])) if rows in (1, 3) else flat.contiguous()
         y = (self.weight @ flat.t())[:, :rows].t()
         if self.bias is not None:
