@@ -40,6 +40,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_table import cpu_description  # noqa: E402
 from readme_block import write_readme_block  # noqa: E402
+from recipe_run import lmpress_run, normalized  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -58,30 +59,6 @@ SPEEDUP_GOAL = 1.3
 DRAFT_VOCAB = 16384
 PROCESSES = 3  # fresh processes that measure the draft row's compiled speedup (the median judges the goal)
 THREADS = 2
-
-
-def normalized(stages: list[dict]) -> list[dict]:
-    from lmpress.registry import stage_config
-
-    return [stage_config(s["method"])(**s).model_dump() for s in stages]
-
-
-def lmpress_run(recipe: dict, out: Path, reuse: bool) -> dict:
-    """``lmpress run`` of ``recipe`` into ``out`` (reused when its report holds the same recipe)."""
-    report_path = out / "report.json"
-    if reuse and report_path.exists():
-        report = json.loads(report_path.read_text())
-        if normalized(report["recipe"]["stages"]) == normalized(recipe["stages"]):
-            return report
-    out.parent.mkdir(parents=True, exist_ok=True)
-    recipe_path = out.parent / f"{out.name}.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    command = [sys.executable, "-m", "lmpress.cli", "run", str(recipe_path), "--out", str(out), "--overwrite"]
-    done = subprocess.run(command, cwd=REPO, env=env, check=False)
-    if done.returncode not in (0, 1):  # 1: a gate failed, which the table reports
-        sys.exit(f"{recipe_path}: lmpress run exited {done.returncode}")
-    return json.loads(report_path.read_text())
 
 
 def ppl_before(recipe: dict, name: str, reuse: bool) -> tuple[float, str]:

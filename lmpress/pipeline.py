@@ -211,6 +211,7 @@ def run_recipe(
     for stage in recipe.stages:
         for source in stage.texts():
             check_text_source(source)
+        for source in stage.training_texts(recipe.data.source):
             if same_text(source, recipe.eval.text):
                 raise LmpressInputError(
                     f"stage {stage.method}: text {source} is the eval text; training on it would score memorization"

@@ -55,6 +55,10 @@ class StageConfig(StrictConfig):
         """Text sources this stage reads besides the recipe's calibration data (checked before any work)."""
         return []
 
+    def training_texts(self, data_source: str) -> list[str]:
+        """Text sources this stage trains on (``data_source``: the recipe's); never the eval text."""
+        return []
+
 
 class EvalConfig(StrictConfig):
     """Base of one eval in a recipe's ``eval:`` section."""

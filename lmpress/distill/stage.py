@@ -7,6 +7,7 @@ Sample recipe stage (after ``sparsegpt`` 2:4, or a ``gptq`` stage at 3 bits):
       text: ../shared/data/wikitext2/wiki.valid.tokens   # default: the recipe's data.source
       seq_len: 512
       text_windows: null        # at most this many windows of the text (a seeded choice; default: all)
+      train_on: text            # text | calibration (exactly the recipe's calibration samples; seq_len = data.seq_len)
       steps: 400
       batch_size: 4
       lr: 5.0e-5
@@ -60,6 +61,11 @@ class DistillConfig(StageConfig):
     text_windows: int | None = Field(
         None, ge=1, description="train on at most this many windows of the text (a seeded choice); default: all"
     )
+    train_on: Literal["text", "calibration"] = Field(
+        "text",
+        description="calibration: train on exactly the recipe's calibration samples (data.samples x data.seq_len); "
+        "held-out windows are text windows that are not among them",
+    )
     steps: int = Field(200, ge=1, le=1_000_000)
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (batch_size is split among them)")
@@ -93,6 +99,10 @@ class DistillConfig(StageConfig):
 
     @model_validator(mode="after")
     def _consistent(self) -> DistillConfig:
+        if self.train_on == "calibration" and (self.text is not None or self.text_windows is not None):
+            raise ValueError(
+                "train_on: calibration trains on the recipe's calibration samples: leave text and text_windows unset"
+            )
         if self.text_windows is not None and self.text_windows < self.batch_size:
             raise ValueError(f"text_windows: {self.text_windows} is fewer than one batch ({self.batch_size})")
         if self.batch_size % self.grad_accum:
@@ -108,6 +118,9 @@ class DistillConfig(StageConfig):
 
     def texts(self) -> list[str]:
         return [self.text] if self.text else []
+
+    def training_texts(self, data_source: str) -> list[str]:
+        return [self.text or data_source]
 
     def check(self, model: nn.Module) -> None:
         if self.hidden is not None and self.teacher is None:
@@ -133,6 +146,28 @@ def check_same_vocabulary(student: nn.Module, teacher: nn.Module) -> None:
         )
 
 
+def calibration_windows(samples: torch.Tensor, ids: torch.Tensor, config: DistillConfig) -> TrainingWindows:
+    """The calibration samples as training windows, and the last ``eval_windows`` windows of the text that
+    overlap none of them as held-out windows."""
+    if samples.shape[1] != config.seq_len:
+        raise LmpressInputError(
+            f"stage distill: train_on: calibration needs seq_len: {samples.shape[1]} (data.seq_len), "
+            f"not {config.seq_len}"
+        )
+    if samples.shape[0] < config.batch_size:
+        raise LmpressInputError(
+            f"stage distill: {samples.shape[0]} calibration samples are fewer than one batch of {config.batch_size}"
+        )
+    text = split_windows(ids, config.seq_len, 0, 1).train
+    unused = [w for w in text.flip(0) if not (samples == w).all(dim=1).any()][: config.eval_windows]
+    if len(unused) < config.eval_windows:
+        raise LmpressInputError(
+            f"stage distill: the text has {len(unused)} windows outside the calibration samples, "
+            f"{config.eval_windows} wanted as held-out (eval_windows)"
+        )
+    return TrainingWindows(samples.clone(), torch.stack(unused[::-1]))
+
+
 @stage_handler(DistillConfig)
 def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> dict:
     if ctx.teacher is None or ctx.tokenizer is None:
@@ -144,7 +179,10 @@ def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> d
         check_layer_map(config.hidden.layers.values(), len(decoder_layers(teacher)), "teacher")
     source = config.text or ctx.text_source
     ids = tokenize(ctx.tokenizer, load_text(source, default_split="train"))
-    windows = split_windows(ids, config.seq_len, config.eval_windows, config.batch_size)
+    if config.train_on == "calibration":
+        windows = calibration_windows(ctx.calibration(), ids, config)
+    else:
+        windows = split_windows(ids, config.seq_len, config.eval_windows, config.batch_size)
     quoted = windows.train.flatten()
     if config.text_windows is not None and config.text_windows < windows.train.shape[0]:
         chosen = torch.randperm(windows.train.shape[0], generator=torch.Generator().manual_seed(config.seed))

@@ -153,6 +153,8 @@ def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llam
         ({"text": "builtin:python-docs"}, "is the eval text"),
         ({"text_windows": 2}, "text_windows: 2 is fewer than one batch (4)"),
         ({"loss": "jsd", "teacher_logits": "cache"}, "teacher_logits: cache keeps the teacher's top-k"),
+        ({"train_on": "calibration", "text_windows": 4}, "train_on: calibration trains on the recipe's"),
+        ({"train_on": "calibration", "text": None, "seq_len": 32}, "train_on: calibration needs seq_len: 64"),
     ],
 )
 def test_bad_distillation_input_exits_2_with_one_line(tiny_llama_dir, tmp_path, training_text, capsys, stage, message):
@@ -160,7 +162,10 @@ def test_bad_distillation_input_exits_2_with_one_line(tiny_llama_dir, tmp_path, 
     if settings["text"] == "SHORT":
         (tmp_path / "short.txt").write_text("Only a few words of training text, not one batch.")
         settings["text"] = str(tmp_path / "short.txt")
-    recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(**settings)])
+    if settings["text"] is None:
+        del settings["text"]
+    data = {"source": training_text, "samples": 4, "seq_len": 64}
+    recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(**settings)], data=data)
     assert main(["run", recipe, "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
@@ -198,3 +203,33 @@ def test_teacher_answers_join_the_training_windows(tiny_llama_dir, tmp_path, tra
     stage = distill_stage(text=training_text, steps=2, teacher_answers=answers, text_windows=6)
     capped = run(tmp_path, model_dir, [stage], "capped", **dense)
     assert windows > 6 and capped["stages"][0]["summary"]["training_windows"] == 6 + 5
+
+
+def test_training_on_the_calibration_samples_uses_exactly_them_and_holds_out_other_windows(
+    tiny_llama_dir, tmp_path, training_text
+):
+    from transformers import AutoTokenizer
+
+    from lmpress.data import calibration_samples, load_text, tokenize
+    from lmpress.distill.stage import DistillConfig, calibration_windows
+
+    data = {"source": training_text, "samples": 8, "seq_len": 64, "seed": 3}
+    stage = distill_stage(train_on="calibration", steps=4, eval_windows=3)
+    report = run(tmp_path, tiny_llama_dir, [RTN_W2, stage], "calib", data=data)
+    assert report["stages"][1]["summary"]["training_windows"] == 8
+    # the windows the stage built: the calibration samples, and held-out text windows that are none of them
+    ids = tokenize(AutoTokenizer.from_pretrained(tiny_llama_dir), load_text(training_text))
+    samples = calibration_samples(ids, n_samples=8, seq_len=64, seed=3)
+    windows = calibration_windows(samples, ids, DistillConfig(**stage))
+    assert (windows.train == samples).all()
+    assert windows.held_out.shape == (3, 64)
+    assert not any((samples == w).all(dim=1).any() for w in windows.held_out)
+    text_windows = ids[: ids.numel() // 64 * 64].view(-1, 64)
+    assert all((text_windows == w).all(dim=1).any() for w in windows.held_out)
+
+
+def test_training_on_the_eval_text_by_default_is_refused(tiny_llama_dir, tmp_path, capsys):
+    # no text: the stage trains on data.source, here the eval text too
+    recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(train_on="calibration")])
+    assert main(["run", recipe, "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "text builtin:python-docs is the eval text" in capsys.readouterr().err

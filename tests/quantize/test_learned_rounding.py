@@ -316,12 +316,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", ["learned-w4", "learned-w3", "learned-w4-gpu"])
 def test_the_shipped_recipes_are_valid_and_never_calibrate_on_the_eval_text(name):
+    from lmpress.data import same_text
     from lmpress.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", ["model.device=cpu"])
-    (stage,) = recipe.stages
+    stage, *rest = recipe.stages
     assert isinstance(stage, LearnedRoundingConfig) and stage.group_size == 64 and stage.symmetric
     assert recipe.data.source.endswith("wiki.valid.tokens") and recipe.eval.text.endswith("wiki.test.raw")
+    # the full-quality recipes then distill scales and norms on the calibration samples themselves
+    assert [(s.method, s.train_on, s.learn_weights) for s in rest] == (
+        [] if name == "learned-w4" else [("distill", "calibration", False)]
+    )
+    for s in recipe.stages:
+        assert not any(same_text(text, recipe.eval.text) for text in s.training_texts(recipe.data.source))
     assert [str(g) for g in recipe.gates] == [
         {"learned-w4": "ppl <= 23.4", "learned-w3": "ppl <= 26.5", "learned-w4-gpu": "ppl <= 22.45"}[name]
     ]
