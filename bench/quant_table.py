@@ -15,6 +15,9 @@ Rows in ``ROW_SETTINGS`` calibrate on a CUDA GPU (``device``) or with a fixed
 number of CPU threads (``threads``: the 2-core budget of issue 13, also on a
 larger machine). ``--gpu-rows-on cpu`` runs the GPU rows on the CPU where no GPU
 is lent (issue 13 asks for that); the table marks each such row.
+``RECIPE_ROWS`` (issue 13's full-quality recipes) run a whole recipe with ``lmpress run``
+into runs/bench-quant/<row>: their ppl is the export read back from disk, their
+seconds the sum of the recipe's stages; they count as GPU rows.
 """
 
 from __future__ import annotations
@@ -309,7 +312,8 @@ def render(rows: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    every = [*ROWS, *RECIPE_ROWS]
+    parser.add_argument("--rows", default=",".join(every), help=f"comma-separated subset of {', '.join(every)}")
     parser.add_argument("--reuse", action="store_true", help="keep rows measured before with the same settings")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -327,12 +331,12 @@ def main() -> int:
         import torch
 
         if args.gpu_rows_on == "cuda" and not torch.cuda.is_available():
-            gpu_rows = [n for n in wanted if ROW_SETTINGS.get(n, {}).get("device") == "cuda"]
+            gpu_rows = [n for n in wanted if ROW_SETTINGS.get(n, {}).get("device") == "cuda" or n in RECIPE_ROWS]
             print(f"no CUDA GPU: leaving out {', '.join(gpu_rows)}", file=sys.stderr, flush=True)
             wanted = [n for n in wanted if n not in gpu_rows]
     unknown = [r for r in wanted if r not in ROWS and r not in RECIPE_ROWS]
     if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join([*ROWS, *RECIPE_ROWS])}")
+        parser.error(f"unknown rows {unknown}; known: {', '.join(every)}")
     row_dir = RESULTS / "rows"
     row_dir.mkdir(parents=True, exist_ok=True)
     for name in wanted:
