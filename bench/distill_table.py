@@ -69,12 +69,12 @@ def ppl_before(recipe: dict, name: str, reuse: bool) -> tuple[float, str]:
             row = json.loads(path.read_text())
             if normalized(row.get("stages") or [row["stage"]]) == normalized(stages):
                 return row["ppl"], str(path.relative_to(REPO))
-    report = lmpress_run({**recipe, "stages": stages, "gates": []}, RUNS / f"{name}-before", reuse)
+    report = lmpress_run({**recipe, "stages": stages, "gates": []}, RUNS / f"{name}-before", reuse, THREADS)
     return report["candidate"]["metrics"]["ppl"], f"{RUNS.name}/{name}-before"
 
 
 def measure_recovery(name: str, recipe: dict, reuse: bool) -> dict:
-    report = lmpress_run(recipe, RUNS / name, reuse)
+    report = lmpress_run(recipe, RUNS / name, reuse, THREADS)
     before, source = ppl_before(recipe, name, reuse)
     fp32 = report["baseline"]["metrics"]["ppl"]
     after = report["candidate"]["metrics"]["ppl"]
@@ -151,7 +151,7 @@ def normalized_eval(recipe: dict) -> tuple[dict, list[str]]:
 
 
 def measure_draft(name: str, recipe: dict, reuse: bool) -> dict:
-    report = lmpress_run(recipe, RUNS / name, reuse)
+    report = lmpress_run(recipe, RUNS / name, reuse, THREADS)
     export = RUNS / name / recipe["export"]["formats"][0]
     scores = evaluated(report, recipe, export, RUNS / f"{name}-eval")
     # Against the runtime's fastest plain decoding (torch.compile'd steps, the draft's and the verifications'

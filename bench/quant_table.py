@@ -134,6 +134,7 @@ RECIPE_ROWS: dict[str, tuple[str, str, dict[str, float] | None]] = {
     ),
 }
 RECIPE_RUNS = REPO / "runs" / "bench-quant"
+RECIPE_THREADS = 2
 # name -> where the row calibrates: {"device": "cuda"} (one layer at a time on the GPU), {"threads": n} (CPU threads)
 ROW_SETTINGS: dict[str, dict] = {
     "learned-w4-g64": {"device": "cuda"},
@@ -202,7 +203,7 @@ def measure_row(name: str, gpu_rows_on: str = "cuda") -> dict:
 
 
 def measure_recipe_row(name: str, gpu_rows_on: str, reuse: bool) -> dict:
-    """Run recipe row ``name`` with ``lmpress run`` (2 threads) and read its report."""
+    """Run recipe row ``name`` with ``lmpress run`` (``RECIPE_THREADS`` threads) and read its report."""
     import yaml
     from recipe_run import lmpress_run
 
@@ -211,7 +212,7 @@ def measure_recipe_row(name: str, gpu_rows_on: str, reuse: bool) -> dict:
     if recipe["model"].get("device") == "cuda":
         recipe["model"]["device"] = gpu_rows_on
     out = RECIPE_RUNS / name
-    report = lmpress_run(recipe, out, reuse)
+    report = lmpress_run(recipe, out, reuse, RECIPE_THREADS)
     stages = report["stages"]
     return {
         "row": name,
@@ -228,15 +229,15 @@ def measure_recipe_row(name: str, gpu_rows_on: str, reuse: bool) -> dict:
         ],  # the distill stage's per-step log stays in the run's report
         "export_checks_passed": all(check["passed"] for check in report["export_checks"]),
         "load_average": None,
-        "torch_threads": 2,
-        "device": "cpu" if stages[0]["device"] == "cpu" else torch_device_name(),
+        "torch_threads": RECIPE_THREADS,
+        "device": "cpu" if stages[0]["device"] == "cpu" else cuda_device_name(),
         "machine": platform.machine(),
         "cpu": cpu_description(),
         "run": str(out.relative_to(REPO)),
     }
 
 
-def torch_device_name() -> str:
+def cuda_device_name() -> str:
     import torch
 
     return torch.cuda.get_device_name(0)

@@ -21,7 +21,7 @@ def normalized(stages: list[dict]) -> list[dict]:
     return [stage_config(s["method"])(**s).model_dump() for s in stages]
 
 
-def lmpress_run(recipe: dict, out: Path, reuse: bool, threads: int = 2) -> dict:
+def lmpress_run(recipe: dict, out: Path, reuse: bool, threads: int) -> dict:
     """``lmpress run`` of ``recipe`` into ``out`` on ``threads`` CPU threads (reused when its report holds the
     same stages); its report. A failed gate (exit 1) is a result; any other failure ends the benchmark."""
     report_path = out / "report.json"
