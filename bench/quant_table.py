@@ -127,7 +127,7 @@ RECIPE_ROWS: dict[str, tuple[str, str, dict[str, float] | None]] = {
         {"ppl": 22.45, "seconds": 125},
     ),
     "learned-w3-recipe": (
-        "W3 g64 full-quality recipe: learned rounding (AWQ+GPTQ init, 200 steps x 8), then scales + norms "
+        "W3 g64 full-quality recipe: learned rounding (RTN init, full-range grid, 200 steps x 8), then scales + norms "
         "distilled (128 steps x 2 of the calibration samples)",
         "recipes/learned-w3.yaml",
         {"ppl": 26.50},
