@@ -121,7 +121,7 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
 # name -> (label, recipe, goals); they calibrate where the recipe's model.device says (--gpu-rows-on cpu: the CPU).
 RECIPE_ROWS: dict[str, tuple[str, str, dict[str, float] | None]] = {
     "learned-w4-recipe": (
-        "W4 g64 full-quality recipe: learned rounding (AWQ+GPTQ init, 110 steps x 4), then scales + norms "
+        "W4 g64 full-quality recipe: learned rounding (RTN init, full-range grid, 200 steps x 8), then scales + norms "
         "distilled (128 steps x 2 of the calibration samples)",
         "recipes/learned-w4-gpu.yaml",
         {"ppl": 22.45, "seconds": 125},
