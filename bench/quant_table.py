@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext2"
@@ -151,8 +152,7 @@ def measure_row(name: str, gpu_rows_on: str = "cuda") -> dict:
     """
     import torch
 
-    from lmpress.data import calibration_samples, load_text, token_windows, tokenize
-    from lmpress.evals.perplexity import PerplexityConfig, perplexity
+    from lmpress.data import calibration_samples, load_text, tokenize
     from lmpress.model import compute_device, load_model
     from lmpress.registry import StageContext, stage_config, stage_handler_for
 
@@ -182,9 +182,7 @@ def measure_row(name: str, gpu_rows_on: str = "cuda") -> dict:
             seconds = time.perf_counter() - began
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (ru_maxrss is in KiB)
     load_average = os.getloadavg()[0]
-    test_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw")))
-    windows = token_windows(test_ids, EVAL["seq_len"], EVAL["windows"])
-    result = perplexity(model, windows, PerplexityConfig(**EVAL, batch_size=1))
+    result = reference_perplexity(model, tokenizer)
     return {
         "row": name,
         "label": label,
@@ -200,6 +198,16 @@ def measure_row(name: str, gpu_rows_on: str = "cuda") -> dict:
         "machine": platform.machine(),
         "cpu": cpu_description(),
     }
+
+
+def reference_perplexity(model: Any, tokenizer: Any) -> dict:
+    """``model``'s perplexity on the reference protocol: the first 20 windows of 2048 tokens of wiki.test.raw."""
+    from lmpress.data import load_text, token_windows, tokenize
+    from lmpress.evals.perplexity import PerplexityConfig, perplexity
+
+    test_ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw")))
+    windows = token_windows(test_ids, EVAL["seq_len"], EVAL["windows"])
+    return perplexity(model, windows, PerplexityConfig(**EVAL, batch_size=1))
 
 
 def measure_recipe_row(name: str, gpu_rows_on: str, reuse: bool) -> dict:

