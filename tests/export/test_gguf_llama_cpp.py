@@ -13,7 +13,7 @@ from lmpress.export.gguf import write_gguf
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
-    reason="llama.cpp is not installed (llama-cpp-python, built from source: pip install llama-cpp-python)",
+    reason="llama.cpp is not installed (llama-cpp-python; build it as .ci/run does)",
 )
 TEXTS = [
     "def f(x):\n    return x + 1  # 12345 tabs\tand  spaces",
