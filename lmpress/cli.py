@@ -153,6 +153,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     with Bars(enabled=not args.quiet) as bars:
         result = run_recipe(recipe, args.out, overwrite=args.overwrite, resume=args.resume, bars=bars)
+    if not result.report:  # a launched process other than the main one: the main one reports
+        return result.exit_code
     print_metrics(result.report)
     measured_on = result.report.get("measured_on", {}).get("candidate")
     if measured_on:

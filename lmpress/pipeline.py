@@ -8,6 +8,10 @@ interrupted run and ``--resume``.
 The gate scores what ships: each export is read back from disk and checked
 against the in-memory candidate (``lmpress.export.verify``), and the eval suite
 runs on the first listed format's artifact as read back.
+
+Under a launcher (``accelerate launch``, ``torchrun``) only the main process does all of this;
+the others run the stages up to the last distill stage, whose training they share
+(``lmpress.distributed``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from lmpress.cache import sha256_json
 from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
+from lmpress.distributed import Processes, last_training_stage, launched_processes
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
@@ -44,7 +49,12 @@ from lmpress.registry import StageContext, exporter, stage_handler_for
 class RunResult:
     exit_code: int
     out_dir: Path
-    report: dict[str, Any]
+    report: dict[str, Any]  # empty in a launched process other than the main one (it writes nothing)
+
+
+def partial_dir(out: Path) -> Path:
+    """Where a run into ``out`` writes until it is done (renamed into place at the end)."""
+    return out.parent / f".{out.name}.partial"
 
 
 def prepare_output(out: Path, overwrite: bool, resume: bool) -> Path:
@@ -53,7 +63,7 @@ def prepare_output(out: Path, overwrite: bool, resume: bool) -> Path:
         raise LmpressInputError(f"--out {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LmpressInputError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
-    partial = out.parent / f".{out.name}.partial"
+    partial = partial_dir(out)
     if partial.exists() and not resume:
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
@@ -99,9 +109,18 @@ def teacher_loader(checkpoint: Path, dtype: str, device: torch.device) -> Callab
 
 
 def run_stages(
-    loaded: LoadedModel, recipe: Recipe, partial: Path, resume: bool, bars: Bars, device: torch.device | None = None
+    loaded: LoadedModel,
+    recipe: Recipe,
+    partial: Path,
+    resume: bool,
+    bars: Bars,
+    device: torch.device | None = None,
+    stop: int | None = None,
+    shared_partial: Path | None = None,
 ) -> list[dict]:
-    """Run the recipe's stages in order; one-shot stages compute on ``device`` (``model.device`` resolved)."""
+    """Run the recipe's stages in order (up to index ``stop``); one-shot stages compute on ``device``
+    (``model.device`` resolved). ``shared_partial``: the main process's partial directory, where training
+    stages of launched processes keep their common checkpoint (default: ``partial``)."""
     device = device if device is not None else compute_device(recipe.model.device)
     tokenizer = loaded.tokenizer
     data = recipe.data
@@ -112,10 +131,11 @@ def run_stages(
         return calibration_samples(ids, data.samples, data.seq_len, data.seed)
 
     summaries = []
-    for index, stage in enumerate(recipe.stages):
+    for index, stage in enumerate(recipe.stages[: None if stop is None else stop + 1]):
         ctx = StageContext(
             calibration=calibration,
             state_dir=partial / "state" / f"{index}-{stage.method}",
+            shared_state_dir=(shared_partial or partial) / "state" / f"{index}-{stage.method}",
             resume=resume,
             fingerprint=sha256_json(
                 {
@@ -199,6 +219,23 @@ def read_back_exports(
     return checks, shipped
 
 
+def run_as_launched_worker(
+    recipe: Recipe, path: Path, out: Path, resume: bool, processes: Processes, device: torch.device
+) -> RunResult:
+    """A launched process other than the main one: the stages up to the last distill stage (its training
+    is shared with the main process), in a scratch directory of its own; it writes nothing else."""
+    last = last_training_stage([stage.method for stage in recipe.stages])
+    if last >= 0:
+        scratch = processes.scratch_dir(out)
+        if not resume:
+            shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True, exist_ok=True)
+        loaded = load_model(str(path), recipe.model.dtype, recipe.model.revision, recipe.model.trust_remote_code)
+        run_stages(loaded, recipe, scratch, resume, QUIET, device, stop=last, shared_partial=partial_dir(out))
+        shutil.rmtree(scratch, ignore_errors=True)
+    return RunResult(exit_code=EXIT_PASS, out_dir=out, report={})
+
+
 def run_recipe(
     recipe: Recipe, out: str | Path, overwrite: bool = False, resume: bool = False, bars: Bars = QUIET
 ) -> RunResult:
@@ -218,8 +255,15 @@ def run_recipe(
                 )
     spec = recipe.model
     device = compute_device(spec.device)
-    path = resolve_checkpoint(spec.source, spec.revision)
+    processes = launched_processes(device)
+    device = processes.device or device
+    for stage in recipe.stages:
+        stage.check_processes(processes.world)
+    with processes.main_first():  # a GGUF source is converted once, by the main process
+        path = resolve_checkpoint(spec.source, spec.revision)
     check_plan(recipe, model_skeleton(path, spec.trust_remote_code))
+    if not processes.is_main:
+        return run_as_launched_worker(recipe, path, out, resume, processes, device)
     partial = prepare_output(out, overwrite, resume)
     bars.log(f"loading {spec.source}")
     loaded = load_model(str(path), spec.dtype, spec.revision, spec.trust_remote_code)

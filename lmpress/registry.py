@@ -51,6 +51,9 @@ class StageConfig(StrictConfig):
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""
 
+    def check_processes(self, world: int) -> None:
+        """Raise LmpressInputError when this stage cannot run across ``world`` launched processes."""
+
     def texts(self) -> list[str]:
         """Text sources this stage reads besides the recipe's calibration data (checked before any work)."""
         return []
@@ -234,6 +237,9 @@ class StageContext:
     text_source: str | None = None  # the recipe's calibration text (data.source)
     # loads the unmodified model again (None) or another model source, for stages that learn from it
     teacher: Callable[[str | None], Any] | None = None
+    # the main process's state_dir for this stage: where launched processes keep what they share (a training
+    # checkpoint); None means state_dir
+    shared_state_dir: Path | None = None
 
 
 @dataclass

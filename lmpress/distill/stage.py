@@ -116,6 +116,13 @@ class DistillConfig(StageConfig):
             raise ValueError("every loss weight is zero: nothing to train on")
         return self
 
+    def check_processes(self, world: int) -> None:
+        if self.batch_size % (world * self.grad_accum):
+            raise LmpressInputError(
+                f"stage distill: batch_size {self.batch_size} does not split into {world} launched processes of "
+                f"{self.grad_accum} micro-batch(es) each: make it a multiple of {world * self.grad_accum}"
+            )
+
     def texts(self) -> list[str]:
         return [self.text] if self.text else []
 
@@ -209,7 +216,16 @@ def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> d
         raise LmpressInputError("stage distill: nothing to train (learn_weights and learn_scales are off, no norms)")
     ppl_before = held_out_perplexity(model, windows.held_out, ctx.device) if config.eval_every else None
     log = train_student(
-        model, teacher, windows, config, ctx.state_dir, ctx.resume, ctx.fingerprint, ctx.device, ctx.bars
+        model,
+        teacher,
+        windows,
+        config,
+        ctx.state_dir,
+        (ctx.shared_state_dir or ctx.state_dir) / "checkpoint",
+        ctx.resume,
+        ctx.fingerprint,
+        ctx.device,
+        ctx.bars,
     )
     del teacher
     model.to("cpu")

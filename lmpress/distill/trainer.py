@@ -8,6 +8,9 @@ and every RNG, plus this loop's step, history and the run's fingerprint) is writ
 aside and renamed into place every ``checkpoint_every`` steps, so ``--resume`` after a
 kill continues from the last one and ends with the same weights as a run that was
 never stopped.
+
+Launched processes (``lmpress.distributed``) split each global batch between them; DDP averages
+their gradients, so N processes take the steps one process would (up to the order of float sums).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import math
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,16 +143,30 @@ def train_student(
     windows: TrainingWindows,
     config: DistillConfig,
     state_dir: Path,
+    checkpoint: Path,
     resume: bool,
     fingerprint: str,
     device: torch.device,
     bars: Bars = QUIET,
 ) -> TrainingLog:
-    """Train ``student`` (in place) towards ``teacher`` for ``config.steps`` optimizer steps."""
+    """Train ``student`` (in place) towards ``teacher`` for ``config.steps`` optimizer steps.
+
+    ``state_dir`` is this process's (the teacher cache); ``checkpoint`` is the directory every launched
+    process saves into and resumes from."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
+    # accelerate keeps one configuration per process and refuses another mixed precision: each training stage
+    # (a recipe may have several, a Python session may run several recipes) sets its own. The launched
+    # processes' group (PartialState) stays.
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=config.mixed_precision)
+    if accelerator.distributed_type == "FSDP":
+        raise LmpressInputError(
+            "stage distill: FSDP is not supported (freezing the student needs its whole weights, FSDP keeps a shard "
+            "per process): launch with DDP (accelerate launch --multi_gpu, or torchrun)"
+        )
     set_seed(config.seed)
     if config.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -165,38 +183,48 @@ def train_student(
     hidden_layers = set(config.hidden.layers.values()) if config.hidden else set()
 
     log = TrainingLog()
-    checkpoint = state_dir / "checkpoint"
+    rank, world = accelerator.process_index, accelerator.num_processes
     if resume and (checkpoint / "trainer.json").exists():
         saved = json.loads((checkpoint / "trainer.json").read_text())
         if saved["fingerprint"] != fingerprint:
             raise LmpressInputError(
                 f"--resume: the checkpoint in {checkpoint} was written for another model, text or stage settings"
             )
+        if saved.get("processes", 1) != world:
+            raise LmpressInputError(
+                f"--resume: the checkpoint in {checkpoint} was written by {saved.get('processes', 1)} processes; "
+                f"resume with as many (this run has {world})"
+            )
         accelerator.load_state(str(checkpoint))
         log = TrainingLog(**saved["log"])
         bars.log(f"distill: resuming at step {log.step} of {config.steps}")
 
-    rank, world = accelerator.process_index, accelerator.num_processes
     per_process = config.batch_size // world
     advance = bars.counter("distill", config.steps, completed=log.step)
     began = time.perf_counter() - log.seconds
     while log.step < config.steps:
-        if config.max_minutes is not None and time.perf_counter() - began > 60 * config.max_minutes:
+        if config.max_minutes is not None and out_of_time(accelerator, began, config.max_minutes):
             bars.log(f"distill: stopped at step {log.step} by max_minutes: {config.max_minutes}")
             break
         rows = windows.rows(log.step, config.batch_size, config.seed)[rank * per_process : (rank + 1) * per_process]
         totals: dict[str, float] = {}
-        for micro in rows.split(max(1, per_process // config.grad_accum)):
+        micros = rows.split(max(1, per_process // config.grad_accum))
+        for i, micro in enumerate(micros):
             ids = windows.train[micro].to(accelerator.device)
             if cache is not None:
                 target = cache.get(teacher, windows.train, micro, accelerator.device)
             else:
                 target = teacher_forward(teacher, ids, hidden_layers)
-            with accelerator.autocast():
-                loss, parts = distillation_loss(student, ids, target, config)
-            accelerator.backward(loss * micro.numel() / per_process)
+            # launched processes average their gradients once per step, after the last micro-batch
+            with nullcontext() if i == len(micros) - 1 else accelerator.no_sync(student):
+                with accelerator.autocast():
+                    loss, parts = distillation_loss(student, ids, target, config)
+                accelerator.backward(loss * micro.numel() / per_process)
             for name, value in {"loss": float(loss.detach()), **parts}.items():
                 totals[name] = totals.get(name, 0.0) + value * micro.numel() / per_process
+        if world > 1:  # the logged losses are the global batch's, as in one process
+            means = accelerator.reduce(torch.tensor(list(totals.values()), device=accelerator.device), "mean")
+            totals = dict(zip(totals, means.tolist(), strict=True))
         if config.max_grad_norm:
             accelerator.clip_grad_norm_(student.parameters(), config.max_grad_norm)
         totals["lr"] = scheduler.get_last_lr()[0]
@@ -221,18 +249,34 @@ def train_student(
     return log
 
 
+def out_of_time(accelerator: Any, began: float, max_minutes: float) -> bool:
+    """Whether ``max_minutes`` of training have passed, as the main process's clock says (every launched
+    process stops at the same step)."""
+    late = torch.tensor([float(time.perf_counter() - began > 60 * max_minutes)], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        late = accelerator.reduce(late * float(accelerator.is_main_process), "sum")
+    return bool(late.item())
+
+
 def save_checkpoint(accelerator: Any, log: TrainingLog, checkpoint: Path, fingerprint: str) -> None:
-    """Write the training state beside ``checkpoint`` and rename it into place (a kill never leaves half of one)."""
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        return
+    """Write the training state beside ``checkpoint`` and rename it into place (a kill never leaves half of one).
+
+    Every launched process takes part: the main one writes the model, optimizer and scheduler, each its
+    own random state."""
+    main = accelerator.is_main_process
     tmp = checkpoint.with_name(checkpoint.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=False)
-    (tmp / "trainer.json").write_text(json.dumps({"fingerprint": fingerprint, "log": vars(log)}))
-    old = checkpoint.with_name(checkpoint.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if checkpoint.exists():
-        checkpoint.rename(old)
-    tmp.rename(checkpoint)
-    shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if main:
+        record = {"fingerprint": fingerprint, "processes": accelerator.num_processes, "log": vars(log)}
+        (tmp / "trainer.json").write_text(json.dumps(record))
+        old = checkpoint.with_name(checkpoint.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if checkpoint.exists():
+            checkpoint.rename(old)
+        tmp.rename(checkpoint)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()

@@ -16,20 +16,6 @@ from safetensors.torch import load_file
 from lmpress.cli import main
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def training_text(tmp_path) -> str:
-    from pydoc_data.topics import topics
-
-    path = tmp_path / "train.txt"
-    path.write_text("\n\n".join(topics[k] for k in sorted(topics)[40:120]))
-    return str(path)
-
-
 def distill_stage(**changes) -> dict:
     stage = {"method": "distill", "seq_len": 64, "steps": 60, "batch_size": 4, "lr": 1e-3, "warmup_steps": 2}
     stage.update({"eval_every": 10, "eval_windows": 2, "checkpoint_every": 10, **changes})
@@ -114,7 +100,22 @@ def test_a_cached_teacher_trains_the_same_way_as_an_online_one_at_full_k(tiny_ll
     assert b == pytest.approx(a, rel=2e-3)  # the cache stores float16 log-probabilities
 
 
-def _weights(out: Path) -> dict:
+def test_bf16_mixed_precision_trains_under_autocast_and_exports_the_same_format(
+    tiny_llama_dir, tmp_path, training_text
+):
+    fp32 = run(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(text=training_text, steps=6)], "fp32")
+    stage = distill_stage(text=training_text, steps=6, mixed_precision="bf16")
+    bf16 = run(tmp_path, tiny_llama_dir, [RTN_W2, stage], "bf16")
+    a = [r["loss"] for r in fp32["stages"][1]["summary"]["training"]["losses"]]
+    b = [r["loss"] for r in bf16["stages"][1]["summary"]["training"]["losses"]]
+    assert b != a  # the student's matmuls ran in bfloat16 (8-bit mantissas) ...
+    assert b == pytest.approx(a, rel=2e-2)  # ... and trained the same way
+    assert bf16["export_checks"][0]["passed"]
+    config = json.loads((tmp_path / "bf16" / "gptq" / "config.json").read_text())
+    assert config["quantization_config"]["bits"] == 2
+
+
+def exported_weights(out: Path) -> dict:
     return load_file(str(out / "gptq" / "model.safetensors"))
 
 
@@ -136,7 +137,7 @@ def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llam
     assert 0 < killed_at < 300
     assert main(["run", recipe, "--out", str(out), "--resume", "--quiet"]) == 0
     assert main(["run", recipe, "--out", str(tmp_path / "straight"), "--quiet"]) == 0
-    resumed, straight = _weights(out), _weights(tmp_path / "straight")
+    resumed, straight = exported_weights(out), exported_weights(tmp_path / "straight")
     assert resumed.keys() == straight.keys()
     for name in straight:
         assert (resumed[name] == straight[name]).all(), name

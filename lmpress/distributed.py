@@ -1,0 +1,68 @@
+"""One recipe run across the processes a launcher starts (``accelerate launch``, ``torchrun``).
+
+Every process runs the recipe's stages up to its last ``distill`` stage: the same deterministic
+work, so each holds a student of the same structure when that stage trains it with DDP (which
+starts every process from the main process's weights). Only the main process writes the output
+directory, exports and scores; the others keep their own stage state in a scratch directory
+beside ``--out`` (kept for ``--resume`` after a kill, removed when they finish) and stop after
+the last training stage. A recipe without a distill stage gives the other processes nothing to do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+# The main process scores the baseline before the stages while the others go straight to them, so
+# they can wait that long at the first collective of training (torch's default timeout is 10 minutes).
+FIRST_COLLECTIVE_TIMEOUT = timedelta(hours=4)
+
+
+@dataclass(frozen=True)
+class Processes:
+    """This process's place among the launched ones; one process (rank 0 of 1) when not launched."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device | None = None  # the device this process computes on, where a launcher assigned one
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @contextmanager
+    def main_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. writes a cache), then the others (which read it)."""
+        if self.world == 1:
+            yield
+            return
+        from accelerate import PartialState
+
+        with PartialState().main_process_first():
+            yield
+
+    def scratch_dir(self, out: Path) -> Path:
+        """Where a non-main process keeps its stage state: beside ``out``, never inside the main's."""
+        return out.parent / f".{out.name}.partial-rank{self.rank}"
+
+
+def launched_processes(device: torch.device) -> Processes:
+    """The processes a launcher started, as it described them (``WORLD_SIZE``, ``RANK``, ... read by
+    accelerate); the process group is joined here, on ``device``'s kind (NCCL on GPUs, gloo on CPUs)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Processes()
+    from accelerate import PartialState
+
+    state = PartialState(cpu=device.type == "cpu", timeout=FIRST_COLLECTIVE_TIMEOUT)
+    return Processes(state.process_index, state.num_processes, state.device)
+
+
+def last_training_stage(methods: list[str]) -> int:
+    """Index of the last stage the launched processes train together (-1: none)."""
+    return max((i for i, method in enumerate(methods) if method == "distill"), default=-1)
