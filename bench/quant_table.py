@@ -117,6 +117,20 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
         },
         {"ppl": 23.40, "seconds": 1800},
     ),
+    # The budget's start on lmpress's grid (round-to-nearest without full_range): which of the two counts.
+    "learned-w4-g64-cpu-rtn": (
+        "W4 g64 learned rounding (sym, RTN init, 110 steps x 4 of 128 samples, float-model targets; 2 threads)",
+        {
+            "method": "learned",
+            "bits": 4,
+            "group_size": 64,
+            "iterations": 110,
+            "batch_size": 4,
+            "samples": 128,
+            "init": "rtn",
+        },
+        None,
+    ),
     # The 30-minute budget before (started from AWQ + GPTQ on lmpress's grid): measured, for comparison.
     "learned-w4-g64-cpu-awq-gptq": (
         "W4 g64 learned rounding (sym, AWQ+GPTQ init, 110 steps x 4 of 128 samples, float-model targets; 2 threads)",
@@ -159,6 +173,7 @@ ROW_SETTINGS: dict[str, dict] = {
     "learned-w3-g64": {"device": "cuda"},
     "learned-w4-g64-cpu": {"threads": 2},
     "learned-w4-g64-cpu-awq-gptq": {"threads": 2},
+    "learned-w4-g64-cpu-rtn": {"threads": 2},
 }
 
 
