@@ -44,6 +44,15 @@ EVAL = {"seq_len": 2048, "windows": 20}
 # Goals are upper limits: "ppl", "seconds" (quantization), "rss_mib" (peak RSS during quantization, for every
 # quantizer; the issue's 1.5 GB is 1.5e9 bytes = 1430.5 MiB, as its "540 MB" checkpoint is 538e6 bytes).
 RSS_GOAL_MIB = 1.5e9 / 2**20
+# The learned rounding of issue 13's 30-minute CPU budget (recipes/learned-w4.yaml), without its start.
+CPU_BUDGET_STEPS = {
+    "method": "learned",
+    "bits": 4,
+    "group_size": 64,
+    "iterations": 110,
+    "batch_size": 4,
+    "samples": 128,
+}
 # name -> (label, stage config as a recipe would write it, goals or None)
 ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
     "fp32": ("FP32 (baseline)", None, None),
@@ -105,44 +114,19 @@ ROWS: dict[str, tuple[str, dict | None, dict[str, float] | None]] = {
     "learned-w4-g64-cpu": (
         "W4 g64 learned rounding (sym full-range, RTN init, 110 steps x 4 of 128 samples, float-model targets; "
         "2 threads)",
-        {
-            "method": "learned",
-            "bits": 4,
-            "group_size": 64,
-            "iterations": 110,
-            "batch_size": 4,
-            "samples": 128,
-            "init": "rtn",
-            "full_range": True,
-        },
+        {**CPU_BUDGET_STEPS, "init": "rtn", "full_range": True},
         {"ppl": 23.40, "seconds": 1800},
     ),
     # The budget's start on lmpress's grid (round-to-nearest without full_range): which of the two counts.
     "learned-w4-g64-cpu-rtn": (
         "W4 g64 learned rounding (sym, RTN init, 110 steps x 4 of 128 samples, float-model targets; 2 threads)",
-        {
-            "method": "learned",
-            "bits": 4,
-            "group_size": 64,
-            "iterations": 110,
-            "batch_size": 4,
-            "samples": 128,
-            "init": "rtn",
-        },
+        {**CPU_BUDGET_STEPS, "init": "rtn"},
         None,
     ),
     # The 30-minute budget before (started from AWQ + GPTQ on lmpress's grid): measured, for comparison.
     "learned-w4-g64-cpu-awq-gptq": (
         "W4 g64 learned rounding (sym, AWQ+GPTQ init, 110 steps x 4 of 128 samples, float-model targets; 2 threads)",
-        {
-            "method": "learned",
-            "bits": 4,
-            "group_size": 64,
-            "iterations": 110,
-            "batch_size": 4,
-            "samples": 128,
-            "init": "awq+gptq",
-        },
+        {**CPU_BUDGET_STEPS, "init": "awq+gptq"},
         None,
     ),
 }
