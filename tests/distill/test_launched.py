@@ -15,6 +15,7 @@ import torch
 
 from lmpress.cli import main
 from lmpress.distill.stage import DistillConfig
+from lmpress.distill.trainer import out_of_time
 from lmpress.errors import LmpressInputError
 from tests.distill.test_stage import RTN_W2, distill_stage, exported_weights, write_recipe
 
@@ -26,8 +27,8 @@ def launch(tmp_path, *args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
-def finish(process: subprocess.Popen) -> str:
-    stdout, stderr = process.communicate(timeout=600)
+def finish(process: subprocess.Popen, timeout: float = 600) -> str:
+    stdout, stderr = process.communicate(timeout=timeout)
     assert process.returncode == 0, stderr[-3000:]
     return stdout
 
@@ -89,6 +90,39 @@ def test_a_killed_launch_resumes_to_the_weights_of_an_unbroken_one(tiny_llama_di
         assert torch.equal(resumed[name], unbroken[name]), name
     assert summary(out)["steps"] == 200
     assert not (tmp_path / ".killed.partial-rank1").exists()
+
+
+def test_max_minutes_ends_a_launched_training(tiny_llama_dir, tmp_path, training_text):
+    stage = distill_stage(text=training_text, steps=100_000, max_minutes=0.05, eval_every=0, checkpoint_every=0)
+    recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, stage])
+    finish(launch(tmp_path, recipe, "--out", str(tmp_path / "timed")), timeout=240)
+    assert 0 < summary(tmp_path / "timed")["steps"] < 100_000
+
+
+class TwoProcesses:
+    """What ``out_of_time`` asks of accelerate, for one of two processes; ``reduce`` adds the other's value."""
+
+    num_processes = 2
+    device = torch.device("cpu")
+
+    def __init__(self, is_main: bool, other: float):
+        self.is_main_process, self.other = is_main, other
+
+    def reduce(self, tensor, reduction):
+        assert reduction == "sum"
+        return tensor + self.other
+
+
+@pytest.mark.parametrize("main_late", [True, False])
+def test_every_launched_process_stops_when_the_main_ones_clock_says(main_late):
+    # a process reading only its own clock could stop a step before or after the others, which would then wait
+    # for it in an all-reduce until the launch times out
+    now, minute = time.perf_counter(), 60
+    late, early = now - 2 * minute, now
+    main_view = out_of_time(TwoProcesses(True, 0.0), late if main_late else early, 1)
+    # the other process's own clock says the opposite; the main's value (0 or 1) arrives through the reduction
+    other_view = out_of_time(TwoProcesses(False, float(main_late)), early if main_late else late, 1)
+    assert main_view is other_view is main_late
 
 
 def test_a_batch_that_does_not_split_between_the_processes_is_refused():
