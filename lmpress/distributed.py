@@ -11,11 +11,12 @@ the last training stage. A recipe without a distill stage gives the other proces
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,6 +64,6 @@ def launched_processes(device: torch.device) -> Processes:
     return Processes(state.process_index, state.num_processes, state.device)
 
 
-def last_training_stage(methods: list[str]) -> int:
+def last_training_stage(stages: Sequence[Any]) -> int:
     """Index of the last stage the launched processes train together (-1: none)."""
-    return max((i for i, method in enumerate(methods) if method == "distill"), default=-1)
+    return max((i for i, stage in enumerate(stages) if stage.trains_across_processes), default=-1)

@@ -224,7 +224,7 @@ def run_as_launched_worker(
 ) -> RunResult:
     """A launched process other than the main one: the stages up to the last distill stage (its training
     is shared with the main process), in a scratch directory of its own; it writes nothing else."""
-    last = last_training_stage([stage.method for stage in recipe.stages])
+    last = last_training_stage(recipe.stages)
     if last >= 0:
         scratch = processes.scratch_dir(out)
         if not resume:

@@ -47,6 +47,8 @@ class StageConfig(StrictConfig):
     """Base of one recipe stage; ``method`` names the registered technique."""
 
     method: str
+    # trains the model with every launched process (DDP); the other stages run in each process alone
+    trains_across_processes: ClassVar[bool] = False
 
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""

@@ -30,7 +30,7 @@ the same vocabulary). The training text must not be the eval text.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -115,6 +115,8 @@ class DistillConfig(StageConfig):
         if not self.logit_weight and not self.ce_weight and self.hidden is None:
             raise ValueError("every loss weight is zero: nothing to train on")
         return self
+
+    trains_across_processes: ClassVar[bool] = True
 
     def check_processes(self, world: int) -> None:
         if self.batch_size % (world * self.grad_accum):
