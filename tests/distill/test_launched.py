@@ -92,6 +92,16 @@ def test_a_killed_launch_resumes_to_the_weights_of_an_unbroken_one(tiny_llama_di
     assert not (tmp_path / ".killed.partial-rank1").exists()
 
 
+def test_a_failed_gate_fails_the_launch(tiny_llama_dir, tmp_path, training_text):
+    stages = [RTN_W2, distill_stage(text=training_text, steps=2, eval_every=0)]
+    recipe = write_recipe(tmp_path, tiny_llama_dir, stages, gates=["ppl <= 1"])
+    process = launch(tmp_path, recipe, "--out", str(tmp_path / "gated"))
+    stdout, _ = process.communicate(timeout=600)
+    assert process.returncode == 1  # torchrun's code for a failed process; the main process exited 1 (gate)
+    assert stdout.count("FAIL report") == 1
+    assert json.loads((tmp_path / "gated" / "report.json").read_text())["passed"] is False
+
+
 def test_max_minutes_ends_a_launched_training(tiny_llama_dir, tmp_path, training_text):
     stage = distill_stage(text=training_text, steps=100_000, max_minutes=0.05, eval_every=0, checkpoint_every=0)
     recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, stage])
