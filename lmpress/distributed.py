@@ -64,6 +64,12 @@ def launched_processes(device: torch.device) -> Processes:
     return Processes(state.process_index, state.num_processes, state.device)
 
 
+def fsdp_requested() -> bool:
+    """Whether the launcher asked for FSDP: ``accelerate launch --use_fsdp`` (or a config file naming FSDP)
+    tells every process so in its environment, which accelerate reads when it builds its state."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def last_training_stage(stages: Sequence[Any]) -> int:
     """Index of the last stage the launched processes train together (-1: none)."""
     return max((i for i, stage in enumerate(stages) if stage.trains_across_processes), default=-1)

@@ -41,6 +41,7 @@ from lmpress.distill.answers import TeacherAnswers, teacher_answer_windows
 from lmpress.distill.losses import Divergence, HiddenLoss
 from lmpress.distill.student import freeze_student, prepare_student
 from lmpress.distill.trainer import TrainingWindows, held_out_perplexity, split_windows, train_student
+from lmpress.distributed import fsdp_requested
 from lmpress.errors import LmpressInputError
 from lmpress.model import decoder_layers
 from lmpress.registry import StageConfig, StageContext, StrictConfig, register_stage, stage_handler
@@ -119,6 +120,11 @@ class DistillConfig(StageConfig):
     trains_across_processes: ClassVar[bool] = True
 
     def check_processes(self, world: int) -> None:
+        if fsdp_requested():
+            raise LmpressInputError(
+                "stage distill: FSDP is not supported (freezing the student into packed codes needs its whole "
+                "weights, FSDP keeps a shard per process): launch with DDP (accelerate launch --multi_gpu, or torchrun)"
+            )
         if self.batch_size % (world * self.grad_accum):
             raise LmpressInputError(
                 f"stage distill: batch_size {self.batch_size} does not split into {world} launched processes of "

@@ -1,5 +1,6 @@
-"""The distillation training loop, on accelerate: one process on a CPU and DDP/FSDP on many GPUs
-(``accelerate launch``) run the same code.
+"""The distillation training loop, on accelerate: one process on a CPU and DDP across launched processes
+(``accelerate launch``, ``torchrun``; CPUs or GPUs) run the same code. FSDP is refused before any work
+(``DistillConfig.check_processes``).
 
 Every step is a function of the step number alone: the windows of step ``s`` come from
 a permutation seeded by ``(seed, epoch)``, the learning rate from a cosine schedule with
@@ -162,11 +163,6 @@ def train_student(
     # processes' group (PartialState) stays.
     AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=config.mixed_precision)
-    if accelerator.distributed_type == "FSDP":
-        raise LmpressInputError(
-            "stage distill: FSDP is not supported (freezing the student needs its whole weights, FSDP keeps a shard "
-            "per process): launch with DDP (accelerate launch --multi_gpu, or torchrun)"
-        )
     set_seed(config.seed)
     if config.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -141,3 +141,19 @@ def test_a_batch_that_does_not_split_between_the_processes_is_refused():
     config.check_processes(3)
     with pytest.raises(LmpressInputError, match="batch_size 6 does not split into 2 launched processes"):
         config.check_processes(2)
+
+
+def test_fsdp_asked_by_the_launcher_is_refused_before_any_work(
+    tiny_llama_dir, tmp_path, training_text, capsys, monkeypatch
+):
+    # what `accelerate launch --use_fsdp` puts in every process's environment (accelerate itself
+    # applies it on GPUs only; lmpress refuses it everywhere, rather than train with another strategy)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    out = tmp_path / "sharded"
+    out.mkdir()
+    (out / "kept.txt").write_text("written before")
+    recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(text=training_text, steps=2)])
+    assert main(["run", recipe, "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "FSDP is not supported" in err and len(err.splitlines()) == 1, err
+    assert [p.name for p in out.iterdir()] == ["kept.txt"]
