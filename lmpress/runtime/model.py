@@ -23,6 +23,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
 from lmpress.runtime.cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.kernels import linear_kernel
+from lmpress.runtime.mapped_embedding import MappedEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -350,6 +351,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, layer, args.windows[i], build) for i, layer in enumerate(base.layers))
         self.norm = _copy_norm(base.norm, args.norm_eps, build)
         self.output = _output_layer(hf_model, self.tok_embeddings, build)
+        mapped = build.map_embedding and embedding.data_ptr() == base.embed_tokens.weight.data_ptr()
+        if mapped and getattr(self.output, "weight", None) is not self.tok_embeddings.weight:
+            self.tok_embeddings = MappedEmbedding(embedding)  # untied: a step needs only its tokens' rows
         self.output_tokens: torch.Tensor | None = None  # token id of each output row, where not all (a draft's)
         inv_freq, rope_scale = rope_inverse_frequencies(hf_model.config)
         angles = torch.arange(args.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
