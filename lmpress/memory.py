@@ -10,13 +10,15 @@ this module keeps the process-wide peak itself: read it with ``process_peak_mb``
 
 from __future__ import annotations
 
+import functools
 import re
 import resource
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
 
 import psutil
 
@@ -24,6 +26,8 @@ _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _SAMPLE_SECONDS = 0.02
 _peak_before_resets_mb = 0.0
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def _vm_hwm_mb() -> float | None:
@@ -98,13 +102,48 @@ def return_freed_memory() -> None:
     long-lived tensors; glibc keeps those freed pages in its heap, so without this the
     resident size after a load stays near the load's peak.
     """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
     import gc
 
     gc.collect()
+    trim_c_heap()
+
+
+def trim_c_heap() -> None:
+    """glibc's ``malloc_trim(0)`` alone (no garbage collection): a no-op off Linux or glibc.
+
+    glibc hands freed heap pages back by itself only from the heap's top, and only past a threshold
+    that grows with the largest blocks freed (to 64 MiB after a model load), so each generation's
+    transient buffers (its KV cache, a prefill's activations) stay resident into the next unless
+    handed back.
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def trims_heap_after(generator_function: Callable[P, Iterator[T]]) -> Callable[P, Iterator[T]]:
+    """Make a generator function (a decode loop) call ``trim_c_heap`` when it ends, finished or closed early:
+    after the loop's own frame, which holds its KV cache, has been freed."""
+
+    @functools.wraps(generator_function)
+    def generate(*args: P.args, **kwargs: P.kwargs) -> Iterator[T]:
+        try:
+            yield from generator_function(*args, **kwargs)
+        finally:
+            trim_c_heap()
+
+    return generate
+
+
+@functools.cache
+def _glibc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl, ...)
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 (absent from musl)
+    except (OSError, AttributeError):
+        return None
+    return libc

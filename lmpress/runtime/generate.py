@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lmpress.errors import LmpressInputError
+from lmpress.memory import trims_heap_after
 from lmpress.runtime.cache import KVCache
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, make_generator, sample
@@ -93,6 +94,7 @@ class StopCriteria:
         return any(s in tail for s in self.stop_strings)
 
 
+@trims_heap_after  # the cache and a prefill's activations, freed, are handed back
 def generate_tokens(
     model: Transformer,
     prompts: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lmpress.errors import LmpressInputError
+from lmpress.memory import trims_heap_after
 from lmpress.runtime.cache import KVCache
 from lmpress.runtime.generate import (
     ForwardFn,
@@ -323,6 +324,7 @@ class AdaptiveK:
         return max(float(ys.mean()) + max(slope, 0.0) * (n - float(xs.mean())), 1e-9)
 
 
+@trims_heap_after
 def speculative_decode(
     target: Transformer,
     prompt: Sequence[int] | torch.Tensor,

@@ -194,3 +194,29 @@ def test_compiled_forward_reads_every_token_count_as_eager_at_two_cache_sizes():
             expected = model(read, caches[0]).float()
             torch.testing.assert_close(forward(model, read, caches[1]), expected, rtol=1e-4, atol=1e-4)
             assert caches[1].length == caches[0].length == 9 + n
+
+
+@pytest.mark.parametrize("how", ["to the end", "closed early", "speculative"])
+def test_a_generation_hands_its_memory_back_once_its_cache_is_freed(model, monkeypatch, how):
+    # glibc keeps freed heap pages resident until trimmed: the trim must come after the decode loop's
+    # frame (which holds the KV cache) is gone, whether the loop finished or its consumer stopped early
+    import weakref
+
+    import lmpress.memory
+    from lmpress.runtime.speculative import speculative_decode
+
+    caches, cache_alive_at_trim = [], []
+    new_cache = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda *a, **k: caches.append(weakref.ref(c := new_cache(*a, **k))) or c)
+    monkeypatch.setattr(lmpress.memory, "trim_c_heap", lambda: cache_alive_at_trim.append(caches[0]() is not None))
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    if how == "speculative":
+        list(speculative_decode(model, prompt, max_new_tokens=6))
+    else:
+        tokens = generate_tokens(model, prompt, max_new_tokens=6)
+        if how == "closed early":
+            next(tokens)
+            tokens.close()
+        else:
+            list(tokens)
+    assert caches and cache_alive_at_trim == [False]
