@@ -10,7 +10,9 @@ this module keeps the process-wide peak itself: read it with ``process_peak_mb``
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
 import re
 import resource
 import sys
@@ -112,13 +114,29 @@ def trim_c_heap() -> None:
     """glibc's ``malloc_trim(0)`` alone (no garbage collection): a no-op off Linux or glibc.
 
     glibc hands freed heap pages back by itself only from the heap's top, and only past a threshold
-    that grows with the largest blocks freed (to 64 MiB after a model load), so each generation's
-    transient buffers (its KV cache, a prefill's activations) stay resident into the next unless
-    handed back.
+    that grows with the largest blocks freed (up to 64 MiB, by its documented rules), so each
+    generation's transient buffers (its KV cache, a prefill's activations) stay resident into the
+    next unless handed back.
     """
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    trim = getattr(c_library(), "malloc_trim", None)  # glibc's; absent from musl
+    if trim is not None:
+        trim(0)
+
+
+def drop_pages(address: int, length: int) -> None:
+    """``madvise(MADV_DONTNEED)`` over the pages lying wholly inside ``[address, address + length)``.
+
+    Only for memory mapped from a file and never written: the pages leave this process and come
+    back from the page cache at the next touch. On anonymous memory this zeroes them."""
+    first, last = pages_within(address, address + length)
+    libc = c_library()
+    if libc is not None and last > first:
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+def pages_within(start: int, end: int) -> tuple[int, int]:
+    """The page-aligned ``[first, last)`` inside ``[start, end)``: the pages no neighbour shares."""
+    return -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
 
 
 def trims_heap_after(generator_function: Callable[P, Iterator[T]]) -> Callable[P, Iterator[T]]:
@@ -136,14 +154,6 @@ def trims_heap_after(generator_function: Callable[P, Iterator[T]]) -> Callable[P
 
 
 @functools.cache
-def _glibc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim  # noqa: B018 (absent from musl)
-    except (OSError, AttributeError):
-        return None
-    return libc
+def c_library() -> Any:
+    """This process's C library (ctypes), or None off Linux."""
+    return ctypes.CDLL(None) if sys.platform.startswith("linux") else None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.memory import return_freed_memory
+from lmpress.memory import pages_within, return_freed_memory
 from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.runtime.model import SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
 
@@ -84,7 +84,7 @@ class MappedSafetensors:
     def release(self, prefix: str) -> None:
         """Drop the file's pages under every tensor whose key starts with ``prefix`` (read already, copied)."""
         for key, (index, start, end, _, _) in self.where.items():
-            first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+            first, last = pages_within(start, end)
             if key.startswith(prefix) and last > first:
                 self.maps[index].madvise(mmap.MADV_DONTNEED, first, last - first)
 

@@ -3,9 +3,10 @@
 A decode step reads one row of the table (2,304 bytes for SmolLM2 in float32), but the first touch of
 a row maps the kernel's read-around of the file into the process, about 200 KiB per row in a
 one-off measurement here (300 random rows of SmolLM2's table: +62 MiB resident). Over a generation
-of varied text those windows add up toward the whole table (113 MiB for SmolLM2): bench/runtime.py's
-W4 run held 26 MiB of it. Dropping the table's pages once its rows are copied keeps one lookup's
-rows resident, for about 10 us a step (one ``madvise``, and the next lookup's page faults).
+of varied text those windows add up toward the whole table (113 MiB for SmolLM2; a process decoding
+bench/runtime.py's W4 prompt 8 times held 26 MiB of it, in /proc/self/smaps). Dropping the table's
+pages once its rows are copied keeps one lookup's rows resident, for about 10 us a step (one
+``madvise``, and the next lookup's page faults; a one-off timing).
 
 The pages are the file's own: the mapping is copy-on-write and nothing writes the table, so dropping
 them loses nothing (the next touch maps them again from the page cache). Only for a table that is
@@ -14,49 +15,32 @@ not also the output layer: a tied table is read whole at every step.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+from lmpress.memory import drop_pages
 
 
-def drop_mapped_pages(table: torch.Tensor) -> None:
-    """Unmap the pages lying wholly inside ``table`` from this process (they stay in the page cache).
-
-    ``table`` must be a view of a file mapping that nothing has written: on anonymous memory this
-    would zero it."""
-    if _LIBC is None:
-        return
-    start = table.data_ptr()
-    end = start + table.numel() * table.element_size()
-    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    last = end // mmap.PAGESIZE * mmap.PAGESIZE
-    if last > first:
-        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
-
-
-def embedding_then_drop(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The rows of ``tokens``, copied out of the mapped ``table`` before its pages are dropped."""
+def embedding_then_drop(tokens: torch.Tensor, table: torch.Tensor, mapped_at: int) -> torch.Tensor:
+    """The rows of ``tokens``; then, where ``table`` still lies at ``mapped_at`` (the file mapping it was
+    built on, not a copy made by a move or a cast since), its pages are dropped."""
     rows = F.embedding(tokens, table)
-    drop_mapped_pages(table)
+    if table.data_ptr() == mapped_at:
+        drop_pages(mapped_at, table.numel() * table.element_size())
     return rows
 
 
 # The same as a custom op, so that a compiled step keeps the lookup and the drop together, in this order.
 # Eager code calls the function itself: a custom op's first call imports torch's compiler stack (about
-# 900 modules, +150 MiB resident, measured), more than the table it would keep out.
+# 900 modules, +150 MiB resident, in a one-off measurement), more than the table it would keep out.
 @torch.library.custom_op("lmpress::mapped_embedding", mutates_args=())
-def mapped_embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return embedding_then_drop(tokens, table)
+def mapped_embedding(tokens: torch.Tensor, table: torch.Tensor, mapped_at: int) -> torch.Tensor:
+    return embedding_then_drop(tokens, table, mapped_at)
 
 
 @mapped_embedding.register_fake
-def _(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def _(tokens: torch.Tensor, table: torch.Tensor, mapped_at: int) -> torch.Tensor:
     return table.new_empty((*tokens.shape, table.shape[1]))
 
 
@@ -67,10 +51,9 @@ class MappedEmbedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(table, requires_grad=False)
         self.num_embeddings, self.embedding_dim = table.shape
+        self.mapped_at = table.data_ptr()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.weight.device.type != "cpu":
-            return F.embedding(tokens, self.weight)
         if torch.compiler.is_compiling():
-            return mapped_embedding(tokens, self.weight)
-        return embedding_then_drop(tokens, self.weight)
+            return mapped_embedding(tokens, self.weight, self.mapped_at)
+        return embedding_then_drop(tokens, self.weight, self.mapped_at)

@@ -68,3 +68,12 @@ def test_tied_or_copied_tables_stay_plain_embeddings(tmp_path):
     assert tied.output.weight is tied.tok_embeddings.weight
     copied = Transformer.from_hf(tiny_hf_model("mistral", seed=1))  # in memory: nothing to drop
     assert type(copied.tok_embeddings) is torch.nn.Embedding
+
+
+def test_a_table_cast_since_its_load_is_looked_up_and_never_dropped(untied):
+    # a cast (or a move to a GPU) copies the table out of the file: dropping those pages would zero it
+    _, model = untied
+    embedding = model.tok_embeddings.to(torch.float64)
+    expected = embedding.weight[TOKENS].clone()
+    for _ in range(2):
+        torch.testing.assert_close(embedding(TOKENS), expected, rtol=0, atol=0)
