@@ -170,12 +170,22 @@ def test_default_paths_by_rows_and_bad_paths():
 
 def test_autotune_pruning_keeps_splits_that_fit():
     configs = tk.GEMV_ROW_CONFIGS
-    kept = tk._splits_that_fit(configs, {"N": 4096, "G": 8}, BM=1)
-    splits = {(c.kwargs["SPLIT_K"], c.kwargs["NB"]) for c in kept}
+    kept = tk._splits_that_fit(configs, 4096, 8, 1)
+    splits = {(c["SPLIT_K"], c["NB"]) for c in kept}
     assert (8, 1) in splits and (8, 2) not in splits and (4, 2) in splits  # 8 blocks: >= NB blocks per slice
-    assert all(c.kwargs["SPLIT_K"] * c.kwargs["NB"] <= 8 for c in kept if c.kwargs["SPLIT_K"] > 1)
-    huge = tk._splits_that_fit(configs, {"N": 2**20, "G": 1024}, BM=8)  # partials over SPLIT_PARTIALS
-    assert {c.kwargs["SPLIT_K"] for c in huge} == {1}
+    assert all(c["SPLIT_K"] * c["NB"] <= 8 for c in kept if c["SPLIT_K"] > 1)
+    huge = tk._splits_that_fit(configs, 2**20, 1024, 8)  # partials over SPLIT_PARTIALS
+    assert {c["SPLIT_K"] for c in huge} == {1}
+
+
+def test_small_autotune_space_is_a_fixed_few(monkeypatch):
+    """``LMPRESS_AUTOTUNE=small`` (the GPU visit's setting) tunes 2-3 configs per kernel, not the full 40."""
+    monkeypatch.setenv("LMPRESS_AUTOTUNE", "small")
+    assert len(tk.configs_for("gemv_row", 4096, 128, 1)) == 3 and len(tk.configs_for("gemm")) == 2
+    monkeypatch.setenv("LMPRESS_AUTOTUNE", "full")
+    assert len(tk.configs_for("gemv_row", 4096, 128, 1)) == len(tk.GEMV_ROW_CONFIGS)
+    monkeypatch.setenv("LMPRESS_AUTOTUNE", "off")
+    assert not tk._autotuning()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -276,8 +286,8 @@ def test_gpu_autotuned_split_k_gemv_is_right_every_time(monkeypatch, n, k):
     packed = tk.prepare_w4a16(layer)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     ref = reference(x, layer)
-    for config in tk._splits_that_fit(tk.GEMV_ROW_CONFIGS, {"N": n, "G": packed.n_blocks}, BM=1):
-        monkeypatch.setattr(tk, "DEFAULT_GEMV", {**config.kwargs, "num_warps": config.num_warps})
+    for config in tk.configs_for("gemv_row", n, packed.n_blocks, 1):
+        monkeypatch.setattr(tk, "DEFAULT_GEMV", config)
         monkeypatch.setattr(tk, "AUTOTUNE", False)
         first = tk.w4a16_matmul(x, packed)
         assert sqnr_db(ref, first) >= sqnr_bound(torch.bfloat16, 1), config

@@ -8,13 +8,13 @@ RMSNorm, the autotuning configurations and the entry points, ``w4a16_matmul`` / 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lmpress.runtime.kernels.tuning import tune_space, tuned_choice
 from lmpress.runtime.kernels.triton_gemv import _gemv_kernel, _gemv_row_kernel
 from lmpress.runtime.kernels.triton_pack import (
     PackedWeight,
@@ -145,32 +145,40 @@ AUTOTUNE = True
 
 
 def _autotuning() -> bool:
-    """Autotune on CUDA unless ``AUTOTUNE`` is off; never when interpreting."""
-    return AUTOTUNE and not _interpreting()
+    """Tune on CUDA unless ``AUTOTUNE`` is off or ``LMPRESS_AUTOTUNE=off``; never when interpreting."""
+    return AUTOTUNE and not _interpreting() and tune_space() != "off"
+
+
+def _config(bn: int, nb: int, warps: int, stages: int = 2, **more: int) -> dict[str, int]:
+    return {"BN": bn, "NB": nb, **more, "num_warps": warps, "num_stages": stages}
 
 
 # H100: the GEMV wants thousands of programs with several loads in flight (row tiles of BN, NB
 # blocks per iteration, SPLIT_K slices of K); the GEMM wants 128-256 wide tiles and a 3-4 stage
-# pipeline. The autotuner times each kept config per layer shape on first use.
+# pipeline. Each kept config is timed per layer shape on first use (``tuning.py``: once per GPU,
+# then read from disk).
 GEMV_CONFIGS = [  # 2-8 rows
-    triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=4, num_stages=2)
-    for bn in (8, 16, 32)
-    for nb in (2, 4)
-    for split in (1, 4, 8)
+    _config(bn, nb, 4, SPLIT_K=split) for bn in (8, 16, 32) for nb in (2, 4) for split in (1, 4, 8)
 ]
 # One row: [BN, T] tiles; a thread holding several rows reuses each activation it loads (BN 64-256
 # over 1-4 warps: 5.3-5.8 instructions per code in the loop's SASS, against 7.8-8.8 and 16-32
 # barriers per iteration in the 4D kernel; bench/triton_sass.py). 40 configs, each compiled once.
 GEMV_ROW_CONFIGS = [
-    triton.Config({"BN": bn, "NB": nb, "SPLIT_K": split}, num_warps=w, num_stages=2)
+    _config(bn, nb, w, SPLIT_K=split)
     for bn, w in ((32, 1), (64, 1), (64, 2), (128, 2), (256, 4))
     for nb in (1, 2)
     for split in (1, 2, 4, 8)
 ]
 GEMM_CONFIGS = [
-    triton.Config({"BM": bm, "BN": bn, "NB": nb, "GROUP_M": 8}, num_warps=w, num_stages=s)
+    _config(bn, nb, w, s, BM=bm, GROUP_M=8)
     for bm, bn, nb, w, s in [(128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (256, 128, 1, 8, 3), (128, 128, 2, 8, 3)]
 ]
+# LMPRESS_AUTOTUNE=small: a fixed few of each, spanning tile width and split (a GPU visit's time budget).
+SMALL_CONFIGS = {
+    "gemv_row": [_config(64, 1, 1, SPLIT_K=1), _config(128, 2, 2, SPLIT_K=4), _config(256, 1, 4, SPLIT_K=8)],
+    "gemv": [_config(16, 2, 4, SPLIT_K=1), _config(32, 2, 4, SPLIT_K=4), _config(16, 4, 4, SPLIT_K=8)],
+    "gemm": GEMM_CONFIGS[:2],
+}
 # Untuned (interpreter, AUTOTUNE off): small tiles, a split of K so that path is exercised; the GEMM's BM follows M.
 DEFAULT_GEMV = {"BN": 16, "NB": 2, "SPLIT_K": 2, "num_warps": 4}  # both GEMV kernels
 DEFAULT_GEMM = {"BN": 16, "NB": 1, "GROUP_M": 4, "num_warps": 4}
@@ -183,25 +191,37 @@ DEQUANT_MIN_ROWS = 128
 SCRATCH_ELEMENTS = 2**26
 
 
-def _splits_that_fit(configs, nargs, **kwargs):
-    """Autotune pruning: a split needs >= NB blocks per slice and its partials within ``SPLIT_PARTIALS``."""
-    n, blocks, rows = nargs["N"], nargs["G"], kwargs["BM"]
+def _splits_that_fit(configs: list[dict], n: int, blocks: int, rows: int) -> list[dict]:
+    """A split needs >= NB blocks per slice and its partials within ``SPLIT_PARTIALS``."""
     return [
         c
         for c in configs
-        if c.kwargs["SPLIT_K"] == 1
-        or (c.kwargs["SPLIT_K"] * c.kwargs["NB"] <= blocks and c.kwargs["SPLIT_K"] * rows * n <= SPLIT_PARTIALS)
+        if c["SPLIT_K"] == 1 or (c["SPLIT_K"] * c["NB"] <= blocks and c["SPLIT_K"] * rows * n <= SPLIT_PARTIALS)
     ]
 
 
-@functools.cache
-def _tuned(kind: str):
-    """The autotuned kernel of ``kind``: "gemv_row" (one row), "gemv" (2-8 rows) or "gemm"."""
-    if kind == "gemm":
-        return triton.autotune(GEMM_CONFIGS, key=["N", "KW", "C", "BITS"])(_gemm_kernel)
-    kernel, configs = (_gemv_row_kernel, GEMV_ROW_CONFIGS) if kind == "gemv_row" else (_gemv_kernel, GEMV_CONFIGS)
-    prune = {"early_config_prune": _splits_that_fit}
-    return triton.autotune(configs, key=["N", "KW", "BM", "C", "BITS"], prune_configs_by=prune)(kernel)
+def configs_for(kind: str, n: int = 0, blocks: int = 0, rows: int = 1) -> list[dict]:
+    """The configurations tuned for ``kind`` ("gemv_row", "gemv", "gemm") under ``LMPRESS_AUTOTUNE``."""
+    full = {"gemv_row": GEMV_ROW_CONFIGS, "gemv": GEMV_CONFIGS, "gemm": GEMM_CONFIGS}[kind]
+    configs = SMALL_CONFIGS[kind] if tune_space() == "small" else full
+    return configs if kind == "gemm" else _splits_that_fit(configs, n, blocks, rows)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def _tuned_config(kind: str, kernel, grid, args: tuple, flags: dict, shape: dict, device: torch.device) -> dict:
+    """The fastest of ``configs_for(kind)`` at this shape (``tuning.tuned_choice``: timed once, kept on disk)."""
+    import triton.testing
+
+    candidates = configs_for(kind, shape["N"], shape["G"], shape.get("BM", 1))
+
+    def seconds(config: dict) -> float:
+        launch = lambda: kernel[grid(config)](*args, **flags, **config)  # noqa: E731
+        return triton.testing.do_bench(launch, warmup=5, rep=20, return_mode="median") / 1e3
+
+    return tuned_choice(_device_name(device), f"triton_{kind}", shape, candidates, seconds)
 
 
 _SPLIT_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -220,28 +240,29 @@ def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[t
 
 def _launch_gemv(args: tuple, flags: dict, m: int, n: int, device: torch.device) -> None:
     bm = triton.next_power_of_2(m)
+    shape = {"N": n, "KW": args[10], "G": args[11], "BM": bm, "C": flags["C"], "BITS": flags["BITS"]}
     # Enough partials for the largest split any kept config can use, a counter per row for any BN.
     part, count = _split_workspace(device, min(SPLIT_PARTIALS, 16 * bm * n), n)
     args = (*args[:7], part, count, *args[7:])
     flags = {**flags, "BM": bm}
-    kind = "gemv_row" if m == 1 else "gemv"
+    kind, kernel = ("gemv_row", _gemv_row_kernel) if m == 1 else ("gemv", _gemv_kernel)
+    grid = lambda config: (triton.cdiv(n, config["BN"]), config["SPLIT_K"])  # noqa: E731
+    config = DEFAULT_GEMV
     if _autotuning():
-        _tuned(kind)[lambda meta: (triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])](*args, **flags)
-    else:
-        kernel = _gemv_row_kernel if m == 1 else _gemv_kernel
-        kernel[(triton.cdiv(n, DEFAULT_GEMV["BN"]), DEFAULT_GEMV["SPLIT_K"])](*args, **flags, **DEFAULT_GEMV)
+        config = _tuned_config(kind, kernel, grid, args, flags, shape, device)
+    kernel[grid(config)](*args, **flags, **config)
 
 
 def _launch_gemm(args: tuple, flags: dict, m: int, n: int) -> None:
     # The interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9): dot in fp32 there.
     flags = {**flags, "DOT_F32": _interpreting()}
+    grid = lambda config: (triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"]),)  # noqa: E731
     if _autotuning():
-        grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
-        _tuned("gemm")[grid](*args, **flags)
+        shape = {"N": n, "KW": args[10], "G": args[11], "C": flags["C"], "BITS": flags["BITS"]}
+        config = _tuned_config("gemm", _gemm_kernel, grid, args, flags, shape, args[0].device)
     else:
-        bm = min(128, max(16, triton.next_power_of_2(m)))
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, DEFAULT_GEMM["BN"]),)
-        _gemm_kernel[grid](*args, **flags, BM=bm, **DEFAULT_GEMM)
+        config = {**DEFAULT_GEMM, "BM": min(128, max(16, triton.next_power_of_2(m)))}
+    _gemm_kernel[grid(config)](*args, **flags, **config)
 
 
 # Entry points -----------------------------------------------------------------------------

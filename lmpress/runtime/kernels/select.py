@@ -1,0 +1,174 @@
+"""Which kernel runs a quantized layer: one decision from the layer's scheme, the device and what is installed.
+
+``kernel_candidates(layer, device)`` lists every kernel that can represent the layer on the device,
+expected-fastest first; ``select_kernel`` takes the first, or, where a ``measure`` callback is given
+and more than one fast kernel applies (tinygemm and gemlite), the one it times fastest.
+Nothing here touches a GPU: the facts come in as ``LayerCase`` and ``DeviceCase``, so the whole
+table is tested on the CPU. The reasons for the order are in docs/kernels.md.
+
+Kernel names (``KERNELS``) are what ``lmpress bench`` prints for each layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+KERNELS = {
+    "tinygemm": "torch _weight_int4pack_mm (CUDA tinygemm), W4 bf16",
+    "gemlite": "gemlite Triton GEMV/GEMM (optional [gpu] extra)",
+    "triton": "lmpress Triton W4A16/W8A16 (act-order, W8)",
+    "int8-mm": "torch _int_mm, W8A8 (int8 activations)",
+    "fp8-scaled-mm": "torch _scaled_mm, FP8 W8A8 (sm89+)",
+    "fp8-simulated": "FP8 W8A8 simulated in float (E4M3 values, no FP8 tensor cores)",
+    "cpu-int4": "torch _weight_int4pack_mm_for_cpu",
+    "cpu-int8": "torch _weight_int8pack_mm",
+    "dense": "weight dequantized once, dense matmul",
+    "reference": "lmpress QuantizedLinear (dequantize per call)",
+}
+# Group widths tinygemm holds natively; a wider group that is a multiple of one repeats its scales.
+TINYGEMM_GROUPS = (256, 128, 64, 32)
+TINYGEMM_MIN_CAPABILITY = (8, 0)  # bf16 mma.sync m16n8k16 (int4mm.cu compiles the kernel for sm80+ only)
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper
+GEMLITE_BITS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """What the kernel choice needs to know about one layer."""
+
+    bits: int
+    group_width: int  # columns per scale (in_features for per-channel)
+    in_features: int
+    out_features: int
+    act_order: bool = False  # a non-trivial g_idx
+    equal_groups: bool = True  # act-order groups all hold group_width columns (GPTQ's do)
+    activations: str | None = None  # None (weight-only), "int8" (W8A8) or "fp8"
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> LayerCase:
+        """The case of a ``QuantizedLinear`` or an ``Fp8Linear``."""
+        from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
+
+        if not isinstance(layer, QuantizedLinear):  # Fp8Linear: E4M3 weights, per-token E4M3 activations
+            return cls(8, layer.in_features, layer.in_features, layer.out_features, activations="fp8")
+        scheme, k = layer.scheme, layer.in_features
+        width = scheme.group_width(k)
+        act_order = not trivial_g_idx(layer.g_idx, k, scheme)
+        equal = True
+        if act_order:
+            counts = torch.bincount(layer.g_idx.long(), minlength=layer.scales.shape[1])
+            equal = bool((counts == width).all())
+        return cls(scheme.bits, width, k, layer.out_features, act_order, equal, scheme.activations)
+
+
+def gemlite_installed() -> bool:
+    return importlib.util.find_spec("gemlite") is not None
+
+
+@dataclass(frozen=True)
+class DeviceCase:
+    """The device a layer will run on: its type, CUDA capability, the runtime's dtype, optional libraries."""
+
+    type: str  # "cpu" or "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    capability: tuple[int, int] | None = None
+    libraries: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def here(cls, device: torch.device | str, dtype: torch.dtype) -> DeviceCase:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return cls(device.type, dtype)
+        libraries = frozenset({"gemlite"} if gemlite_installed() else ())
+        return cls("cuda", dtype, torch.cuda.get_device_capability(device), libraries)
+
+
+def _tinygemm_holds(layer: LayerCase, device: DeviceCase) -> bool:
+    """torch's CUDA int4 kernel: bf16 activations; N a multiple of 8; K of 32 (2 inner k-tiles of 16);
+    groups of 32-256 columns (wider groups that are multiples of 32 repeat their scales); act-order only
+    with equal groups (the activations are permuted, the codes sorted once)."""
+    return (
+        layer.bits == 4
+        and device.dtype == torch.bfloat16
+        and device.capability is not None
+        and device.capability >= TINYGEMM_MIN_CAPABILITY
+        and layer.out_features % 8 == 0
+        and layer.in_features % 32 == 0
+        and layer.group_width % 32 == 0
+        and layer.equal_groups
+    )
+
+
+def _gemlite_holds(layer: LayerCase, device: DeviceCase) -> bool:
+    """gemlite's A16Wn: 1/2/4/8 bits, fp16/bf16 activations, K a multiple of 32 and of the group (>= 16);
+    no act-order (it takes the codes in column order)."""
+    return (
+        "gemlite" in device.libraries
+        and layer.bits in GEMLITE_BITS
+        and device.dtype in (torch.float16, torch.bfloat16)
+        and not layer.act_order
+        and layer.in_features % 32 == 0
+        and layer.group_width >= 16
+        and layer.in_features % layer.group_width == 0
+    )
+
+
+def _triton_holds(layer: LayerCase) -> bool:
+    """lmpress's Triton kernels (triton_pack.py): 4 or 8 bits, a power-of-two group (per-channel too),
+    act-order with equal groups."""
+    per_channel = layer.group_width == layer.in_features
+    width = 128 if per_channel else layer.group_width
+    return layer.bits in (4, 8) and width % (32 // layer.bits) == 0 and width & (width - 1) == 0 and layer.equal_groups
+
+
+def _cpu_packed(layer: LayerCase) -> str | None:
+    """The CPU packed kernel QuantizedLinear._prepare_kernel takes, if any."""
+    if layer.bits == 8 and layer.group_width == layer.in_features:
+        return "cpu-int8"
+    if layer.bits == 4 and layer.out_features % 16 == 0 and layer.group_width % 32 == 0 and layer.equal_groups:
+        return "cpu-int4"
+    return None
+
+
+def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
+    """Every kernel that runs ``layer`` on ``device``, expected-fastest first; the last always applies."""
+    if layer.activations == "int8":
+        return ("int8-mm",)  # a weight-only kernel would drop the activation quantization the layer was scored with
+    if layer.activations == "fp8":
+        fp8 = device.type == "cuda" and device.capability is not None and device.capability >= FP8_MIN_CAPABILITY
+        fp8 = fp8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
+        return ("fp8-scaled-mm", "fp8-simulated") if fp8 else ("fp8-simulated",)
+    if device.type != "cuda":
+        packed = _cpu_packed(layer)
+        return (packed, "dense") if packed else ("dense",)
+    found = []
+    if _tinygemm_holds(layer, device):
+        found.append("tinygemm")
+    if _gemlite_holds(layer, device):
+        found.append("gemlite")
+    if _triton_holds(layer):
+        found.append("triton")
+    return (*found, "dense")
+
+
+# Candidates that a measurement may reorder: the library kernels whose relative speed depends on the shape.
+MEASURED = ("tinygemm", "gemlite")
+
+
+def select_kernel(
+    layer: LayerCase, device: DeviceCase, measure: Callable[[tuple[str, ...]], str] | None = None
+) -> str:
+    """The kernel to run ``layer`` with: the first candidate, or ``measure``'s pick among the measurable ones.
+
+    ``measure`` receives the candidates in ``MEASURED`` (two or more) and returns the fastest; the runtime's
+    is ``tuning.fastest_kernel`` (timed once per shape and GPU, then read from the on-disk cache).
+    """
+    candidates = kernel_candidates(layer, device)
+    contenders = tuple(name for name in candidates if name in MEASURED)
+    if measure is not None and len(contenders) > 1:
+        return measure(contenders)
+    return candidates[0]
