@@ -213,12 +213,8 @@ class QuantizedLinear(nn.Module):
                     return None
                 perm = torch.argsort(self.g_idx.long(), stable=True)
                 codes = codes[:, perm]
-            repeat = width // kernel_group
-            scales = scales.repeat_interleave(repeat, dim=1)
-            offsets = (8.0 - zeros.repeat_interleave(repeat, dim=1)) * scales
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-            scale_offset = torch.stack([scales.t(), offsets.t()], dim=-1).to(torch.bfloat16).contiguous()
-            return ("int4", packed, kernel_group, scale_offset, perm)
+            return ("int4", packed, kernel_group, int4pack_scale_and_zero(scales, zeros, width // kernel_group), perm)
         return None
 
     def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -240,6 +236,21 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def int4pack_scale_and_zero(scales: torch.Tensor, zeros: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """lmpress's ``(q - zero) * scale`` as torch's int4 kernels take it: bf16 ``(groups, out, 2)`` of
+    ``[scale, (8 - zero) * scale]``.
+
+    ``_weight_int4pack_mm`` (CUDA tinygemm, aten/src/ATen/native/cuda/int4mm.cu) and
+    ``_weight_int4pack_mm_for_cpu`` both compute ``w = (q - 8) * scale + offset`` per group from a
+    ``(K / group, N, 2)`` tensor, so ``offset = (8 - zero) * scale``. ``scales`` and ``zeros`` are
+    ``(out, groups)``; ``repeat`` splits each group into that many kernel groups (a 256-wide group as two of
+    128, a per-channel row as K / 128), repeating its scale and offset.
+    """
+    scales = scales.float().repeat_interleave(repeat, dim=1)
+    offsets = (8.0 - zeros.float().repeat_interleave(repeat, dim=1)) * scales
+    return torch.stack([scales.t(), offsets.t()], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def quantized_linear_from(linear: nn.Linear, qw: QuantizedWeight) -> QuantizedLinear:

@@ -27,6 +27,7 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import pages_within, return_freed_memory
+from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight
 from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.runtime.model import SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
 
@@ -177,6 +178,8 @@ class CheckpointModel:
         found = read(config, self.files.tensors(f"{name}."))
         if name not in found:
             raise LmpressInputError(f"{self.path}: checkpoint lacks the weights of {name!r}")
+        if isinstance(found[name], Fp8Weight):
+            return Fp8Linear.from_weight(found[name], bias)
         if not hasattr(found[name], "zeros"):
             raise LmpressInputError(f"{self.path}: the runtime cannot run {name}'s {type(found[name]).__name__} layer")
         return QuantizedLinear.from_quantized_weight(found[name], bias)
@@ -236,7 +239,7 @@ def load_checkpoint(
     config = read_model_config(path)
     device = torch.device(device)
     source = CheckpointModel(path, config)
-    build = Build(dtype, kernels or ("triton" if device.type == "cuda" else "cpu"), map_embedding=device.type == "cpu")
+    build = Build(dtype, kernels or ("cuda" if device.type == "cuda" else "cpu"), map_embedding=device.type == "cpu")
     with torch.no_grad():
         model = Transformer(ModelArgs.from_config(config), source, build).eval()
     return model.to(device)

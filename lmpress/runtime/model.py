@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
+from lmpress.quantize.fp8 import Fp8Linear
 from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
 from lmpress.runtime.cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.kernels import linear_kernel
@@ -98,7 +99,7 @@ class Build:
     """How the runtime model is built: the dtype of its activations and dense weights, and its kernels."""
 
     dtype: torch.dtype
-    kernels: str = "cpu"  # "cpu" (torch's packed kernels), "triton" (CUDA; the interpreter in tests), "reference"
+    kernels: str = "cpu"  # kernels.FAMILIES: "cpu", "cuda" (select.py's pick per layer), "triton", "reference"
     map_embedding: bool = False  # use the embedding table as given (memory-mapped) where it has ``dtype``
 
     @property
@@ -215,13 +216,15 @@ def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
 
 
 def _runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
-    if isinstance(layer, QuantizedLinear):
+    if isinstance(layer, (QuantizedLinear, Fp8Linear)):
         return build.quantized_linear(layer, build.dtype)
     if isinstance(layer, nn.Linear):
         if build.shares_layers and layer.weight.dtype == build.dtype:
             return layer
         return _concat_dense([layer], build)
-    raise LmpressInputError(f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear or QuantizedLinear)")
+    raise LmpressInputError(
+        f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear, QuantizedLinear or Fp8Linear)"
+    )
 
 
 def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Linear:
@@ -331,7 +334,7 @@ class Block(nn.Module):
 
 def _copy_norm(hf_norm: nn.Module, eps: float, build: Build) -> RMSNorm:
     eps = getattr(hf_norm, "variance_epsilon", eps)
-    norm = RMSNorm(hf_norm.weight.shape[0], eps, build.dtype, fused=build.kernels == "triton")
+    norm = RMSNorm(hf_norm.weight.shape[0], eps, build.dtype, fused=build.kernels in ("cuda", "triton"))
     with torch.no_grad():
         norm.weight.copy_(hf_norm.weight)
     return norm
@@ -373,13 +376,14 @@ class Transformer(nn.Module):
         """The runtime model for ``hf_model`` (a transformers causal LM) on ``device``.
 
         ``dtype`` defaults to the model's own; ``kernels`` to the device's: torch's packed
-        kernels on the CPU, Triton on CUDA (``"triton"`` on the CPU runs Triton's interpreter,
-        for tests). Weights are repacked on the CPU, then moved.
+        kernels on the CPU, ``"cuda"`` on a GPU (per layer, the kernel ``kernels/select.py`` picks;
+        ``"triton"`` on the CPU runs Triton's interpreter, for tests). Weights are repacked on the
+        CPU, then moved (a GPU-only layout, tinygemm's, is packed as the module moves).
         """
         args = ModelArgs.from_config(hf_model.config)
         dtype = dtype or hf_model.model.embed_tokens.weight.dtype
         device = torch.device(device)
-        kernels = kernels or ("triton" if device.type == "cuda" else "cpu")
+        kernels = kernels or ("cuda" if device.type == "cuda" else "cpu")
         return cls(args, hf_model, Build(dtype, kernels)).eval().to(device)
 
     @classmethod

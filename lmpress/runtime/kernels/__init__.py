@@ -1,7 +1,11 @@
-"""Matmul and norm kernels for quantized weights, one module per device (``cpu.py``; ``cuda.py`` over ``triton.py``).
+"""Matmul and norm kernels for quantized weights (``select.py`` decides which runs each layer).
 
-``LINEAR_KERNELS`` maps a kernel family to the function turning a ``QuantizedLinear``
-into the module that runs it; the runtime picks the family from the device.
+``linear_kernel(family)`` returns the function turning a ``QuantizedLinear`` (or an FP8
+``Fp8Linear``) into the module that runs it: ``"cpu"`` (torch's packed CPU kernels), ``"cuda"``
+(per layer, the fastest that holds it: tinygemm, gemlite, lmpress's Triton kernels, ``_int_mm``,
+``_scaled_mm``), ``"triton"`` (lmpress's Triton kernels wherever they hold the layer: tests under
+the interpreter, benches) or ``"reference"`` (the layer itself). ``kernel_of(module)`` names the
+kernel a built module runs (``lmpress bench`` prints it per layer).
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from torch import nn
 
 from lmpress.quantize.qlinear import QuantizedLinear
 
+FAMILIES = ("cpu", "cuda", "triton", "reference")
 
-def dense_linear(layer: QuantizedLinear, dtype: torch.dtype, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
+
+def dense_linear(layer: nn.Module, dtype: torch.dtype, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
     """``layer``'s weight dequantized once into a ``cls`` of ``dtype``: full speed, no memory saving."""
     bias = layer.bias
     dense = cls(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
@@ -25,30 +31,83 @@ def dense_linear(layer: QuantizedLinear, dtype: torch.dtype, cls: type[nn.Linear
     return dense.requires_grad_(False)
 
 
-def as_is(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+def as_is(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
     return layer
 
 
-def linear_kernel(family: str) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
-    """``"cpu"``: torch's packed int4/int8 kernels; ``"triton"``: the Triton W4A16/W8A16 kernels (CUDA);
-    ``"reference"``: the ``QuantizedLinear`` itself, shared (the numerics of lmpress's evals, no copy).
+def kernel_of(module: nn.Module) -> str:
+    """The name (``select.KERNELS``) of the kernel a module built by ``linear_kernel`` (or a float layer) runs."""
+    name = getattr(type(module), "KERNEL", None)
+    if isinstance(name, str):
+        return name
+    if isinstance(module, QuantizedLinear):
+        return "int8-mm" if module.scheme.activations == "int8" else "reference"
+    if isinstance(module, nn.Linear):
+        return "dense"
+    from lmpress.quantize.fp8 import Fp8Linear
 
-    W8A8 layers (int8 activations) run ``torch._int_mm`` in every family but "reference" (``kernels/int8.py``):
-    a weight-only kernel would silently drop their activation quantization."""
+    if isinstance(module, Fp8Linear):
+        return "fp8-simulated"
+    return type(module).__name__
+
+
+def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The module running ``layer`` on kernel ``name`` (one of ``select.KERNELS``)."""
+    if name == "tinygemm":
+        from lmpress.runtime.kernels.tinygemm import tinygemm_linear
+
+        return tinygemm_linear(layer)
+    if name == "gemlite":
+        from lmpress.runtime.kernels.gemlite import GemliteLinear
+
+        return GemliteLinear(layer, dtype)
+    if name == "triton":
+        from lmpress.runtime.kernels.cuda import triton_linear
+
+        return triton_linear(layer, dtype)
+    if name == "int8-mm":
+        from lmpress.runtime.kernels.int8 import W8A8Linear
+
+        return W8A8Linear(layer)
+    if name == "fp8-scaled-mm":
+        from lmpress.runtime.kernels.fp8 import ScaledMMLinear
+
+        return ScaledMMLinear(layer)
+    if name in ("fp8-simulated", "reference"):
+        return layer
+    if name in ("cpu-int4", "cpu-int8"):
+        from lmpress.runtime.kernels.cpu import cpu_linear
+
+        return cpu_linear(layer, dtype)
+    if name == "dense":
+        return dense_linear(layer, dtype)
+    raise ValueError(f"unknown kernel {name!r}")
+
+
+def linear_kernel(family: str) -> Callable[[nn.Module, torch.dtype], nn.Module]:
+    """The builder of quantized layers' modules for kernel ``family`` (see the module docstring).
+
+    W8A8 layers (int8 activations) run ``torch._int_mm`` in every family but "reference" (``kernels/int8.py``),
+    and FP8 layers ``_scaled_mm`` where the GPU has FP8 tensor cores: a weight-only kernel would silently
+    drop their activation quantization."""
     if family == "reference":
         return as_is
-    if family == "cpu":
-        from lmpress.runtime.kernels.cpu import cpu_linear as weight_only
-    elif family == "triton":
-        from lmpress.runtime.kernels.cuda import triton_linear as weight_only
-    else:
-        raise ValueError(f"unknown kernel family {family!r} (cpu, triton, reference)")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r} ({', '.join(FAMILIES)})")
+    from lmpress.runtime.kernels.select import DeviceCase, LayerCase, kernel_candidates
 
-    def kernel(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
-        if layer.scheme.activations == "int8":
-            from lmpress.runtime.kernels.int8 import W8A8Linear
+    def kernel(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
+        case = LayerCase.of(layer)
+        if family == "cuda":
+            from lmpress.runtime.kernels.cuda import cuda_kernel_name
 
-            return W8A8Linear(layer)
-        return weight_only(layer, dtype)
+            return build_kernel(cuda_kernel_name(layer, case, dtype), layer, dtype)
+        if case.activations is not None:
+            return build_kernel(kernel_candidates(case, DeviceCase("cpu", dtype))[0], layer, dtype)
+        if family == "triton":
+            return build_kernel("triton", layer, dtype)
+        from lmpress.runtime.kernels.cpu import cpu_linear
+
+        return cpu_linear(layer, dtype)  # a packed kernel (as select names it), else DenseLinear
 
     return kernel

@@ -96,6 +96,8 @@ def weight_left_is_faster(out_features: int, in_features: int, threads: int) -> 
 class Int4Linear(nn.Module):
     """``(q - zero) * scale`` with 4-bit codes in the CPU int4pack layout, groups of ``group`` columns."""
 
+    KERNEL = "cpu-int4"
+
     def __init__(self, prepared: tuple, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         _, packed, group, scale_offset, perm = prepared
@@ -119,6 +121,8 @@ class Int4Linear(nn.Module):
 
 class Int8Linear(nn.Module):
     """Per-row 8-bit weights: ``(q - 128) * scale`` through ``_weight_int8pack_mm``, plus the zero-point offset."""
+
+    KERNEL = "cpu-int8"
 
     def __init__(self, prepared: tuple, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -1,4 +1,8 @@
-"""CUDA matmuls for quantized weights: the Triton W4A16 / W8A16 kernels (``triton.py``) as modules.
+"""CUDA matmuls for quantized weights: which kernel runs a layer on this GPU, and lmpress's Triton kernels as modules.
+
+``cuda_kernel_name`` asks ``select.select_kernel`` with this GPU's facts; where two library kernels
+both hold a layer (tinygemm and gemlite) it times them once per shape (``tuning.tuned_choice``, kept
+on disk). The Triton W4A16 / W8A16 kernels (``triton.py``) run as ``TritonLinear``.
 
 Weights are repacked once at load into the kernels' layout; each call runs the GEMV
 kernel for up to ``DECODE_MAX_ROWS`` rows (decode) and the tiled GEMM above (prefill).
@@ -17,7 +21,9 @@ import torch
 from torch import nn
 
 from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.runtime.kernels import dense_linear
+from lmpress.runtime.kernels import build_kernel, dense_linear
+from lmpress.runtime.kernels.select import DeviceCase, LayerCase, select_kernel
+from lmpress.runtime.kernels.tuning import tuned_choice
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -63,6 +69,8 @@ def _(x, weight, eps) -> torch.Tensor:
 class TritonLinear(nn.Module):
     """A quantized linear layer run by ``w4a16_matmul`` / ``w8a16_matmul``; the packed tensors are buffers."""
 
+    KERNEL = "triton"
+
     def __init__(self, packed) -> None:
         super().__init__()
         self.bits, self.in_features, self.out_features = packed.bits, packed.in_features, packed.out_features
@@ -94,3 +102,38 @@ def triton_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
         except ValueError:
             pass  # a layout the kernels do not take: dense below
     return dense_linear(layer, dtype)
+
+
+def cuda_seconds(run, repeats: int = 20) -> float:
+    """Median seconds of ``run()`` on the current CUDA stream (CUDA events), after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def fastest_kernel(layer: nn.Module, case: LayerCase, names: tuple[str, ...], dtype: torch.dtype) -> str:
+    """Which of ``names`` runs ``layer`` fastest for one row (a decode step) on the current GPU: timed once per
+    shape, GPU and versions, then read from the tuning cache."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    shape = {"N": case.out_features, "K": case.in_features, "bits": case.bits, "group": case.group_width}
+    shape |= {"act_order": case.act_order, "dtype": str(dtype)}
+
+    def seconds(name: str) -> float:
+        module = build_kernel(name, layer, dtype).to(device)
+        x = torch.randn(1, case.in_features, dtype=dtype, device=device)
+        return cuda_seconds(lambda: module(x))
+
+    return tuned_choice(torch.cuda.get_device_name(device), "weight_only_kernel", shape, list(names), seconds)
+
+
+def cuda_kernel_name(layer: nn.Module, case: LayerCase, dtype: torch.dtype) -> str:
+    """The kernel that runs ``layer`` on the current CUDA device (``select.select_kernel``)."""
+    here = DeviceCase.here(torch.device("cuda", torch.cuda.current_device()), dtype)
+    return select_kernel(case, here, measure=lambda names: fastest_kernel(layer, case, names, dtype))

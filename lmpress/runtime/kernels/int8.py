@@ -16,6 +16,8 @@ from lmpress.quantize.qlinear import QuantizedLinear
 class W8A8Linear(nn.Module):
     """``y = x Wᵀ + b`` with x quantized per token and one int8 GEMM (``int8_linear.w8a8_linear``)."""
 
+    KERNEL = "int8-mm"
+
     def __init__(self, layer: QuantizedLinear) -> None:
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features

@@ -1,0 +1,50 @@
+"""FP8 W8A8 in the runtime: E4M3 weights and per-token E4M3 activations through ``torch._scaled_mm``.
+
+The same function as ``quantize.fp8.Fp8Linear`` (``y = (Q(x) Q(W)ᵀ) · s_x · s_W``) with the
+weight scales laid out once as the ``(1, N)`` row-wise factor ``_scaled_mm`` takes (a per-tensor
+scale repeated), and the product written in bf16: cuBLAS's row-wise FP8 GEMM writes only bf16
+outside sm90 with cuBLAS >= 12.9 (torch's ScaledBlas.cpp), so bf16 is the one output that runs on
+every FP8 GPU. On CUDA it needs compute capability 8.9+ (Ada, Hopper) and K, N multiples of 16
+(``select.kernel_candidates``); torch's CPU ``_scaled_mm`` takes the same call, which is how the
+math is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmpress.quantize.fp8 import Fp8Linear, quantize_fp8_per_token
+
+
+class ScaledMMLinear(nn.Module):
+    """``Fp8Linear``'s product as one ``torch._scaled_mm`` (row-wise activation and weight scales)."""
+
+    KERNEL = "fp8-scaled-mm"
+
+    def __init__(self, layer: Fp8Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        scale = layer.weight_scale.detach().float().reshape(1, -1).expand(1, layer.out_features)
+        self.register_buffer("weight", layer.weight.detach().clone())
+        self.register_buffer("weight_scale", scale.contiguous())
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().float().clone())
+
+    def _apply(self, fn, recurse=True):
+        weight, scale = self.weight, self.weight_scale  # E4M3 codes and fp32 scales: only the device follows
+        result = super()._apply(fn, recurse)
+        self.weight, self.weight_scale = weight.to(device=self.weight.device), scale.to(device=self.weight.device)
+        return result
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        codes, x_scale = quantize_fp8_per_token(flat)
+        y = torch._scaled_mm(
+            codes, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16
+        )
+        if self.bias is not None:
+            y = y.float() + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, FP8 W8A8 _scaled_mm"

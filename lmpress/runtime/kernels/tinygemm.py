@@ -1,0 +1,125 @@
+"""W4 layers on torch's own int4 kernels: ``_weight_int4pack_mm`` (CUDA tinygemm) and its CPU twin.
+
+The codes are repacked once: at build time into nibble pairs ``(N, K / 2)`` uint8 (the even
+column in the high nibble, as torch's test_linalg packs them), and, when the module moves to a
+GPU, by ``_convert_weight_to_int4pack(.., inner_k_tiles)`` into the tensor-core layout
+``(N / 8, K / (16 * inner_k_tiles), 32, inner_k_tiles / 2)`` int32. The scales and zeros fold into
+one bf16 ``(K / group, N, 2)`` tensor of ``[scale, (8 - zero) * scale]``
+(``qlinear.int4pack_scale_and_zero``; both kernels compute ``(q - 8) * scale + offset``).
+Act-order layers keep their codes sorted by group and permute the activations.
+
+On the CPU (tests, or a module never moved) the same codes and the same scale-and-zero tensor run
+through ``_weight_int4pack_mm_for_cpu``, which is how the conversion is verified without a GPU.
+tinygemm's limits (``select._tinygemm_holds``): bf16 activations, N % 8 == 0, K % 32 == 0, groups
+of 32-256 columns (wider multiples of 32 repeat their scales), sm80 or newer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmpress.quantize.qlinear import QuantizedLinear, int4pack_scale_and_zero, trivial_g_idx
+from lmpress.runtime.kernels.select import TINYGEMM_GROUPS
+
+
+def kernel_group(width: int) -> int:
+    """The widest group tinygemm holds that divides ``width`` (a layer's group width, a multiple of 32)."""
+    for group in TINYGEMM_GROUPS:
+        if width % group == 0:
+            return group
+    raise ValueError(f"tinygemm needs groups of a multiple of 32 columns, got {width}")
+
+
+def inner_k_tiles(in_features: int) -> int:
+    """The most k-tiles of 16 per 16-byte load that divide K (8 for any K % 256 == 0)."""
+    for tiles in (8, 4, 2):
+        if in_features % (16 * tiles) == 0:
+            return tiles
+    raise ValueError(f"tinygemm needs in_features a multiple of 32, got {in_features}")
+
+
+def nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """``(N, K)`` 4-bit codes -> ``(N, K / 2)`` uint8, column 2i in the high nibble, 2i + 1 in the low."""
+    codes = codes.to(torch.uint8)
+    return (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+
+
+def unpaired(pairs: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``nibble_pairs``: ``(N, K)`` int32 codes."""
+    return torch.stack((pairs >> 4, pairs & 0xF), dim=-1).reshape(pairs.shape[0], -1).to(torch.int32)
+
+
+class TinyGemmLinear(nn.Module):
+    """A 4-bit linear layer run by ``_weight_int4pack_mm`` on CUDA (``_weight_int4pack_mm_for_cpu`` on the CPU)."""
+
+    KERNEL = "tinygemm"
+
+    def __init__(
+        self,
+        pairs: torch.Tensor,
+        scale_and_zero: torch.Tensor,
+        group: int,
+        perm: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = pairs.shape[0], pairs.shape[1] * 2
+        self.group, self.inner_k_tiles = group, inner_k_tiles(self.in_features)
+        self.register_buffer("weight", pairs)  # nibble pairs; the tensor-core layout once on a GPU
+        self.register_buffer("scale_and_zero", scale_and_zero)
+        self.register_buffer("perm", perm)
+        self.register_buffer("bias", bias)
+        self._cpu_packed: torch.Tensor | None = None
+
+    @property
+    def packed_for_gpu(self) -> bool:
+        return self.weight.dim() == 4
+
+    def _apply(self, fn, recurse=True):
+        # The codes and their bf16 scale-and-zero are the quantized weight: only their device follows
+        # the module (a cast to float16 would round the offsets), and a GPU gets its own packing.
+        weight, scale_and_zero = self.weight, self.scale_and_zero
+        result = super()._apply(fn, recurse)
+        device = self.weight.device
+        if weight.dim() == 4 and device.type != "cuda":
+            raise RuntimeError("a TinyGemmLinear packed for a GPU cannot move off it; rebuild it from the layer")
+        self.weight = weight.to(device=device)
+        self.scale_and_zero = scale_and_zero.to(device=device)
+        if device.type == "cuda" and self.weight.dim() == 2:
+            self.weight = torch.ops.aten._convert_weight_to_int4pack(self.weight.contiguous(), self.inner_k_tiles)
+        self._cpu_packed = None
+        return result
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        flat = flat.contiguous()
+        if self.packed_for_gpu:
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.weight, self.group, self.scale_and_zero)
+        else:
+            if self._cpu_packed is None:
+                self._cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpaired(self.weight), 1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._cpu_packed, self.group, self.scale_and_zero)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        act = ", act-order" if self.perm is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, tinygemm g{self.group}{act}"
+
+
+def tinygemm_linear(layer: QuantizedLinear, dtype: torch.dtype | None = None) -> TinyGemmLinear:
+    """``layer`` repacked for tinygemm (``select.kernel_candidates`` has checked that it holds the layer)."""
+    width = layer.scheme.group_width(layer.in_features)
+    group = kernel_group(width)
+    codes, perm = layer.codes(), None
+    if not trivial_g_idx(layer.g_idx, layer.in_features, layer.scheme):
+        perm = torch.argsort(layer.g_idx.long(), stable=True)
+        codes = codes[:, perm]
+    scale_and_zero = int4pack_scale_and_zero(layer.scales, layer.zeros, width // group)
+    bias = None if layer.bias is None else layer.bias.detach().float().clone()
+    return TinyGemmLinear(nibble_pairs(codes), scale_and_zero, group, perm, bias)
