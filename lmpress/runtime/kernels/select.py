@@ -159,9 +159,7 @@ def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
 MEASURED = ("tinygemm", "gemlite")
 
 
-def select_kernel(
-    layer: LayerCase, device: DeviceCase, measure: Callable[[tuple[str, ...]], str] | None = None
-) -> str:
+def select_kernel(layer: LayerCase, device: DeviceCase, measure: Callable[[tuple[str, ...]], str] | None = None) -> str:
     """The kernel to run ``layer`` with: the first candidate, or ``measure``'s pick among the measurable ones.
 
     ``measure`` receives the candidates in ``MEASURED`` (two or more) and returns the fastest; the runtime's

@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lmpress.runtime.kernels.tuning import tune_space, tuned_choice
 from lmpress.runtime.kernels.triton_gemv import _gemv_kernel, _gemv_row_kernel
 from lmpress.runtime.kernels.triton_pack import (
     PackedWeight,
@@ -24,6 +23,7 @@ from lmpress.runtime.kernels.triton_pack import (
     prepare_w4a16,
     prepare_w8a16,
 )
+from lmpress.runtime.kernels.tuning import tune_space, tuned_choice
 
 __all__ = ["PackedWeight", "dequantize", "matmul_path", "prepare_w4a16", "prepare_w8a16", "rms_norm"]
 __all__ += ["w4a16_matmul", "w8a16_matmul"]
