@@ -2,6 +2,9 @@
 bytes read per decoded token against the machine's measured memory bandwidth, peak memory, and
 for speculative decoding its acceptance and its speedup over plain decoding in the same run.
 
+Each result names the kernel that ran every linear layer (``kernels``: module path -> ``select.KERNELS``
+name), so a number is never read without knowing what produced it.
+
 Decode tok/s = (N - 1) / (t(N new tokens) - t(1 new token)), so prefill and setup cancel
 out; each time is the median of ``repeats`` runs. Bytes per token = every distinct weight
 tensor (a tied embedding counts once, the RoPE tables not at all) + the KV cache read at the
@@ -60,6 +63,35 @@ def copy_bandwidth_gbs(device: torch.device | str = "cpu", megabytes: int = COPY
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * source.numel() * source.element_size() / best / 1e9
+
+
+def layer_kernels(model: Transformer) -> dict[str, str]:
+    """The kernel (``kernels.kernel_of``) of every linear layer of ``model``, by module path:
+    ``layers.3.attention.wqkv`` (fused q/k/v; ``.0``, ``.1``, ``.2`` where they run apart), ..., ``output``."""
+    from lmpress.runtime.kernels import kernel_of
+    from lmpress.runtime.model import FusedLinear
+
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedLinear):
+            for j, part in enumerate(module.parts):
+                found[name if len(module.parts) == 1 else f"{name}.{j}"] = kernel_of(part)
+    found["output"] = kernel_of(model.output)
+    return found
+
+
+def kernel_rows(kernels: dict[str, str]) -> list[tuple[str, str]]:
+    """``layer_kernels`` for a table: one row per layer role (``attention.wqkv``, ...), its kernels and how many layers
+    run each."""
+    roles: dict[str, dict[str, int]] = {}
+    for path, kernel in kernels.items():
+        role = path.split(".", 2)[2] if path.startswith("layers.") else path
+        counts = roles.setdefault(role, {})
+        counts[kernel] = counts.get(kernel, 0) + 1
+    return [
+        (f"kernel of {role}", ", ".join(f"{kernel} ({n} layer{'s' if n > 1 else ''})" for kernel, n in counts.items()))
+        for role, counts in roles.items()
+    ]
 
 
 def weight_bytes(model: Transformer) -> int:
@@ -233,6 +265,7 @@ def benchmark(
         )
     bandwidth = copy_bandwidth_gbs(model.device)
     result = {"settings": asdict(settings), "device": str(model.device), "threads": torch.get_num_threads()}
+    result["kernels"] = layer_kernels(model)
     forward = decoding_forward(model.device, settings.compile)  # one compiled forward per model, shared by both rows
     result["plain"] = bench_plain(model, prompt, settings, bandwidth, forward)
     if draft is not None or prompt_lookup:
@@ -269,6 +302,7 @@ def render_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ceiling = f"{plain['bandwidth_pct']:.0f}% of {plain['bandwidth_gb_s']:.1f} GB/s"
         rows.append(("of the measured copy bandwidth", ceiling))
     rows.append(("peak memory while generating", f"{plain['peak_memory_mb']:.0f} MiB"))
+    rows += kernel_rows(result.get("kernels", {}))
     spec = result.get("speculative")
     if spec:
         rows += [

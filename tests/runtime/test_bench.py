@@ -25,8 +25,10 @@ def test_bench_cli_reports_and_writes_json(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", str(tiny_llama_dir), "--prompt-tokens", "16", "--new-tokens", "6", "--repeats", "1"]
     assert main([*argv, "--prompt-lookup", "--json", str(out)]) == 0
-    assert "decode" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "decode" in printed and "kernel of attention.wqkv" in printed
     result = json.loads(out.read_text())
+    assert result["kernels"]["layers.1.feed_forward.w2"] == "dense" and len(result["kernels"]) == 2 * 4 + 1
     plain, spec = result["plain"], result["speculative"]
     assert plain["prompt_tokens"] == 16 and plain["new_tokens"] == 6
     assert plain["decode_tok_s"] > 0 and plain["prefill_tok_s"] > 0 and plain["peak_memory_mb"] > 0
@@ -69,3 +71,28 @@ def test_kv_cache_bytes_and_copy_bandwidth():
     cache = model.new_cache(1, 10)
     assert kv_cache_bytes(model, 10) == cache.nbytes
     assert copy_bandwidth_gbs("cpu", megabytes=8, repeats=2) > 0.1
+
+
+def test_bench_names_the_kernel_of_every_layer():
+    """A W4 model on the CPU: every decoder linear on torch's int4 kernel, a W8A8 down projection on _int_mm, the
+    float head dense; the table has one row per layer role."""
+    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+    from lmpress.runtime.bench import render_rows
+
+    hf = tiny_hf_model("llama", seed=3)
+    for block in hf.model.layers:
+        for parent in (block.self_attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    scheme = QuantScheme(8, -1, True, activations="int8") if name == "down_proj" else QuantScheme(4, 32)
+                    qw = quantize_weight_rtn(child.weight.detach(), scheme)
+                    setattr(parent, name, QuantizedLinear.from_quantized_weight(qw))
+    model = Transformer.from_hf(hf)
+    result = benchmark(model, list(range(10)), BenchSettings(new_tokens=3, repeats=1))
+    kernels = result["kernels"]
+    assert kernels["layers.0.attention.wqkv"] == "cpu-int4" and kernels["layers.1.feed_forward.w13"] == "cpu-int4"
+    assert kernels["layers.1.feed_forward.w2"] == "int8-mm" and kernels["output"] == "dense"
+    rows = dict(render_rows(result))
+    assert rows["kernel of feed_forward.w2"] == "int8-mm (2 layers)"
+    assert rows["kernel of attention.wo"] == "cpu-int4 (2 layers)" and rows["kernel of output"] == "dense (1 layer)"
