@@ -1,224 +1,297 @@
-"""Triton W4A16 / W8A16 kernels against tinygemm and cuBLAS at Llama-3-8B shapes (CUDA only).
+"""Quantized matmul kernels at Llama-3-8B shapes: lmpress's selected kernel, its Triton kernels and gemlite
+against torch's tinygemm and bf16 cuBLAS (issue 37's kernel goals). Every row prints the moment it ends.
 
-    python bench/triton_kernels.py --out bench/results/triton_kernels.json
+    python bench/triton_kernels.py --results results.jsonl      # CUDA: the table, one JSON line per row
+    python bench/triton_kernels.py --dry-run                    # tiny shapes on the CPU (Triton interpreted)
 
-Weights are random, quantized round-to-nearest (W4 g128 symmetric; W8 per-channel
-symmetric). Decode: the autotuned one-row GEMV (its chosen tile is reported). Prefill, 2048
-rows: the fused GEMM (``path="gemm"``) and the default prefill path (the weight dequantized by a
-Triton kernel into a scratch matrix, then cuBLAS). Each kernel is checked against
-dequantize-then-matmul in float32 at the shape before it is timed. Times are medians of
-``triton.testing.do_bench`` (which clears the L2 cache before every run, so weights come from HBM). Bandwidth counts the
-bytes a kernel must read for its weight (codes + scales + zeros), compared with a
-device-to-device copy measured in the same run (bytes read + written).
-
-tinygemm (``torch.ops.aten._weight_int4pack_mm``, torch >= 2.5 on CUDA) takes the
-codes as uint8 ``(N, K/2)`` with the even column in the high nibble, packed by
-``_convert_weight_to_int4pack(.., innerKTiles=8)``, and a bf16 ``(K/g, N, 2)``
-scale-and-zero tensor meaning ``w = (q - 8) * scale + zero`` (torch's test_linalg.py);
-lmpress's ``(q - z) * s`` is then ``zero = (8 - z) * s``.
+Rows (``--rows`` picks some):
+  w4_decode   one activation row (a decode step), W4 g128 symmetric RTN, at 4096x4096 (o_proj),
+              6144x4096 (q/k/v fused), 14336x4096 (gate or up), 28672x4096 (gate and up fused, as the
+              runtime runs them) and 4096x14336 (down): each kernel against tinygemm
+              (``_weight_int4pack_mm``); goal >= 1.0x at every shape for the selected kernel.
+  w4_rows     2, 4 and 8 rows (a speculative round's verification) against bf16 cuBLAS; goal >= 1.0x.
+  w4_prefill  2048 rows against bf16 cuBLAS (what a W4 layer costs in prefill; no goal).
+  fp8_prefill FP8 W8A8, 2048 tokens: ``ScaledMMLinear`` (per-token E4M3 quantization + ``_scaled_mm``) and
+              the bare ``_scaled_mm`` against bf16 cuBLAS; goal >= 1.3x.
+  w8_decode   W8 per-channel, one row, lmpress Triton against bf16 cuBLAS.
+``selected`` is the kernel ``lmpress.runtime.kernels.select`` picks for the layer on this GPU (a dry run
+asks as if on an H100). Each kernel is checked against the float64 product of the dequantized weight
+before it is timed (``sqnr_db``; ``ok`` is SQNR >= 40 dB). Times: ``triton.testing.do_bench`` medians
+(it clears the L2 cache before every run, so weights come from HBM); GB/s counts the bytes the kernel
+must read for its weight. ``ratio`` = reference time / kernel time (above 1: faster than the reference).
+``--tune small`` (default) tunes lmpress's Triton kernels over a fixed few configs (``LMPRESS_AUTOTUNE``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
+import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-
-# N x K (out x in): attention out, gate/up, down, fused qkv.
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
-PREFILL_ROWS = 2048
+SHAPES = [
+    ("o_proj", 4096, 4096),
+    ("qkv fused", 6144, 4096),
+    ("gate, up", 14336, 4096),
+    ("gate+up fused", 28672, 4096),
+    ("down", 4096, 14336),
+]
+DRY_SHAPES = [("dry", 64, 128)]
+FEW_ROWS, DRY_FEW_ROWS = (2, 4, 8), (4,)
+PREFILL_TOKENS, DRY_PREFILL_TOKENS = 2048, 24
 GROUP = 128
 MIN_SQNR_DB = 40.0
+ROWS = ("w4_decode", "w4_rows", "w4_prefill", "fp8_prefill", "w8_decode")
 
 
-def bench_ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
-    noise = (reference - other.float()).pow(2).sum().clamp_min(1e-30)
-    return float(10 * torch.log10(reference.pow(2).sum() / noise))
-
-
-def copy_bandwidth_gbs() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, help="append one JSON line per row to this file")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, Triton interpreted")
+    parser.add_argument("--tune", choices=("small", "full", "off"), default="small", help="Triton autotune space")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    args = parser.parse_args(argv)
+    args.rows = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(args.rows) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}: expected some of {', '.join(ROWS)}")
+    return args
 
 
-def quantized_layer(n: int, k: int, bits: int, group: int):
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    os.environ["LMPRESS_AUTOTUNE"] = args.tune
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench/triton_kernels.py needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    bench = KernelBench(torch.device("cpu" if args.dry_run else "cuda"), args.results, args.dry_run)
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    tokens = DRY_PREFILL_TOKENS if args.dry_run else PREFILL_TOKENS
+    for row in args.rows:
+        for role, n, k in shapes:
+            if row == "w4_decode":
+                bench.w4(role, n, k, rows=1, reference="tinygemm")
+            elif row == "w4_rows":
+                for rows in DRY_FEW_ROWS if args.dry_run else FEW_ROWS:
+                    bench.w4(role, n, k, rows=rows, reference="cublas-bf16")
+            elif row == "w4_prefill":
+                bench.w4(role, n, k, rows=tokens, reference="cublas-bf16")
+            elif row == "fp8_prefill":
+                bench.fp8(role, n, k, rows=tokens)
+            else:
+                bench.w8(role, n, k)
+    print(f"({time.time() - bench.began:.0f} s; {bench.failures} kernel(s) below {MIN_SQNR_DB} dB)", flush=True)
+    return 1 if bench.failures else 0
+
+
+class KernelBench:
+    """Builds each layer, checks and times each kernel on it, and prints / appends each row as it ends."""
+
+    def __init__(self, device, results: Path | None, dry_run: bool) -> None:
+        import torch
+
+        self.device, self.results, self.dry_run = device, results, dry_run
+        self.began, self.failures = time.time(), 0
+        self.torch = torch
+        from lmpress.runtime.bench import copy_bandwidth_gbs
+
+        self.copy_gbs = copy_bandwidth_gbs(device, megabytes=16 if dry_run else 1024)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
+        import triton
+
+        print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+        self.emit({"name": "copy", "shape": "-", "rows": 0, "kernel": "copy_", "us": None, "gb_s": self.copy_gbs})
+
+    # Rows ------------------------------------------------------------------------------------
+
+    def emit(self, row: dict) -> None:
+        row = {"bench": "triton_kernels", "device": str(self.device), **row}
+        us = "" if row.get("us") is None else f"{row['us']:9.1f} us"
+        gbs = "" if row.get("gb_s") is None else f"{row['gb_s']:7.0f} GB/s"
+        ratio = "" if row.get("ratio") is None else f"{row['ratio']:.2f}x {row['reference']}"
+        sqnr = "" if row.get("sqnr_db") is None else f"{row['sqnr_db']:.1f} dB{'' if row['ok'] else ' FAIL'}"
+        line = f"{row['name']:<11} {row['shape']:<24} rows {row['rows']:<5} {row['kernel']:<28} {us:>12} {gbs:>12}"
+        print(f"{line}  {ratio:<22} {sqnr}", flush=True)
+        append_json_line(self.results, row)
+
+    def kernel_row(self, name, shape, rows, kernel, run, reference_out, weight_bytes, reference) -> float | None:
+        """Check ``run()`` against ``reference_out``, time it, emit the row; its time (None when it failed)."""
+        try:
+            out = run()
+            sqnr = sqnr_db(reference_out, out)
+            us = median_us(run, self.device, repeats=1 if self.dry_run else 5)
+        except Exception as e:  # one kernel's failure is a row, not the end of the table
+            self.failures += 1
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            self.emit({"name": name, "shape": shape, "rows": rows, "kernel": kernel, "error": last[:300]})
+            return None
+        ok = sqnr >= MIN_SQNR_DB
+        self.failures += not ok
+        row = {"name": name, "shape": shape, "rows": rows, "kernel": kernel, "us": us, "sqnr_db": sqnr, "ok": ok}
+        row["gb_s"] = weight_bytes / us / 1e3 if weight_bytes else None
+        if reference == 0:  # this kernel is its own reference
+            row.update(reference=kernel.split()[0], reference_us=us, ratio=1.0)
+        elif reference is not None:
+            row.update(reference=reference[0], reference_us=reference[1], ratio=reference[1] / us)
+        self.emit(row)
+        return us
+
+    def w4(self, role: str, n: int, k: int, rows: int, reference: str) -> None:
+        torch = self.torch
+        from lmpress.runtime.kernels import build_kernel
+
+        layer = quantized_layer(n, k, 4, GROUP, self.device)
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device=self.device)
+        expected = x.double() @ layer.dequantized_weight(torch.float64).T
+        shape = f"{n}x{k} ({role})"
+        name = {1: "w4_decode"}.get(rows, "w4_rows" if rows <= 8 else "w4_prefill")
+        modules = {}
+        for kernel in self.w4_kernels(layer):
+            try:
+                modules[kernel] = build_kernel(kernel, layer, torch.bfloat16).to(self.device)
+            except Exception as e:
+                self.emit({"name": name, "shape": shape, "rows": rows, "kernel": kernel, "error": str(e)[-300:]})
+        w_bf16 = layer.dequantized_weight(torch.bfloat16)
+        selected = self.selected(layer)
+        if reference == "tinygemm":
+            ref_module = modules.get("tinygemm")
+            ref_run, ref_bytes = (lambda: ref_module(x)), module_bytes(ref_module)
+        else:
+            ref_run, ref_bytes = (lambda: x @ w_bf16.T), w_bf16.numel() * 2
+        if reference == selected:  # the selected kernel is the reference itself: 1.00x by identity
+            ref_us = self.kernel_row(name, shape, rows, f"{reference} (selected)", ref_run, expected, ref_bytes, 0)
+        else:
+            ref_us = self.kernel_row(name, shape, rows, reference, ref_run, expected, ref_bytes, None)
+        for kernel, module in modules.items():
+            if kernel == reference:
+                continue
+            label = f"{kernel} (selected)" if kernel == selected else kernel
+            ref = None if ref_us is None else (reference, ref_us)
+            self.kernel_row(name, shape, rows, label, lambda m=module: m(x), expected, module_bytes(module), ref)
+
+    def w4_kernels(self, layer) -> list[str]:
+        from lmpress.runtime.kernels.select import kernel_candidates
+
+        found = [k for k in kernel_candidates(self.layer_case(layer), self.device_case()) if k != "dense"]
+        return found if "tinygemm" in found else ["tinygemm", *found]
+
+    def layer_case(self, layer):
+        from lmpress.runtime.kernels.select import LayerCase
+
+        return LayerCase.of(layer)
+
+    def device_case(self):
+        """This GPU; a dry run asks as an H100 would (and runs the CUDA kernels' CPU twins)."""
+        from lmpress.runtime.kernels.select import DeviceCase
+
+        if self.dry_run:
+            return DeviceCase("cuda", self.torch.bfloat16, (9, 0))
+        return DeviceCase.here(self.device, self.torch.bfloat16)
+
+    def selected(self, layer) -> str:
+        from lmpress.runtime.kernels.select import select_kernel
+
+        case = self.layer_case(layer)
+        if self.dry_run:
+            return select_kernel(case, self.device_case())
+        from lmpress.runtime.kernels.cuda import cuda_kernel_name
+
+        return cuda_kernel_name(layer, case, self.torch.bfloat16)
+
+    def fp8(self, role: str, n: int, k: int, rows: int) -> None:
+        torch = self.torch
+        from lmpress.quantize.fp8 import Fp8Linear, quantize_fp8_per_token
+        from lmpress.runtime.kernels.fp8 import ScaledMMLinear
+
+        shape = f"{n}x{k} ({role})"
+        linear = torch.nn.Linear(k, n, bias=False, device=self.device).requires_grad_(False)
+        torch.nn.init.normal_(linear.weight, std=0.02)
+        fp8 = Fp8Linear.from_linear(linear, "channel")
+        module = ScaledMMLinear(fp8).to(self.device)
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device=self.device)
+        codes, x_scale = quantize_fp8_per_token(x)
+        expected = (codes.double() * x_scale.double()) @ fp8.dequantized_weight(torch.float64).T
+        w_bf16 = fp8.dequantized_weight(torch.bfloat16)
+        unquantized = x.double() @ fp8.dequantized_weight(torch.float64).T  # bf16 cuBLAS keeps x as it is
+        ref_us = self.kernel_row("fp8_prefill", shape, rows, "cublas-bf16", lambda: x @ w_bf16.T, unquantized, 0, None)
+        ref = None if ref_us is None else ("cublas-bf16", ref_us)
+        self.kernel_row("fp8_prefill", shape, rows, "fp8-scaled-mm (selected)", lambda: module(x), expected, 0, ref)
+        weight_t, scale_b = module.weight.t(), module.weight_scale
+
+        def gemm_only():
+            return torch._scaled_mm(codes, weight_t, scale_a=x_scale, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+        self.kernel_row("fp8_prefill", shape, rows, "_scaled_mm only", gemm_only, expected, 0, ref)
+
+    def w8(self, role: str, n: int, k: int) -> None:
+        torch = self.torch
+        from lmpress.runtime.kernels import build_kernel
+
+        layer = quantized_layer(n, k, 8, -1, self.device)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=self.device)
+        expected = x.double() @ layer.dequantized_weight(torch.float64).T
+        w_bf16 = layer.dequantized_weight(torch.bfloat16)
+        shape = f"{n}x{k} ({role})"
+        ref_us = self.kernel_row("w8_decode", shape, 1, "cublas-bf16", lambda: x @ w_bf16.T, expected, n * k * 2, None)
+        module = build_kernel("triton", layer, torch.bfloat16).to(self.device)
+        ref = None if ref_us is None else ("cublas-bf16", ref_us)
+        self.kernel_row("w8_decode", shape, 1, "triton", lambda: module(x), expected, module_bytes(module), ref)
+
+
+def quantized_layer(n: int, k: int, bits: int, group: int, device):
+    import torch
+
     from lmpress.quantize.qlinear import QuantizedLinear
     from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 
-    w = torch.randn(n, k, device="cuda") * 0.02
+    torch.manual_seed(n * 7 + k)
+    w = torch.randn(n, k, device=device) * 0.02
     return QuantizedLinear.from_quantized_weight(quantize_weight_rtn(w, QuantScheme(bits, group, True)))
 
 
-def tinygemm(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = layer.codes().to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
-    scales = layer.scales.float()
-    offsets = (8.0 - layer.zeros.float()) * scales
-    scale_and_zero = torch.stack([scales.t(), offsets.t()], dim=-1).to(torch.bfloat16).contiguous()
-    return packed, scale_and_zero
+def sqnr_db(reference, out) -> float:
+    import torch
+
+    noise = (reference - out.double()).pow(2).sum().clamp_min(1e-300)
+    return float(10 * torch.log10(reference.pow(2).sum() / noise))
 
 
-def checked(name: str, reference: torch.Tensor, out: torch.Tensor, rows: dict) -> None:
-    db = sqnr_db(reference, out)
-    rows[f"{name}_sqnr_db"] = round(db, 1)
-    if db < MIN_SQNR_DB:
-        raise SystemExit(f"{name}: SQNR {db:.1f} dB < {MIN_SQNR_DB} dB against the dequantized reference")
+def module_bytes(module) -> int:
+    """Bytes of a kernel module's buffers (its packed weight, scales, zeros; act-order index and bias)."""
+    if module is None:
+        return 0
+    return sum(b.numel() * b.element_size() for b in module.buffers() if b is not None)
 
 
-def w4_rows(n: int, k: int, copy_gbs: float) -> dict:
-    from lmpress.runtime.kernels.triton import prepare_w4a16, w4a16_matmul
+def median_us(run, device, repeats: int = 5) -> float:
+    """Median microseconds of ``run()``: ``do_bench`` on CUDA, wall-clock medians on the CPU."""
+    if device.type == "cuda":
+        import triton.testing
 
-    layer = quantized_layer(n, k, 4, GROUP)
-    packed = prepare_w4a16(layer)
-    weight = layer.dequantized_weight(torch.float32)
-    row = {"shape": f"{n}x{k}"}
-    x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    ref1 = x1.float() @ weight.T
-    checked("triton_gemv", ref1, w4a16_matmul(x1, packed), row)
-    t_triton = bench_ms(lambda: w4a16_matmul(x1, packed)) * 1e3
-    row.update(triton_gemv_us=round(t_triton, 2), weight_mb=round(packed.nbytes() / 1e6, 2))
-    gbs = packed.nbytes() / t_triton / 1e3
-    row.update(triton_gemv_gbs=round(gbs, 1), triton_gemv_pct_copy=round(100 * gbs / copy_gbs, 1))
-    tg_weight, tg_sz = tinygemm(layer)
-    tg = lambda: torch.ops.aten._weight_int4pack_mm(x1, tg_weight, GROUP, tg_sz)
-    checked("tinygemm", ref1, tg(), row)
-    t_tg = bench_ms(tg) * 1e3
-    tg_bytes = tg_weight.numel() * tg_weight.element_size() + tg_sz.numel() * 2
-    row.update(tinygemm_us=round(t_tg, 2), tinygemm_pct_copy=round(100 * tg_bytes / t_tg / 1e3 / copy_gbs, 1))
-    row["gemv_speedup_vs_tinygemm"] = round(t_tg / t_triton, 3)
-    row["gemv_config"] = tuned_config("gemv_row")  # one row: the row kernel
-    xp = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=torch.bfloat16)
-    reference = xp.float() @ weight.T
-    checked("triton_gemm", reference, w4a16_matmul(xp, packed, "gemm"), row)
-    checked("prefill", reference, w4a16_matmul(xp, packed), row)
-    dense = weight.to(torch.bfloat16)
-    t_gemm = bench_ms(lambda: w4a16_matmul(xp, packed, "gemm")) * 1e3
-    t_prefill = bench_ms(lambda: w4a16_matmul(xp, packed)) * 1e3
-    t_cublas = bench_ms(lambda: xp @ dense.T) * 1e3
-    row.update(triton_gemm_us=round(t_gemm, 1), prefill_us=round(t_prefill, 1), cublas_gemm_us=round(t_cublas, 1))
-    row["gemm_ratio_vs_cublas"] = round(t_cublas / t_gemm, 3)
-    row["prefill_ratio_vs_cublas"] = round(t_cublas / t_prefill, 3)
-    row["gemm_config"] = tuned_config("gemm")
-    return row
+        return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median") * 1e3
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
-def tuned_config(kind: str) -> str:
-    """The config the autotuner chose for the last shape it tuned (kwargs, warps, stages)."""
-    from lmpress.runtime.kernels import triton as tk
-
-    tuner = tk._tuned(kind)
-    config = list(tuner.cache.values())[-1] if tuner.cache else None
-    return "untuned" if config is None else f"{config.kwargs} w{config.num_warps} s{config.num_stages}"
-
-
-def w8_rows(n: int, k: int, copy_gbs: float) -> dict:
-    from lmpress.runtime.kernels.triton import prepare_w8a16, w8a16_matmul
-
-    layer = quantized_layer(n, k, 8, -1)
-    packed = prepare_w8a16(layer)
-    weight = layer.dequantized_weight(torch.float32)
-    x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    row = {"shape": f"{n}x{k}"}
-    checked("w8_gemv", x1.float() @ weight.T, w8a16_matmul(x1, packed), row)
-    t8 = bench_ms(lambda: w8a16_matmul(x1, packed)) * 1e3
-    dense = weight.to(torch.bfloat16)
-    t_dense = bench_ms(lambda: x1 @ dense.T) * 1e3
-    row.update(w8_gemv_us=round(t8, 2), w8_pct_copy=round(100 * packed.nbytes() / t8 / 1e3 / copy_gbs, 1))
-    row.update(
-        cublas_bf16_gemv_us=round(t_dense, 2),
-        cublas_pct_copy=round(100 * dense.numel() * 2 / t_dense / 1e3 / copy_gbs, 1),
-    )
-    row["w8_speedup_vs_cublas_bf16"] = round(t_dense / t8, 3)
-    return row
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
-def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
-    print(f"\n{title}")
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for r in rows:
-        print("  ".join(str(r[c]).rjust(w) for c, w in zip(columns, widths, strict=True)))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/triton_kernels.json"))
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/triton_kernels.py needs a CUDA GPU")
-    import triton
-
-    start = time.time()
-    torch.manual_seed(0)
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
-    w4 = [w4_rows(n, k, copy_gbs) for n, k in SHAPES]
-    w8 = [w8_rows(n, k, copy_gbs) for n, k in SHAPES]
-    summary = {
-        "gemv_geomean_speedup_vs_tinygemm": round(geomean([r["gemv_speedup_vs_tinygemm"] for r in w4]), 3),
-        "gemm_geomean_ratio_vs_cublas": round(geomean([r["gemm_ratio_vs_cublas"] for r in w4]), 3),
-        "prefill_geomean_ratio_vs_cublas": round(geomean([r["prefill_ratio_vs_cublas"] for r in w4]), 3),
-        "w8_geomean_speedup_vs_cublas_bf16": round(geomean([r["w8_speedup_vs_cublas_bf16"] for r in w8]), 3),
-        "gemv_pct_copy_at_4096x14336": next(r["triton_gemv_pct_copy"] for r in w4 if r["shape"] == "4096x14336"),
-    }
-    print_table(
-        "W4A16 g128 sym decode, M=1 bf16 (us; % of copy bandwidth)",
-        w4,
-        ["shape", "weight_mb", "triton_gemv_us", "triton_gemv_gbs", "triton_gemv_pct_copy", "tinygemm_us",
-         "tinygemm_pct_copy", "gemv_speedup_vs_tinygemm", "triton_gemv_sqnr_db", "tinygemm_sqnr_db", "gemv_config"],
-    )  # fmt: skip
-    print_table(
-        f"W4A16 prefill, M={PREFILL_ROWS} (us)",
-        w4,
-        [
-            "shape",
-            "triton_gemm_us",
-            "gemm_ratio_vs_cublas",
-            "prefill_us",
-            "prefill_ratio_vs_cublas",
-            "cublas_gemm_us",
-            "triton_gemm_sqnr_db",
-            "prefill_sqnr_db",
-        ],
-    )
-    print_table(
-        "W8A16 per-channel decode, M=1 vs bf16 cuBLAS GEMV (us)",
-        w8,
-        ["shape", "w8_gemv_us", "w8_pct_copy", "cublas_bf16_gemv_us", "cublas_pct_copy", "w8_speedup_vs_cublas_bf16"],
-    )
-    print("\nsummary (goals: gemv >= 1.2x tinygemm geomean, >= 70% copy at 4096x14336; gemm >= 0.8x cuBLAS)")
-    for key, value in summary.items():
-        print(f"  {key}: {value}")
-    print(f"({time.time() - start:.0f} s)")
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_gbs": round(copy_gbs, 1),
-        "w4": w4,
-        "w8": w8,
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+def append_json_line(path: Path | None, row: dict) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
