@@ -118,8 +118,8 @@ class KernelBench:
         ratio = "" if row.get("ratio") is None else f"{row['ratio']:.2f}x {row['reference']}"
         sqnr = "" if row.get("sqnr_db") is None else f"{row['sqnr_db']:.1f} dB{'' if row['ok'] else ' FAIL'}"
         line = f"{row['name']:<11} {row['shape']:<24} rows {row['rows']:<5} {row['kernel']:<28} {us:>12} {gbs:>12}"
+        append_json_line(self.results, row)  # on disk before it shows: a killed run keeps every row it printed
         print(f"{line}  {ratio:<22} {sqnr}", flush=True)
-        append_json_line(self.results, row)
 
     def kernel_row(self, name, shape, rows, kernel, run, reference_out, weight_bytes, reference) -> float | None:
         """Check ``run()`` against ``reference_out``, time it, emit the row; its time (None when it failed)."""

@@ -1,0 +1,96 @@
+"""The two kernel benches a GPU visit runs (bench/gpu_check.sh), dry-run on the CPU: a script error must never
+cost GPU time. Each prints every row as it ends and appends one JSON line per row to ``--results``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FIELDS = {"name", "shape", "rows", "kernel"}
+
+
+def start(script: str, results: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "LMPRESS_TUNE_CACHE": str(results) + ".tune"}
+    return subprocess.Popen(
+        [sys.executable, f"bench/{script}", "--dry-run", "--results", str(results)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def rows_of(results: Path) -> list[dict]:
+    return [json.loads(line) for line in results.read_text().splitlines()]
+
+
+def follow(process: subprocess.Popen, results: Path, into: dict) -> None:
+    """Read ``process``'s output as it comes; note how many JSON rows were on disk when its first row showed."""
+    lines, on_disk = [], None
+    for line in process.stdout:
+        lines.append(line)
+        if on_disk is None and line.startswith(("w4_decode", "decode")):
+            on_disk = len(results.read_text().splitlines())
+    process.wait(timeout=300)
+    into.update(out="".join(lines), code=process.returncode, rows=rows_of(results), on_disk=on_disk)
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """Both benches at once (~20 s each on 2 cores), each followed by its own thread."""
+    folder = tmp_path_factory.mktemp("benches")
+    runs, threads = {}, []
+    for script in ("triton_kernels.py", "runtime_gpu.py"):
+        results = folder / f"{script}.jsonl"
+        results.write_text("")
+        runs[script] = {}
+        threads.append(threading.Thread(target=follow, args=(start(script, results), results, runs[script])))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(timeout=400)
+    return {script: (r["out"], r["code"], r["rows"], r["on_disk"]) for script, r in runs.items()}
+
+
+def test_triton_kernels_dry_run(dry_runs):
+    out, code, rows, appended_when_printed = dry_runs["triton_kernels.py"]
+    assert code == 0, out[-3000:]
+    assert appended_when_printed >= 2  # the copy row and the first kernel row were on disk as it printed
+    assert all(FIELDS <= row.keys() for row in rows)
+    names = {row["name"] for row in rows}
+    assert names == {"copy", "w4_decode", "w4_rows", "w4_prefill", "fp8_prefill", "w8_decode"}
+    decode = [row for row in rows if row["name"] == "w4_decode"]
+    assert {row["kernel"] for row in decode} == {"tinygemm (selected)", "triton"}  # as an H100 would select
+    assert all(row["ok"] and row["us"] > 0 and row["ratio"] > 0 for row in decode)
+    assert {row["rows"] for row in rows if row["name"] == "w4_rows"} == {4}
+    fp8 = {row["kernel"]: row for row in rows if row["name"] == "fp8_prefill"}
+    assert fp8["fp8-scaled-mm (selected)"]["reference"] == "cublas-bf16" and fp8["_scaled_mm only"]["ok"]
+    assert len(out.splitlines()) >= len(rows)  # every row printed
+
+
+def test_runtime_gpu_dry_run(dry_runs):
+    out, code, rows, appended_when_printed = dry_runs["runtime_gpu.py"]
+    assert code == 0, out[-3000:]
+    assert appended_when_printed >= 2
+    assert [row["name"] for row in rows] == ["copy", "decode", "decode"]
+    bf16, w4 = rows[1], rows[2]
+    assert bf16["kernel"].startswith("bf16 (dense x9)") and w4["kernel"].startswith("W4 g128 (cpu-int4 x8, dense x1)")
+    assert w4["reference"] == "bf16" and w4["ratio"] == pytest.approx(w4["tok_s"] / bf16["tok_s"])
+    assert w4["bytes_per_token"] < bf16["bytes_per_token"] / 2  # the W4 model reads its packed codes
+    assert bf16["pct_copy"] == pytest.approx(100 * bf16["gb_s"] / rows[0]["gb_s"])
+    assert w4["kernels"]["kernel of attention.wqkv"] == "cpu-int4 (2 layers)"
+
+
+def test_bench_flags_are_checked():
+    for script in ("triton_kernels.py", "runtime_gpu.py"):
+        done = subprocess.run(
+            [sys.executable, f"bench/{script}", "--tune", "huge"], cwd=REPO, capture_output=True, text=True
+        )
+        assert done.returncode == 2 and "--tune" in done.stderr
