@@ -74,3 +74,34 @@ def test_smoothquant_fp8_exports_as_float_quantized(tiny_llama_dir, tmp_path, ex
     ids = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_runtime_reads_an_fp8_artifact_and_names_its_kernel(tiny_llama_dir, tmp_path, export):
+    """An FP8 export runs on lmpress's runtime (it used to refuse: "cannot run ... Fp8Weight layer"): on the CPU the
+    E4M3 product simulated in float, the transformers-side model's own numerics; the same layers built for
+    ``_scaled_mm`` (what a GPU with FP8 tensor cores runs, torch's CPU op here) agree within bf16 output rounding."""
+    pytest.importorskip("compressed_tensors")
+    from lmpress.runtime.bench import layer_kernels
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from lmpress.runtime.kernels import build_kernel
+
+    model, tokenizer = fp8_tiny(tiny_llama_dir, tmp_path, "channel")
+    out = export("compressed-tensors", model, tokenizer)
+    runtime = load_checkpoint(out)
+    kernels = layer_kernels(runtime)
+    assert kernels["layers.1.attention.wqkv.0"] == "fp8-simulated" and kernels["layers.0.feed_forward.w13.0"] == (
+        "fp8-simulated"
+    )
+    assert kernels["layers.0.feed_forward.w13.1"] == "dense" and kernels["output"] == "dense"  # ignored: float
+    ids = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5]])
+    cache = runtime.new_cache(1, 16)
+    with torch.no_grad():
+        logits = runtime(ids, cache)
+        expected = model(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+    layer = runtime.layers[1].attention.wqkv.parts[0]
+    scaled = build_kernel("fp8-scaled-mm", layer, torch.bfloat16)
+    x = torch.randn(4, layer.in_features)
+    noise = (scaled(x) - layer(x)).pow(2).sum() / layer(x).pow(2).sum()
+    assert float(10 * torch.log10(1 / noise)) >= 45
