@@ -47,6 +47,9 @@ LINEARS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
+FUSED_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}  # Phi-3
+LINEARS_OF = {"phi3": FUSED_LINEARS}
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 class MappedSafetensors:
@@ -188,7 +191,10 @@ class CheckpointModel:
                 input_layernorm=_norm(self._tensor(prefix + "input_layernorm.weight"), self.config),
                 post_attention_layernorm=_norm(self._tensor(prefix + "post_attention_layernorm.weight"), self.config),
             )
-            for block, names in LINEARS.items():
+            for norm in LAYER_NORMS[2:]:  # Gemma's sandwich norms
+                if f"{prefix}{norm}.weight" in self.files:
+                    setattr(layer, norm, _norm(self._tensor(f"{prefix}{norm}.weight"), self.config))
+            for block, names in LINEARS_OF.get(self.config.model_type, LINEARS).items():
                 modules = {name: self._linear(f"{prefix}{block}.{name}") for name in names}
                 for norm in ("q_norm", "k_norm"):
                     if block == "self_attn" and f"{prefix}self_attn.{norm}.weight" in self.files:
