@@ -205,6 +205,20 @@ _GEMMA = Anatomy(
 ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT, _MIXTRAL, _PHI3, _GEMMA) for family in a.families}
 
 
+# Families people bring whose anatomy lmpress lacks, with what it would have to learn (named in the refusal).
+MISSING: dict[str, str] = {
+    "deepseek_v3": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
+    "deepseek_v2": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
+    "gpt_oss": "experts with biases and a clamped, interleaved SwiGLU, and attention sinks",
+}
+
+
+def unsupported(model_type: object) -> str:
+    """The one-line refusal of an architecture without an anatomy."""
+    missing = f"; lmpress lacks its {MISSING[model_type]}" if model_type in MISSING else ""
+    return f"architecture {model_type!r} is not supported{missing} (lmpress supports: {', '.join(sorted(ANATOMIES))})"
+
+
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
 
 
@@ -228,8 +242,7 @@ def compute_device(choice: str, where: str = "model.device") -> torch.device:
 def get_anatomy(model: nn.Module) -> Anatomy:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ANATOMIES:
-        known = ", ".join(sorted(ANATOMIES))
-        raise LmpressInputError(f"architecture {model_type!r} is not supported (lmpress knows: {known})")
+        raise LmpressInputError(unsupported(model_type))
     return ANATOMIES[model_type]
 
 
@@ -372,9 +385,7 @@ def check_checkpoint_dir(path: Path) -> dict:
     if not isinstance(model_type, str) or not model_type:
         raise LmpressInputError(f"{path / 'config.json'}: no 'model_type' (not a transformers model config)")
     if model_type not in ANATOMIES:
-        raise LmpressInputError(
-            f"{path}: architecture {model_type!r} is not supported (lmpress supports: {', '.join(sorted(ANATOMIES))})"
-        )
+        raise LmpressInputError(f"{path}: {unsupported(model_type)}")
     read_tensor_headers(path)
     return config
 

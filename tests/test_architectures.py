@@ -104,7 +104,8 @@ def run_method(path: Path, method: str):
     with torch.no_grad():
         logits = model(ids).logits
     assert torch.isfinite(logits).all()
-    assert relative_rms(logits, before_logits) < 0.8, method  # quantized / pruned, not destroyed
+    # changed, not destroyed: W4 moves these random tiny models' logits by ~0.1-0.4 (relative RMS), 50% pruning ~0.3-0.9
+    assert 0 < relative_rms(logits, before_logits) < (1.5 if method in ("sparsegpt", "wanda") else 0.6), method
     linears = {n: m for n, m in model.model.named_modules() if n.startswith("layers.") and hasattr(m, "in_features")}
     experts = [n for n in linears if ".experts." in n]
     if model.config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
@@ -234,7 +235,9 @@ def run_runtime(loaded) -> str:
         for runtime, tol in runtimes:
             whole = runtime(ids, runtime.new_cache(2, 64))
             cache = runtime.new_cache(2, 64)
-            steps = torch.cat([runtime(ids[:, :30], cache)] + [runtime(ids[:, i : i + 1], cache) for i in range(30, 40)], 1)
+            steps = torch.cat(
+                [runtime(ids[:, :30], cache)] + [runtime(ids[:, i : i + 1], cache) for i in range(30, 40)], 1
+            )
             assert relative_rms(whole, want) < tol, (runtime.kernels, relative_rms(whole, want))
             assert relative_rms(steps, want) < tol, (runtime.kernels, relative_rms(steps, want))
     return "pass"
