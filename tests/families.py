@@ -29,7 +29,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             "sliding_window": 8,
             "layer_types": ["sliding_attention", "full_attention"],
             "query_pre_attn_scalar": 24,
-            "attn_logit_softcapping": 0.5,
+            "attn_logit_softcapping": 0.02,
             "final_logit_softcapping": 0.8,
         },
     ),

@@ -93,24 +93,27 @@ def test_engine_gives_each_layer_type_its_own_mask_and_rope(family, tokenizer, t
     assert relative_rms(final, hidden[-1]) < 2e-3
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_runtime_logits_are_transformers(family, tokenizer, tmp_path):
     """Float weights: prefill and token-by-token decode against transformers' logits, for each quirk at once
-    (Gemma: scaled embeddings, (1 + w) norms, sandwich norms, GeGLU, soft-capping, sliding layers, two ropes)."""
+    (Gemma: scaled embeddings, (1 + w) norms, sandwich norms, GeGLU, soft-capping, sliding layers, two ropes;
+    MoE: routing, renormalized top-k weights, Qwen2-MoE's gated shared expert). Both the copied model and the
+    view sharing the model's own layers (what the evals decode with)."""
     model = family_model(family, tokenizer, tmp_path)
     x = ids()
     with torch.no_grad():
         want = model(x).logits
-        runtime = Transformer.from_hf(model)
-        torch.testing.assert_close(runtime(x, runtime.new_cache(2, 64)), want, rtol=1e-4, atol=1e-4)
-        cache = runtime.new_cache(2, 64)
-        steps = [runtime(x[:, :20], cache)] + [runtime(x[:, i : i + 1], cache) for i in range(20, 40)]
-        torch.testing.assert_close(torch.cat(steps, 1), want, rtol=1e-4, atol=1e-4)
+        for runtime in (Transformer.from_hf(model), Transformer.sharing(model)):
+            torch.testing.assert_close(runtime(x, runtime.new_cache(2, 64)), want, rtol=1e-4, atol=1e-4)
+            cache = runtime.new_cache(2, 64)
+            steps = [runtime(x[:, :20], cache)] + [runtime(x[:, i : i + 1], cache) for i in range(20, 40)]
+            torch.testing.assert_close(torch.cat(steps, 1), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-def test_runtime_reads_gemma_checkpoints_directly(family, tokenizer, tmp_path):
-    """The runtime's own checkpoint reader (no transformers model) finds the sandwich norms."""
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text"])
+def test_runtime_reads_checkpoints_directly(family, tokenizer, tmp_path):
+    """The runtime's own checkpoint reader (no transformers model) finds Phi-3's fused linears and Gemma's
+    sandwich norms."""
     from transformers import AutoModelForCausalLM
 
     from lmpress.runtime.checkpoint import load_checkpoint
@@ -147,3 +150,12 @@ def test_an_unsupported_family_is_one_line_and_exit_2_before_work(family, tokeni
     assert code == 2
     assert len(err.splitlines()) == 1 and family in err and "not supported; lmpress lacks its" in err, err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_the_runtime_refuses_to_read_moe_checkpoints_directly(tokenizer, tmp_path):
+    from lmpress.errors import LmpressInputError
+    from lmpress.runtime.checkpoint import load_checkpoint
+
+    path = save_family_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer)
+    with pytest.raises(LmpressInputError, match="qwen3_moe .* through transformers"):
+        load_checkpoint(path)

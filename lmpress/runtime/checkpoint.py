@@ -28,7 +28,7 @@ from torch import nn
 from lmpress.errors import LmpressInputError
 from lmpress.memory import pages_within, return_freed_memory
 from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.runtime.model import SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
+from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
 
 DTYPES = {
     "F64": torch.float64,
@@ -127,6 +127,11 @@ def read_model_config(path: Path) -> ConfigView | Any:
         raise LmpressInputError(
             f"the runtime does not support model type {raw.get('model_type')!r} (supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if raw.get("model_type") in MOE_TYPES:
+        raise LmpressInputError(
+            f"the runtime reads {raw['model_type']} (mixture-of-experts) checkpoints through transformers, not "
+            "directly: load it with lmpress.load_model and build the runtime with Transformer.from_hf"
         )
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":

@@ -1,5 +1,5 @@
-"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM), Phi-3 and Gemma 2 / 3 (text),
-built from a transformers model.
+"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM), Phi-3, Gemma 2 / 3 (text) and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE, built from a transformers model.
 
 Phi-3's linears come fused (qkv_proj, gate_up_proj) and run as they are. Gemma's quirks are applied, each
 where transformers applies it: embeddings scaled by sqrt(hidden), RMSNorms scaling by (1 + weight), sandwich
@@ -32,7 +32,10 @@ from lmpress.runtime.cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.kernels import linear_kernel
 from lmpress.runtime.mapped_embedding import MappedEmbedding
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
+)  # fmt: skip
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -90,7 +93,7 @@ class ModelArgs:
             norm_eps=config.rms_norm_eps,
             max_seq_len=config.max_position_embeddings,
             windows=_layer_windows(config),
-            qk_norm=config.model_type in ("qwen3", "gemma3_text"),
+            qk_norm=config.model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             kinds=kinds,
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=config.hidden_size**0.5 if gemma else None,
@@ -391,11 +394,57 @@ class FeedForward(nn.Module):
         return self.w2(self.act(gate) * up)
 
 
+class MoEFeedForward(nn.Module):
+    """A routed mixture of gated experts (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax over the router's logits in
+    float32, the top k experts per token (their weights renormalized where the model does), each expert's output
+    weighted and summed; Qwen2-MoE adds a shared expert behind a sigmoid gate."""
+
+    def __init__(self, hf_mlp: nn.Module, config, build: Build) -> None:
+        super().__init__()
+        from lmpress.calib.moe import UnfusedExperts
+
+        experts = hf_mlp.experts
+        # Sharing the model's layers (the evals' decoding), fused float experts run as they are: copy nothing.
+        self.own_block = hf_mlp if build.shares_layers and not isinstance(experts, UnfusedExperts) else None
+        if self.own_block is not None:
+            return
+        if not isinstance(experts, UnfusedExperts):  # float experts still fused (E, 2I, H): one linear each
+            experts = UnfusedExperts.from_fused(experts, "mlp.experts")
+        self.experts = nn.ModuleList(FeedForward(expert, build) for expert in experts)
+        self.router = nn.Parameter(hf_mlp.gate.weight.detach().to(build.dtype), requires_grad=False)
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+        shared = getattr(hf_mlp, "shared_expert", None)
+        self.shared = FeedForward(shared, build) if shared is not None else None
+        self.shared_gate = fuse_linears([hf_mlp.shared_expert_gate], build) if shared is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_block is not None:
+            return self.own_block(x)
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.linear(flat, self.router).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                y = expert(flat[rows]) * weights[rows, slot, None].to(flat.dtype)
+                out.index_add_(0, rows, y)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return out.reshape(x.shape)
+
+
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, build: Build) -> None:
+    def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, build: Build, config=None) -> None:
         super().__init__()
         self.attention = Attention(args, hf_layer.self_attn, window, build)
-        self.feed_forward = FeedForward(hf_layer.mlp, build, args.activation)
+        if hasattr(hf_layer.mlp, "experts"):
+            self.feed_forward = MoEFeedForward(hf_layer.mlp, config, build)
+        else:
+            self.feed_forward = FeedForward(hf_layer.mlp, build, args.activation)
         offset = args.norm_offset
         self.attention_norm = _copy_norm(hf_layer.input_layernorm, args.norm_eps, build, offset)
         # Gemma's sandwich: post_attention_layernorm normalizes the attention's output, and the MLP
@@ -429,7 +478,9 @@ class Transformer(nn.Module):
         # checkpoint (mmapped) resident; lmpress's own mapping (checkpoint.py) drops what it has read.
         embedding = base.embed_tokens.weight.detach().to(dtype, copy=not (build.shares_layers or build.map_embedding))
         self.tok_embeddings = nn.Embedding.from_pretrained(embedding, freeze=True)
-        self.layers = nn.ModuleList(Block(args, layer, args.windows[i], build) for i, layer in enumerate(base.layers))
+        self.layers = nn.ModuleList(
+            Block(args, layer, args.windows[i], build, hf_model.config) for i, layer in enumerate(base.layers)
+        )
         self.norm = _copy_norm(base.norm, args.norm_eps, build, args.norm_offset)
         self.output = _output_layer(hf_model, self.tok_embeddings, build)
         mapped = build.map_embedding and embedding.data_ptr() == base.embed_tokens.weight.data_ptr()
