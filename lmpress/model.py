@@ -58,7 +58,19 @@ class Anatomy:
     fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()
     attention: str | None = None
     norm_kind: str = "rms"
+    # What a norm's weight adds to its output scale: Gemma's RMSNorm multiplies by (1 + weight).
+    norm_offset: float = 0.0
+    # (linear, part, parts): of a fused linear (Phi-3's qkv_proj, gate_up_proj), only output rows
+    # part of ``parts`` equal slices feed the next linear of its scaling pair.
+    fused_rows: tuple[tuple[str, int, int], ...] = ()
     families: tuple[str, ...] = field(default=())
+
+    def rows_feeding(self, prev: str) -> tuple[int, int] | None:
+        """(part, parts) where ``prev`` is a fused linear of which only one slice of rows feeds its pair."""
+        for name, part, parts in self.fused_rows:
+            if name == prev:
+                return part, parts
+        return None
 
 
 _LLAMA = Anatomy(
@@ -142,10 +154,69 @@ _MIXTRAL = Anatomy(
     # Not down_proj: calibration runs every expert on every token, which is not the routed input.
     fed_only_by=_LLAMA.fed_only_by[:1],
     attention="self_attn",
-    families=("mixtral", "qwen2_moe"),
+    families=("mixtral", "qwen2_moe", "qwen3_moe"),
 )
 
-ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT, _MIXTRAL) for family in a.families}
+# Phi-3 (and Phi-4, same model_type): q/k/v and gate/up are each one fused linear. Only the up half of
+# gate_up_proj feeds down_proj; qkv_proj's v third feeds o_proj where the heads are not grouped (else
+# the pair's widths differ and AWQ / SmoothQuant skip it).
+_PHI3 = Anatomy(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+    scaling_pairs=(
+        ("input_layernorm", ("self_attn.qkv_proj",)),
+        ("self_attn.qkv_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", ("mlp.gate_up_proj",)),
+        ("mlp.gate_up_proj", ("mlp.down_proj",)),
+    ),
+    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
+    blocks=("self_attn", "mlp"),
+    fed_only_by=(("self_attn.o_proj", ("self_attn.qkv_proj",)), ("mlp.down_proj", ("mlp.gate_up_proj",))),
+    attention="self_attn",
+    fused_rows=(("self_attn.qkv_proj", 2, 3), ("mlp.gate_up_proj", 1, 2)),
+    families=("phi3",),
+)
+
+# Gemma 2 / Gemma 3 (text): sandwich norms. post_attention_layernorm normalizes the attention's output,
+# so the MLP's inputs come from pre_feedforward_layernorm; every norm scales by (1 + weight).
+_GEMMA = Anatomy(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    sequential=_LLAMA.sequential,
+    scaling_pairs=(
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ),
+    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
+    blocks=("self_attn", "mlp"),
+    fed_only_by=_LLAMA.fed_only_by,
+    attention="self_attn",
+    norm_offset=1.0,
+    families=("gemma2", "gemma3_text"),
+)
+
+ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT, _MIXTRAL, _PHI3, _GEMMA) for family in a.families}
+
+
+# Families people bring whose anatomy lmpress lacks, with what it would have to learn (named in the refusal).
+MISSING: dict[str, str] = {
+    "deepseek_v3": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
+    "deepseek_v2": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
+    "gpt_oss": "experts with biases and a clamped, interleaved SwiGLU, and attention sinks",
+}
+
+
+def unsupported(model_type: object) -> str:
+    """The one-line refusal of an architecture without an anatomy."""
+    missing = f"; lmpress lacks its {MISSING[model_type]}" if model_type in MISSING else ""
+    return f"architecture {model_type!r} is not supported{missing} (lmpress supports: {', '.join(sorted(ANATOMIES))})"
 
 
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
@@ -171,8 +242,7 @@ def compute_device(choice: str, where: str = "model.device") -> torch.device:
 def get_anatomy(model: nn.Module) -> Anatomy:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ANATOMIES:
-        known = ", ".join(sorted(ANATOMIES))
-        raise LmpressInputError(f"architecture {model_type!r} is not supported (lmpress knows: {known})")
+        raise LmpressInputError(unsupported(model_type))
     return ANATOMIES[model_type]
 
 
@@ -315,9 +385,7 @@ def check_checkpoint_dir(path: Path) -> dict:
     if not isinstance(model_type, str) or not model_type:
         raise LmpressInputError(f"{path / 'config.json'}: no 'model_type' (not a transformers model config)")
     if model_type not in ANATOMIES:
-        raise LmpressInputError(
-            f"{path}: architecture {model_type!r} is not supported (lmpress supports: {', '.join(sorted(ANATOMIES))})"
-        )
+        raise LmpressInputError(f"{path}: {unsupported(model_type)}")
     read_tensor_headers(path)
     return config
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -105,3 +105,6 @@ class LayerInputs:
 
     hidden: BatchStore
     kwargs: list[dict[str, Any]]
+    # Where layers differ in what they receive (sliding-window layers' masks, Gemma 3's local rope): the keyword
+    # arguments of each layer type (``config.layer_types``), per batch; ``kwargs`` is then the current layer's.
+    by_kind: dict[str, list[dict[str, Any]]] = field(default_factory=dict)

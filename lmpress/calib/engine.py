@@ -69,27 +69,53 @@ class CalibrationMethod:
         """Take back, on resume, what :meth:`carried` returned after the last finished layer."""
 
 
+def layer_kinds(model: nn.Module) -> list[str] | None:
+    """Each decoder layer's type (``config.layer_types``) where the layers receive different masks or rotary
+    embeddings by type (sliding-window layers, Gemma 3's local and global layers); None where all are alike."""
+    kinds = getattr(model.config, "layer_types", None)
+    if not kinds or len(set(kinds)) < 2 or len(kinds) != len(decoder_layers(model)):
+        return None
+    return list(kinds)
+
+
 @torch.no_grad()
 def capture_first_layer_inputs(
     model: nn.Module, calibration: torch.Tensor, batch_size: int, device: torch.device
 ) -> LayerInputs:
+    """The first decoder layer's inputs for every batch, and, where layer types differ (:func:`layer_kinds`),
+    the keyword arguments the first layer of each type receives (the layers before it pass their input through
+    while these are captured: masks and rotary embeddings do not depend on the hidden states)."""
     anatomy = get_anatomy(model)
-    layer0 = decoder_layers(model)[0]
+    layers = decoder_layers(model)
+    kinds = layer_kinds(model)
+    first_of = {} if kinds is None else {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}
     batches = calibration.split(batch_size)
-    captured = LayerInputs(BatchStore([len(b) for b in batches]), [])
+    captured = LayerInputs(BatchStore([len(b) for b in batches]), [], {kind: [] for kind in first_of})
+    last = max(first_of.values(), default=0)
 
-    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = first_input(args, kwargs)
-        check_finite(hidden, f"the input of decoder layer 0 ({anatomy.layers}.0)")
-        captured.hidden[len(captured.kwargs)] = hidden
-        kept = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
-        captured.kwargs.append(move_to(kept, torch.device("cpu")))
-        raise StopForward
+    def grab_for(index: int) -> Callable:
+        def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = first_input(args, kwargs)
+            kept = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
+            kept = move_to(kept, torch.device("cpu"))
+            if index == 0:
+                check_finite(hidden, f"the input of decoder layer 0 ({anatomy.layers}.0)")
+                captured.hidden[len(captured.kwargs)] = hidden
+                captured.kwargs.append(kept)
+            for kind, first in first_of.items():
+                if first == index:
+                    captured.by_kind[kind].append(kept)
+            if index == last:
+                raise StopForward
+
+        return grab
 
     pre = [model.get_submodule(name) for name in anatomy.pre_layer_modules if has_submodule(model, name)]
     for module in pre:
         module.to(device)
-    handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    handles = [layers[i].register_forward_pre_hook(grab_for(i), with_kwargs=True) for i in {0, *first_of.values()}]
+    for layer in layers[:last]:
+        layer.forward = lambda hidden_states, *args, **kwargs: hidden_states
     try:
         for batch in batches:
             try:
@@ -97,7 +123,10 @@ def capture_first_layer_inputs(
             except StopForward:
                 pass
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+        for layer in layers[:last]:
+            del layer.forward
         for module in pre:
             module.to("cpu")
     if len(captured.hidden) != len(batches):
@@ -186,13 +215,18 @@ def run_calibration(
     if done < len(layers):
         inputs = capture_first_layer_inputs(model, calibration, batch_size, device)
         if done:
+            by_kind = inputs.by_kind
             inputs, carried = state.load_inputs(done, inputs.kwargs)
+            inputs.by_kind = by_kind
             for method in methods:
                 prefix = f"{method.name}."
                 method.restore_carried({k.removeprefix(prefix): v for k, v in carried.items() if k.startswith(prefix)})
 
+    kinds = layer_kinds(model)
     for index in ctx.bars.track(range(done, len(layers)), f"{name}: layers", total=len(layers) - done):
         layer = layers[index]
+        if kinds is not None:
+            inputs.kwargs = inputs.by_kind[kinds[index]]
         prefix = f"{anatomy.layers}.{index}."
         targets = {}
         for linear in layer_linears(layer):

@@ -435,6 +435,10 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
+    if any(".experts." in name for name in layers):  # MoE: the experts were quantized one linear each
+        from lmpress.calib.moe import unfuse_experts
+
+        unfuse_experts(model)
     for name, qw in layers.items():
         try:
             apply_quantized_weight(model, name, qw)

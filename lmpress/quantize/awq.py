@@ -84,7 +84,8 @@ class AWQMethod(CalibrationMethod):
     def pairs(self, session: LayerSession) -> list[tuple[str, list[str], str]]:
         """(source, linears, block) for each scaling pair this layer can take."""
         found = []
-        for prev, linears in get_anatomy(session.model).scaling_pairs:
+        anatomy = get_anatomy(session.model)
+        for prev, linears in anatomy.scaling_pairs:
             linears = list(linears)
             try:
                 source = session.layer.get_submodule(prev)
@@ -93,7 +94,7 @@ class AWQMethod(CalibrationMethod):
                 continue
             if not all(n in session.targets for n in linears):
                 continue
-            if not can_fold(source, modules):
+            if not can_fold(source, modules, anatomy.rows_feeding(prev)):
                 self.skipped_pairs.add(f"{prev} -> {', '.join(linears)}")
                 continue
             found.append((prev, linears, common_parent(linears)))
@@ -122,7 +123,8 @@ class AWQMethod(CalibrationMethod):
                 config.grid,
             )
             self.alphas.append(losses.index(min(losses)) / config.grid)
-            fold_scales(session.layer.get_submodule(prev), modules, s)
+            anatomy = get_anatomy(session.model)
+            fold_scales(session.layer.get_submodule(prev), modules, s, anatomy.norm_offset, anatomy.rows_feeding(prev))
             recorded.divide(linears + [block], s)
         for name in clip_names:
             linear, scheme = session.linear(name), session.targets[name]

@@ -80,30 +80,55 @@ def search_scales(
 
 
 @torch.no_grad()
-def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
+def fold_scales(
+    prev: nn.Module,
+    linears: Sequence[nn.Linear],
+    s: torch.Tensor,
+    norm_offset: float = 0.0,
+    rows: tuple[int, int] | None = None,
+) -> None:
     """Divide ``prev``'s output channels by ``s`` and multiply the linears' input channels by it.
 
     ``prev`` is a norm (weight, optional bias: one value per channel) or a linear
-    (rows = output channels, optional bias).
+    (rows = output channels, optional bias). A norm scaling by ``norm_offset + weight``
+    (Gemma's ``1 + weight``) keeps its offset; ``rows`` (part, parts): only that slice of
+    a fused linear's output rows feeds the linears (Phi-3's up half of gate_up_proj).
     """
     if isinstance(prev, nn.Linear):
-        prev.weight.data.div_(s.to(prev.weight.dtype)[:, None])
+        start, stop = _row_slice(prev.weight.shape[0], rows)
+        prev.weight.data[start:stop].div_(s.to(prev.weight.dtype)[:, None])
+        if prev.bias is not None:
+            prev.bias.data[start:stop].div_(s.to(prev.bias.dtype))
     else:
-        prev.weight.data.div_(s.to(prev.weight.dtype))
-    if getattr(prev, "bias", None) is not None:
-        prev.bias.data.div_(s.to(prev.bias.dtype))
+        weight = prev.weight.data
+        weight.copy_((weight.float() + norm_offset) / s.float() - norm_offset)
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.data.div_(s.to(prev.bias.dtype))
     for linear in linears:
         linear.weight.data.mul_(s.to(linear.weight.dtype)[None, :])
 
 
-def can_fold(prev: nn.Module, linears: Sequence[nn.Linear]) -> bool:
-    """Whether ``prev``'s output channels line up one-to-one with the linears' input channels."""
+def _row_slice(n_rows: int, rows: tuple[int, int] | None) -> tuple[int, int]:
+    if rows is None:
+        return 0, n_rows
+    part, parts = rows
+    width = n_rows // parts
+    return part * width, (part + 1) * width
+
+
+def can_fold(prev: nn.Module, linears: Sequence[nn.Linear], rows: tuple[int, int] | None = None) -> bool:
+    """Whether ``prev``'s output channels (the ``rows`` slice of a fused linear's) line up one-to-one with the
+    linears' input channels."""
     weight = getattr(prev, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return False
     channels = weight.shape[0]
     if not isinstance(prev, nn.Linear) and weight.dim() != 1:
         return False
+    if rows is not None:
+        if not isinstance(prev, nn.Linear) or channels % rows[1]:
+            return False
+        channels //= rows[1]
     return all(linear.in_features == channels for linear in linears)
 
 

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lmpress.calib.moe import unfuse_experts
 from lmpress.quantize.apply import apply_quantized_weight
 from lmpress.quantize.scheme import quantize_weight_rtn
 from lmpress.quantize.targets import WeightQuantConfig
@@ -30,8 +31,9 @@ class RTNConfig(WeightQuantConfig):
 @stage_handler(RTNConfig)
 @torch.no_grad()
 def run_rtn(model: nn.Module, config: RTNConfig, ctx: StageContext) -> dict:
+    moe_blocks = unfuse_experts(model)  # fused MoE experts become one linear each, so every expert is quantized
     config.check(model)
     targets = config.targets(model)
     for name, (module, scheme) in ctx.bars.track(targets.items(), "rtn: layers", total=len(targets)):
         apply_quantized_weight(model, name, quantize_weight_rtn(module.weight.data, scheme))
-    return {"quantized_layers": len(targets)}
+    return {"quantized_layers": len(targets), "moe_blocks_unfused": moe_blocks}

@@ -184,7 +184,8 @@ class SmoothQuantMethod(CalibrationMethod):
     def pairs(self, session: LayerSession) -> list[tuple[str, list[str]]]:
         """(source, linears) for each scaling pair of the layer whose factors fold exactly into the source."""
         found = []
-        for prev, linears in get_anatomy(session.model).scaling_pairs:
+        anatomy = get_anatomy(session.model)
+        for prev, linears in anatomy.scaling_pairs:
             linears = list(linears)
             try:
                 source = session.layer.get_submodule(prev)
@@ -193,7 +194,7 @@ class SmoothQuantMethod(CalibrationMethod):
                 continue
             if not all(n in session.targets for n in linears):
                 continue
-            if not can_fold(source, modules):
+            if not can_fold(source, modules, anatomy.rows_feeding(prev)):
                 self.skipped_pairs.add(f"{prev} -> {', '.join(linears)}")
                 continue
             found.append((prev, linears))
@@ -242,7 +243,11 @@ class SmoothQuantMethod(CalibrationMethod):
                 module = session.layer.get_submodule(block)
                 s, alpha = self.search_alpha(recorded, module, block, linears, x_max, w_max)
                 recorded.divide(names + [block], s)
-            fold_scales(session.layer.get_submodule(prev), linears, s.to(session.device))
+            anatomy = get_anatomy(session.model)
+            fold_scales(
+                session.layer.get_submodule(prev), linears, s.to(session.device), anatomy.norm_offset,
+                anatomy.rows_feeding(prev),
+            )  # fmt: skip
             self.alphas.append(alpha)
             self.smoothed += 1
 

@@ -29,7 +29,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.memory import pages_within, return_freed_memory
 from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight
 from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.runtime.model import SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
+from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
 
 DTYPES = {
     "F64": torch.float64,
@@ -48,6 +48,9 @@ LINEARS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
+FUSED_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}  # Phi-3
+LINEARS_OF = {"phi3": FUSED_LINEARS}
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 class MappedSafetensors:
@@ -126,6 +129,11 @@ def read_model_config(path: Path) -> ConfigView | Any:
             f"the runtime does not support model type {raw.get('model_type')!r} (supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    if raw.get("model_type") in MOE_TYPES:
+        raise LmpressInputError(
+            f"the runtime reads {raw['model_type']} (mixture-of-experts) checkpoints through transformers, not "
+            "directly: load it with lmpress.load_model and build the runtime with Transformer.from_hf"
+        )
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         from transformers import AutoConfig
@@ -191,7 +199,10 @@ class CheckpointModel:
                 input_layernorm=_norm(self._tensor(prefix + "input_layernorm.weight"), self.config),
                 post_attention_layernorm=_norm(self._tensor(prefix + "post_attention_layernorm.weight"), self.config),
             )
-            for block, names in LINEARS.items():
+            for norm in LAYER_NORMS[2:]:  # Gemma's sandwich norms
+                if f"{prefix}{norm}.weight" in self.files:
+                    setattr(layer, norm, _norm(self._tensor(f"{prefix}{norm}.weight"), self.config))
+            for block, names in LINEARS_OF.get(self.config.model_type, LINEARS).items():
                 modules = {name: self._linear(f"{prefix}{block}.{name}") for name in names}
                 for norm in ("q_norm", "k_norm"):
                     if block == "self_attn" and f"{prefix}self_attn.{norm}.weight" in self.files:

@@ -1,4 +1,11 @@
-"""A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) built from a transformers model.
+"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM), Phi-3, Gemma 2 / 3 (text) and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE, built from a transformers model.
+
+Phi-3's linears come fused (qkv_proj, gate_up_proj) and run as they are. Gemma's quirks are applied, each
+where transformers applies it: embeddings scaled by sqrt(hidden), RMSNorms scaling by (1 + weight), sandwich
+norms (post-attention, pre- and post-feedforward), GeGLU (tanh GELU), attention scaled by
+``query_pre_attn_scalar`` and soft-capped, final logits soft-capped, sliding-window layers, and Gemma 3's
+q/k norms with one RoPE base per layer type (local and global).
 
 ``Transformer.from_hf(hf_model)`` takes the weights of an in-memory transformers
 model whose linears are ``nn.Linear`` or lmpress ``QuantizedLinear``: q/k/v and
@@ -26,7 +33,12 @@ from lmpress.runtime.cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.kernels import linear_kernel
 from lmpress.runtime.mapped_embedding import MappedEmbedding
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
+)  # fmt: skip
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -42,6 +54,14 @@ class ModelArgs:
     max_seq_len: int
     windows: tuple[int | None, ...]  # sliding window of each layer, None: full attention
     qk_norm: bool
+    kinds: tuple[str, ...] = ()  # each layer's type where RoPE differs by type (Gemma 3), else empty
+    norm_offset: float = 0.0  # Gemma's norms scale by (1 + weight)
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden)
+    attn_scale: float | None = None  # query scaling, None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sandwich: bool = False  # Gemma: post-attention and pre/post-feedforward norms
+    activation: str = "silu"
 
     @classmethod
     def from_config(cls, config) -> ModelArgs:
@@ -51,6 +71,19 @@ class ModelArgs:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if activation not in ACTIVATIONS:
+            raise LmpressInputError(
+                f"the runtime does not support activation {activation!r} of {config.model_type} "
+                f"(supported: {', '.join(ACTIVATIONS)})"
+            )
+        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+            raise LmpressInputError(
+                f"the runtime does not support partial rotary embeddings ({config.model_type} with "
+                f"partial_rotary_factor {config.partial_rotary_factor})"
+            )
+        gemma = config.model_type in GEMMA_TYPES
+        kinds = tuple(getattr(config, "layer_types", None) or ()) if _rope_by_kind(config) else ()
         return cls(
             vocab_size=config.vocab_size,
             dim=config.hidden_size,
@@ -61,8 +94,23 @@ class ModelArgs:
             norm_eps=config.rms_norm_eps,
             max_seq_len=config.max_position_embeddings,
             windows=_layer_windows(config),
-            qk_norm=config.model_type == "qwen3",
+            qk_norm=config.model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            kinds=kinds,
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=config.hidden_size**0.5 if gemma else None,
+            attn_scale=config.query_pre_attn_scalar**-0.5 if gemma else None,
+            attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+            final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+            sandwich=gemma,
+            activation=activation,
         )
+
+
+def _rope_by_kind(config) -> bool:
+    """Whether ``rope_parameters`` holds one entry per layer type (Gemma 3: local and global layers)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    kinds = getattr(config, "layer_types", None) or ()
+    return bool(kinds) and all(isinstance(params.get(kind), dict) for kind in set(kinds))
 
 
 def _layer_windows(config) -> tuple[int | None, ...]:
@@ -75,9 +123,12 @@ def _layer_windows(config) -> tuple[int | None, ...]:
     return (window,) * config.num_hidden_layers
 
 
-def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies and cos/sin scale under the config's scaling (transformers' own formulas)."""
+def rope_inverse_frequencies(config, kind: str | None = None) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies and cos/sin scale under the config's scaling (transformers' own formulas);
+    ``kind``: the layer type whose parameters to use where they differ by type (Gemma 3)."""
     params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+    if kind is not None:
+        params = params[kind]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
         raise LmpressInputError(
@@ -90,7 +141,7 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
     # Imported here: it costs ~23 MB of resident memory (measured), and default RoPE needs none of it.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, **({"layer_type": kind} if kind else {}))
     return inv_freq.float(), float(scale)
 
 
@@ -148,7 +199,12 @@ FEW_QUERIES = 16  # up to this many new tokens (a decode step, a speculative rou
 
 
 def few_query_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a few queries per row ``(batch, heads, n, head_dim)`` over the cache, as two matmuls.
 
@@ -161,7 +217,9 @@ def few_query_attention(
     batch, heads, n, head_dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads * n, head_dim)
-    scores = (grouped @ keys.transpose(-1, -2)).float() * head_dim**-0.5  # softmax in float32, as SDPA's
+    scores = (grouped @ keys.transpose(-1, -2)).float() * (scale or head_dim**-0.5)  # softmax in float32
+    if softcap is not None:  # Gemma 2: scores bent into (-softcap, softcap) before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:  # (batch, 1, n, length): the same slots for every head
         scores = scores.view(batch, kv_heads, heads // kv_heads, n, -1).masked_fill(~mask[:, :, None], float("-inf"))
     out = scores.view(batch, kv_heads, heads // kv_heads * n, -1).softmax(dim=-1).to(values.dtype) @ values
@@ -169,7 +227,12 @@ def few_query_attention(
 
 
 def pointwise_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``few_query_attention`` written as broadcast products and sums, for the compiled static step.
 
@@ -182,7 +245,9 @@ def pointwise_attention(
     kv_heads = keys.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, n, 1, head_dim).float()
     keys, values = keys[:, :, None, None].float(), values[:, :, None, None].float()
-    scores = (grouped * keys).sum(-1) * head_dim**-0.5  # (batch, kv_heads, group, n, length)
+    scores = (grouped * keys).sum(-1) * (scale or head_dim**-0.5)  # (batch, kv_heads, group, n, length)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:  # (batch, 1, n, length)
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     out = (scores.softmax(dim=-1)[..., None] * values).sum(-2)
@@ -275,10 +340,15 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.window = window
-        self.wqkv = fuse_linears([hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj], build)
+        self.scale, self.softcap = args.attn_scale, args.attn_softcap
+        fused = getattr(hf_attn, "qkv_proj", None)  # Phi-3: q, k, v rows in one linear already
+        self.wqkv = fuse_linears(
+            [fused] if fused is not None else [hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj], build
+        )
         self.wo = fuse_linears([hf_attn.o_proj], build)
-        self.q_norm = _copy_norm(hf_attn.q_norm, args.norm_eps, build) if args.qk_norm else None
-        self.k_norm = _copy_norm(hf_attn.k_norm, args.norm_eps, build) if args.qk_norm else None
+        offset = args.norm_offset
+        self.q_norm = _copy_norm(hf_attn.q_norm, args.norm_eps, build, offset) if args.qk_norm else None
+        self.k_norm = _copy_norm(hf_attn.k_norm, args.norm_eps, build, offset) if args.qk_norm else None
 
     def forward(
         self,
@@ -300,43 +370,103 @@ class Attention(nn.Module):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         keys, values = cache.update(layer, k, v.transpose(1, 2))
         if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
-            out = pointwise_attention(q, keys, values, mask)
-        elif n_new <= FEW_QUERIES:
-            out = few_query_attention(q, keys, values, mask)
+            out = pointwise_attention(q, keys, values, mask, self.scale, self.softcap)
+        elif n_new <= FEW_QUERIES or self.softcap is not None:  # SDPA cannot soft-cap
+            out = few_query_attention(q, keys, values, mask, self.scale, self.softcap)
         else:
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
+                q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads, scale=self.scale
             )
         return self.wo(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused; act is SiLU (SwiGLU) or tanh GELU
+    (Gemma's GeGLU)."""
 
-    def __init__(self, hf_mlp: nn.Module, build: Build) -> None:
+    def __init__(self, hf_mlp: nn.Module, build: Build, activation: str = "silu") -> None:
         super().__init__()
-        self.w13 = fuse_linears([hf_mlp.gate_proj, hf_mlp.up_proj], build)
+        fused = getattr(hf_mlp, "gate_up_proj", None)  # Phi-3: gate rows then up rows in one linear
+        self.w13 = fuse_linears([fused] if fused is not None else [hf_mlp.gate_proj, hf_mlp.up_proj], build)
+        self.halves = [fused.out_features // 2] * 2 if fused is not None else self.w13.sizes
         self.w2 = fuse_linears([hf_mlp.down_proj], build)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.w13.sizes, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate, up = self.w13(x).split(self.halves, dim=-1)
+        return self.w2(self.act(gate) * up)
+
+
+class MoEFeedForward(nn.Module):
+    """A routed mixture of gated experts (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax over the router's logits in
+    float32, the top k experts per token (their weights renormalized where the model does), each expert's output
+    weighted and summed; Qwen2-MoE adds a shared expert behind a sigmoid gate."""
+
+    def __init__(self, hf_mlp: nn.Module, config, build: Build) -> None:
+        super().__init__()
+        from lmpress.calib.moe import UnfusedExperts
+
+        experts = hf_mlp.experts
+        # Sharing the model's layers (the evals' decoding), fused float experts run as they are: copy nothing.
+        self.own_block = hf_mlp if build.shares_layers and not isinstance(experts, UnfusedExperts) else None
+        if self.own_block is not None:
+            return
+        if not isinstance(experts, UnfusedExperts):  # float experts still fused (E, 2I, H): one linear each
+            experts = UnfusedExperts.from_fused(experts, "mlp.experts")
+        self.experts = nn.ModuleList(FeedForward(expert, build) for expert in experts)
+        self.router = nn.Parameter(hf_mlp.gate.weight.detach().to(build.dtype), requires_grad=False)
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+        shared = getattr(hf_mlp, "shared_expert", None)
+        self.shared = FeedForward(shared, build) if shared is not None else None
+        self.shared_gate = fuse_linears([hf_mlp.shared_expert_gate], build) if shared is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_block is not None:
+            return self.own_block(x)
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.linear(flat, self.router).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                y = expert(flat[rows]) * weights[rows, slot, None].to(flat.dtype)
+                out.index_add_(0, rows, y)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return out.reshape(x.shape)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, build: Build) -> None:
+    def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, build: Build, config=None) -> None:
         super().__init__()
         self.attention = Attention(args, hf_layer.self_attn, window, build)
-        self.feed_forward = FeedForward(hf_layer.mlp, build)
-        self.attention_norm = _copy_norm(hf_layer.input_layernorm, args.norm_eps, build)
-        self.ffn_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build)
+        if hasattr(hf_layer.mlp, "experts"):
+            self.feed_forward = MoEFeedForward(hf_layer.mlp, config, build)
+        else:
+            self.feed_forward = FeedForward(hf_layer.mlp, build, args.activation)
+        offset = args.norm_offset
+        self.attention_norm = _copy_norm(hf_layer.input_layernorm, args.norm_eps, build, offset)
+        # Gemma's sandwich: post_attention_layernorm normalizes the attention's output, and the MLP
+        # has a norm on each side; elsewhere post_attention_layernorm is the MLP's input norm.
+        self.post_attention_norm = self.post_ffn_norm = None
+        if args.sandwich:
+            self.post_attention_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build, offset)
+            self.ffn_norm = _copy_norm(hf_layer.pre_feedforward_layernorm, args.norm_eps, build, offset)
+            self.post_ffn_norm = _copy_norm(hf_layer.post_feedforward_layernorm, args.norm_eps, build, offset)
+        else:
+            self.ffn_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build, offset)
 
 
-def _copy_norm(hf_norm: nn.Module, eps: float, build: Build) -> RMSNorm:
-    eps = getattr(hf_norm, "variance_epsilon", eps)
+def _copy_norm(hf_norm: nn.Module, eps: float, build: Build, offset: float = 0.0) -> RMSNorm:
+    """The runtime's RMSNorm for ``hf_norm``; ``offset`` 1 for norms scaling by (1 + weight) (Gemma's)."""
+    eps = getattr(hf_norm, "variance_epsilon", getattr(hf_norm, "eps", eps))
     norm = RMSNorm(hf_norm.weight.shape[0], eps, build.dtype, fused=build.kernels in ("cuda", "triton"))
     with torch.no_grad():
-        norm.weight.copy_(hf_norm.weight)
+        norm.weight.copy_(hf_norm.weight.float() + offset)
     return norm
 
 
@@ -351,18 +481,24 @@ class Transformer(nn.Module):
         # checkpoint (mmapped) resident; lmpress's own mapping (checkpoint.py) drops what it has read.
         embedding = base.embed_tokens.weight.detach().to(dtype, copy=not (build.shares_layers or build.map_embedding))
         self.tok_embeddings = nn.Embedding.from_pretrained(embedding, freeze=True)
-        self.layers = nn.ModuleList(Block(args, layer, args.windows[i], build) for i, layer in enumerate(base.layers))
-        self.norm = _copy_norm(base.norm, args.norm_eps, build)
+        self.layers = nn.ModuleList(
+            Block(args, layer, args.windows[i], build, hf_model.config) for i, layer in enumerate(base.layers)
+        )
+        self.norm = _copy_norm(base.norm, args.norm_eps, build, args.norm_offset)
         self.output = _output_layer(hf_model, self.tok_embeddings, build)
         mapped = build.map_embedding and embedding.data_ptr() == base.embed_tokens.weight.data_ptr()
         if mapped and getattr(self.output, "weight", None) is not self.tok_embeddings.weight:
             self.tok_embeddings = MappedEmbedding(embedding)  # untied: a step needs only its tokens' rows
         self.output_tokens: torch.Tensor | None = None  # token id of each output row, where not all (a draft's)
-        inv_freq, rope_scale = rope_inverse_frequencies(hf_model.config)
-        angles = torch.arange(args.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", (angles.cos() * rope_scale).to(dtype), persistent=False)
-        self.register_buffer("rope_sin", (angles.sin() * rope_scale).to(dtype), persistent=False)
+        # One cos/sin table per RoPE setting: rope_cos/rope_sin, and rope_cos_1... for Gemma 3's other layer type.
+        self.rope_of_kind = {kind: i for i, kind in enumerate(dict.fromkeys(args.kinds))}
+        for kind, i in self.rope_of_kind.items() or {None: 0}.items():
+            inv_freq, rope_scale = rope_inverse_frequencies(hf_model.config, kind)
+            angles = torch.arange(args.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
+            angles = torch.cat((angles, angles), dim=-1)
+            suffix = f"_{i}" if i else ""
+            self.register_buffer("rope_cos" + suffix, (angles.cos() * rope_scale).to(dtype), persistent=False)
+            self.register_buffer("rope_sin" + suffix, (angles.sin() * rope_scale).to(dtype), persistent=False)
 
     @classmethod
     @torch.no_grad()
@@ -441,15 +577,28 @@ class Transformer(nn.Module):
         cache: KVCache | StaticSlots,
         last_only: bool = False,
     ) -> torch.Tensor:
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        ropes = [
+            (
+                getattr(self, f"rope_cos{suffix}")[positions][:, None],
+                getattr(self, f"rope_sin{suffix}")[positions][:, None],
+            )
+            for suffix in [""] + [f"_{i}" for i in range(1, len(self.rope_of_kind))]
+        ]
         x = self.tok_embeddings(tokens)
+        if self.args.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype, as transformers
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         for i, block in enumerate(self.layers):
-            h = block.attention_norm(x)
-            x = x + block.attention(h, cos, sin, masks[block.attention.window], cache, i)
-            x = x + block.feed_forward(block.ffn_norm(x))
+            cos, sin = ropes[self.rope_of_kind[self.args.kinds[i]] if self.args.kinds else 0]
+            h = block.attention(block.attention_norm(x), cos, sin, masks[block.attention.window], cache, i)
+            x = x + (block.post_attention_norm(h) if block.post_attention_norm is not None else h)
+            h = block.feed_forward(block.ffn_norm(x))
+            x = x + (block.post_ffn_norm(h) if block.post_ffn_norm is not None else h)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x))
+        logits = self.output(self.norm(x))
+        if self.args.final_softcap is not None:  # Gemma 2: logits bent into (-cap, cap)
+            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits
 
 
 def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -> nn.Module:
