@@ -1,11 +1,11 @@
-"""Write a bench table into README.md between its markers (appended under a heading the first time)."""
+"""Write a bench table into docs/results.md between its markers (appended under a heading the first time)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "results.md"  # the measured tables live in the docs site
 
 
 def write_readme_block(name: str, heading: str, table: str, readme: Path = README) -> None:

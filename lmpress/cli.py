@@ -156,6 +156,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not result.report:  # a launched process other than the main one: the main one reports
         return result.exit_code
     print_metrics(result.report)
+    if result.report.get("size_and_speed"):
+        from lmpress.evals.speed import SPEED_HEADER, speed_rows
+
+        table = Table(title="size and decode speed on lmpress's runtime")
+        for column in SPEED_HEADER:
+            table.add_column(column)
+        for row in speed_rows(result.report["size_and_speed"]):
+            table.add_row(*row)
+        console.print(table)
     measured_on = result.report.get("measured_on", {}).get("candidate")
     if measured_on:
         console.print(f"candidate measured on {measured_on}", highlight=False)

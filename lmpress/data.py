@@ -4,6 +4,8 @@ Sources:
   builtin:python-docs          the CPython reference text in ``pydoc_data.topics`` (always installed)
   builtin:python-source        the source of the standard library's top-level modules (``*.py`` in its
                                directory, sorted by name): code, as the running Python ships it
+  builtin:wikitext2:test       WikiText-2's test split, raw (``wiki.test.raw``), shipped in the package
+  builtin:wikitext2:valid      WikiText-2's validation split, tokenized form (``wiki.valid.tokens``)
   hf:DATASET[:CONFIG[:SPLIT]]  a hub dataset's ``text`` column, e.g. ``hf:wikitext:wikitext-2-raw-v1``
   PATH.txt | .jsonl | .parquet a local file (``text`` field / column for jsonl and parquet)
 
@@ -26,6 +28,15 @@ from lmpress.errors import LmpressInputError
 
 BUILTIN_PYTHON_DOCS = "builtin:python-docs"
 BUILTIN_PYTHON_SOURCE = "builtin:python-source"
+BUILTIN_WIKITEXT2 = "builtin:wikitext2"
+# WikiText-2 (Merity et al. 2016; Wikipedia text, CC BY-SA 3.0): the files in lmpress/texts/wikitext2/, byte for
+# byte those the measured tables used, so a builtin source scores the same numbers as the files did.
+WIKITEXT2_SPLITS = {"valid": "wiki.valid.tokens", "test": "wiki.test.raw"}
+BUILTIN_SOURCES = (
+    BUILTIN_PYTHON_DOCS,
+    BUILTIN_PYTHON_SOURCE,
+    *(f"{BUILTIN_WIKITEXT2}:{split}" for split in WIKITEXT2_SPLITS),
+)
 TEXT_SUFFIXES = (".txt", ".raw", ".tokens", ".jsonl", ".parquet")
 
 
@@ -75,11 +86,24 @@ def same_text(a: str, b: str) -> bool:
 def _builtin_text(source: str) -> str:
     if source == BUILTIN_PYTHON_SOURCE:
         return _python_source()
-    if source != BUILTIN_PYTHON_DOCS:
-        raise LmpressInputError(
-            f"unknown builtin text {source!r} (known: {BUILTIN_PYTHON_DOCS}, {BUILTIN_PYTHON_SOURCE})"
-        )
-    return _python_docs()
+    if source == BUILTIN_PYTHON_DOCS:
+        return _python_docs()
+    name, _, split = source.partition(":")[2].partition(":")
+    if f"builtin:{name}" != BUILTIN_WIKITEXT2:
+        raise LmpressInputError(f"unknown builtin text {source!r} (known: {', '.join(BUILTIN_SOURCES)})")
+    splits = ", ".join(f"{BUILTIN_WIKITEXT2}:{s}" for s in WIKITEXT2_SPLITS)
+    if not split:
+        raise LmpressInputError(f"text source {source!r} needs a split: {splits}")
+    if split not in WIKITEXT2_SPLITS:
+        raise LmpressInputError(f"{BUILTIN_WIKITEXT2} has no split {split!r} (splits: {splits})")
+    return wikitext2_bytes(split).decode("utf-8")
+
+
+def wikitext2_bytes(split: str) -> bytes:
+    """The packaged WikiText-2 file of ``split`` (``valid`` or ``test``), as shipped."""
+    from importlib.resources import files
+
+    return (files("lmpress.texts") / "wikitext2" / WIKITEXT2_SPLITS[split]).read_bytes()
 
 
 def _python_source() -> str:

@@ -33,6 +33,7 @@ from lmpress.distributed import Processes, last_training_stage, launched_process
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
+from lmpress.evals.speed import size_and_speed
 from lmpress.evals.suite import baseline_identity, run_suite, suite_report
 from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
 from lmpress.export.manifest import write_manifest
@@ -80,6 +81,17 @@ def finalize_output(partial: Path, out: Path) -> None:
         shutil.rmtree(old)
     else:
         partial.rename(out)
+
+
+def relocated(value: Any, partial: Path, out: Path) -> Any:
+    """``value`` (a report) with every path inside ``partial`` named as it will be once renamed to ``out``."""
+    if isinstance(value, dict):
+        return {k: relocated(v, partial, out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relocated(v, partial, out) for v in value]
+    if isinstance(value, str) and (value == str(partial) or value.startswith(str(partial) + "/")):
+        return str(out) + value[len(str(partial)) :]
+    return value
 
 
 def check_plan(recipe: Recipe, model: nn.Module) -> None:
@@ -292,8 +304,13 @@ def run_recipe(
         "seconds": time.perf_counter() - began,
         "peak_rss_mb": process_peak_mb(),
     }
+    if recipe.speed is not None:
+        exported = [(f"{fmt}/", partial / fmt) for fmt in recipe.export.formats]
+        baseline_model = (f"baseline ({spec.dtype}, as loaded)", loaded.path)
+        report["size_and_speed"] = size_and_speed(baseline_model, exported, recipe.speed, bars.log)
     report["gates"] += [c.as_gate() for c in checks if not c.passed]
     report["passed"] = all(v["passed"] for v in report["gates"])
+    report = relocated(report, partial, out)  # the tokenizer each eval read is named where it will be
     write_report(report, partial)
     metrics = {side: report[side]["metrics"] for side in ("baseline", "candidate")}
     write_manifest(partial, recipe.as_dict(), metrics)

@@ -28,6 +28,7 @@ from pydantic import BaseModel, NonNegativeInt, PositiveInt, ValidationError, fi
 
 from lmpress.errors import LmpressInputError
 from lmpress.evals.gates import Gate, available_metrics, parse_gate
+from lmpress.evals.speed import SpeedSpec
 from lmpress.registry import (
     EvalConfig,
     StageConfig,
@@ -87,6 +88,7 @@ class Recipe(StrictConfig):
     export: ExportSpec = ExportSpec()
     eval: EvalSpec = EvalSpec()
     gates: list[Gate] = []
+    speed: SpeedSpec | None = None  # size and decode speed before and after, on lmpress's runtime
 
     def as_dict(self) -> dict[str, Any]:
         """The recipe as run, in YAML's shape (for manifest.json and report.json)."""
@@ -97,6 +99,7 @@ class Recipe(StrictConfig):
             "export": self.export.model_dump(),
             "eval": {"text": self.eval.text, **{k: v.model_dump() for k, v in self.eval.evals.items()}},
             "gates": [str(g) for g in self.gates],
+            **({"speed": self.speed.model_dump()} if self.speed is not None else {}),
         }
 
 
@@ -173,13 +176,22 @@ def parse_recipe(raw: Any, origin: str = "recipe") -> Recipe:
             gates.append(parse_gate(str(text), metrics))
         except ValueError as e:
             raise LmpressInputError(f"{origin}: gates[{i}]: {e}") from e
-    return Recipe(model=fields.model, data=fields.data, export=fields.export, stages=stages, eval=evals, gates=gates)
+    return Recipe(
+        model=fields.model,
+        data=fields.data,
+        export=fields.export,
+        stages=stages,
+        eval=evals,
+        gates=gates,
+        speed=fields.speed,
+    )
 
 
 class _TopLevel(StrictConfig):
     model: ModelSpec
     data: DataSpec = DataSpec()
     export: ExportSpec = ExportSpec()
+    speed: SpeedSpec | None = None
 
 
 def _as_list(value: Any, key: str, origin: str) -> list:

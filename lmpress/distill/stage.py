@@ -4,7 +4,7 @@ learns from the unmodified model.
 Sample recipe stage (after ``sparsegpt`` 2:4, or a ``gptq`` stage at 3 bits):
 
     - method: distill
-      text: ../shared/data/wikitext2/wiki.valid.tokens   # default: the recipe's data.source
+      text: builtin:wikitext2:valid   # default: the recipe's data.source
       seq_len: 512
       text_windows: null        # at most this many windows of the text (a seeded choice; default: all)
       train_on: text            # text | calibration (exactly the recipe's calibration samples; seq_len = data.seq_len)

@@ -3,7 +3,7 @@
 Sample recipe eval:
 
     eval:
-      text: ../shared/data/wikitext2/wiki.test.raw
+      text: builtin:wikitext2:test
       perplexity: {seq_len: 2048, windows: 20, batch_size: 4}
 
 Perplexity = exp(mean next-token NLL over every scored position). Windows are

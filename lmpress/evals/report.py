@@ -82,6 +82,18 @@ def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -
             for c in report["export_checks"]
         ]
         parts.append(markdown_table(header, rows))
+    if report.get("size_and_speed"):
+        from lmpress.evals.speed import SPEED_HEADER, speed_rows
+
+        section = report["size_and_speed"]
+        settings = section["settings"]
+        parts += ["", "## Size and speed", ""]
+        parts.append(
+            f"Decode speed on lmpress's runtime ({section['device']}, {section['rows'][0]['threads']} threads): "
+            f"{settings['prompt_tokens']}-token prompt, {settings['new_tokens']} new tokens, greedy, "
+            f"median of {settings['repeats']}. Size: every file in the model's directory.\n"
+        )
+        parts.append(markdown_table(SPEED_HEADER, speed_rows(section)))
     for title, filename in plots:
         parts += ["", f"### {title}", "", f"![{title}]({filename})"]
     if report.get("exports"):

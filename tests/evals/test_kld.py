@@ -291,7 +291,7 @@ def test_metric_names_and_candidate_only():
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_smollm2_w8_exact_kld_matches_reference_and_top64_reads_low(smollm2_dir, wikitext_dir, tmp_path):
+def test_smollm2_w8_exact_kld_matches_reference_and_top64_reads_low(smollm2_dir, tmp_path):
     import copy
 
     from lmpress.data import load_text
@@ -300,7 +300,7 @@ def test_smollm2_w8_exact_kld_matches_reference_and_top64_reads_low(smollm2_dir,
     from lmpress.registry import StageContext
 
     loaded = load_model(str(smollm2_dir))
-    text = load_text(str(wikitext_dir / "wiki.test.raw"))
+    text = load_text("builtin:wikitext2:test")
     config = PerplexityConfig(seq_len=2048, windows=2, batch_size=1, kld=KLDConfig())
     base = _run(loaded.model, loaded.tokenizer, text, "baseline", tmp_path, config)
     same = _run(loaded.model, loaded.tokenizer, text, "candidate", tmp_path, config)

@@ -15,12 +15,10 @@ from lmpress.registry import StageContext
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_gptq_w4_beats_rtn_on_smollm2(smollm2_dir, wikitext_dir, tmp_path):
+def test_gptq_w4_beats_rtn_on_smollm2(smollm2_dir, tmp_path):
     tokenizer = load_model(str(smollm2_dir)).tokenizer
-    calibration = calibration_samples(
-        tokenize(tokenizer, load_text(str(wikitext_dir / "wiki.valid.tokens"))), 16, 512, seed=0
-    )
-    windows = token_windows(tokenize(tokenizer, load_text(str(wikitext_dir / "wiki.test.raw"))), 2048, 2)
+    calibration = calibration_samples(tokenize(tokenizer, load_text("builtin:wikitext2:valid")), 16, 512, seed=0)
+    windows = token_windows(tokenize(tokenizer, load_text("builtin:wikitext2:test")), 2048, 2)
     config = PerplexityConfig(seq_len=2048, windows=2, batch_size=1)
     ppl = {}
     for name, run, stage in [

@@ -11,11 +11,11 @@ from lmpress.runtime.model import Transformer
 pytestmark = pytest.mark.integration
 
 
-def test_runtime_logits_and_greedy_tokens_match_transformers(smollm2_dir, wikitext_dir):
+def test_runtime_logits_and_greedy_tokens_match_transformers(smollm2_dir):
     loaded = load_model(str(smollm2_dir))
     hf, tokenizer = loaded.model, loaded.tokenizer
     model = Transformer.from_hf(hf)
-    ids = tokenize(tokenizer, load_text(str(wikitext_dir / "wiki.test.raw")))[:512].reshape(2, 256)
+    ids = tokenize(tokenizer, load_text("builtin:wikitext2:test"))[:512].reshape(2, 256)
     with torch.no_grad():
         expected = hf(ids).logits
         actual = model(ids, model.new_cache(ids.shape[0], ids.shape[1]))
