@@ -217,11 +217,25 @@ def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
 def _runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
     if isinstance(layer, QuantizedLinear):
         return build.quantized_linear(layer, build.dtype)
-    if isinstance(layer, nn.Linear):
+    if type(layer) is nn.Linear:
         if build.shares_layers and layer.weight.dtype == build.dtype:
             return layer
         return _concat_dense([layer], build)
+    if runs_itself(layer):
+        return layer
     raise LmpressInputError(f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear or QuantizedLinear)")
+
+
+def runs_itself(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a quantized linear the runtime runs through its own forward, shared: FP8
+    (``Fp8Linear``) and bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``. Their ``weight`` holds codes
+    (E4M3, int8, packed 4-bit), never the float weight, so copying it into a dense layer would run
+    unscaled codes."""
+    from lmpress.quantize.fp8 import Fp8Linear
+
+    if isinstance(layer, Fp8Linear):
+        return True
+    return isinstance(layer, nn.Linear) and type(layer).__module__.startswith("bitsandbytes.")
 
 
 def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Linear:
