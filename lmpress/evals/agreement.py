@@ -40,6 +40,7 @@ FLOAT16_UNIT = 2.0**-11
 BFLOAT16_UNIT = 2.0**-8
 INT8_ACTIVATION_UNIT = 2.0**-7
 FP8_ACTIVATION_UNIT = 2.0**-4
+DTYPE_UNIT = {"float32": FLOAT32_UNIT, "float16": FLOAT16_UNIT, "bfloat16": BFLOAT16_UNIT}  # a run's model.dtype
 SAFETY = 16.0
 TIE_FACTOR = 2.0  # a greedy split is a near tie when the reference's two logits lie within 2x the tolerance
 
@@ -246,19 +247,21 @@ class RuntimeAgreement:
         }
 
 
-def check_runtime_agreement(fmt: str, export_dir: Path, evaluator: nn.Module, window: torch.Tensor) -> RuntimeAgreement:
-    """Load ``export_dir`` into lmpress's runtime and compare its logits on ``window`` ``(1, T)`` with those of
-    ``evaluator`` (the export as lmpress's evaluator loaded it)."""
+def check_runtime_agreement(
+    fmt: str, export_dir: Path, evaluator: nn.Module, window: torch.Tensor, dtype: str = "float32"
+) -> RuntimeAgreement:
+    """Load ``export_dir`` into lmpress's runtime in ``dtype`` (the run's) and compare its logits on ``window``
+    ``(1, T)`` with those of ``evaluator`` (the export as lmpress's evaluator loaded it, in the same dtype)."""
     from lmpress.errors import LmpressInputError
     from lmpress.runtime.text import load_runtime
 
     want = hf_side("evaluator", evaluator, execution_unit(evaluator, runtime=False)).logits(window).double()
     scale = float(want.abs().max())
     try:
-        model, _ = load_runtime(str(export_dir))
+        model, _ = load_runtime(str(export_dir), dtype=dtype)
     except LmpressInputError as e:
         return RuntimeAgreement(fmt, math.inf, math.nan, math.nan, scale, 0.0, error=f"the runtime refused: {e}")
-    unit = execution_unit(evaluator, runtime=True)
+    unit = max(execution_unit(evaluator, runtime=True), DTYPE_UNIT.get(dtype, FLOAT32_UNIT))
     got = runtime_side(model, unit).logits(window).double()
     del model
     diff = float((got - want).abs().max())
