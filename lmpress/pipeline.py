@@ -31,6 +31,7 @@ from lmpress.cache import sha256_json
 from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
 from lmpress.distributed import Processes, last_training_stage, launched_processes
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
+from lmpress.evals.agreement import check_runtime_agreement
 from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
 from lmpress.evals.speed import size_and_speed
@@ -286,6 +287,16 @@ def run_recipe(
     stages = run_stages(loaded, recipe, partial, resume, bars, device)
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)
+    agreement = None
+    if shipped is not None:
+        fmt = recipe.export.formats[0]
+        bars.log(f"running {fmt}/ in lmpress's runtime and checking it against the evaluator")
+        window = first_eval_window(recipe, shipped.tokenizer)
+        agreement = check_runtime_agreement(fmt, partial / fmt, shipped.model, window, recipe.model.dtype)
+        if not agreement.passed:
+            bars.log(
+                f"[red]lmpress's runtime disagrees with the evaluator on {fmt}/:[/] {agreement.as_gate()['detail']}"
+            )
     if shipped is not None:
         loaded.model = None  # what is scored from here on is the artifact read back from disk
         scored, measured_on = shipped, f"{recipe.export.formats[0]}/ (the export, read back from disk)"
@@ -299,6 +310,7 @@ def run_recipe(
         **suite_report(baseline, candidate, recipe.gates),
         "measured_on": {"baseline": f"{spec.source} ({spec.dtype})", "candidate": measured_on},
         "export_checks": [c.as_dict() for c in checks],
+        "runtime_agreement": None if agreement is None else agreement.as_dict(),
         "stages": stages,
         "exports": exports,
         "seconds": time.perf_counter() - began,
@@ -309,6 +321,8 @@ def run_recipe(
         baseline_model = (f"baseline ({spec.dtype}, as loaded)", loaded.path)
         report["size_and_speed"] = size_and_speed(baseline_model, exported, recipe.speed, bars.log)
     report["gates"] += [c.as_gate() for c in checks if not c.passed]
+    if agreement is not None and not agreement.passed:
+        report["gates"].append(agreement.as_gate())
     report["passed"] = all(v["passed"] for v in report["gates"])
     report = relocated(report, partial, out)  # the tokenizer each eval read is named where it will be
     write_report(report, partial)

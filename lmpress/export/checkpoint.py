@@ -105,6 +105,7 @@ def check_recipe_exports(stages: list[Any], formats: list[str]) -> None:
     A stage writes act-order ``g_idx`` when it permutes columns (``act_order``)
     without ``static_groups`` and has more than one group per row.
     """
+    _check_bitsandbytes_exports(stages, formats)
     for i, stage in enumerate(stages):
         if not hasattr(stage, "planned_schemes"):
             continue
@@ -115,6 +116,28 @@ def check_recipe_exports(stages: list[Any], formats: list[str]) -> None:
                 reason = scheme_refusal(fmt, scheme, act_order)
                 if reason:
                     raise LmpressInputError(f"export.formats[{j}] {fmt}: stages[{i}]{where}: {reason}")
+
+
+BNB_FORMAT = "bitsandbytes"
+BNB_STAGES = ("llm_int8", "bnb_4bit")
+BNB_HOLDERS = (BNB_FORMAT, "hf")  # hf: transformers saves bitsandbytes layers with their quantization_config
+
+
+def _check_bitsandbytes_exports(stages: list[Any], formats: list[str]) -> None:
+    """bitsandbytes layers hold int8 or packed 4-bit codes under ``weight``: only bitsandbytes' own
+    serialization keeps them (another writer would store the codes as float weights); and that format
+    needs such layers to write."""
+    bnb = [i for i, stage in enumerate(stages) if getattr(stage, "method", None) in BNB_STAGES]
+    for j, fmt in enumerate(formats):
+        if fmt == BNB_FORMAT and not bnb:
+            raise LmpressInputError(
+                f"export.formats[{j}] {fmt}: no stage makes bitsandbytes layers; add a llm_int8 or bnb_4bit stage"
+            )
+        if bnb and fmt not in BNB_HOLDERS:
+            raise LmpressInputError(
+                f"export.formats[{j}] {fmt}: stages[{bnb[0]}] {stages[bnb[0]].method} makes bitsandbytes layers, "
+                f"which only {' and '.join(BNB_HOLDERS)} write; export {BNB_FORMAT}"
+            )
 
 
 # file name -> loader(directory, dtype) -> model, for exports that are not safetensors checkpoints

@@ -218,6 +218,10 @@ class FP8Config(StageConfig):
     def check(self, model: nn.Module) -> None:
         require_float8("stage fp8")
 
+    def planned_schemes(self) -> list[tuple[str, QuantScheme]]:
+        """E4M3 weights with E4M3 activations: only a format that describes quantized activations holds them."""
+        return [("", QuantScheme(8, -1, True, "fp8"))]
+
 
 def fp8_layers(model: nn.Module) -> dict[str, Fp8Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}

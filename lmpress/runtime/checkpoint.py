@@ -44,6 +44,7 @@ DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
 }
+FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")  # safetensors dtypes of a dense (unquantized) weight
 LINEARS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -178,7 +179,7 @@ class CheckpointModel:
 
     def _linear(self, name: str) -> nn.Module:
         bias = self.files.tensor(f"{name}.bias") if f"{name}.bias" in self.files else None
-        if f"{name}.weight" in self.files and self.files.where[f"{name}.weight"][3] != "F8_E4M3":
+        if self._is_dense(name):
             return _dense(self.files.tensor(f"{name}.weight"), bias)
         if self.reader is None:
             raise LmpressInputError(f"{self.path}: checkpoint lacks tensor {name + '.weight'!r}")
@@ -191,6 +192,17 @@ class CheckpointModel:
         if not hasattr(found[name], "zeros"):
             raise LmpressInputError(f"{self.path}: the runtime cannot run {name}'s {type(found[name]).__name__} layer")
         return QuantizedLinear.from_quantized_weight(found[name], bias)
+
+    def _is_dense(self, name: str) -> bool:
+        """Whether ``name.weight`` is a float weight to run as it is. A quantized layer may store its codes
+        under ``weight`` too (compressed-tensors ``int-quantized`` int8, ``float-quantized`` E4M3), always
+        beside a ``weight_scale``: read as dense, those codes would run unscaled."""
+        weight = f"{name}.weight"
+        return (
+            weight in self.files
+            and self.files.where[weight][3] in FLOAT_STORAGE
+            and f"{name}.weight_scale" not in self.files
+        )
 
     def _layers(self) -> Iterator[SimpleNamespace]:
         for i in range(self.config.num_hidden_layers):

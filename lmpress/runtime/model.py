@@ -283,13 +283,22 @@ def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
 def _runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
     if isinstance(layer, (QuantizedLinear, Fp8Linear)):
         return build.quantized_linear(layer, build.dtype)
-    if isinstance(layer, nn.Linear):
+    if type(layer) is nn.Linear:
         if build.shares_layers and layer.weight.dtype == build.dtype:
             return layer
         return _concat_dense([layer], build)
+    if runs_itself(layer):
+        return layer
     raise LmpressInputError(
         f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear, QuantizedLinear or Fp8Linear)"
     )
+
+
+def runs_itself(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a quantized linear the runtime runs through its own forward, shared:
+    bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``. Their ``weight`` holds codes (int8, packed 4-bit),
+    never the float weight, so copying it into a dense layer would run unscaled codes."""
+    return isinstance(layer, nn.Linear) and type(layer).__module__.startswith("bitsandbytes.")
 
 
 def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Linear:
