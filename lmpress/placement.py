@@ -35,8 +35,9 @@ def resolve_device(choice: str | None, where: str) -> torch.device:
     if choice not in DEVICE_CHOICES:
         raise LmpressInputError(f"{where}: {choice!r} is not one of {', '.join(DEVICE_CHOICES)}")
     if choice == "cuda" and not torch.cuda.is_available():
+        fix = f"use {where} cpu" if where.startswith("--") else f"set {where}: cpu (or auto)"
         raise LmpressInputError(
-            f"{where}: cuda, but no CUDA GPU is available here (torch.cuda.is_available() is False); use cpu (or auto)"
+            f"{where}: cuda, but no CUDA GPU is available here (torch.cuda.is_available() is False); {fix}"
         )
     if choice == "cpu" or not torch.cuda.is_available():
         return CPU

@@ -144,7 +144,7 @@ def test_compute_device_resolves_auto_and_refuses_cuda_without_a_gpu(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("cpu", "model.device") == torch.device("cpu")
     assert resolve_device("auto", "model.device") == torch.device("cpu")
-    with pytest.raises(LmpressInputError, match=r"^model.device: cuda, but no CUDA GPU .* use cpu \(or auto\)"):
+    with pytest.raises(LmpressInputError, match=r"^model.device: cuda, but no CUDA GPU .* set model.device: cpu"):
         resolve_device("cuda", "model.device")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
