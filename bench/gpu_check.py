@@ -421,7 +421,7 @@ def learned_w4(dry_run: bool) -> None:
             )
         return numbers
 
-    run_step("model.learned-w4-gpu", 290, run)
+    run_step("model.learned-w4-gpu", 175, run)
 
 
 def distill_speed(dry_run: bool) -> None:
@@ -498,8 +498,8 @@ def distill_speed(dry_run: bool) -> None:
                 result["goal"] = f">= {goal}: {'met' if ratio >= goal else 'NOT met'}"
         return result
 
-    run_step("model.distill-speed.recover-24", 150, distill_rate)
-    run_step("model.distill-speed.plain-bf16", 60, plain_rate)
+    run_step("model.distill-speed.recover-24", 35, distill_rate)
+    run_step("model.distill-speed.plain-bf16", 15, plain_rate)
 
 
 def main() -> int:

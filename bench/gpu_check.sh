@@ -103,6 +103,7 @@ if [ "$what" = smoke ] || [ "$what" = all ]; then
   setup_site .gpu/b/whl
   if [ -d .gpu/a ] && [ -z "$dry" ]; then mkdir -p /root/keep && cp .gpu/a/part_aa /root/keep/; fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$log" 2>&1 || true
+  # limits: 200 + 90 s, with the wheels' install inside call 1's 5 minutes
   step smoke 200 python3 bench/gpu_check.py smoke $dry
   bench_table kernels bench/triton_kernels.py 90
 fi
@@ -125,9 +126,10 @@ if [ "$what" = model ] || [ "$what" = all ]; then
     python3 bench/gpu_check.py note model.join FAIL $((SECONDS - began)) \
       "the two halves did not join: was call 1 run on this machine, within its warm window?"
   fi
-  step model.learned-w4-gpu 300 python3 bench/gpu_check.py learned-w4 $dry
-  step model.distill-speed 200 python3 bench/gpu_check.py distill-speed $dry
-  bench_table decode bench/runtime_gpu.py 100
+  # limits: 185 + 55 + 60 s, with the join inside call 2's 5 minutes
+  step model.learned-w4-gpu 185 python3 bench/gpu_check.py learned-w4 $dry
+  step model.distill-speed 55 python3 bench/gpu_check.py distill-speed $dry
+  bench_table decode bench/runtime_gpu.py 60
 fi
 
 echo "results: $out/results.jsonl (log: $log)"
