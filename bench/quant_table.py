@@ -169,13 +169,14 @@ def measure_row(name: str, gpu_rows_on: str = "cuda") -> dict:
     import torch
 
     from lmpress.data import calibration_samples, load_text, tokenize
-    from lmpress.model import compute_device, load_model
+    from lmpress.model import load_model
+    from lmpress.placement import resolve_device
     from lmpress.registry import StageContext, stage_config, stage_handler_for
 
     torch.manual_seed(0)
     label, stage, _ = ROWS[name]
     settings = ROW_SETTINGS.get(name, {})
-    device = compute_device(gpu_rows_on if settings.get("device") == "cuda" else "cpu", f"row {name}")
+    device = resolve_device(gpu_rows_on if settings.get("device") == "cuda" else "cpu", f"row {name}")
     if "threads" in settings:
         torch.set_num_threads(settings["threads"])
     loaded = load_model(SMOLLM2)

@@ -13,7 +13,7 @@ from torch import nn
 
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
-from lmpress.model import compute_device
+from lmpress.placement import resolve_device
 from lmpress.progress import QUIET, Bars
 from lmpress.recipe import DataSpec, _validate
 from lmpress.registry import StageContext, known_stages, stage_config, stage_handler_for
@@ -39,7 +39,7 @@ def quantize_model(
         raise LmpressInputError(f"unknown method {method!r} (known: {', '.join(known_stages())})")
     config = _validate(stage_config(method), {"method": method, **settings}, "quantize_model()", ())
     spec = data if isinstance(data, DataSpec) else DataSpec(**(data or {}))
-    target_device = compute_device(device, "device")
+    target_device = resolve_device(device, "device")
 
     def calibration():
         if tokenizer is None:

@@ -1,7 +1,7 @@
 """The ``lmpress`` command.
 
     lmpress run RECIPE --out DIR [--set key.path=value ...] [--overwrite] [--resume]
-    lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE]
+    lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE] [--device cpu|cuda|auto]
     lmpress compare RUN_A RUN_B
     lmpress inspect ARTIFACT [--json]
     lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup] [--stream]
@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="write report.json / report.md here")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
     ev.add_argument("--junit", metavar="FILE", help="also write the gates as JUnit XML (one test case per gate)")
+    ev.add_argument("--device", default="cpu", help="cpu, cuda or auto: where the evals compute (default: cpu)")
     cmp = sub.add_parser("compare", help="two runs' metrics side by side (refused when their protocols differ)")
     cmp.add_argument("run_a", help="run directory (or its report.json)")
     cmp.add_argument("run_b", help="run directory (or its report.json)")
@@ -194,10 +195,12 @@ def gates_needing_baseline(recipe) -> list[str]:
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmpress.evals.suite import evaluate_models
+    from lmpress.placement import resolve_device
     from lmpress.progress import Bars
     from lmpress.recipe import parse_recipe, read_yaml_file
 
     check_output_paths(args)
+    device = resolve_device(args.device, "--device")
     raw = {"eval": {"perplexity": {"seq_len": 1024, "windows": 8}}}
     if args.suite:
         raw = read_yaml_file(args.suite, "suite") or {}
@@ -210,7 +213,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if needing and not args.baseline:
         raise LmpressInputError(f"{args.suite}: gate '{needing[0]}' compares with a baseline; pass --baseline MODEL")
     with Bars(enabled=not args.quiet) as bars:
-        report = evaluate_models(recipe, args.baseline, bars)
+        report = evaluate_models(recipe, args.baseline, bars, device)
     if args.out:
         from lmpress.evals.report import write_report
 

@@ -219,26 +219,6 @@ def unsupported(model_type: object) -> str:
     return f"architecture {model_type!r} is not supported{missing} (lmpress supports: {', '.join(sorted(ANATOMIES))})"
 
 
-DEVICE_CHOICES = ("cpu", "cuda", "auto")
-
-
-def compute_device(choice: str, where: str = "model.device") -> torch.device:
-    """The device one-shot stages compute on (``model.device``): ``auto`` takes CUDA where a GPU is found.
-
-    ``cuda`` without a GPU is an input error naming the fix.
-    """
-    if choice not in DEVICE_CHOICES:
-        raise LmpressInputError(f"{where}: {choice!r} is not one of {', '.join(DEVICE_CHOICES)}")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise LmpressInputError(
-            f"{where}: cuda, but no CUDA GPU is available here (torch.cuda.is_available() is False); "
-            f"set {where}: cpu (or auto)"
-        )
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
-
-
 def get_anatomy(model: nn.Module) -> Anatomy:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ANATOMIES:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -40,7 +41,15 @@ from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
 from lmpress.export.manifest import write_manifest
 from lmpress.export.verify import ExportCheck, check_export, window_ppl
 from lmpress.memory import process_peak_mb, track_peak_rss
-from lmpress.model import LoadedModel, compute_device, load_model, model_skeleton, resolve_checkpoint
+from lmpress.model import LoadedModel, load_model, model_skeleton, resolve_checkpoint
+from lmpress.placement import (
+    naming_out_of_memory,
+    on_device,
+    placement_checked,
+    placement_guard,
+    release_memory,
+    resolve_device,
+)
 from lmpress.progress import QUIET, Bars
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.recipe import Recipe
@@ -111,14 +120,29 @@ def check_plan(recipe: Recipe, model: nn.Module) -> None:
         check_export_plan(fmt, model, targets)
 
 
-def teacher_loader(checkpoint: Path, dtype: str, device: torch.device) -> Callable[[str | None], nn.Module]:
-    """``StageContext.teacher``: the unmodified model read from disk again, or model ``source``, on ``device``."""
+def teacher_loader(checkpoint: Path, dtype: str) -> Callable[[str | None], nn.Module]:
+    """``StageContext.teacher``: the unmodified model read from disk again, or model ``source``, in CPU memory
+    (the stage takes it to its compute device)."""
 
     def load(source: str | None) -> nn.Module:
         path = checkpoint if source is None else resolve_checkpoint(source)
-        return load_model(str(path), dtype, fingerprint=False).model.to(device)
+        return load_model(str(path), dtype, fingerprint=False).model
 
     return load
+
+
+@contextmanager
+def stage_placement(index: int, method: str, device: torch.device) -> Iterator[None]:
+    """Around one stage: an out-of-memory error names the stage (and the layer or step inside it) and says how
+    to go on; under ``LMPRESS_CHECK_PLACEMENT=1`` every forward is checked to run on ``device``; the device's
+    memory is given back after."""
+    advice = "free memory on it (or lower the stage's batch_size), then rerun with --resume: finished work is kept"
+    guard = placement_guard(device) if placement_checked() else nullcontext()
+    try:
+        with naming_out_of_memory(f"stage {index} ({method})", device, advice), guard:
+            yield
+    finally:
+        release_memory(device)
 
 
 def run_stages(
@@ -134,7 +158,7 @@ def run_stages(
     """Run the recipe's stages in order (up to index ``stop``); one-shot stages compute on ``device``
     (``model.device`` resolved). ``shared_partial``: the main process's partial directory, where training
     stages of launched processes keep their common checkpoint (default: ``partial``)."""
-    device = device if device is not None else compute_device(recipe.model.device)
+    device = device if device is not None else resolve_device(recipe.model.device, "model.device")
     tokenizer = loaded.tokenizer
     data = recipe.data
 
@@ -163,11 +187,11 @@ def run_stages(
             device=device,
             tokenizer=tokenizer,
             text_source=data.source,
-            teacher=teacher_loader(loaded.path, recipe.model.dtype, device),
+            teacher=teacher_loader(loaded.path, recipe.model.dtype),
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
-        with track_peak_rss() as peak:
+        with track_peak_rss() as peak, stage_placement(index, stage.method, device):
             summary = stage_handler_for(stage)(loaded.model, stage, ctx)
         settings = ", ".join(f"{k}={v}" for k, v in stage.model_dump(exclude={"method"}).items())
         summaries.append(
@@ -267,7 +291,7 @@ def run_recipe(
                     f"stage {stage.method}: text {source} is the eval text; training on it would score memorization"
                 )
     spec = recipe.model
-    device = compute_device(spec.device)
+    device = resolve_device(spec.device, "model.device")
     processes = launched_processes(device)
     device = processes.device or device
     for stage in recipe.stages:
@@ -282,8 +306,9 @@ def run_recipe(
     loaded = load_model(str(path), spec.dtype, spec.revision, spec.trust_remote_code)
 
     evals = recipe.eval.evals
-    identity = baseline_identity(loaded.fingerprint, loaded.model)
-    baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, identity, "baseline", bars)
+    with on_device(device, loaded.model):  # the evals compute where the stages do
+        identity = baseline_identity(loaded.fingerprint, loaded.model)
+        baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, identity, "baseline", bars)
     stages = run_stages(loaded, recipe, partial, resume, bars, device)
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)
@@ -302,7 +327,8 @@ def run_recipe(
         scored, measured_on = shipped, f"{recipe.export.formats[0]}/ (the export, read back from disk)"
     else:
         scored, measured_on = loaded, "the in-memory candidate (the recipe exports nothing)"
-    candidate = run_suite(evals, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars)
+    with on_device(device, scored.model):
+        candidate = run_suite(evals, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars)
 
     report = {
         "recipe": recipe.as_dict(),

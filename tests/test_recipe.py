@@ -139,14 +139,16 @@ def test_model_device_defaults_to_cpu_and_is_set_by_set(tmp_path):
 
 
 def test_compute_device_resolves_auto_and_refuses_cuda_without_a_gpu(monkeypatch):
-    from lmpress.model import compute_device
+    from lmpress.placement import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert compute_device("cpu") == torch.device("cpu") and compute_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu", "model.device") == torch.device("cpu")
+    assert resolve_device("auto", "model.device") == torch.device("cpu")
     with pytest.raises(LmpressInputError, match=r"^model.device: cuda, but no CUDA GPU .* set model.device: cpu"):
-        compute_device("cuda")
+        resolve_device("cuda", "model.device")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert compute_device("auto") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device("auto", "model.device") == torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")), ids=str)

@@ -38,6 +38,7 @@ from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
 from lmpress.errors import LmpressInputError
 from lmpress.model import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
+from lmpress.placement import naming_out_of_memory
 from lmpress.registry import StageContext
 
 
@@ -236,21 +237,22 @@ def run_calibration(
         groups = expand_groups(anatomy, targets)
         if not true_sequential and groups:
             groups = [[n for g in groups for n in g]]
-        layer.to(device)
-        blocks = tuple(b for b in anatomy.blocks if has_submodule(layer, b))
-        fed_only_by = tuple((c, p) for c, p in anatomy.fed_only_by if all(has_submodule(layer, n) for n in (c, *p)))
-        attention = anatomy.attention if anatomy.attention and has_submodule(layer, anatomy.attention) else None
-        session = LayerSession(
-            index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
-            fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention,
-        )  # fmt: skip
-        process_layer(session, methods)
-        observer = _output_observer(session, methods)
-        inputs = session.outputs(observer) if observer else session.outputs()
-        session.finish()
-        layer.to("cpu")
-        quantized += len(session.quantized)
-        rewritten += len(session.rewritten - set(session.quantized))
+        with naming_out_of_memory(f"layer {index} ({prefix.rstrip('.')})", device):
+            layer.to(device)
+            blocks = tuple(b for b in anatomy.blocks if has_submodule(layer, b))
+            fed_only_by = tuple((c, p) for c, p in anatomy.fed_only_by if all(has_submodule(layer, n) for n in (c, *p)))
+            attention = anatomy.attention if anatomy.attention and has_submodule(layer, anatomy.attention) else None
+            session = LayerSession(
+                index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
+                fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention,
+            )  # fmt: skip
+            process_layer(session, methods)
+            observer = _output_observer(session, methods)
+            inputs = session.outputs(observer) if observer else session.outputs()
+            session.finish()
+            layer.to("cpu")
+            quantized += len(session.quantized)
+            rewritten += len(session.rewritten - set(session.quantized))
         state.save_layer(session, inputs, {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()})
 
     return {

@@ -44,6 +44,7 @@ from lmpress.distill.trainer import TrainingWindows, held_out_perplexity, split_
 from lmpress.distributed import fsdp_requested
 from lmpress.errors import LmpressInputError
 from lmpress.model import decoder_layers
+from lmpress.placement import on_device
 from lmpress.registry import StageConfig, StageContext, StrictConfig, register_stage, stage_handler
 
 
@@ -204,39 +205,40 @@ def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> d
         windows = TrainingWindows(windows.train[chosen[: config.text_windows].sort().values], windows.held_out)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    if config.teacher_answers is not None:
-        answers = teacher_answer_windows(
-            teacher.to(ctx.device).eval(),
-            ctx.tokenizer,
-            quoted,
-            config.teacher_answers,
-            config.seq_len,
-            config.seed,
-            ctx.state_dir,
-            ctx.device,
-            ctx.bars,
-        )
-        windows = TrainingWindows(torch.cat([windows.train, answers]), windows.held_out)
-
     counts = prepare_student(model, config.learn_scales, config.train_embeddings, config.learn_weights)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if not trainable:
         raise LmpressInputError("stage distill: nothing to train (learn_weights and learn_scales are off, no norms)")
-    ppl_before = held_out_perplexity(model, windows.held_out, ctx.device) if config.eval_every else None
-    log = train_student(
-        model,
-        teacher,
-        windows,
-        config,
-        ctx.state_dir,
-        (ctx.shared_state_dir or ctx.state_dir) / "checkpoint",
-        ctx.resume,
-        ctx.fingerprint,
-        ctx.device,
-        ctx.bars,
-    )
+    # the student and the teacher on the compute device for the whole stage; back on the CPU after, where the
+    # student is frozen into its packed form
+    with on_device(ctx.device, model, teacher):
+        if config.teacher_answers is not None:
+            answers = teacher_answer_windows(
+                teacher.eval(),
+                ctx.tokenizer,
+                quoted,
+                config.teacher_answers,
+                config.seq_len,
+                config.seed,
+                ctx.state_dir,
+                ctx.device,
+                ctx.bars,
+            )
+            windows = TrainingWindows(torch.cat([windows.train, answers]), windows.held_out)
+        ppl_before = held_out_perplexity(model, windows.held_out, ctx.device) if config.eval_every else None
+        log = train_student(
+            model,
+            teacher,
+            windows,
+            config,
+            ctx.state_dir,
+            (ctx.shared_state_dir or ctx.state_dir) / "checkpoint",
+            ctx.resume,
+            ctx.fingerprint,
+            ctx.device,
+            ctx.bars,
+        )
     del teacher
-    model.to("cpu")
     frozen = freeze_student(model)
     return {
         **counts,

@@ -33,6 +33,7 @@ from lmpress.distill.student import apply_masks, norm_parameters
 from lmpress.distill.teacher import TeacherCache, TeacherOutputs, teacher_forward
 from lmpress.errors import LmpressInputError
 from lmpress.evals.perplexity import token_nll
+from lmpress.placement import naming_out_of_memory
 from lmpress.progress import QUIET, Bars
 
 if TYPE_CHECKING:
@@ -162,17 +163,19 @@ def train_student(
     # (a recipe may have several, a Python session may run several recipes) sets its own. The launched
     # processes' group (PartialState) stays.
     AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=config.mixed_precision)
+    # the student and the teacher compute on ``device`` (the stage's, one per launched process), placed here
+    # rather than by accelerate, so that every tensor of the stage is where the caller's device says
+    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=config.mixed_precision, device_placement=False)
     set_seed(config.seed)
     if config.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    student.train()
+    student.to(device).train()
+    teacher.to(device).eval()
     optimizer = torch.optim.AdamW(parameter_groups(student, config), betas=(0.9, 0.95))
     schedule = warmup_cosine(config.warmup_steps, config.steps, config.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     student, optimizer = accelerator.prepare(student, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    teacher.to(accelerator.device).eval()
     cache = None
     if config.teacher_logits == "cache":
         cache = TeacherCache(state_dir / "teacher", *windows.train.shape, config.top_k, fingerprint)
@@ -202,39 +205,40 @@ def train_student(
         if config.max_minutes is not None and out_of_time(accelerator, began, config.max_minutes):
             bars.log(f"distill: stopped at step {log.step} by max_minutes: {config.max_minutes}")
             break
-        rows = windows.rows(log.step, config.batch_size, config.seed)[rank * per_process : (rank + 1) * per_process]
-        totals: dict[str, float] = {}
-        micros = rows.split(max(1, per_process // config.grad_accum))
-        for i, micro in enumerate(micros):
-            ids = windows.train[micro].to(accelerator.device)
-            if cache is not None:
-                target = cache.get(teacher, windows.train, micro, accelerator.device)
-            else:
-                target = teacher_forward(teacher, ids, hidden_layers)
-            # launched processes average their gradients once per step, after the last micro-batch
-            with nullcontext() if i == len(micros) - 1 else accelerator.no_sync(student):
-                with accelerator.autocast():
-                    loss, parts = distillation_loss(student, ids, target, config)
-                accelerator.backward(loss * micro.numel() / per_process)
-            for name, value in {"loss": float(loss.detach()), **parts}.items():
-                totals[name] = totals.get(name, 0.0) + value * micro.numel() / per_process
-        if world > 1:  # the logged losses are the global batch's, as in one process
-            means = accelerator.reduce(torch.tensor(list(totals.values()), device=accelerator.device), "mean")
-            totals = dict(zip(totals, means.tolist(), strict=True))
-        if config.max_grad_norm:
-            accelerator.clip_grad_norm_(student.parameters(), config.max_grad_norm)
-        totals["lr"] = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        apply_masks(student)
+        with naming_out_of_memory(f"step {log.step + 1}", device):
+            rows = windows.rows(log.step, config.batch_size, config.seed)[rank * per_process : (rank + 1) * per_process]
+            totals: dict[str, float] = {}
+            micros = rows.split(max(1, per_process // config.grad_accum))
+            for i, micro in enumerate(micros):
+                ids = windows.train[micro].to(device)
+                if cache is not None:
+                    target = cache.get(teacher, windows.train, micro, device)
+                else:
+                    target = teacher_forward(teacher, ids, hidden_layers)
+                # launched processes average their gradients once per step, after the last micro-batch
+                with nullcontext() if i == len(micros) - 1 else accelerator.no_sync(student):
+                    with accelerator.autocast():
+                        loss, parts = distillation_loss(student, ids, target, config)
+                    accelerator.backward(loss * micro.numel() / per_process)
+                for name, value in {"loss": float(loss.detach()), **parts}.items():
+                    totals[name] = totals.get(name, 0.0) + value * micro.numel() / per_process
+            if world > 1:  # the logged losses are the global batch's, as in one process
+                means = accelerator.reduce(torch.tensor(list(totals.values()), device=accelerator.device), "mean")
+                totals = dict(zip(totals, means.tolist(), strict=True))
+            if config.max_grad_norm:
+                accelerator.clip_grad_norm_(student.parameters(), config.max_grad_norm)
+            totals["lr"] = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            apply_masks(student)
         log.step += 1
         log.tokens += rows.numel() * windows.train.shape[1] * world
         log.seconds = time.perf_counter() - began
         log.losses.append({k: round(v, 6) for k, v in totals.items()})
         advance(f"distill loss {totals['loss']:.4f}, {log.tokens / log.seconds:,.0f} tok/s")
         if config.eval_every and (log.step % config.eval_every == 0 or log.step == config.steps):
-            ppl = held_out_perplexity(student, windows.held_out, accelerator.device)
+            ppl = held_out_perplexity(student, windows.held_out, device)
             log.evals.append({"step": log.step, "ppl": ppl})
         if config.checkpoint_every and log.step % config.checkpoint_every == 0 and log.step < config.steps:
             save_checkpoint(accelerator, log, checkpoint, fingerprint)

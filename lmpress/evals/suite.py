@@ -139,24 +139,36 @@ def suite_report(
     }
 
 
-def evaluate_models(recipe, baseline_source: str | None, bars: Bars = QUIET) -> dict[str, Any]:
-    """``lmpress eval``: the recipe's suite on its model, against ``baseline_source`` when given."""
+def evaluate_models(
+    recipe, baseline_source: str | None, bars: Bars = QUIET, device: torch.device | None = None
+) -> dict[str, Any]:
+    """``lmpress eval``: the recipe's suite on its model, against ``baseline_source`` when given, computed on
+    ``device`` (default: the CPU)."""
     from lmpress.model import load_model
+    from lmpress.placement import CPU, on_device
+    from lmpress.quantize.fp8 import require_fp8_kernels
+
+    device = device or CPU
 
     spec = recipe.model
     evals = recipe.eval.evals
     candidate = load_model(spec.source, spec.dtype, spec.revision, spec.trust_remote_code)
     for config in evals.values():
         config.check(candidate.model)
+    require_fp8_kernels(candidate.model, device, spec.source)
     if baseline_source:
         base = load_model(baseline_source, spec.dtype, spec.revision, spec.trust_remote_code)
-        identity, role = baseline_identity(base.fingerprint, base.model), "candidate"
-        base_results = run_suite(evals, recipe.eval.text, base.model, base.tokenizer, identity, "baseline", bars)
+        require_fp8_kernels(base.model, device, baseline_source)
+        with on_device(device, base.model):
+            identity, role = baseline_identity(base.fingerprint, base.model), "candidate"
+            base_results = run_suite(evals, recipe.eval.text, base.model, base.tokenizer, identity, "baseline", bars)
         del base
     else:
         base_results, role = {}, "baseline"
-        identity = baseline_identity(candidate.fingerprint, candidate.model)
-    cand_results = run_suite(evals, recipe.eval.text, candidate.model, candidate.tokenizer, identity, role, bars)
+    with on_device(device, candidate.model):
+        if not baseline_source:
+            identity = baseline_identity(candidate.fingerprint, candidate.model)
+        cand_results = run_suite(evals, recipe.eval.text, candidate.model, candidate.tokenizer, identity, role, bars)
     report = suite_report(base_results, cand_results, recipe.gates)
     report["model"] = {"source": spec.source, "checkpoint": str(candidate.path), "baseline": baseline_source}
     report["measured_on"] = {"baseline": baseline_source, "candidate": f"{spec.source} ({spec.dtype})"}

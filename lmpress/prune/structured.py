@@ -49,6 +49,7 @@ from lmpress.calib.engine import CalibrationMethod, run_calibration
 from lmpress.calib.session import LayerSession
 from lmpress.errors import LmpressInputError
 from lmpress.model import decoder_layers
+from lmpress.placement import on_device
 from lmpress.prune.depth_kl import greedy_kl_layer_drop
 from lmpress.registry import StageConfig, StageContext, register_stage, stage_handler
 
@@ -242,14 +243,11 @@ def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext
     distance = importance.angular_distance()
     kl_trace: list[float] = []
     if config.layer_importance == "kl" and config.layers:
-        model.to(ctx.device)
-        try:
+        with on_device(ctx.device, model):
             samples = ctx.calibration()[: config.kl_samples].to(ctx.device)
             if config.kl_repeat:
                 samples = repeated_halves(samples)
             drop, kl_trace = greedy_kl_layer_drop(model, samples, config.layers, ctx.bars)
-        finally:
-            model.to("cpu")
     else:
         drop = sorted(sorted(range(len(layers)), key=lambda i: distance[i])[: config.layers])
     kept_layers = [i for i in range(len(layers)) if i not in drop]
@@ -258,11 +256,11 @@ def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext
     for i in kept_layers:
         layer = layers[i]
         if channels < mc.intermediate_size:
-            keep = torch.topk(importance.channels[i], channels).indices.sort().values
+            keep = torch.topk(importance.channels[i].cpu(), channels).indices.sort().values
             prune_mlp_channels(layer.mlp, keep)
         if kv_kept < kv:
             # query heads h = g * group + j read KV head g: a group's importance is the sum over its heads
-            group_score = importance.head_outputs[i].reshape(kv, group).sum(-1)
+            group_score = importance.head_outputs[i].cpu().reshape(kv, group).sum(-1)
             keep = torch.topk(group_score, kv_kept).indices.sort().values
             prune_kv_groups(layer.self_attn, keep, group, head_dim)
     if drop:

@@ -150,11 +150,11 @@ def search_clip(
     width = scheme.group_width(in_features)
     n_groups = in_features // width
     xg = x.float().reshape(-1, n_groups, width)  # tokens, groups, width
-    best_shrink = torch.ones(out_features, n_groups)
+    best_shrink = torch.ones(out_features, n_groups, device=w.device)
     for r0 in range(0, out_features, rows_per_chunk):
         wg = w[r0 : r0 + rows_per_chunk].float().reshape(-1, n_groups, width)  # rows, groups, width
         reference = torch.einsum("tgw,rgw->rgt", xg, wg)
-        best_err = torch.full(wg.shape[:2], float("inf"))
+        best_err = torch.full(wg.shape[:2], float("inf"), device=w.device)
         for i in range(int(max_shrink * grid)):
             shrink = 1 - i / grid
             scale, zero = compute_qparams(wg, scheme, shrink)

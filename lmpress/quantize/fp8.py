@@ -98,9 +98,25 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype), scale
 
 
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and newer
+
+
 def real_fp8_matmul_available(device: torch.device) -> bool:
     """Whether ``device`` has FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+def require_fp8_kernels(model: nn.Module, device: torch.device, source: str) -> None:
+    """Refuse to compute ``model`` (read from ``source``) on a CUDA GPU without FP8 tensor cores when it has FP8
+    layers (an input error, before any work)."""
+    from lmpress.placement import require_capability
+
+    if device.type == "cuda" and any(is_float8(t.dtype) for t in model.buffers()):
+        require_capability(device, FP8_CAPABILITY, f"{source} (FP8 layers)")
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    return "float8" in str(dtype)
 
 
 @dataclass

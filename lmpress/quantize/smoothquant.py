@@ -234,7 +234,7 @@ class SmoothQuantMethod(CalibrationMethod):
             session.forward(blocks, recorded, limit=n_batches)
         for prev, names in pairs:
             linears = [session.linear(n) for n in names]
-            x_max = ranges.ranges[names[0]]
+            x_max = ranges.ranges[names[0]].to(session.device)
             w_max = weight_ranges(linears)
             if recorded is None:
                 s, alpha = smoothing_factors(x_max, w_max, self.config.alpha), self.config.alpha

@@ -8,6 +8,7 @@ prompt lookup).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -57,15 +58,14 @@ DEVICES = ("cpu", "cuda")
 
 def resolve_device(requested: str | None) -> tuple[torch.device, str]:
     """``--device`` and why it was chosen: ``cuda`` needs a GPU (else an input error); unset picks CUDA when present."""
+    from lmpress.placement import resolve_device as resolve
+
     if requested is not None and requested not in DEVICES:
         raise LmpressInputError(f"--device {requested!r} is not one of {', '.join(DEVICES)}")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise LmpressInputError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    device = resolve(requested, "--device")
     if requested is not None:
-        return torch.device(requested), f"--device {requested}"
-    if torch.cuda.is_available():
-        return torch.device("cuda"), "a CUDA GPU was found"
-    return torch.device("cpu"), "no CUDA GPU found"
+        return device, f"--device {requested}"
+    return device, "a CUDA GPU was found" if device.type == "cuda" else "no CUDA GPU found"
 
 
 def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | None = None) -> tuple[Transformer, Any]:
@@ -82,6 +82,11 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
     checkpoint = _direct_checkpoint(source)
     if checkpoint is not None:
         from lmpress.model import DTYPES
+        from lmpress.placement import require_capability
+        from lmpress.quantize.fp8 import FP8_CAPABILITY
+
+        if device.type == "cuda" and any(d.startswith("F8") for d in stored_dtypes(checkpoint)):
+            require_capability(device, FP8_CAPABILITY, f"{source} (FP8 layers)")
         from lmpress.runtime.checkpoint import load_checkpoint
         from lmpress.runtime.tokenizer import RuntimeTokenizer
 
@@ -90,12 +95,25 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
         return_freed_memory()
         return model, tokenizer
     from lmpress.model import load_model
+    from lmpress.quantize.fp8 import require_fp8_kernels
 
     loaded = load_model(source, dtype, fingerprint=False)  # the runtime needs no weights hash
+    require_fp8_kernels(loaded.model, device, source)
     model, tokenizer = Transformer.from_hf(loaded.model, device=device), loaded.tokenizer
     del loaded  # the transformers model: the runtime holds copies of what it needs
     return_freed_memory()
     return model, tokenizer
+
+
+def stored_dtypes(checkpoint: Path) -> set[str]:
+    """The safetensors dtype names (F32, BF16, F8_E4M3...) of the tensors in ``checkpoint``'s files, from their
+    headers alone."""
+    dtypes = set()
+    for file in checkpoint.glob("*.safetensors"):
+        with open(file, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        dtypes |= {entry["dtype"] for key, entry in header.items() if key != "__metadata__"}
+    return dtypes
 
 
 def _direct_checkpoint(source: str) -> Path | None:
