@@ -49,6 +49,8 @@ class StageConfig(StrictConfig):
     method: str
     # trains the model with every launched process (DDP); the other stages run in each process alone
     trains_across_processes: ClassVar[bool] = False
+    # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan)
+    calibrates_layerwise: ClassVar[bool] = False
 
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""

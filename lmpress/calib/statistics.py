@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 MAX_DAMP = 1.0
 GRAM_BLOCK = 256
+SOLVE_COLUMNS = 1024  # columns of the inverse solved at once: n x 1024 temporaries
 
 
 class HessianAccumulator:
@@ -83,24 +84,46 @@ class InputNormAccumulator:
 Accumulator = HessianAccumulator | InputNormAccumulator
 
 
-def inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+def inverse_hessian_factor(working_hessian: Callable[[], torch.Tensor], damp: float) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H) (Eq. 4 and §4 "Cholesky reformulation").
 
-    When the factorization fails, λ is raised tenfold (up to ``MAX_DAMP``) and the
-    damp that worked is returned so the caller can report it.
+    ``working_hessian()`` returns a float32 copy of H that this function overwrites; it is called again when the
+    factorization fails, and λ is raised tenfold (up to ``MAX_DAMP``); the damp that worked is returned so the
+    caller can report it. Memory: beside the caller's H, two n x n matrices (the copy, factored in place, and
+    the inverse, built a block of columns at a time and factored in place), so an 8B model's 14336-wide
+    down_proj needs 1.6 GB here, not the 4 GB that separate factor, identity, inverse and result would take.
     """
-    mean_diag = torch.mean(torch.diag(H)).item()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     while True:
-        L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * eye)
+        H = working_hessian()
+        H.diagonal().add_(damp * torch.mean(torch.diag(H)).item())
+        # H is symmetric, so its column-major view is the same matrix: LAPACK factors it in place there.
+        L = H.mT
+        info = torch.empty((), dtype=torch.int32, device=H.device)
+        torch.linalg.cholesky_ex(L, out=(L, info))
         if info.item() == 0:
-            Hinv = torch.cholesky_solve(eye, L)  # (H + λI)⁻¹; several times faster than cholesky_inverse on CPU
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            inverse = inverse_from_cholesky(L)
+            del H, L
+            # The lower factor of the inverse, in column-major storage, is the upper factor U in row-major.
+            torch.linalg.cholesky_ex(inverse, out=(inverse, info))
+            U = inverse.mT
             if info.item() == 0 and torch.isfinite(U).all():
                 return U, damp
+        del H, L
         if damp >= MAX_DAMP:
             raise RuntimeError(f"the Hessian is not positive definite even with dampening {damp}")
         damp = min(damp * 10, MAX_DAMP)
+
+
+def inverse_from_cholesky(L: torch.Tensor, columns: int = SOLVE_COLUMNS) -> torch.Tensor:
+    """(L Lᵀ)⁻¹ from the lower factor ``L``, in column-major storage, solved for ``columns`` columns at a time."""
+    n = L.shape[0]
+    inverse = torch.empty((n, n), dtype=L.dtype, device=L.device).mT
+    for start in range(0, n, columns):
+        stop = min(start + columns, n)
+        unit = torch.zeros((n, stop - start), dtype=L.dtype, device=L.device)
+        unit[start:stop].fill_diagonal_(1)
+        inverse[:, start:stop] = torch.cholesky_solve(unit, L)
+    return inverse
 
 
 def collect_inputs(session: LayerSession, names: list[str], make: Callable[[int, torch.device], Accumulator]) -> dict:
