@@ -24,12 +24,17 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.model import decoder_layers, layer_linears
+from lmpress.quantize.targets import WeightQuantConfig
+
+if TYPE_CHECKING:
+    from lmpress.recipe import Recipe
 
 GIB = 1 << 30
 # Measured: RSS after importing torch, transformers and lmpress and running a first forward (oneDNN/MKL buffers,
@@ -38,8 +43,9 @@ PROCESS_BYTES = 330 << 20
 # One forward of a decoder layer holds about this many float32 tensors of (batch, seq_len, intermediate) alive
 # (gate, up, their product, the activation) beside the attention's.
 FORWARD_TENSORS = 4
-# Perplexity: the logits in float32, their log-softmax and the gathered copy.
-LOGIT_COPIES = 3
+# Perplexity holds a batch's logits and one window's log-softmax at a time.
+EVAL_ROW_TOKENS = 2048
+DENSE_FORMATS = ("hf",)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -110,10 +116,10 @@ def stored_dtype(checkpoint: Path) -> str | None:
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def packed_bytes(rows: int, cols: int, bits: int, group_size: int, symmetric: bool) -> int:
-    """Codes (``bits`` per weight) plus a float16 scale (and zero point) per group."""
-    groups = rows * (1 if group_size <= 0 else -(-cols // group_size))
-    return rows * cols * bits // 8 + groups * 2 * (1 if symmetric else 2)
+def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
+    """``QuantizedLinear``'s buffers: int32 words of codes, a float32 scale and a uint8 zero point per group."""
+    groups = rows * (1 if group_size <= 0 else cols // group_size)
+    return rows * -(-cols * bits // 32) * 4 + groups * (4 + 1)
 
 
 def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int) -> int:
@@ -121,9 +127,12 @@ def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size:
     slab = samples * seq_len * shape.hidden * 2
     batch_tokens = min(batch_size, samples) * seq_len
     forward = FORWARD_TENSORS * batch_tokens * shape.widest_output * 4
-    # GPTQ / SparseGPT on one linear: the accumulated Hessian, its working copy and the inverse's factor
-    # (3 x cols^2), and float32 copies of the weight, its transpose and the codes being written (3 x rows x cols).
-    solve = max(3 * cols * cols * 4 + 3 * rows * cols * 4 for _, rows, cols in shape.linears)
+    # GPTQ / SparseGPT on one linear: the accumulated Hessian, the working copy (factored in place) and the
+    # inverse (3 x cols^2) beside a float32 copy of the weight; then the inverse's factor, the weight's transpose
+    # and the codes being written.
+    solve = max(
+        max(3 * cols * cols + rows * cols, 2 * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears
+    )
     return slab + max(forward, solve)
 
 
@@ -135,45 +144,91 @@ def forecast_memory(
     samples: int,
     seq_len: int,
     device: torch.device,
-    eval_tokens: int = 0,
+    logit_tokens: int = 0,
+    exports: Sequence[str] = (),
 ) -> MemoryForecast:
     """The run's peak memory: ``model`` is the checkpoint's skeleton on the meta device (``model_skeleton``),
-    ``stages`` the recipe's stage configs, ``eval_tokens`` the tokens of the largest eval batch (0: no eval)."""
+    ``stages`` the recipe's stage configs, ``logit_tokens`` the tokens of the largest eval forward (0: no eval),
+    ``exports`` the formats written and read back."""
     shape = ModelShape.of(model)
     size = DTYPE_BYTES[dtype]
-    training = any(getattr(s, "trains_across_processes", False) for s in stages)
-    streams = stored_dtype(checkpoint) == dtype and not eval_tokens and not training
+    training = any(s.trains_across_processes for s in stages)
+    streams = stored_dtype(checkpoint) == dtype and not logit_tokens and not training
+    float_model = shape.parameters * size
+    planned = quantized_linears(model, [s for s in stages if isinstance(s, WeightQuantConfig)])
+    quantized = sum(packed_bytes(*plan) for plan in planned.values())
+    replaced = sum(rows * cols for rows, cols, _, _ in planned.values()) * size
+
     forecast = MemoryForecast()
     forecast.parts["process"] = PROCESS_BYTES
-    forecast.parts["weights"] = (2 * shape.layer_parameters if streams else shape.parameters) * size
-    quantizers = [s for s in stages if hasattr(s, "scheme_for")]
-    quantized = 0
-    for _, rows, cols in shape.linears:
-        bits = max((s.bits for s in quantizers), default=0)
-        if bits:
-            group = min(s.group_size for s in quantizers)
-            quantized += packed_bytes(rows, cols, bits, group, all(s.symmetric for s in quantizers))
+    # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized
+    forecast.parts["weights"] = 2 * shape.layer_parameters * size if streams else float_model - replaced
     forecast.parts["quantized"] = quantized
-    if streams and quantized:  # a streamed layer's float weights give way to its codes
-        forecast.parts["weights"] = 2 * shape.layer_parameters * size
     phases = {
         "calibration": max(
             (
                 calibration_bytes(shape, samples, seq_len, getattr(s, "batch_size", 4))
                 for s in stages
-                if getattr(s, "calibrates_layerwise", False)
+                if s.calibrates_layerwise
             ),
             default=0,
         ),
-        "eval": LOGIT_COPIES * eval_tokens * shape.vocab * 4,
+        # the baseline is scored before any stage, on the whole float model
+        "baseline eval": replaced + eval_bytes(shape, logit_tokens, size) if logit_tokens else 0,
+        # each export is read back beside the candidate: a dense format is the float model again
+        "export read-back": max(
+            (float_model if fmt in DENSE_FORMATS or not quantized else float_model - replaced + quantized)
+            for fmt in exports
+        )
+        if exports
+        else 0,
         "training": (4 * 4 + size) * shape.parameters if training else 0,
     }
     forecast.phase = max(phases, key=phases.get)
     forecast.parts[forecast.phase] = phases[forecast.phase]
     if device.type == "cuda":
         layer = 4 * shape.layer_parameters
-        forecast.device_parts = {"layer": layer, "work": phases["calibration"] or phases["eval"] or phases["training"]}
+        forecast.device_parts = {"layer": layer, "work": phases["calibration"] or phases["training"]}
     return forecast
+
+
+def quantized_linears(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[int, int, int, int]]:
+    """(out, in, bits, group width) of every linear the quantization stages replace (a later stage's plan wins)."""
+    planned = {}
+    for stage in quantizers:
+        for name, (linear, scheme) in stage.targets(model).items():
+            cols = linear.in_features
+            planned[name] = (linear.out_features, cols, scheme.bits, scheme.group_width(cols))
+    return planned
+
+
+def eval_bytes(shape: ModelShape, logit_tokens: int, size: int) -> int:
+    """One eval forward's logits in float32 (plus the model's own 16-bit logits) and one row's log-softmax."""
+    return logit_tokens * shape.vocab * (4 + (size if size < 4 else 0)) + EVAL_ROW_TOKENS * shape.vocab * 4
+
+
+def forecast_recipe(recipe: Recipe, model: nn.Module, checkpoint: Path, device: torch.device) -> MemoryForecast:
+    """``forecast_memory`` for a recipe run (``model``: the checkpoint's skeleton)."""
+    return forecast_memory(
+        model,
+        checkpoint,
+        recipe.model.dtype,
+        recipe.stages,
+        recipe.data.samples,
+        recipe.data.seq_len,
+        device,
+        logit_tokens=max((e.logit_tokens() for e in recipe.eval.evals.values()), default=0),
+        exports=recipe.export.formats,
+    )
+
+
+def available_memory(device: torch.device) -> tuple[int, int | None]:
+    """Bytes of RAM the run can still take, and free memory on ``device`` when it is a GPU."""
+    import psutil
+
+    ram = psutil.virtual_memory().available
+    free_device = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" and torch.cuda.is_available() else None
+    return ram, free_device
 
 
 def check_fits(forecast: MemoryForecast, available_ram: int, available_device: int | None = None) -> None:

@@ -81,6 +81,10 @@ class EvalConfig(StrictConfig):
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this eval cannot run on ``model`` (before any work)."""
 
+    def logit_tokens(self) -> int:
+        """Tokens whose logits one forward of this eval holds at once (the memory forecast); 0 when unknown."""
+        return 0
+
 
 # name -> the module that registers it (imported on first use)
 STAGE_MODULES: dict[str, str] = {

@@ -162,7 +162,7 @@ def sparsegpt_prune_layer(
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2]  # a view: the block is rewritten in place
             Err1 = torch.zeros_like(W1)
-            Hinv1 = Hinv[i1:i2, i1:i2]
+            Hinv1 = Hinv[i1:i2, i1:i2].contiguous()  # Hinv is column-major: the loop reads rows
             diagonal = Hinv1.diagonal()
             if not target.structured_nm:
                 # Eq. 3 on the whole block: the lowest w² / [H⁻¹]²_cc are pruned (adaptive mask selection).

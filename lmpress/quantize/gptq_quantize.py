@@ -201,7 +201,7 @@ def gptq_quantize_layer(
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2].clone()
             Err1 = torch.empty_like(W1)
-            Hinv1 = Hinv[i1:i2, i1:i2]
+            Hinv1 = Hinv[i1:i2, i1:i2].contiguous()  # Hinv is column-major: the loop reads rows
             diagonal = Hinv1.diagonal().tolist()
             # Row views made once per block: the loop body is a few tiny ops per column.
             for i, (w, q, err, hinv_row) in enumerate(zip(W1, codes_t[i1:i2], Err1, Hinv1, strict=True)):
