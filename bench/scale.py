@@ -216,22 +216,13 @@ def first_layers_view(checkpoint: Path, layers: int) -> Path:
 CHILD = """
 import json, sys, time
 import torch
-from pathlib import Path
 from lmpress.api import quantize_model
 from lmpress.memory import process_peak_mb
-from lmpress.memory_plan import forecast_memory
-from lmpress.model import load_model, model_skeleton
+from lmpress.model import load_model
 from lmpress.progress import Bars
-from lmpress.registry import stage_config
 
 path, stage, data, device = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 torch.set_num_threads(int(sys.argv[5]))
-config = stage_config(stage["method"])(**stage)
-skeleton = model_skeleton(Path(path))
-forecast = forecast_memory(
-    skeleton, Path(path), "bfloat16", [config], data["samples"], data["seq_len"], torch.device(device)
-)
-del skeleton
 
 
 class LayerClock(Bars):
@@ -241,9 +232,9 @@ class LayerClock(Bars):
 
     def track(self, items, description, total=None):
         for item in items:
-            self.stamps.append(time.perf_counter())
+            self.stamps.append((time.perf_counter(), time.process_time()))
             yield item
-        self.stamps.append(time.perf_counter())
+        self.stamps.append((time.perf_counter(), time.process_time()))
 
 
 began = time.perf_counter()
@@ -253,14 +244,40 @@ clock = LayerClock()
 began = time.perf_counter()
 quantize_model(loaded.model, loaded.tokenizer, data=data, bars=clock, device=device, **stage)
 stage_s = time.perf_counter() - began
-layer_s = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+layer_s = [b[0] - a[0] for a, b in zip(clock.stamps, clock.stamps[1:])]
+layer_cpu_s = [b[1] - a[1] for a, b in zip(clock.stamps, clock.stamps[1:])]
 print(json.dumps({
-    "load_s": loaded_s, "stage_s": stage_s, "layer_s": layer_s, "peak_rss_mb": process_peak_mb(),
-    "forecast_ram_mb": forecast.ram_bytes / 2**20, "forecast_device_mb": forecast.device_bytes / 2**20,
-    "forecast_parts_mb": {k: v / 2**20 for k, v in forecast.parts.items()},
+    "load_s": loaded_s, "stage_s": stage_s, "layer_s": layer_s, "layer_cpu_s": layer_cpu_s,
+    "peak_rss_mb": process_peak_mb(),
     "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
 }))
 """
+
+
+def add_forecast(row: dict, data: dict) -> dict:
+    """``row`` with lmpress.memory_plan's forecast for its run (from the configs alone) and for the whole model."""
+    import torch
+
+    from lmpress.memory_plan import forecast_memory
+    from lmpress.model import model_skeleton
+    from lmpress.registry import stage_config
+
+    config = stage_config(GPTQ["method"])(**GPTQ)
+    whole = build_checkpoint(row["shape"])
+
+    def forecast(path: Path):
+        skeleton = model_skeleton(path)
+        return forecast_memory(
+            skeleton, path, "bfloat16", [config], data["samples"], data["seq_len"], torch.device(row["device"])
+        )
+
+    run = forecast(first_layers_view(whole, row["layers"]))
+    row["forecast_ram_mb"] = run.ram_bytes / 2**20
+    row["forecast_device_mb"] = run.device_bytes / 2**20
+    row["forecast_parts_mb"] = {k: v / 2**20 for k, v in run.parts.items()}
+    row["forecast_whole_model_mb"] = forecast(whole).ram_bytes / 2**20
+    row["forecast_vs_peak"] = row["forecast_ram_mb"] / row["peak_rss_mb"]
+    return row
 
 
 def measure(shape: str, layers: int, data: dict, device: str, threads: int) -> dict:
@@ -273,9 +290,10 @@ def measure(shape: str, layers: int, data: dict, device: str, threads: int) -> d
     row = json.loads(done.stdout.strip().splitlines()[-1])
     total_layers = SHAPES[shape]["num_hidden_layers"]
     row.update(shape=shape, layers=layers, device=device, seconds_per_layer=row["stage_s"] / layers)
+    row["cpu_seconds_per_layer"] = sum(row["layer_cpu_s"]) / layers  # every thread's, robust to a busy machine
     row["projected_model_s"] = row["seconds_per_layer"] * total_layers
-    row["forecast_vs_peak"] = row["forecast_ram_mb"] / row["peak_rss_mb"]
-    return row
+    row["projected_model_cpu_s"] = row["cpu_seconds_per_layer"] * total_layers
+    return add_forecast(row, data)
 
 
 def host() -> str:
@@ -286,27 +304,31 @@ def host() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def markdown(rows: list[dict], data: dict) -> str:
+def markdown(rows: list[dict], data: dict, host_name: str) -> str:
     lines = [
         f"GPTQ W4 g128 (symmetric), calibration {data['samples']} x {data['seq_len']} tokens, "
-        f"bfloat16 checkpoint memory-mapped; host: {host()}.",
+        f"bfloat16 checkpoint memory-mapped; host: {host_name}.",
         "",
-        "| shape | layers run | device | s / layer | projected whole model | peak RSS | forecast | forecast / peak |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | layers run | device | wall s / layer | CPU s / layer | projected whole model (wall) | "
+        "peak RSS | forecast | forecast / peak | forecast, whole model |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['layers']} | {r['device']} | {r['seconds_per_layer']:.1f} | "
-            f"{r['projected_model_s'] / 60:.1f} min | {r['peak_rss_mb'] / 1024:.2f} GiB | "
-            f"{r['forecast_ram_mb'] / 1024:.2f} GiB | {r['forecast_vs_peak']:.2f} |"
+            f"{r['cpu_seconds_per_layer']:.1f} | {r['projected_model_s'] / 60:.1f} min | "
+            f"{r['peak_rss_mb'] / 1024:.2f} GiB | {r['forecast_ram_mb'] / 1024:.2f} GiB | "
+            f"{r['forecast_vs_peak']:.2f} | {r['forecast_whole_model_mb'] / 1024:.2f} GiB |"
         )
     checks = [r for r in rows if "projection_error" in r]
     if checks:
         lines += ["", "Projection check (time of the 2N-layer run against 2N x the N-layer run's s/layer):", ""]
         for r in checks:
             lines.append(
-                f"- {r['shape']}: {r['layers']} layers took {r['stage_s']:.0f} s, projected "
-                f"{r['projected_from_half_s']:.0f} s: {100 * r['projection_error']:+.1f}%"
+                f"- {r['shape']}: {r['layers']} layers took {r['stage_s']:.0f} s wall, projected "
+                f"{r['projected_from_half_s']:.0f} s ({100 * r['projection_error']:+.1f}%); "
+                f"{sum(r['layer_cpu_s']):.0f} CPU s, projected {r['projected_from_half_cpu_s']:.0f} "
+                f"({100 * r['projection_cpu_error']:+.1f}%)"
             )
     return "\n".join(lines) + "\n"
 
@@ -321,8 +343,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    parser.add_argument(
+        "--reforecast", type=Path, nargs="+", help="recompute the forecasts of these results files' rows into --out"
+    )
     args = parser.parse_args()
     data = {"source": "builtin:python-docs", "samples": args.samples, "seq_len": args.seq_len, "seed": 0}
+    if args.reforecast:
+        results = [json.loads(path.read_text()) for path in args.reforecast]
+        data = results[0]["data"]
+        rows = [add_forecast(row, data) for result in results for row in result["rows"]]
+        write_results(args.out, results[0]["host"], data, rows)
+        return
     check = 2 * args.layers if args.check_layers is None else args.check_layers
     rows = []
     for shape in args.shapes:
@@ -333,12 +364,18 @@ def main() -> None:
             second = measure(shape, check, data, args.device, args.threads)
             second["projected_from_half_s"] = first["seconds_per_layer"] * check
             second["projection_error"] = second["projected_from_half_s"] / second["stage_s"] - 1
+            second["projected_from_half_cpu_s"] = first["cpu_seconds_per_layer"] * check
+            second["projection_cpu_error"] = second["projected_from_half_cpu_s"] / sum(second["layer_cpu_s"]) - 1
             rows.append(second)
             print(json.dumps(second), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"host": host(), "data": data, "rows": rows}, indent=2))
-    args.out.with_suffix(".md").write_text(markdown(rows, data))
-    print(markdown(rows, data))
+    write_results(args.out, host(), data, rows)
+
+
+def write_results(out: Path, host_name: str, data: dict, rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"host": host_name, "data": data, "rows": rows}, indent=2))
+    out.with_suffix(".md").write_text(markdown(rows, data, host_name))
+    print(markdown(rows, data, host_name))
 
 
 if __name__ == "__main__":

@@ -37,11 +37,12 @@ if TYPE_CHECKING:
     from lmpress.recipe import Recipe
 
 GIB = 1 << 30
-# Measured: RSS after importing torch, transformers and lmpress and running a first forward (oneDNN/MKL buffers,
-# the allocator's arenas), on 2.13.0+cpu.
-PROCESS_BYTES = 330 << 20
+# Measured: RSS after importing torch, transformers and lmpress and loading a model from its mapped files (its
+# modules, the tokenizer, the calibration text), before any weight is read: 484 MB for Llama-3.2-1B's shape.
+PROCESS_BYTES = 480 << 20
 # One forward of a decoder layer holds about this many float32 tensors of (batch, seq_len, intermediate) alive
-# (gate, up, their product, the activation) beside the attention's.
+# (gate, up, their product, the activation); the allocator keeps their pages after they are freed, so they
+# count beside the solve that follows.
 FORWARD_TENSORS = 4
 # Perplexity holds a batch's logits and one window's log-softmax at a time.
 EVAL_ROW_TOKENS = 2048
@@ -123,17 +124,14 @@ def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
 
 
 def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int) -> int:
-    """The one-shot engine's peak beyond weights: slab, one forward's temporaries, the largest linear's work."""
+    """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work."""
     slab = samples * seq_len * shape.hidden * 2
     batch_tokens = min(batch_size, samples) * seq_len
     forward = FORWARD_TENSORS * batch_tokens * shape.widest_output * 4
-    # GPTQ / SparseGPT on one linear: the accumulated Hessian, the working copy (factored in place) and the
-    # inverse (3 x cols^2) beside a float32 copy of the weight; then the inverse's factor, the weight's transpose
-    # and the codes being written.
-    solve = max(
-        max(3 * cols * cols + rows * cols, 2 * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears
-    )
-    return slab + max(forward, solve)
+    # GPTQ / SparseGPT on one linear: the accumulated Hessian and its working copy, factored in place
+    # (2 x cols^2), beside float32 copies of the weight's transpose and of the codes being written.
+    solve = max((2 * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears)
+    return slab + forward + solve
 
 
 def forecast_memory(
