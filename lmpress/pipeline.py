@@ -41,6 +41,7 @@ from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
 from lmpress.export.manifest import write_manifest
 from lmpress.export.verify import ExportCheck, check_export, window_ppl
 from lmpress.memory import process_peak_mb, track_peak_rss
+from lmpress.memory_plan import available_memory, check_fits, forecast_recipe
 from lmpress.model import LoadedModel, load_model, model_skeleton, resolve_checkpoint
 from lmpress.placement import (
     naming_out_of_memory,
@@ -298,9 +299,14 @@ def run_recipe(
         stage.check_processes(processes.world)
     with processes.main_first():  # a GGUF source is converted once, by the main process
         path = resolve_checkpoint(spec.source, spec.revision)
-    check_plan(recipe, model_skeleton(path, spec.trust_remote_code))
+    skeleton = model_skeleton(path, spec.trust_remote_code)
+    check_plan(recipe, skeleton)
+    forecast = forecast_recipe(recipe, skeleton, path, device)
+    del skeleton
     if not processes.is_main:
         return run_as_launched_worker(recipe, path, out, resume, processes, device)
+    bars.log(forecast.describe())
+    check_fits(forecast, *available_memory(device))
     partial = prepare_output(out, overwrite, resume)
     bars.log(f"loading {spec.source}")
     loaded = load_model(str(path), spec.dtype, spec.revision, spec.trust_remote_code)
@@ -341,6 +347,7 @@ def run_recipe(
         "exports": exports,
         "seconds": time.perf_counter() - began,
         "peak_rss_mb": process_peak_mb(),
+        "memory_forecast_mb": {k: round(v / 2**20, 1) for k, v in forecast.parts.items()},
     }
     if recipe.speed is not None:
         exported = [(f"{fmt}/", partial / fmt) for fmt in recipe.export.formats]

@@ -49,6 +49,8 @@ class StageConfig(StrictConfig):
     method: str
     # trains the model with every launched process (DDP); the other stages run in each process alone
     trains_across_processes: ClassVar[bool] = False
+    # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan)
+    calibrates_layerwise: ClassVar[bool] = False
 
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""
@@ -78,6 +80,10 @@ class EvalConfig(StrictConfig):
 
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this eval cannot run on ``model`` (before any work)."""
+
+    def logit_tokens(self) -> int:
+        """Tokens whose logits one forward of this eval holds at once (the memory forecast); 0 when unknown."""
+        return 0
 
 
 # name -> the module that registers it (imported on first use)

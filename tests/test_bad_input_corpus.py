@@ -129,6 +129,37 @@ def no_weights(env: Env) -> Path:
     return path
 
 
+def sharded(env: Env) -> Path:
+    """The tiny model's weights in two shards with an index, as the hub shards large models."""
+    from safetensors.torch import load_file, save_file
+
+    path = env.model_copy()
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, path / file, metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in halves.items() for k in keys}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def shard_missing(env: Env) -> Path:
+    path = sharded(env)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    return path
+
+
+def index_points_elsewhere(env: Env) -> Path:
+    path = sharded(env)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    first = sorted(index["weight_map"])[0]
+    index["weight_map"][first] = "model-00002-of-00002.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
 def fake_gguf(env: Env) -> str:
     return env.file("model.gguf", b"PK\x03\x04 a zip file, not GGUF")
 
@@ -208,6 +239,13 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
     ("unsupported-architecture", with_model(unsupported_architecture), "architecture 'gpt2' is not supported", []),
     ("truncated-safetensors", with_model(truncated_weights), "not a readable safetensors file", []),
     ("no-weights", with_model(no_weights), "no .safetensors weights", []),
+    (
+        "shard-missing",
+        with_model(shard_missing),
+        "names the shard model-00002-of-00002.safetensors, which is missing",
+        [],
+    ),
+    ("index-points-elsewhere", with_model(index_points_elsewhere), "the shards do not match their index", []),
     ("not-gguf", with_model(fake_gguf), "is not a GGUF file", []),
     ("missing-pypkg", with_model(lambda e: "pypkg:no_such_pkg_4821/m.gguf"), "is not installed", []),
     ("non-utf8-eval-text", with_text("latin1.txt", b"caf\xe9 " * 50), "not UTF-8 (byte 0xe9 at offset 3)", []),

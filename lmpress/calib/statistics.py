@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 MAX_DAMP = 1.0
 GRAM_BLOCK = 256
+SOLVE_ROWS = 512  # rows of the triangular inverse computed at once: n x 512 temporaries
 
 
 class HessianAccumulator:
@@ -83,24 +84,60 @@ class InputNormAccumulator:
 Accumulator = HessianAccumulator | InputNormAccumulator
 
 
-def inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H) (Eq. 4 and §4 "Cholesky reformulation").
+def inverse_hessian_factor(working_hessian: Callable[[], torch.Tensor], damp: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor U of (H + λI)⁻¹ (Uᵀ U = (H + λI)⁻¹), λ = damp · mean(diag H) (Eq. 4 and §4
+    "Cholesky reformulation"), computed in the storage of ``working_hessian()``: a float32 copy of H that this
+    function overwrites (called again when the factorization fails, with λ raised tenfold up to ``MAX_DAMP``;
+    the damp that worked is returned so the caller can report it).
 
-    When the factorization fails, λ is raised tenfold (up to ``MAX_DAMP``) and the
-    damp that worked is returned so the caller can report it.
+    With P the reversal permutation, L = chol(P H P) gives U = P L⁻¹ P: one Cholesky factorization and one
+    triangular inverse, both in place, so beside the caller's H it takes one n x n matrix and n x
+    ``SOLVE_ROWS`` temporaries (an 8B model's 14336-wide down_proj: 0.8 GB, where the textbook sequence of
+    factor, identity, inverse and factor again took four such matrices and LAPACK's copies of them).
+    U is returned as a column-major view (``U.mT`` is contiguous).
     """
-    mean_diag = torch.mean(torch.diag(H)).item()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     while True:
-        L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * eye)
+        work = working_hessian()
+        reverse_storage_(work)  # P H P, in place: reversing a square matrix's storage flips rows and columns
+        work.diagonal().add_(damp * torch.mean(torch.diag(work)).item())
+        # P H P is symmetric, so its column-major view is the same matrix: LAPACK factors it in place there.
+        L = work.mT
+        info = torch.empty((), dtype=torch.int32, device=work.device)
+        torch.linalg.cholesky_ex(L, out=(L, info))
         if info.item() == 0:
-            Hinv = torch.cholesky_solve(eye, L)  # (H + λI)⁻¹; several times faster than cholesky_inverse on CPU
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if info.item() == 0 and torch.isfinite(U).all():
-                return U, damp
+            invert_upper_triangular_(work)  # work holds Lᵀ in row-major order; inverted, the view L is L⁻¹
+            reverse_storage_(work)  # the view L is now P L⁻¹ P = U
+            if all(torch.isfinite(rows).all() for rows in work.split(SOLVE_ROWS)):
+                return L, damp
+        del work, L
         if damp >= MAX_DAMP:
             raise RuntimeError(f"the Hessian is not positive definite even with dampening {damp}")
         damp = min(damp * 10, MAX_DAMP)
+
+
+def reverse_storage_(matrix: torch.Tensor, chunk: int = 1 << 16) -> None:
+    """Reverse a contiguous tensor's elements in place, ``chunk`` at a time (for a square matrix: P M P)."""
+    flat = matrix.view(-1)
+    n = flat.numel()
+    for start in range(0, n // 2, chunk):
+        stop = min(start + chunk, n // 2)
+        head = flat[start:stop].clone()
+        flat[start:stop] = flat[n - stop : n - start].flip(0)
+        flat[n - stop : n - start] = head.flip(0)
+
+
+def invert_upper_triangular_(R: torch.Tensor, rows: int = SOLVE_ROWS) -> None:
+    """R⁻¹ in place for an upper-triangular, row-major R (zeros below the diagonal), a block of rows at a time
+    from the bottom: with R = [[A, B], [0, D]] and D already inverted, the top rows become [A⁻¹, -A⁻¹ B D⁻¹]."""
+    n = R.shape[0]
+    for start in range(((n - 1) // rows) * rows, -1, -rows):
+        stop = min(start + rows, n)
+        block_inverse = torch.linalg.solve_triangular(
+            R[start:stop, start:stop], torch.eye(stop - start, dtype=R.dtype, device=R.device), upper=True
+        )
+        if stop < n:
+            R[start:stop, stop:] = -block_inverse @ (R[start:stop, stop:] @ R[stop:, stop:])
+        R[start:stop, start:stop] = block_inverse
 
 
 def collect_inputs(session: LayerSession, names: list[str], make: Callable[[int, torch.device], Accumulator]) -> dict:

@@ -82,6 +82,9 @@ class PasskeyConfig(EvalConfig):
     def metric_names(self) -> list[str]:
         return ["passkey_accuracy"] + [f"passkey_accuracy_{length_label(n)}" for n in self.lengths]
 
+    def logit_tokens(self) -> int:
+        return max(self.lengths)
+
     def check(self, model: nn.Module) -> None:
         limit = context_length(model)
         too_long = [n for n in self.lengths if n > limit]
@@ -110,6 +113,9 @@ class PositionNLLConfig(EvalConfig):
 
     def metric_names(self) -> list[str]:
         return [bucket_metric(a, b) for a, b in self.buckets()]
+
+    def logit_tokens(self) -> int:
+        return self.seq_len
 
     def check(self, model: nn.Module) -> None:
         limit = context_length(model)

@@ -69,6 +69,9 @@ class PerplexityConfig(EvalConfig):
     def check(self, model: nn.Module) -> None:
         check_context(model, self.seq_len, "eval.perplexity")
 
+    def logit_tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
     def windows_for(self, ids: torch.Tensor, tokenizer) -> torch.Tensor:
         bos = tokenizer.bos_token_id if self.bos else None
         if self.bos and bos is None:

@@ -367,20 +367,34 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 
 def read_tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """Each tensor's safetensors dtype ("F32", "I32", ...) and shape, from the file headers only."""
+    """Each tensor's safetensors dtype ("F32", "I32", ...) and shape, from the file headers only.
+
+    A sharded checkpoint's index must match its shards: every file it names exists and holds the tensors it
+    names (a shard from another download, or one missing, is refused here, before any weight is read)."""
     from safetensors import safe_open
 
-    headers = {}
+    headers, held_by = {}, {}
     for file in safetensors_files(path):
+        if not file.is_file():
+            raise LmpressInputError(f"{path / INDEX_NAME} names the shard {file.name}, which is missing from {path}")
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     view = f.get_slice(key)
                     headers[key] = (view.get_dtype(), list(view.get_shape()))
+                    held_by[key] = file.name
         except Exception as e:  # see read_safetensors
             raise LmpressInputError(
                 f"{file}: not a readable safetensors file (damaged or truncated?): {_first_line(e)}"
             ) from e
+    index = path / INDEX_NAME
+    if index.is_file():
+        for key, name in json.loads(index.read_text())["weight_map"].items():
+            if held_by.get(key) != name:
+                where = f"it is in {held_by[key]}" if key in held_by else "no shard holds it"
+                raise LmpressInputError(
+                    f"{index}: says tensor {key} is in {name}, but {where} (the shards do not match their index)"
+                )
     return headers
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -76,6 +76,7 @@ class JointQuantization(StrictConfig):
 @register_stage("sparsegpt")
 class SparseGPTConfig(PruneConfig):
     method: Literal["sparsegpt"] = "sparsegpt"
+    calibrates_layerwise: ClassVar[bool] = True
     block_size: int = Field(128, ge=1, le=4096)
     damp_percent: float = Field(0.01, gt=0, le=1)
     reconstruct: bool = Field(True, description="re-solve the kept weights exactly for the final mask")
@@ -146,7 +147,7 @@ def sparsegpt_prune_layer(
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    Hinv, used_damp = inverse_hessian_factor(H, damp)
+    Hinv, used_damp = inverse_hessian_factor(H.clone, damp)
     if reconstruct:
         W_original = W.clone()
         H.diagonal().add_(used_damp * torch.mean(torch.diag(H)))  # the damped H that Hinv inverts
@@ -161,7 +162,7 @@ def sparsegpt_prune_layer(
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2]  # a view: the block is rewritten in place
             Err1 = torch.zeros_like(W1)
-            Hinv1 = Hinv[i1:i2, i1:i2]
+            Hinv1 = Hinv[i1:i2, i1:i2].contiguous()  # Hinv is column-major: the loop reads rows
             diagonal = Hinv1.diagonal()
             if not target.structured_nm:
                 # Eq. 3 on the whole block: the lowest w² / [H⁻¹]²_cc are pruned (adaptive mask selection).

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -60,6 +60,7 @@ MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 @register_stage("structured")
 class StructuredConfig(StageConfig):
     method: Literal["structured"] = "structured"
+    calibrates_layerwise: ClassVar[bool] = True
     mlp_channels: float = Field(0.0, ge=0, lt=1, description="fraction of MLP intermediate channels removed")
     heads: int = Field(0, ge=0, description="query heads removed per layer (whole GQA groups)")
     layers: int = Field(0, ge=0, description="whole decoder layers removed")

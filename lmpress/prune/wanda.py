@@ -20,7 +20,7 @@ one pass per group of linears.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -37,6 +37,7 @@ from lmpress.registry import StageContext, register_stage, stage_handler
 @register_stage("wanda")
 class WandaConfig(PruneConfig):
     method: Literal["wanda"] = "wanda"
+    calibrates_layerwise: ClassVar[bool] = True
     true_sequential: bool = True
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
 

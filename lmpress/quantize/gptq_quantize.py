@@ -142,7 +142,7 @@ def gptq_quantize_layer(
     if H.shape != (cols, cols):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match a weight with {cols} input columns")
     W = W.detach().float().clone()
-    H = H.detach().float().clone()
+    H = H.detach()
     width = scheme.group_width(cols)
     maxq = scheme.maxq
     fp8 = scheme.activations == "fp8"
@@ -153,7 +153,6 @@ def gptq_quantize_layer(
     # Inputs that were always zero carry no information: fix their weights at 0 and
     # give H a unit diagonal there so it stays invertible.
     dead = torch.diag(H) == 0
-    H[dead, dead] = 1
     W[:, dead] = 0
     keep = None
     if pruned is not None:
@@ -176,14 +175,18 @@ def gptq_quantize_layer(
 
     perm = torch.arange(cols, device=W.device)
     if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        perm = torch.argsort(torch.diag(H).float().masked_fill(dead, 1), descending=True, stable=True)
         W = W[:, perm]
-        H = H[perm][:, perm]
         if keep is not None:
             keep = keep[:, perm]
 
-    Hinv, used_damp = inverse_hessian_factor(H, damp)
-    del H
+    def working_hessian() -> torch.Tensor:
+        work = H.float()[perm][:, perm] if act_order else H.float().clone()
+        unused = dead[perm]
+        work[unused, unused] = 1
+        return work
+
+    Hinv, used_damp = inverse_hessian_factor(working_hessian, damp)
     # Column-major working copies: column j of W is row j of Wt, so each step reads contiguous memory.
     Wt = W.T.contiguous()
     del W
@@ -198,7 +201,7 @@ def gptq_quantize_layer(
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2].clone()
             Err1 = torch.empty_like(W1)
-            Hinv1 = Hinv[i1:i2, i1:i2]
+            Hinv1 = Hinv[i1:i2, i1:i2].contiguous()  # Hinv is column-major: the loop reads rows
             diagonal = Hinv1.diagonal().tolist()
             # Row views made once per block: the loop body is a few tiny ops per column.
             for i, (w, q, err, hinv_row) in enumerate(zip(W1, codes_t[i1:i2], Err1, Hinv1, strict=True)):

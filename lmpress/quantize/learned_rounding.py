@@ -70,7 +70,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -96,6 +96,7 @@ CLIP_RANGE = (0.5, 1.0)
 @register_stage("learned")
 class LearnedRoundingConfig(WeightQuantConfig):
     method: Literal["learned"] = "learned"
+    calibrates_layerwise: ClassVar[bool] = True
     iterations: int = Field(200, ge=1, le=MAX_ITERATIONS)
     lr: float | None = Field(None, gt=0, le=1, description="null: 1/iterations")
     batch_size: int = Field(8, ge=1, le=1024, description="calibration samples per step and per forward pass")

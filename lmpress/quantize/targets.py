@@ -13,7 +13,7 @@ of other widths (``".*(q|k|v|o|gate|up)_proj": {k_quant_scales: false}``).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 from torch import nn
@@ -151,6 +151,8 @@ GPTQ_ONLY_KEYS = ("damp_percent", "block_size", "act_order", "static_groups", "m
 
 class GPTQRounding(WeightQuantConfig):
     """The GPTQ keys, shared by ``method: gptq`` and AWQ's ``rounding: gptq``."""
+
+    calibrates_layerwise: ClassVar[bool] = True
 
     damp_percent: float = Field(0.01, gt=0, le=1)
     block_size: int = Field(128, ge=1, le=4096)

@@ -105,7 +105,7 @@ def test_dead_inputs_get_zero_weights(layer):
 def test_dampening_is_raised_when_cholesky_fails():
     block = torch.tensor([[1.0, 1.5], [1.5, 1.0]])  # eigenvalues 2.5 and -0.5
     H = torch.block_diag(*[block] * 8)
-    U, damp = inverse_hessian_factor(H, 0.01)
+    U, damp = inverse_hessian_factor(H.clone, 0.01)
     assert damp == 1.0
     assert torch.isfinite(U).all()
     w = torch.randn(8, 16)

@@ -1,0 +1,244 @@
+"""What a run will need in memory, forecast from the model's config and the recipe before any weight is read.
+
+The forecast is the sum of what stays resident for the whole run and the largest working set of one phase:
+
+- ``process``: Python, torch, transformers and lmpress, and the allocator's arenas (measured, a constant);
+- ``weights``: the float model. A safetensors checkpoint read in the dtype it is stored in is memory-mapped:
+  a run that only streams layers (one-shot stages, no eval, no training) keeps about one decoder layer of it
+  resident at a time (the engine drops a finished layer's pages); anything that reads the whole model (an eval,
+  a training stage) or converts its dtype holds all of it;
+- ``quantized``: the packed codes, scales and zero points of every linear a quantization stage replaces;
+- the largest phase: ``calibration`` (the engine's float16 activation slab of samples x seq_len x hidden, one
+  forward's float32 temporaries, and the largest linear's statistics and GPTQ/SparseGPT working copies: its
+  Hessian, the damped inverse's factor and float32 copies of the weight), ``eval`` (a perplexity batch's logits
+  in float32, their log-softmax and the gathered rows), or ``training`` (student weights, gradients and the
+  optimizer's two moments in float32, plus a teacher in the run's dtype).
+
+On a CUDA device the one-shot engine keeps one layer, its statistics and one batch's activations there; the
+slab stays in RAM. The figures are checked against measured peaks by ``bench/scale.py`` (docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.model import decoder_layers, layer_linears
+from lmpress.quantize.targets import WeightQuantConfig
+
+if TYPE_CHECKING:
+    from lmpress.recipe import Recipe
+
+GIB = 1 << 30
+# Measured: RSS after importing torch, transformers and lmpress and loading a model from its mapped files (its
+# modules, the tokenizer, the calibration text), before any weight is read: 484 MB for Llama-3.2-1B's shape.
+PROCESS_BYTES = 480 << 20
+# One forward of a decoder layer holds about this many float32 tensors of (batch, seq_len, intermediate) alive
+# (gate, up, their product, the activation); the allocator keeps their pages after they are freed, so they
+# count beside the solve that follows.
+FORWARD_TENSORS = 4
+# Perplexity holds a batch's logits and one window's log-softmax at a time.
+EVAL_ROW_TOKENS = 2048
+DENSE_FORMATS = ("hf",)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class MemoryForecast:
+    """Bytes by part; ``ram_bytes`` / ``device_bytes`` are what the run's peak is forecast to be."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+    device_parts: dict[str, int] = field(default_factory=dict)
+    phase: str = ""  # the phase whose working set is counted (the largest)
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device_parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items() if size)
+        line = f"memory forecast: {self.ram_bytes / GIB:.2f} GiB RAM at peak ({parts} GiB; largest phase: {self.phase})"
+        if self.device_parts:
+            line += f", {self.device_bytes / GIB:.2f} GiB on the GPU"
+        return line
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the forecast needs, read off a model built on the meta device."""
+
+    parameters: int  # every parameter, embeddings included
+    layer_parameters: int  # the largest decoder layer's
+    hidden: int
+    vocab: int
+    linears: tuple[tuple[str, int, int], ...]  # (full name, out_features, in_features) of every decoder linear
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShape:
+        layers = decoder_layers(model)
+        linears = []
+        for index, layer in enumerate(layers):
+            for name, linear in layer_linears(layer).items():
+                linears.append((f"{index}.{name}", linear.out_features, linear.in_features))
+        config = model.config
+        return cls(
+            parameters=sum(p.numel() for p in model.parameters()),
+            layer_parameters=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            linears=tuple(linears),
+        )
+
+    @property
+    def widest_input(self) -> int:
+        return max(i for _, _, i in self.linears)
+
+    @property
+    def widest_output(self) -> int:
+        return max(o for _, o, _ in self.linears)
+
+
+def stored_dtype(checkpoint: Path) -> str | None:
+    """The dtype the checkpoint's safetensors files hold (from its config), or None when they are not safetensors."""
+    if not any(checkpoint.glob("*.safetensors")):
+        return None
+    config = json.loads((checkpoint / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
+    """``QuantizedLinear``'s buffers: int32 words of codes, a float32 scale and a uint8 zero point per group."""
+    groups = rows * (1 if group_size <= 0 else cols // group_size)
+    return rows * -(-cols * bits // 32) * 4 + groups * (4 + 1)
+
+
+def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int) -> int:
+    """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work."""
+    slab = samples * seq_len * shape.hidden * 2
+    batch_tokens = min(batch_size, samples) * seq_len
+    forward = FORWARD_TENSORS * batch_tokens * shape.widest_output * 4
+    # GPTQ / SparseGPT on one linear: the accumulated Hessian and its working copy, factored in place
+    # (2 x cols^2), beside float32 copies of the weight's transpose and of the codes being written.
+    solve = max((2 * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears)
+    return slab + forward + solve
+
+
+def forecast_memory(
+    model: nn.Module,
+    checkpoint: Path,
+    dtype: str,
+    stages: Sequence,
+    samples: int,
+    seq_len: int,
+    device: torch.device,
+    logit_tokens: int = 0,
+    exports: Sequence[str] = (),
+) -> MemoryForecast:
+    """The run's peak memory: ``model`` is the checkpoint's skeleton on the meta device (``model_skeleton``),
+    ``stages`` the recipe's stage configs, ``logit_tokens`` the tokens of the largest eval forward (0: no eval),
+    ``exports`` the formats written and read back."""
+    shape = ModelShape.of(model)
+    size = DTYPE_BYTES[dtype]
+    training = any(s.trains_across_processes for s in stages)
+    streams = stored_dtype(checkpoint) == dtype and not logit_tokens and not training
+    float_model = shape.parameters * size
+    planned = quantized_linears(model, [s for s in stages if isinstance(s, WeightQuantConfig)])
+    quantized = sum(packed_bytes(*plan) for plan in planned.values())
+    replaced = sum(rows * cols for rows, cols, _, _ in planned.values()) * size
+
+    forecast = MemoryForecast()
+    forecast.parts["process"] = PROCESS_BYTES
+    # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized
+    forecast.parts["weights"] = 2 * shape.layer_parameters * size if streams else float_model - replaced
+    forecast.parts["quantized"] = quantized
+    phases = {
+        "calibration": max(
+            (
+                calibration_bytes(shape, samples, seq_len, getattr(s, "batch_size", 4))
+                for s in stages
+                if s.calibrates_layerwise
+            ),
+            default=0,
+        ),
+        # the baseline is scored before any stage, on the whole float model
+        "baseline eval": replaced + eval_bytes(shape, logit_tokens, size) if logit_tokens else 0,
+        # each export is read back beside the candidate: a dense format is the float model again
+        "export read-back": max(
+            (float_model if fmt in DENSE_FORMATS or not quantized else float_model - replaced + quantized)
+            for fmt in exports
+        )
+        if exports
+        else 0,
+        "training": (4 * 4 + size) * shape.parameters if training else 0,
+    }
+    forecast.phase = max(phases, key=phases.get)
+    forecast.parts[forecast.phase] = phases[forecast.phase]
+    if device.type == "cuda":
+        layer = 4 * shape.layer_parameters
+        forecast.device_parts = {"layer": layer, "work": phases["calibration"] or phases["training"]}
+    return forecast
+
+
+def quantized_linears(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[int, int, int, int]]:
+    """(out, in, bits, group width) of every linear the quantization stages replace (a later stage's plan wins)."""
+    planned = {}
+    for stage in quantizers:
+        for name, (linear, scheme) in stage.targets(model).items():
+            cols = linear.in_features
+            planned[name] = (linear.out_features, cols, scheme.bits, scheme.group_width(cols))
+    return planned
+
+
+def eval_bytes(shape: ModelShape, logit_tokens: int, size: int) -> int:
+    """One eval forward's logits in float32 (plus the model's own 16-bit logits) and one row's log-softmax."""
+    return logit_tokens * shape.vocab * (4 + (size if size < 4 else 0)) + EVAL_ROW_TOKENS * shape.vocab * 4
+
+
+def forecast_recipe(recipe: Recipe, model: nn.Module, checkpoint: Path, device: torch.device) -> MemoryForecast:
+    """``forecast_memory`` for a recipe run (``model``: the checkpoint's skeleton)."""
+    return forecast_memory(
+        model,
+        checkpoint,
+        recipe.model.dtype,
+        recipe.stages,
+        recipe.data.samples,
+        recipe.data.seq_len,
+        device,
+        logit_tokens=max((e.logit_tokens() for e in recipe.eval.evals.values()), default=0),
+        exports=recipe.export.formats,
+    )
+
+
+def available_memory(device: torch.device) -> tuple[int, int | None]:
+    """Bytes of RAM the run can still take, and free memory on ``device`` when it is a GPU."""
+    import psutil
+
+    ram = psutil.virtual_memory().available
+    free_device = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" and torch.cuda.is_available() else None
+    return ram, free_device
+
+
+def check_fits(forecast: MemoryForecast, available_ram: int, available_device: int | None = None) -> None:
+    """Refuse a run whose forecast peak exceeds what the machine has (one line, exit 2)."""
+    if forecast.ram_bytes > available_ram:
+        raise LmpressInputError(
+            f"this run needs about {forecast.ram_bytes / GIB:.1f} GiB of RAM and {available_ram / GIB:.1f} GiB "
+            f"is available ({forecast.describe().split(': ', 1)[1]}): use a machine with more memory, fewer "
+            "calibration samples or a shorter seq_len"
+        )
+    if available_device is not None and forecast.device_bytes > available_device:
+        raise LmpressInputError(
+            f"this run needs about {forecast.device_bytes / GIB:.1f} GiB of GPU memory and "
+            f"{available_device / GIB:.1f} GiB is free: use model.device: cpu or a larger GPU"
+        )
