@@ -37,7 +37,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("scheme", list(PAIRS))
+# The W4 row (three formats, llama.cpp's included) is the slow one: --runslow; the W8A8 and FP8 rows (the
+# runtime defect issue 40 found) run by default.
+@pytest.mark.parametrize(
+    "scheme", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("W4") else s for s in PAIRS]
+)
 def test_main_pairs_agree_on_smollm2(scheme, smollm2_dir, tmp_path, smollm2_doc):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     ids = tokenize(tokenizer, load_text("builtin:python-docs", default_split="train"))
