@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
-    os.environ["LMPRESS_AUTOTUNE"] = args.tune
+    from lmpress.runtime.kernels.tuning import set_tune_space
+
+    set_tune_space(args.tune)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():

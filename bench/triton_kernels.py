@@ -19,7 +19,7 @@ asks as if on an H100). Each kernel is checked against the float64 product of th
 before it is timed (``sqnr_db``; ``ok`` is SQNR >= 40 dB). Times: ``triton.testing.do_bench`` medians
 (it clears the L2 cache before every run, so weights come from HBM); GB/s counts the bytes the kernel
 must read for its weight. ``ratio`` = reference time / kernel time (above 1: faster than the reference).
-``--tune small`` (default) tunes lmpress's Triton kernels over a fixed few configs (``LMPRESS_AUTOTUNE``).
+``--tune small`` (default) tunes lmpress's Triton kernels over a fixed few configs (``tuning.set_tune_space``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-    os.environ["LMPRESS_AUTOTUNE"] = args.tune
+    from lmpress.runtime.kernels.tuning import set_tune_space
+
+    set_tune_space(args.tune)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():

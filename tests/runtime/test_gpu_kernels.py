@@ -93,7 +93,7 @@ def test_tuned_triton_configs_reach_the_disk_cache(tmp_path, monkeypatch):
     from lmpress.runtime.kernels import tuning
 
     monkeypatch.setenv("LMPRESS_TUNE_CACHE", str(tmp_path / "tune.json"))
-    monkeypatch.setenv("LMPRESS_AUTOTUNE", "small")
+    monkeypatch.setattr(tuning, "_space", "small")
     monkeypatch.setattr(tk, "AUTOTUNE", True)
     tuning.forget_in_memory()
     layer = w4_layer(512, 1024, 128, True)

@@ -179,12 +179,14 @@ def test_autotune_pruning_keeps_splits_that_fit():
 
 
 def test_small_autotune_space_is_a_fixed_few(monkeypatch):
-    """``LMPRESS_AUTOTUNE=small`` (the GPU visit's setting) tunes 2-3 configs per kernel, not the full 40."""
-    monkeypatch.setenv("LMPRESS_AUTOTUNE", "small")
+    """Tune space ``small`` (the GPU visit's setting) tunes 2-3 configs per kernel, not the full 40."""
+    from lmpress.runtime.kernels import tuning
+
+    monkeypatch.setattr(tuning, "_space", "small")
     assert len(tk.configs_for("gemv_row", 4096, 128, 1)) == 3 and len(tk.configs_for("gemm")) == 2
-    monkeypatch.setenv("LMPRESS_AUTOTUNE", "full")
+    monkeypatch.setattr(tuning, "_space", "full")
     assert len(tk.configs_for("gemv_row", 4096, 128, 1)) == len(tk.GEMV_ROW_CONFIGS)
-    monkeypatch.setenv("LMPRESS_AUTOTUNE", "off")
+    monkeypatch.setattr(tuning, "_space", "off")
     assert not tk._autotuning()
 
 

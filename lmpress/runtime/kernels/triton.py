@@ -145,7 +145,7 @@ AUTOTUNE = True
 
 
 def _autotuning() -> bool:
-    """Tune on CUDA unless ``AUTOTUNE`` is off or ``LMPRESS_AUTOTUNE=off``; never when interpreting."""
+    """Tune on CUDA unless ``AUTOTUNE`` is off or a tune space of ``off``; never when interpreting."""
     return AUTOTUNE and not _interpreting() and tune_space() != "off"
 
 
@@ -173,7 +173,7 @@ GEMM_CONFIGS = [
     _config(bn, nb, w, s, BM=bm, GROUP_M=8)
     for bm, bn, nb, w, s in [(128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (256, 128, 1, 8, 3), (128, 128, 2, 8, 3)]
 ]
-# LMPRESS_AUTOTUNE=small: a fixed few of each, spanning tile width and split (a GPU visit's time budget).
+# tune space small: a fixed few of each, spanning tile width and split (a GPU visit's time budget).
 SMALL_CONFIGS = {
     "gemv_row": [_config(64, 1, 1, SPLIT_K=1), _config(128, 2, 2, SPLIT_K=4), _config(256, 1, 4, SPLIT_K=8)],
     "gemv": [_config(16, 2, 4, SPLIT_K=1), _config(32, 2, 4, SPLIT_K=4), _config(16, 4, 4, SPLIT_K=8)],
@@ -201,7 +201,7 @@ def _splits_that_fit(configs: list[dict], n: int, blocks: int, rows: int) -> lis
 
 
 def configs_for(kind: str, n: int = 0, blocks: int = 0, rows: int = 1) -> list[dict]:
-    """The configurations tuned for ``kind`` ("gemv_row", "gemv", "gemm") under ``LMPRESS_AUTOTUNE``."""
+    """The configurations tuned for ``kind`` ("gemv_row", "gemv", "gemm") in the tune space (``set_tune_space``)."""
     full = {"gemv_row": GEMV_ROW_CONFIGS, "gemv": GEMV_CONFIGS, "gemm": GEMM_CONFIGS}[kind]
     configs = SMALL_CONFIGS[kind] if tune_space() == "small" else full
     return configs if kind == "gemm" else _splits_that_fit(configs, n, blocks, rows)

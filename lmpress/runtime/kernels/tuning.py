@@ -7,7 +7,7 @@ answer: the GPU's name, the kernel, the shape, the candidates offered and the ve
 triton, gemlite and lmpress; anything else reads as a miss and is tuned afresh. Within a process a
 dict answers after the first lookup, so a launch pays one dict lookup.
 
-``LMPRESS_AUTOTUNE`` sets how much is tuned: ``full`` (default: every configuration of a kernel),
+``set_tune_space`` sets how much is tuned: ``full`` (default: every configuration of a kernel),
 ``small`` (a fixed few per kernel, for a short GPU visit: ``bench/*.py --tune small``) or ``off``
 (one fixed configuration, no timing).
 """
@@ -28,11 +28,20 @@ SPACES = ("full", "small", "off")
 FORMAT = 1
 
 
+_space = "full"
+
+
 def tune_space() -> str:
-    space = os.environ.get("LMPRESS_AUTOTUNE", "full")
+    """How much is tuned in this process: ``full``, ``small`` or ``off`` (``set_tune_space``)."""
+    return _space
+
+
+def set_tune_space(space: str) -> None:
+    """Tune every configuration (``full``), a fixed few (``small``) or none (``off``) from now on."""
+    global _space
     if space not in SPACES:
-        raise ValueError(f"LMPRESS_AUTOTUNE={space!r}: expected one of {', '.join(SPACES)}")
-    return space
+        raise ValueError(f"autotune space {space!r}: expected one of {', '.join(SPACES)}")
+    _space = space
 
 
 def cache_path() -> Path:
