@@ -1,6 +1,6 @@
 """bench/gpu_check.sh --dry-run: every step of the GPU visit, on the CPU at tiny sizes, says PASS, so that a
-script error never costs device time. The two kernel tables (bench/triton_kernels.py, bench/runtime_gpu.py) are
-part 2's scripts: until they take --results, their steps say SKIP, and only those may."""
+script error never costs device time; the two kernel tables (bench/triton_kernels.py, bench/runtime_gpu.py) write
+their rows into the same results file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DELEGATED = {"kernels", "decode"}  # bench/triton_kernels.py and bench/runtime_gpu.py (issue 37 part 2)
 EXPECTED = {
     "smoke.environment",
     "smoke.tiny-model",
@@ -45,6 +44,8 @@ EXPECTED = {
     "model.learned-w4-gpu",
     "model.distill-speed.recover-24",
     "model.distill-speed.plain-bf16",
+    "kernels",
+    "decode",
 }
 
 
@@ -56,18 +57,18 @@ def test_the_dry_run_passes_every_step(tmp_path):
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if "step" in r]
+    tables = {r["bench"] for r in lines if "bench" in r}
+    assert tables == {"triton_kernels", "runtime_gpu"}, tables
     printed = [line for line in run.stdout.splitlines() if re.match(r"(PASS|FAIL|SKIP) [^ ]+ \([0-9.]+ s\)", line)]
     # one printed line per JSON row, in the same order
     assert [line.split(" ")[:2] for line in printed] == [[r["status"], r["step"]] for r in rows]
     by_step = {r["step"]: r for r in rows}
     assert EXPECTED <= set(by_step), f"steps that never reported: {sorted(EXPECTED - set(by_step))}"
     for row in rows:
-        if row["step"] in DELEGATED and row["status"] == "SKIP":
-            assert "has no --results flag yet" in row["message"]  # the lead merges part 2's scripts
-            continue
-        if row["step"] in ("smoke.onnx-runtime", "smoke.generate.fp8") and row["status"] == "SKIP":
-            continue  # onnxruntime not installed here / the runtime has no FP8 layer yet: said, not hidden
+        if row["step"] == "smoke.onnx-runtime" and row["status"] == "SKIP":
+            continue  # onnxruntime not installed here: said, not hidden
         assert row["status"] == "PASS", row
     assert by_step["model.learned-w4-gpu"]["ppl"] > 1
     assert by_step["model.distill-speed.plain-bf16"]["distill_over_plain"] > 0
