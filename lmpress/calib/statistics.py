@@ -102,9 +102,7 @@ def inverse_hessian_factor(working_hessian: Callable[[], torch.Tensor], damp: fl
         work.diagonal().add_(damp * torch.mean(torch.diag(work)).item())
         # P H P is symmetric, so its column-major view is the same matrix: LAPACK factors it in place there.
         L = work.mT
-        info = torch.empty((), dtype=torch.int32, device=work.device)
-        torch.linalg.cholesky_ex(L, out=(L, info))
-        if info.item() == 0:
+        if cholesky_in_place_(L):
             invert_upper_triangular_(work)  # work holds Lᵀ in row-major order; inverted, the view L is L⁻¹
             reverse_storage_(work)  # the view L is now P L⁻¹ P = U
             if all(torch.isfinite(rows).all() for rows in work.split(SOLVE_ROWS)):
@@ -113,6 +111,17 @@ def inverse_hessian_factor(working_hessian: Callable[[], torch.Tensor], damp: fl
         if damp >= MAX_DAMP:
             raise RuntimeError(f"the Hessian is not positive definite even with dampening {damp}")
         damp = min(damp * 10, MAX_DAMP)
+
+
+def cholesky_in_place_(L: torch.Tensor) -> bool:
+    """The lower Cholesky factor of the symmetric ``L``, written over it; False when it is not positive definite."""
+    if type(L) is torch.Tensor:
+        info = torch.empty((), dtype=torch.int32, device=L.device)
+        torch.linalg.cholesky_ex(L, out=(L, info))
+        return info.item() == 0
+    factor, info = torch.linalg.cholesky_ex(L)  # a tensor subclass (a wrapped device) may take no out=
+    L.copy_(factor)
+    return info.item() == 0
 
 
 def reverse_storage_(matrix: torch.Tensor, chunk: int = 1 << 16) -> None:

@@ -322,7 +322,7 @@ def test_the_shipped_recipes_are_valid_and_never_calibrate_on_the_eval_text(name
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", ["model.device=cpu"])
     stage, *rest = recipe.stages
     assert isinstance(stage, LearnedRoundingConfig) and stage.group_size == 64 and stage.symmetric
-    assert recipe.data.source.endswith("wiki.valid.tokens") and recipe.eval.text.endswith("wiki.test.raw")
+    assert (recipe.data.source, recipe.eval.text) == ("builtin:wikitext2:valid", "builtin:wikitext2:test")
     # the full-quality recipes then distill scales and norms on the calibration samples themselves
     assert [(s.method, s.train_on, s.learn_weights) for s in rest] == (
         [] if name == "learned-w4" else [("distill", "calibration", False)]
