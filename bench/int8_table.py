@@ -130,7 +130,7 @@ def measure_row(name: str) -> dict:
 
     from lmpress.data import calibration_samples, load_text, token_windows, tokenize
     from lmpress.evals.perplexity import PerplexityConfig, perplexity
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.registry import StageContext, exporter, stage_config, stage_handler_for
 
     torch.manual_seed(0)

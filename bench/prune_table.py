@@ -73,7 +73,7 @@ def measure_rows(names: list[str]) -> list[dict]:
     import torch
 
     from lmpress.data import calibration_samples, load_text, tokenize
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.prune.structured import parameter_bytes
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ Batch 1, a 128-token prompt (the start of the built-in Python docs text), 256 ne
 greedy, EOS ignored so every row decodes the same number of tokens. Every row runs in its
 own process (so its peak RSS is its own) with the same thread count, one after another in
 one invocation; the machine's copy bandwidth is measured in each. Timing and bytes per
-token follow ``lmpress.runtime.bench`` for every row: decode tok/s = (N - 1) / (t(N) - t(1)),
+token follow ``lmpress.runtime.throughput`` for every row: decode tok/s = (N - 1) / (t(N) - t(1)),
 medians of ``--repeats`` runs; bytes per token = weights + KV cache at the mean length.
 
 llama.cpp runs the model's own Q4_1 GGUF (the file SmolLM2 ships as) through
@@ -123,7 +123,7 @@ def w4_artifact(label: str) -> Path:
 
 
 def gguf_path() -> Path:
-    from lmpress.model import package_file
+    from lmpress.loader import package_file
 
     return package_file(SMOLLM2)
 
@@ -152,7 +152,7 @@ def ensure_llama_cpp(build: bool) -> bool:
 
 
 def plain_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
-    from lmpress.runtime.bench import bench_prompt
+    from lmpress.runtime.throughput import bench_prompt
 
     return bench_prompt(tokenizer, n_tokens)
 
@@ -166,8 +166,8 @@ def grounded_prompt(tokenizer: Any) -> list[int]:
 
 
 def row_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bool = False) -> dict[str, Any]:
-    from lmpress.runtime.bench import BenchSettings, benchmark
     from lmpress.runtime.text import load_runtime
+    from lmpress.runtime.throughput import BenchSettings, benchmark
 
     model, tokenizer = load_runtime(source, "cpu", dtype)
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=compile)
@@ -181,8 +181,8 @@ def row_speculative(
     draft_vocab: int | None = None,
     draft_vocab_text: str = "builtin:python-docs",
 ) -> dict[str, Any]:
-    from lmpress.runtime.bench import BenchSettings, benchmark
     from lmpress.runtime.text import load_draft, load_runtime
+    from lmpress.runtime.throughput import BenchSettings, benchmark
 
     model, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
     draft = load_draft(draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text)
@@ -193,7 +193,7 @@ def row_speculative(
 
 def row_transformers(args: argparse.Namespace) -> dict[str, Any]:
     import lmpress
-    from lmpress.runtime.bench import copy_bandwidth_gbs, generation_times, running_peak_mb
+    from lmpress.runtime.throughput import copy_bandwidth_gbs, generation_times, running_peak_mb
 
     loaded = lmpress.load_model(SMOLLM2, "float32")
     model, config = loaded.model, loaded.model.config
@@ -224,7 +224,7 @@ def row_llama_cpp(args: argparse.Namespace) -> dict[str, Any]:
     from llama_cpp import Llama
 
     import lmpress
-    from lmpress.runtime.bench import copy_bandwidth_gbs, generation_times, running_peak_mb
+    from lmpress.runtime.throughput import copy_bandwidth_gbs, generation_times, running_peak_mb
 
     path = gguf_path()
     tokenizer = lmpress.load_model(SMOLLM2).tokenizer  # the same token ids the other rows read
@@ -256,7 +256,7 @@ def row_llama_cpp(args: argparse.Namespace) -> dict[str, Any]:
 def timing_row(
     times: tuple[float, float], args: argparse.Namespace, prompt_tokens: int, per_token: int, bw: float, peak: float
 ) -> dict[str, Any]:
-    from lmpress.runtime.bench import decode_rate
+    from lmpress.runtime.throughput import decode_rate
 
     rate = decode_rate(times, args.new_tokens)
     return {

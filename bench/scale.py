@@ -218,7 +218,7 @@ import json, sys, time
 import torch
 from lmpress.api import quantize_model
 from lmpress.memory import process_peak_mb
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.progress import Bars
 
 path, stage, data, device = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
@@ -258,8 +258,8 @@ def add_forecast(row: dict, data: dict) -> dict:
     """``row`` with lmpress.memory_plan's forecast for its run (from the configs alone) and for the whole model."""
     import torch
 
+    from lmpress.loader import model_skeleton
     from lmpress.memory_plan import forecast_memory
-    from lmpress.model import model_skeleton
     from lmpress.registry import stage_config
 
     config = stage_config(GPTQ["method"])(**GPTQ)

@@ -269,8 +269,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from lmpress.runtime.bench import BenchSettings, bench_prompt, benchmark, render_rows
     from lmpress.runtime.text import load_draft, load_runtime, resolve_device
+    from lmpress.runtime.throughput import BenchSettings, bench_prompt, benchmark, render_rows
 
     if args.draft is not None and args.prompt_lookup:
         raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmpress.anatomy import decoder_layers, layer_linears
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, layer_linears
 from lmpress.quantize.targets import WeightQuantConfig
 
 if TYPE_CHECKING:

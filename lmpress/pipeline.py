@@ -37,12 +37,12 @@ from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
 from lmpress.evals.speed import size_and_speed
 from lmpress.evals.suite import baseline_identity, run_suite, suite_report
-from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
+from lmpress.export.formats import check_export_plan, check_recipe_exports
 from lmpress.export.manifest import write_manifest
 from lmpress.export.verify import ExportCheck, check_export, window_ppl
+from lmpress.loader import LoadedModel, load_model, model_skeleton, resolve_checkpoint
 from lmpress.memory import process_peak_mb, track_peak_rss
 from lmpress.memory_plan import available_memory, check_fits, forecast_recipe
-from lmpress.model import LoadedModel, load_model, model_skeleton, resolve_checkpoint
 from lmpress.placement import (
     naming_out_of_memory,
     on_device,

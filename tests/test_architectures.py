@@ -80,7 +80,7 @@ def relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def load(path: Path):
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
 
     return load_model(str(path), fingerprint=False)
 
@@ -88,7 +88,7 @@ def load(path: Path):
 def run_method(path: Path, method: str):
     """(cell, model or None): the method run on a fresh copy of the family's model, checked."""
     from lmpress.api import quantize_model
-    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.weights.qlinear import QuantizedLinear
 
     loaded = load(path)
     model = loaded.model
@@ -134,7 +134,7 @@ def ct_consumer(out: Path, candidate) -> str:
 
     from safetensors.torch import load_file
 
-    from lmpress.export.checkpoint import quantized_layers
+    from lmpress.export.formats import quantized_layers
 
     raw = json.loads((out / "config.json").read_text())["quantization_config"]
     qc = QuantizationConfig.model_validate({k: v for k, v in raw.items() if k in QuantizationConfig.model_fields})
@@ -166,7 +166,7 @@ def gguf_consumer(out: Path, candidate) -> str:
     import gguf
     from gguf.quants import dequantize
 
-    from lmpress.export.checkpoint import quantized_layers
+    from lmpress.export.formats import quantized_layers
 
     reader = gguf.GGUFReader(out / "model.gguf")
     tensors = {t.name: t for t in reader.tensors}
@@ -190,9 +190,9 @@ CONSUMERS = {"compressed-tensors": ct_consumer, "onnx": onnx_consumer, "gguf": g
 
 def run_export(path: Path, fmt: str, tmp: Path, candidates: dict) -> tuple[str, str]:
     """(lmpress read-back cell, consumer cell) for ``fmt`` on the family at ``path``."""
-    from lmpress.export.checkpoint import check_export_plan
+    from lmpress.export.formats import check_export_plan
     from lmpress.export.verify import check_export, window_ppl
-    from lmpress.model import model_skeleton
+    from lmpress.loader import model_skeleton
     from lmpress.recipe import _validate
     from lmpress.registry import exporter, stage_config
 

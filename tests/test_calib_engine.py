@@ -6,12 +6,13 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
+from lmpress.anatomy import decoder_layers
 from lmpress.calib.engine import capture_first_layer_inputs, run_calibration
 from lmpress.calib.hooks import SharedInput
 from lmpress.calib.session import LayerSession
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, load_model
+from lmpress.loader import load_model
 from lmpress.quantize.gptq import GPTQConfig, GPTQMethod, run_gptq
 from lmpress.registry import StageContext
 from tests.conftest import save_tiny_model

@@ -7,8 +7,8 @@ import pytest
 import torch
 import yaml
 
+from lmpress.anatomy import get_anatomy
 from lmpress.calib.engine import CalibrationMethod, run_calibration
-from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import can_fold, fold_scales
 from lmpress.registry import StageContext
 from lmpress.runtime.model import Transformer

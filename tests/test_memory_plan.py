@@ -13,10 +13,10 @@ import torch
 from lmpress.api import quantize_model
 from lmpress.calib.statistics import inverse_hessian_factor, invert_upper_triangular_, reverse_storage_
 from lmpress.cli import main
+from lmpress.loader import load_model, model_skeleton
 from lmpress.memory_plan import forecast_memory, packed_bytes
-from lmpress.model import load_model, model_skeleton
-from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.registry import stage_config
+from lmpress.weights.qlinear import QuantizedLinear
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import torch
 
 from lmpress.calib.moe import UnfusedExperts, unfuse_experts
 from lmpress.quantize.gptq import GPTQConfig, run_gptq
-from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.registry import StageContext
+from lmpress.weights.qlinear import QuantizedLinear
 
 N_EXPERTS = 4
 STARVED = 3  # the router never picks this expert

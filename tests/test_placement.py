@@ -87,7 +87,7 @@ def assert_on_cpu(model: torch.nn.Module) -> None:
 
 
 def run_under_guard(model_dir, stages, text, tmp_path):
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.pipeline import run_stages
 
     recipe = recipe_for(model_dir, stages, text)
@@ -135,7 +135,7 @@ def test_every_stage_computes_on_the_device_and_leaves_the_model_on_the_cpu(
 
 def test_the_eval_suite_runs_on_the_device(tiny_llama_dir, tmp_path):
     from lmpress.evals.suite import run_suite
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.progress import QUIET
     from lmpress.recipe import parse_recipe
 

@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
 from lmpress.errors import LmpressInputError
-from lmpress.model import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.placement import naming_out_of_memory
 from lmpress.registry import StageContext
 

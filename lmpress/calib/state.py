@@ -23,9 +23,9 @@ from torch import nn
 
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.fp8 import Fp8Weight
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.float8 import Fp8Weight
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 if TYPE_CHECKING:
     from lmpress.calib.session import LayerSession

@@ -1,6 +1,6 @@
 """compressed-tensors ``pack-quantized`` checkpoints, as llm-compressor writes them and vLLM reads them.
 
-Per quantized layer ``L`` (see ``quantize/pack.py`` for the bit layout):
+Per quantized layer ``L`` (see ``weights/pack.py`` for the bit layout):
 
 - ``L.weight_packed`` int32 ``(out, ceil(in*bits/32))``: codes packed along the input axis;
 - ``L.weight_scale`` ``(out, n_groups)`` in the scales' dtype (float32 from lmpress's quantizers);
@@ -44,36 +44,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.checkpoint_files import check_shape, group_count, require_tensor
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
-    check_shape,
     dense_tensors,
-    group_count,
     plan_of,
     quantized_layers,
-    register_plan_check,
-    register_reader,
-    register_scheme_check,
     require_quantized_layers,
-    require_tensor,
     unquantized_linears,
     write_checkpoint,
 )
 from lmpress.prune.masks import nm_pattern
-from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
-from lmpress.quantize.int8_linear import int8_weight
-from lmpress.quantize.pack import (
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.float8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
+from lmpress.weights.int8_linear import int8_weight
+from lmpress.weights.pack import (
     PACKABLE_BITS,
     ct_pack_zero_point,
     ct_unpack_weight,
     ct_unpack_zero_point,
     packed_length,
 )
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import register_exporter
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 FORMAT = "compressed-tensors"
 PACK_QUANTIZED = "pack-quantized"
@@ -160,7 +155,6 @@ def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@register_scheme_check(FORMAT)
 def ct_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     if scheme.bits not in PACKABLE_BITS:
         return f"{scheme.bits}-bit weights; lmpress packs {PACKABLE_BITS} bits"
@@ -169,7 +163,6 @@ def ct_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     return None
 
 
-@register_plan_check(FORMAT)
 def check_ct_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     for name, layer in plan.items():
         reason = ct_scheme_refusal(layer.scheme, act_order=False)
@@ -258,7 +251,6 @@ def ct_quantization_config(
     }
 
 
-@register_exporter(FORMAT)
 def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     fp8 = fp8_layers(model)  # their buffers already carry the float-quantized names (weight, weight_scale)
     layers = quantized_layers(model) if fp8 else require_quantized_layers(model, FORMAT)
@@ -369,7 +361,6 @@ def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
     return QuantScheme(int(args["num_bits"]), group_size, bool(args.get("symmetric", True)))
 
 
-@register_reader("compressed-tensors", SUFFIXES)
 def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     qc = config["quantization_config"]
     readable = (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED)
@@ -421,3 +412,15 @@ def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Ten
             scheme=scheme,
         )
     return layers
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_compressed_tensors,
+        refuse_scheme=ct_scheme_refusal,
+        check_plan=check_ct_plan,
+        read=read_compressed_tensors,
+        packed_suffixes=SUFFIXES,
+    )
+)

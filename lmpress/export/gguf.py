@@ -42,14 +42,11 @@ import torch
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
     fp16_scales,
     quantized_layers,
-    register_artifact_loader,
-    register_plan_check,
-    register_scheme_check,
 )
 from lmpress.export.ggml_blocks import (
     BLOCK,
@@ -60,10 +57,10 @@ from lmpress.export.ggml_blocks import (
     unpack_q4_k,
     unpack_q8_0,
 )
-from lmpress.quantize.kquant import SUPER_BLOCK, kquant_grid
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import register_exporter
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.kquant import SUPER_BLOCK, kquant_grid
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 FORMAT = "gguf"
 FILE_NAME = "model.gguf"
@@ -90,7 +87,6 @@ TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "l
 # What GGUF can hold ------------------------------------------------------------------------------
 
 
-@register_scheme_check(FORMAT)
 def gguf_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     """Why a layer quantized with ``scheme`` has no exact GGML block type, or None (Q4_K / Q4_0 / Q8_0)."""
     what = (
@@ -131,7 +127,6 @@ def gguf_architecture(config: Any) -> str:
     return ARCHITECTURES[model_type]
 
 
-@register_plan_check(FORMAT)
 def check_gguf_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     gguf_architecture(model.config)
     for name, layer in plan.items():
@@ -377,7 +372,6 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: Path, float_dtype: torch.
     writer.close()
 
 
-@register_exporter(FORMAT)
 def export_gguf(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     """``OUT/gguf/model.gguf`` plus the transformers tokenizer files (for ``lmpress eval OUT/gguf``)."""
     out_dir = Path(out_dir)
@@ -500,7 +494,6 @@ def _take_rows(value: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> tor
     return value[rows]
 
 
-@register_artifact_loader(FILE_NAME)
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The GGUF export in directory ``path`` as a transformers model; Q4_K / Q4_0 / Q8_0 layers as QuantizedLinear.
 
@@ -509,7 +502,7 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from lmpress.quantize.apply import apply_quantized_weight
+    from lmpress.weights.apply import apply_quantized_weight
 
     config, tensors = read_gguf_tensors(Path(path) / FILE_NAME)
     with no_init_weights():
@@ -528,3 +521,15 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         raise LmpressInputError(f"{path}: the GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
     model.load_state_dict(dense, strict=False)
     return model.eval()
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_gguf,
+        refuse_scheme=gguf_scheme_refusal,
+        check_plan=check_gguf_plan,
+        artifact_file=FILE_NAME,
+        load_artifact=read_gguf,
+    )
+)

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.registry import register_exporter
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.qlinear import QuantizedLinear
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -36,7 +36,6 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-@register_exporter("hf")
 def export_hf(model: nn.Module, tokenizer, out_dir: Path) -> None:
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -50,3 +49,11 @@ def export_hf(model: nn.Module, tokenizer, out_dir: Path) -> None:
         if untie:
             config.tie_word_embeddings = True
     tokenizer.save_pretrained(out_dir)
+
+
+register_format(
+    ExportFormat(
+        name="hf",
+        write=export_hf,
+    )
+)

@@ -19,17 +19,16 @@ import torch
 from rich.console import Console, Group
 from rich.table import Table
 
-from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.checkpoint_files import (
     CONFIG_NAME,
-    READERS,
     quant_method,
+    quantized_format,
     read_config,
     read_tensor_headers,
     read_tensors,
 )
+from lmpress.errors import LmpressInputError
 from lmpress.prune.masks import nm_pattern
-from lmpress.registry import READER_MODULES, load_reader
 
 MANIFEST = "manifest.json"
 
@@ -65,13 +64,10 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         if sparse:
             info["sparsity"] = _overall_sparsity(sparse)
         return info
+    fmt = quantized_format(path, config)
     tensors = read_tensors(path)
-    if not load_reader(method) and method not in READERS:
-        raise LmpressInputError(
-            f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READER_MODULES)})"
-        )
     qc = config["quantization_config"]
-    layers = READERS[method](config, tensors)
+    layers = fmt.read(config, tensors)
     rows = []
     for name, qw in layers.items():
         out_features, in_features = qw.qweight.shape

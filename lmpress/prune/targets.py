@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, get_anatomy, layer_linears
-from lmpress.quantize.scheme import QuantScheme
 from lmpress.quantize.targets import _check_patterns
 from lmpress.registry import StageConfig, StrictConfig
+from lmpress.weights.scheme import QuantScheme
 
 _PATTERN = re.compile(r"^(unstructured|(\d+):(\d+))$")
 

@@ -34,22 +34,21 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from lmpress.anatomy import get_anatomy
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
-from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import apply_clip, can_fold, fold_scales, search_clip, search_scales
-from lmpress.quantize.scheme import quantize_weight_rtn
 from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding
-from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.registry import StageContext, register_stage
 from lmpress.registry import calibration_method as method_by_name
+from lmpress.weights.scheme import quantize_weight_rtn
 
 log = logging.getLogger(__name__)
 
 NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
 
 
-@register_stage("awq")
 class AWQConfig(GPTQRounding):
     method: Literal["awq"] = "awq"
     grid: int = Field(20, ge=1, le=200)
@@ -149,7 +148,7 @@ def calibration_method(config: AWQConfig) -> AWQMethod:
     return AWQMethod(config, rounds=False)
 
 
-@stage_handler(AWQConfig)
+@register_stage("awq", AWQConfig)
 @torch.no_grad()
 def run_awq(model: nn.Module, config: AWQConfig, ctx: StageContext) -> dict:
     method = AWQMethod(config)

@@ -36,7 +36,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.registry import StageConfig, StageContext, register_stage, stage_handler
+from lmpress.registry import StageConfig, StageContext, register_stage
 
 
 def _bnb(where: str) -> Any:
@@ -98,7 +98,6 @@ class BnBStageConfig(StageConfig):
         raise NotImplementedError
 
 
-@register_stage("llm_int8")
 class LLMInt8Config(BnBStageConfig):
     method: Literal["llm_int8"] = "llm_int8"
     threshold: float = Field(6.0, ge=0)
@@ -127,7 +126,6 @@ class LLMInt8Config(BnBStageConfig):
         return module.to(linear.weight.device)  # Int8Params quantizes on this move
 
 
-@register_stage("bnb_4bit")
 class BnB4bitConfig(BnBStageConfig):
     method: Literal["bnb_4bit"] = "bnb_4bit"
     quant_type: Literal["nf4", "fp4"] = "nf4"
@@ -202,5 +200,5 @@ def run_bnb(model: nn.Module, config: BnBStageConfig, ctx: StageContext) -> dict
     return {"quantized_layers": len(targets)}
 
 
-stage_handler(LLMInt8Config)(torch.no_grad()(run_bnb))
-stage_handler(BnB4bitConfig)(torch.no_grad()(run_bnb))
+register_stage("llm_int8", LLMInt8Config)(torch.no_grad()(run_bnb))
+register_stage("bnb_4bit", BnB4bitConfig)(torch.no_grad()(run_bnb))

@@ -33,14 +33,13 @@ from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import group_hessians
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.scheme import QuantScheme
 from lmpress.quantize.targets import GPTQRounding
-from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.registry import StageContext, register_stage
+from lmpress.weights.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
 
 
-@register_stage("gptq")
 class GPTQConfig(GPTQRounding):
     method: Literal["gptq"] = "gptq"
 
@@ -92,7 +91,7 @@ def calibration_method(config: GPTQRounding) -> GPTQMethod:
     return GPTQMethod(config)
 
 
-@stage_handler(GPTQConfig)
+@register_stage("gptq", GPTQConfig)
 @torch.no_grad()
 def run_gptq(model: nn.Module, config: GPTQConfig, ctx: StageContext) -> dict:
     return run_one_shot_stage(

@@ -24,10 +24,10 @@ import logging
 import torch
 
 from lmpress.calib.statistics import column_loop_threads, inverse_hessian_factor
-from lmpress.quantize.fp8 import Fp8Weight, fp8_channel_qparams, require_float8, round_to_e4m3_
-from lmpress.quantize.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid
-from lmpress.quantize.kquant import super_scale as kquant_super_scale
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
+from lmpress.weights.float8 import Fp8Weight, fp8_channel_qparams, require_float8, round_to_e4m3_
+from lmpress.weights.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid
+from lmpress.weights.kquant import super_scale as kquant_super_scale
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
 

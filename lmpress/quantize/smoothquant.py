@@ -52,23 +52,28 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from lmpress.anatomy import get_anatomy
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
-from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import can_fold, fake_quantize_weight, fold_scales
-from lmpress.quantize.fp8 import Fp8Weight, fake_quantize_fp8, fake_quantize_fp8_per_token, quantize_fp8, require_float8
-from lmpress.quantize.int8_linear import fake_quantize_per_token
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding, GroupSize
-from lmpress.registry import StageContext, calibration_method, register_stage, stage_handler
+from lmpress.registry import StageContext, calibration_method, register_stage
+from lmpress.weights.float8 import (
+    Fp8Weight,
+    fake_quantize_fp8,
+    fake_quantize_fp8_per_token,
+    quantize_fp8,
+    require_float8,
+)
+from lmpress.weights.int8_linear import fake_quantize_per_token
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 log = logging.getLogger(__name__)
 
 RANGE_FLOOR = 1e-5
 
 
-@register_stage("smoothquant")
 class SmoothQuantConfig(GPTQRounding):
     method: Literal["smoothquant"] = "smoothquant"
     bits: Literal[8] = 8
@@ -265,7 +270,7 @@ class SmoothQuantMethod(CalibrationMethod):
                     session.apply(name, quantize_weight_rtn(w, session.targets[name]))
 
 
-@stage_handler(SmoothQuantConfig)
+@register_stage("smoothquant", SmoothQuantConfig)
 @torch.no_grad()
 def run_smoothquant(model: nn.Module, config: SmoothQuantConfig, ctx: StageContext) -> dict:
     if config.activations == "fp8":

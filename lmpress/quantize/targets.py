@@ -19,9 +19,9 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.kquant import SUPER_BLOCK
-from lmpress.quantize.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
 from lmpress.registry import StageConfig, StrictConfig
+from lmpress.weights.kquant import SUPER_BLOCK
+from lmpress.weights.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
 
 Bits = Literal[2, 3, 4, 8]
 GroupSize = Literal[-1, 32, 64, 128]

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmpress.data import calibration_samples, load_text, tokenize
-from lmpress.export.checkpoint import quantized_layers
+from lmpress.export.formats import quantized_layers
 from lmpress.export.inspect import inspect_artifact, render_inspect_text
 from lmpress.prune.sparsegpt import SparseGPTConfig, run_sparsegpt
 from lmpress.prune.wanda import WandaConfig, run_wanda

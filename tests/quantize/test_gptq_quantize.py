@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from lmpress.calib.statistics import HessianAccumulator, inverse_hessian_factor
-from lmpress.quantize.fp8 import Fp8Weight, quantize_fp8
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer, layer_output_error, search_qparams_mse
-from lmpress.quantize.kquant import kquant_grid
-from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize, quantize_weight_rtn
+from lmpress.weights.float8 import Fp8Weight, quantize_fp8
+from lmpress.weights.kquant import kquant_grid
+from lmpress.weights.scheme import QuantScheme, compute_qparams, fake_quantize, quantize_weight_rtn
 
 
 def correlated_inputs(tokens: int = 2048, cols: int = 256, seed: int = 0) -> torch.Tensor:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.runtime.kernels import dense_linear
+from lmpress.runtime.kernels.dense import dense_linear
+from lmpress.weights.qlinear import QuantizedLinear
 
 
 class DenseLinear(nn.Linear):
