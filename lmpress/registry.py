@@ -19,13 +19,14 @@ known names imports nothing. A new technique, eval or format is its module plus 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from lmpress.data import Text
 from lmpress.progress import QUIET, Bars
@@ -37,6 +38,22 @@ class StrictConfig(BaseModel):
     """Base of every recipe section: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _valid_patterns(patterns: T) -> T:
+    """``patterns`` (a list, or a dict keyed by pattern) when each is a regular expression; ValueError naming the
+    first that is not."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{pattern!r} is not a valid regular expression ({e})") from e
+    return patterns
+
+
+# Layer-name regular expressions (a stage's ``ignore``; the keys of its ``overrides``), checked when read.
+LayerPatterns = Annotated[list[str], AfterValidator(_valid_patterns)]
+PatternKeyed = Annotated[dict[str, T], AfterValidator(_valid_patterns)]
 
 
 class StageConfig(StrictConfig):

@@ -32,11 +32,11 @@ import re
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.registry import StageConfig, StageContext, register_stage
+from lmpress.registry import LayerPatterns, StageConfig, StageContext, register_stage
 
 
 def _bnb(where: str) -> Any:
@@ -50,17 +50,7 @@ def _bnb(where: str) -> Any:
 class BnBStageConfig(StageConfig):
     """Keys both bitsandbytes stages accept."""
 
-    ignore: list[str] = ["lm_head"]
-
-    @field_validator("ignore")
-    @classmethod
-    def _patterns_ok(cls, v: list[str]) -> list[str]:
-        for pattern in v:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"{pattern!r} is not a valid regular expression ({e})") from e
-        return v
+    ignore: LayerPatterns = ["lm_head"]
 
     def ignored(self, name: str) -> bool:
         return any(re.fullmatch(p, name) for p in self.ignore)

@@ -14,10 +14,9 @@ import re
 from typing import Literal
 
 import torch
-from pydantic import field_validator
 from torch import nn
 
-from lmpress.registry import StageConfig, StageContext, register_stage
+from lmpress.registry import LayerPatterns, StageConfig, StageContext, register_stage
 from lmpress.weights.float8 import Fp8Linear, Strategy, require_float8
 from lmpress.weights.scheme import QuantScheme
 
@@ -25,17 +24,7 @@ from lmpress.weights.scheme import QuantScheme
 class FP8Config(StageConfig):
     method: Literal["fp8"] = "fp8"
     weights: Strategy = "channel"
-    ignore: list[str] = ["lm_head"]
-
-    @field_validator("ignore")
-    @classmethod
-    def _patterns_ok(cls, v: list[str]) -> list[str]:
-        for pattern in v:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"{pattern!r} is not a valid regular expression ({e})") from e
-        return v
+    ignore: LayerPatterns = ["lm_head"]
 
     def targets(self, model: nn.Module) -> dict[str, nn.Linear]:
         return {
