@@ -227,7 +227,6 @@ def onnx_cuda(model_dir: Path, device_name: str, work: Path) -> dict | str:
 
 
 def smoke(dry_run: bool) -> None:
-    os.environ["LMPRESS_CHECK_PLACEMENT"] = "1"  # every stage of every run below under the placement guard
     if dry_run:  # the CPU runtime's one-off matmul probe streams 128 MiB per weight shape: tiny sizes here
         import lmpress.runtime.kernels.cpu as cpu_kernels
 
@@ -352,7 +351,7 @@ def write_smoke_recipe(work: Path, model_dir: Path, device: str, fp8: bool = Fal
 
 
 def recipe_run(recipe: Path, out: Path) -> dict:
-    cli("run", str(recipe), "--out", str(out), "--quiet")
+    cli("run", str(recipe), "--out", str(out), "--quiet", "--check-placement")  # every stage under the guard
     report = json.loads((out / "report.json").read_text())
     failed = [c["format"] for c in report["export_checks"] if not c["passed"]]
     if failed:

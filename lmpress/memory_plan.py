@@ -165,7 +165,7 @@ def forecast_memory(
     phases = {
         "calibration": max(
             (
-                calibration_bytes(shape, samples, seq_len, getattr(s, "batch_size", 4))
+                calibration_bytes(shape, samples, seq_len, s.batch_size)
                 for s in stages
                 if s.calibrates_layerwise
             ),

@@ -62,7 +62,8 @@ class StageConfig(StrictConfig):
     method: str
     # trains the model with every launched process (DDP); the other stages run in each process alone
     trains_across_processes: ClassVar[bool] = False
-    # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan)
+    # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan); such a
+    # stage has a batch_size field (calibration samples per forward pass)
     calibrates_layerwise: ClassVar[bool] = False
 
     def check(self, model: Any) -> None:

@@ -73,6 +73,8 @@ def test_every_stage_name_resolves_to_its_module(name):
     config = stage_config(name)
     assert STAGE_CONFIGS[name] is config
     assert STAGE_HANDLERS[config].__module__ == STAGE_MODULES[name]  # one registration gave both
+    if config.calibrates_layerwise:  # the memory forecast reads it
+        assert "batch_size" in config.model_fields
 
 
 def test_every_eval_format_and_reader_name_resolves():
