@@ -11,13 +11,7 @@ On a GPU with FP8 tensor cores (compute capability 8.9 or newer) the product run
 as a real FP8 matrix multiplication (``torch._scaled_mm``); elsewhere it is
 simulated: the same E4M3-rounded operands multiplied in float32, so the CPU eval
 scores exactly the values an FP8 kernel multiplies (the accumulation order aside).
-The stage needs no calibration data (the activation scales are dynamic).
-
-Sample recipe stage:
-
-    - method: fp8
-      weights: channel       # channel | tensor: one weight scale per output row, or one per matrix
-      ignore: [lm_head]
+The stage that makes these layers: ``lmpress.quantize.fp8``.
 """
 
 from __future__ import annotations
