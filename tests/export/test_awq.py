@@ -11,7 +11,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.export.formats import load_quantized_checkpoint, load_quantized_model, quantized_layers
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.scheme import QuantScheme
-from tests.quantize.test_qlinear import act_order_weight
+from tests.weights.test_qlinear import act_order_weight
 
 # Nibble i of an AWQ GEMM word holds output column AWQ_ORDER[i] of its 8 columns (AutoAWQ's pack order).
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]

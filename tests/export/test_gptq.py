@@ -11,7 +11,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.export.formats import load_quantized_checkpoint, load_quantized_model, quantized_layers
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
-from tests.quantize.test_qlinear import act_order_weight
+from tests.weights.test_qlinear import act_order_weight
 
 
 def expected_layers(model):

@@ -32,7 +32,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'lmpr
 from lmpress.runtime.kernels import triton as tk
 from lmpress.weights.qlinear import QuantizedLinear
 from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
-from tests.quantize.test_qlinear import act_order_weight  # noqa: E402
+from tests.weights.test_qlinear import act_order_weight  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
