@@ -3,8 +3,10 @@ each is held to these verdicts by tests/evals/test_vllm_consumer.py where vLLM i
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -59,3 +61,40 @@ def test_inspect_reads_a_gguf_file_and_names_its_server(exports):
     )
     assert done.returncode == 0, done.stderr
     assert "gguf" in done.stdout and "serve GGUF with llama.cpp" in " ".join(done.stdout.split())
+
+
+def damaged(export: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of ``export`` whose files disagree with its config: bits or group size edited, or a tensor gone."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / how
+    shutil.copytree(export, out)
+    config = json.loads((out / "config.json").read_text())
+    if how == "bits":
+        config["quantization_config"]["bits"] = 8
+    elif how == "group-size":
+        config["quantization_config"]["group_size"] = 64
+    else:
+        tensors = load_file(out / "model.safetensors")
+        del tensors[next(k for k in sorted(tensors) if k.endswith(".weight_scale"))]
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(("how", "fmt"), [("bits", "gptq"), ("group-size", "gptq"), ("missing", "compressed-tensors")])
+@pytest.mark.parametrize("command", ["inspect", "eval"])
+def test_an_export_whose_files_disagree_with_its_config_is_refused_before_any_server_sees_it(
+    exports, tmp_path, how, fmt, command
+):
+    """lmpress's inspect and eval refuse it with one line and exit 2 (before a user hands it to vLLM)."""
+    scheme = "W4 g32 sym" if fmt == "gptq" else "W4 g32 asym"
+    bad = damaged(exports[(scheme, fmt)], tmp_path, how)
+    argv = [sys.executable, "-m", "lmpress.cli", command, str(bad)] + (["--quiet"] if command == "eval" else [])
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=600)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
