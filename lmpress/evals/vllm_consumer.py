@@ -12,9 +12,9 @@ docs/serving.md). This module has two halves:
 - the side (:func:`vllm_sides`): in lmpress's environment, it runs the worker once for a list of
   exports and turns each answer into an agreement :class:`~lmpress.evals.agreement.Side`.
 
-vLLM's CPU build runs every model in bfloat16 or float32; an export whose config says float32 but whose
-scheme vLLM's CPU kernels take only in 16-bit (GPTQ, AWQ) is loaded by vLLM in the dtype lmpress writes
-into the export's ``config.json`` (``export_dtype``).
+vLLM's CPU backend runs a float32 checkpoint in bfloat16 by itself ("Downcasting torch.float32 to
+torch.bfloat16"), which its GPTQ/AWQ CPU kernels need, so lmpress's exports load with no ``dtype`` flag;
+the vLLM side's unit roundoff is bfloat16's (or the scheme's activation unit where coarser).
 """
 
 from __future__ import annotations
