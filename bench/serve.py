@@ -198,7 +198,7 @@ def run_row(name: str, args: argparse.Namespace, prompt_file: str) -> dict[str, 
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     before = load_average()
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        argv = [python, __file__, "--row", name, "--out", out.name, "--prompt-file", prompt_file]
+        argv = [python, "-P", __file__, "--row", name, "--out", out.name, "--prompt-file", prompt_file]
         argv += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
         argv += ["--vllm-eager"] if args.vllm_eager else []
         began = time.perf_counter()

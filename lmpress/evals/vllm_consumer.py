@@ -149,9 +149,10 @@ def run_vllm(
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}  # lmpress's tree must not shadow vLLM's packages
     log = workdir / "vllm.log"
+    # -P: this file's directory (lmpress/evals: compare.py, report.py, ...) must not shadow vLLM's imports
     with log.open("w") as sink:
         done = subprocess.run(
-            [str(python), __file__, str(request)], stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=timeout
+            [str(python), "-P", __file__, str(request)], stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=timeout
         )
     answers_file = workdir / "answers.json"
     if done.returncode != 0 or not answers_file.is_file():
