@@ -111,10 +111,17 @@ def test_the_page_shows_the_commands_the_tests_run():
     assert LLAMA_CPP_SERVE.replace("EXPORT", "out/w4/gguf").replace("PORT", "8000") in page
 
 
-def test_vllm_serve_answers_as_lmpress_generates(exports, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_env() -> Path:
+    """The vLLM environment's python (skips before any export is written when there is none)."""
     python = vllm_python()
     if python is None:
         pytest.skip("vLLM's environment is not installed (docs/serving.md; set LMPRESS_VLLM_PYTHON)")
+    return python
+
+
+def test_vllm_serve_answers_as_lmpress_generates(vllm_env, exports, tmp_path):
+    python = vllm_env
     export = exports["compressed-tensors"]
     port = free_port()
     command = command_line(VLLM_SERVE, export, port)
