@@ -123,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_vocab_arguments(bench)
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
-    ins.add_argument("artifact", help="a checkpoint directory (gptq, awq, compressed-tensors, hf) or a run directory")
+    ins.add_argument(
+        "artifact",
+        help="a checkpoint directory (gptq, awq, compressed-tensors, hf), a GGUF or ONNX export, or a run directory",
+    )
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 

@@ -164,11 +164,7 @@ def forecast_memory(
     forecast.parts["quantized"] = quantized
     phases = {
         "calibration": max(
-            (
-                calibration_bytes(shape, samples, seq_len, s.batch_size)
-                for s in stages
-                if s.calibrates_layerwise
-            ),
+            (calibration_bytes(shape, samples, seq_len, s.batch_size) for s in stages if s.calibrates_layerwise),
             default=0,
         ),
         # the baseline is scored before any stage, on the whole float model

@@ -15,14 +15,12 @@ zero point 0: lmpress's symmetric zero ``2**(bits-1)`` is that same point.
 scheme, explicit module names otherwise. compressed-tensors dropped act-order
 ``g_idx`` (``actorder: group``), so act-order layers cannot be written here.
 
-Pruned layers: when quantized layers' weights hold an N:M pattern (every group of
-M along the input axis has at least M - N zeros, checked on the codes as
-written), ``sparsity_config`` records it (``sparsity_structure: "2:4"``,
-``global_sparsity``, ``targets``: those layers). Its ``format`` is ``dense``: the
-zeros stay inside the packed 4-bit codes, because compressed-tensors keeps its
-``sparse-24-bitmask`` layout for 8-bit ``int-quantized`` / ``float-quantized``
-weights (and 0.20 decompresses no sparse layout at all); 4-bit 2:4 kernels read
-the structure from this config.
+Pruned layers: the N:M zeros stay inside the packed codes (the weights are stored
+dense), and ``sparsity_config`` is empty: vLLM (0.32) refuses any checkpoint whose
+``sparsity_config`` names targets ("Sparsity support has been removed from
+compressed-tensors"), and compressed-tensors 0.20 decompresses no sparse layout, so
+no current consumer reads that record. ``lmpress inspect`` finds each layer's N:M
+pattern in its weights.
 
 W8A8 layers (``scheme.activations == "int8"``, from SmoothQuant) are written as
 llm-compressor writes W8A8 checkpoints, in the ``int-quantized`` format: the signed
@@ -56,7 +54,6 @@ from lmpress.export.formats import (
     unquantized_linears,
     write_checkpoint,
 )
-from lmpress.prune.masks import nm_pattern
 from lmpress.registry import ExportFormat, register_format
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
 from lmpress.weights.int8_linear import int8_weight
@@ -181,31 +178,6 @@ def _check_layer(name: str, module: QuantizedLinear) -> None:
         raise LmpressInputError(f"export {FORMAT}: {name} is marked symmetric but its zeros are not 2**(bits-1)")
 
 
-def ct_sparsity_config(layers: dict[str, QuantizedLinear]) -> dict[str, Any]:
-    """compressed-tensors' ``sparsity_config`` for the quantized layers that hold an N:M pattern ({} for none)."""
-    patterns: dict[str, list[str]] = {}
-    zeros = total = 0
-    for name, module in layers.items():
-        weight = module.dequantized_weight(torch.float32)
-        pattern = nm_pattern(weight)
-        if pattern is not None:
-            patterns.setdefault(pattern, []).append(name)
-            zeros += int((weight == 0).sum())
-            total += weight.numel()
-    if not patterns:
-        return {}
-    # a 2:4 layer is 4:8 too, so a mix of both is recorded as 4:8
-    structure = next(iter(patterns)) if len(patterns) == 1 else "4:8"
-    return {
-        "format": "dense",
-        "global_sparsity": zeros / total,
-        "sparsity_structure": structure,
-        "targets": sorted(n for names in patterns.values() for n in names),
-        "ignore": [],
-        "registry_requires_subclass": False,
-    }
-
-
 def _group_args(key: QuantScheme | str) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     """(weights, input_activations, format) of a config group: a QuantScheme, or an FP8 layer's strategy."""
     if isinstance(key, QuantScheme):
@@ -245,7 +217,7 @@ def ct_quantization_config(
         "ignore": float_linears,
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
-        "sparsity_config": ct_sparsity_config(layers),
+        "sparsity_config": {},  # see the module docstring: vLLM refuses a sparsity_config with targets
         "transform_config": {},
         "version": CT_CONFIG_VERSION,
     }
