@@ -108,10 +108,14 @@ def run_method(path: Path, method: str):
     assert 0 < relative_rms(logits, before_logits) < (1.5 if method in ("sparsegpt", "wanda") else 0.6), method
     linears = {n: m for n, m in model.model.named_modules() if n.startswith("layers.") and hasattr(m, "in_features")}
     experts = [n for n in linears if ".experts." in n]
-    if model.config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        assert summary["moe_blocks_unfused"] == model.config.num_hidden_layers
-        n_experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
-        assert len(experts) == 3 * n_experts * model.config.num_hidden_layers  # every expert calibrated
+    if model.config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"):
+        config = model.config
+        moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)  # DeepSeek's dense first
+        assert summary["moe_blocks_unfused"] == moe_layers
+        n_experts = next(
+            getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(config, k)
+        )
+        assert len(experts) == 3 * n_experts * moe_layers  # every expert calibrated
     if method in ("sparsegpt", "wanda"):
         for name, m in linears.items():
             if name.endswith(("gate", "shared_expert_gate")):
@@ -294,7 +298,13 @@ def write_doc(results: dict[str, dict[str, str]]) -> None:
     lines += table(results, list(METHODS), list(METHODS))
     lines += ["", "Exports (read back by lmpress / loaded by the consumer) and the runtime's logits:", ""]
     lines += table(results, exports + ["runtime"], exports + ["runtime"])
+    exported = [
+        f for f, row in results.items() if "all" not in row and f not in end_to_end
+        and all(row[m] == "pass" for m in METHODS) and any(row[f"{f_} lmpress"] == "pass" for f_ in FORMATS)
+    ]  # fmt: skip
     lines += ["", f"End to end (every method, an export read back, runtime logits): {', '.join(end_to_end)}."]
+    if exported:
+        lines += ["", f"Every method and an export read back, the runtime refusing: {', '.join(exported)}."]
     lines += ["", "Each refusal, as lmpress prints it (one line, exit code 2, before any work):", ""]
     lines += [f"- {reason} ({'; '.join(where)})" for reason, where in reasons.items()]
     text = DOC.read_text() if DOC.exists() else f"# Architectures\n\n{BEGIN}\n{END}\n"
