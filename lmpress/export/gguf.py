@@ -78,6 +78,12 @@ BIASES = {"qwen2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
 # tokenizer.json pre_tokenizer -> the llama.cpp pre-tokenizer with the same splits
 GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True}
 DIGITS_SPLIT = {"type": "Digits", "individual_digits": True}
+# Qwen2 / Qwen2.5 / Qwen3's split (single digits, case-insensitive contractions), then bytes: llama.cpp's "qwen2"
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": False}
+BYTES_ONLY = {"type": "ByteLevel", "use_regex": False}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 LAYER_NAMES = {
@@ -286,9 +292,11 @@ def tokenizer_pre(tokenizer_json: dict[str, Any]) -> str:
         return "gpt-2"
     if len(steps) == 2 and matches(steps[0], DIGITS_SPLIT) and matches(steps[1], GPT2_SPLIT):
         return "smollm"
+    if len(steps) == 2 and matches(steps[0], QWEN2_SPLIT) and matches(steps[1], BYTES_ONLY):
+        return "qwen2"
     raise LmpressInputError(
         f"export gguf: the tokenizer's pre-tokenizer ({json.dumps(pre)[:120]}) has no llama.cpp equivalent "
-        "lmpress knows (byte-level GPT-2 splits, optionally with single digits)"
+        "lmpress knows (byte-level GPT-2 splits, optionally with single digits; Qwen2's split)"
     )
 
 

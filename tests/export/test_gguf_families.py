@@ -122,3 +122,40 @@ def test_what_llama_cpp_would_compute_differently_is_refused(family, overrides, 
     with pytest.raises(LmpressInputError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         write_gguf(model, tokenizer, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def qwen2_tokenizer():
+    """A byte-level BPE trained here with Qwen2's own pre-tokenizer (its regex split, then bytes)."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lmpress.export.gguf import QWEN2_REGEX
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    split = pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["<|endoftext|>", "<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([topics[k] for k in sorted(topics)][:40], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>")
+
+
+@needs_llama_cpp
+def test_qwen2_pre_tokenizer_splits_in_llama_cpp_as_in_transformers(tmp_path):
+    """Qwen's split (one digit at a time, case-insensitive contractions, newline runs) is written as llama.cpp's
+    "qwen2" pre-tokenizer: llama.cpp tokenizes as transformers does."""
+    import gguf
+
+    tokenizer = qwen2_tokenizer()
+    model = family_model("qwen2", tokenizer, tmp_path)
+    write_gguf(model, tokenizer, tmp_path / "m.gguf")
+    assert gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    texts = TEXTS + ["DON'T we've 3.14159 and 2024-11-27\r\n\r\n  x\n\n\ty = [1,2]  ", "ÄÖÜ straße — naïve café 東京"]
+    for text in texts:
+        assert llama_cpp_tokens(tmp_path / "m.gguf", text) == tokenizer(text).input_ids, text
