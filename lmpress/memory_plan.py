@@ -125,14 +125,16 @@ def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
     return rows * -(-cols * bits // 32) * 4 + groups * (4 + 1)
 
 
-def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int) -> int:
-    """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work."""
+def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int, hessian_copies: int = 2) -> int:
+    """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work
+    (``hessian_copies``: 2 where the Hessian and a working copy are held, 1 where GPTQ factors in the Hessian)."""
     slab = samples * seq_len * shape.hidden * 2
     batch_tokens = min(batch_size, samples) * seq_len
     forward = FORWARD_TENSORS * batch_tokens * shape.widest_output * 4
     # GPTQ / SparseGPT on one linear: the accumulated Hessian and its working copy, factored in place
-    # (2 x cols^2), beside float32 copies of the weight's transpose and of the codes being written.
-    solve = max((2 * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears)
+    # (2 x cols^2; 1 x where GPTQ is handed the Hessian), beside float32 copies of the weight's transpose and
+    # of the codes being written.
+    solve = max((hessian_copies * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears)
     return slab + forward + solve
 
 
@@ -174,7 +176,7 @@ def forecast_memory(
     phases = {
         "calibration": max(
             (
-                calibration_bytes(shape, samples, seq_len, getattr(s, "batch_size", 4))
+                calibration_bytes(shape, samples, seq_len, getattr(s, "batch_size", 4), getattr(s, "hessian_copies", 2))
                 for s in stages
                 if s.calibrates_layerwise
             ),
