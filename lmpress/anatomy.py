@@ -138,7 +138,57 @@ _MIXTRAL = Anatomy(
     # Not down_proj: calibration runs every expert on every token, which is not the routed input.
     fed_only_by=_LLAMA.fed_only_by[:1],
     attention="self_attn",
-    families=("mixtral", "qwen2_moe", "qwen3_moe"),
+    families=("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"),
+)
+
+# DeepSeek-V2 / V3: multi-head latent attention. q (q_a_proj, its norm, q_b_proj; q_proj where q_lora_rank is
+# null) and the kv latent (kv_a_proj_with_mqa, its norm, kv_b_proj) are low-rank pairs: the b projections read
+# what the a projections wrote, so they are a later group. The first ``first_k_dense_replace`` layers have a dense
+# MLP, the rest shared experts beside the routed ones; the router (``mlp.gate``) is a parameter, kept in float.
+# The post-attention norm also feeds the router, so it takes no scales in the MoE layers (no dense MLP there).
+_MLA_ATTENTION = (
+    ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+    ("self_attn.q_b_proj", "self_attn.kv_b_proj"),
+    ("self_attn.o_proj",),
+)
+_DEEPSEEK = Anatomy(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    sequential=_MLA_ATTENTION
+    + (
+        (
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.experts.*.gate_proj",
+            "mlp.experts.*.up_proj",
+            "mlp.shared_experts.gate_proj",
+            "mlp.shared_experts.up_proj",
+        ),
+        ("mlp.down_proj", "mlp.experts.*.down_proj", "mlp.shared_experts.down_proj"),
+    ),
+    scaling_pairs=(
+        ("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa")),
+        ("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+        ("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+        ("mlp.shared_experts.up_proj", ("mlp.shared_experts.down_proj",)),
+    ),
+    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
+    blocks=("self_attn", "mlp"),
+    fed_only_by=(
+        (
+            "self_attn.o_proj",
+            ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"),
+        ),
+        ("self_attn.o_proj", ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj")),
+        ("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    ),
+    attention="self_attn",
+    families=("deepseek_v2", "deepseek_v3"),
 )
 
 # Phi-3 (and Phi-4, same model_type): q/k/v and gate/up are each one fused linear. Only the up half of
@@ -186,15 +236,13 @@ _GEMMA = Anatomy(
     families=("gemma2", "gemma3_text"),
 )
 
-ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT, _MIXTRAL, _PHI3, _GEMMA) for family in a.families}
+ANATOMIES: dict[str, Anatomy] = {
+    family: a for a in (_LLAMA, _OPT, _MIXTRAL, _PHI3, _GEMMA, _DEEPSEEK) for family in a.families
+}
 
 
 # Families people bring whose anatomy lmpress lacks, with what it would have to learn (named in the refusal).
-MISSING: dict[str, str] = {
-    "deepseek_v3": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
-    "deepseek_v2": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
-    "gpt_oss": "experts with biases and a clamped, interleaved SwiGLU, and attention sinks",
-}
+MISSING: dict[str, str] = {}
 
 
 def unsupported(model_type: object) -> str:

@@ -66,6 +66,11 @@ class StageConfig(StrictConfig):
     # stage has a batch_size field (calibration samples per forward pass)
     calibrates_layerwise: ClassVar[bool] = False
 
+    @property
+    def hessian_copies(self) -> int:
+        """n x n float32 matrices a layer-wise stage holds per linear at its solve (the memory forecast)."""
+        return 2
+
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""
 

@@ -18,7 +18,8 @@
 4. After each layer its state (quantized weights, changed parameters) and the
    next layer's inputs are written atomically to the stage's state directory
    (``calib.state``), so an interrupted run resumes from the last finished layer
-   and ends bit-identical.
+   and ends bit-identical; the layer's packed weights are then read from that file
+   as a memory mapping instead of held in RAM.
 """
 
 from __future__ import annotations
@@ -254,6 +255,7 @@ def run_calibration(
             quantized += len(session.quantized)
             rewritten += len(session.rewritten - set(session.quantized))
         state.save_layer(session, inputs, {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()})
+        state.map_layer(index, layer)  # the finished layer's packed weights leave RAM for its state file
 
     return {
         "layers": len(layers),
