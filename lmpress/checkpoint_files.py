@@ -45,11 +45,7 @@ class MappedSafetensors:
         self.maps: list[mmap.mmap] = []
         self.where: dict[str, tuple[int, int, int, str, list[int]]] = {}  # key -> (file, start, end, dtype, shape)
         for index, file in enumerate(files):
-            with open(file, "rb") as handle:
-                try:
-                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-                except ValueError as e:  # an empty file
-                    raise LmpressInputError(f"{file}: not a readable safetensors file ({e})") from e
+            mapped = _map_file(file)
             self.maps.append(mapped)
             for key, (dtype, shape, start, end) in _header(file, mapped).items():
                 self.where[key] = (index, start, end, dtype, shape)
@@ -78,6 +74,14 @@ class MappedSafetensors:
                 self.maps[index].madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+def _map_file(file: Path) -> mmap.mmap:
+    with open(file, "rb") as handle:
+        try:
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError as e:  # an empty file
+            raise LmpressInputError(f"{file}: not a readable safetensors file ({e})") from e
+
+
 def _header(file: Path, mapped: mmap.mmap) -> dict[str, tuple[str, list[int], int, int]]:
     """safetensors layout: an 8-byte little-endian header length, a JSON header, then the data."""
     try:
@@ -93,7 +97,9 @@ def _header(file: Path, mapped: mmap.mmap) -> dict[str, tuple[str, list[int], in
         raise LmpressInputError(f"{file}: not a readable safetensors file (damaged or truncated?): {e}") from e
     for key, (_, _, start, end) in entries.items():
         if end > len(mapped) or start > end:
-            raise LmpressInputError(f"{file}: tensor {key!r} lies past the end of the file (truncated?)")
+            raise LmpressInputError(
+                f"{file}: not a readable safetensors file: tensor {key!r} lies past the end of the file (truncated?)"
+            )
     return entries
 
 
@@ -156,22 +162,17 @@ def read_tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
 
     A sharded checkpoint's index must match its shards: every file it names exists and holds the tensors it
     names (a shard from another download, or one missing, is refused here, before any weight is read)."""
-    from safetensors import safe_open
-
     headers, held_by = {}, {}
     for file in safetensors_files(path):
         if not file.is_file():
             raise LmpressInputError(f"{path / INDEX_NAME} names the shard {file.name}, which is missing from {path}")
+        mapped = _map_file(file)
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    view = f.get_slice(key)
-                    headers[key] = (view.get_dtype(), list(view.get_shape()))
-                    held_by[key] = file.name
-        except Exception as e:  # see read_safetensors
-            raise LmpressInputError(
-                f"{file}: not a readable safetensors file (damaged or truncated?): {_first_line(e)}"
-            ) from e
+            for key, (dtype, shape, _, _) in _header(file, mapped).items():
+                headers[key] = (dtype, shape)
+                held_by[key] = file.name
+        finally:
+            mapped.close()
     index = path / INDEX_NAME
     if index.is_file():
         for key, name in json.loads(index.read_text())["weight_map"].items():
