@@ -24,6 +24,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """lmpress's cache (baselines, compiled kernels' tunings) in the test's own folder."""
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def training_text(tmp_path) -> str:
+    """A training text file for distillation: 80 topics of the built-in Python docs."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path / "train.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics)[40:120]))
+    return str(path)
+
+
 def _train_tokenizer(vocab_size: int = 384):
     from pydoc_data.topics import topics
 

@@ -14,10 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from lmpress.cli import main
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def write_recipe(tmp_path, model_dir, **changes) -> str:

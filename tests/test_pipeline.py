@@ -12,10 +12,7 @@ from lmpress.cli import main
 from lmpress.export.manifest import verify_manifest
 from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def write_recipe(tmp_path, model_dir, **changes) -> str:

@@ -19,19 +19,7 @@ from lmpress.placement import (
 )
 from tests.fake_device import OnFakeDevice, fake_accelerator, fake_device_self_test
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def training_text(tmp_path) -> str:
-    from pydoc_data.topics import topics
-
-    path = tmp_path / "train.txt"
-    path.write_text("\n\n".join(topics[k] for k in sorted(topics)[40:100]))
-    return str(path)
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 DISTILL = {"seq_len": 32, "batch_size": 2, "steps": 2, "eval_every": 1, "eval_windows": 2, "checkpoint_every": 1}

@@ -10,10 +10,7 @@ import yaml
 from lmpress.cli import main
 from lmpress.evals.suite import baseline_identity
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def test_a_bfloat16_run_does_not_reuse_the_float32_baseline(tiny_llama_dir, tmp_path):

@@ -17,9 +17,7 @@ from lmpress.weights.qlinear import QuantizedLinear
 FORMATS = ["gptq", "awq", "compressed-tensors", "hf"]
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def write_recipe(tmp_path, model_dir, formats, **changes) -> str:
