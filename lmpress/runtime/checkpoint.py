@@ -24,7 +24,8 @@ from torch import nn
 from lmpress.checkpoint_files import MappedSafetensors, quantized_format, read_config
 from lmpress.errors import LmpressInputError
 from lmpress.memory import return_freed_memory
-from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
+from lmpress.runtime.linears import Build
+from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, ModelArgs, Transformer
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight
 from lmpress.weights.qlinear import QuantizedLinear
 

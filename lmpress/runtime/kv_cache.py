@@ -13,7 +13,8 @@ import torch
 
 
 class KVCache:
-    """Keys and values, one ``(batch, kv_heads, max_len, head_dim)`` tensor per layer, filled up to ``length``.
+    """Keys and values, one ``(batch, kv_heads, max_len, head_dim)`` tensor per layer, filled up to ``length``
+    (values ``v_head_dim`` wide where given).
 
     Each layer's tensors are allocated on their own, not as views of one big tensor: a compiled
     decode step that writes into a view would have to rebuild (copy) the whole base tensor at
@@ -30,10 +31,12 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         pad: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
     ) -> None:
         shape = (batch, n_kv_heads, max_len, head_dim)
+        v_shape = (batch, n_kv_heads, max_len, v_head_dim or head_dim)  # narrower values: DeepSeek's
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(n_layers)]
         pad = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to(torch.long)
         self.pad = pad.to(device)
         self.max_len = max_len

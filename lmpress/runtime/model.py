@@ -1,11 +1,13 @@
-"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM), Phi-3, Gemma 2 / 3 (text) and the
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE, built from a transformers model.
+"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM), Phi-3, Gemma 2 / 3 (text), the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE, DeepSeek-V2 / V3 and gpt-oss, built from a transformers model.
 
 Phi-3's linears come fused (qkv_proj, gate_up_proj) and run as they are. Gemma's quirks are applied, each
 where transformers applies it: embeddings scaled by sqrt(hidden), RMSNorms scaling by (1 + weight), sandwich
 norms (post-attention, pre- and post-feedforward), GeGLU (tanh GELU), attention scaled by
 ``query_pre_attn_scalar`` and soft-capped, final logits soft-capped, sliding-window layers, and Gemma 3's
-q/k norms with one RoPE base per layer type (local and global).
+q/k norms with one RoPE base per layer type (local and global). DeepSeek's multi-head latent attention and its
+routers are in ``attention.py`` and ``feed_forward.py``; gpt-oss's attention sinks, biases, alternating
+sliding / full layers, YaRN rope, top-k-then-softmax router and clamped SwiGLU experts likewise.
 
 ``Transformer.from_hf(hf_model)`` takes the weights of an in-memory transformers
 model whose linears are ``nn.Linear`` or lmpress ``QuantizedLinear``: q/k/v and
@@ -14,31 +16,30 @@ match), quantized layers run the device's kernels (torch's packed CPU kernels,
 ``kernels/cpu.py``; Triton on CUDA, ``kernels/cuda.py``) and everything else runs in
 ``dtype``. ``Transformer.sharing(hf_model)`` instead runs the model's own layers, copying
 nothing (what the evals decode with). The KV cache lives outside the model
-(``cache.py``), so a target and its draft each keep their own.
+(``kv_cache.py``), so a target and its draft each keep their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.kernels import linear_kernel
+from lmpress.runtime.attention import Attention, LatentAttention, latent_attention_scale
+from lmpress.runtime.feed_forward import ACTIVATIONS, FeedForward, MoEFeedForward
 from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
+from lmpress.runtime.linears import Build, copy_norm, runtime_linear
 from lmpress.runtime.mapped_embedding import MappedEmbedding
-from lmpress.weights.float8 import Fp8Linear
-from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
+    "deepseek_v2", "deepseek_v3", "gpt_oss",
 )  # fmt: skip
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+LATENT_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 GEMMA_TYPES = ("gemma2", "gemma3_text")
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -62,6 +63,13 @@ class ModelArgs:
     final_softcap: float | None = None
     sandwich: bool = False  # Gemma: post-attention and pre/post-feedforward norms
     activation: str = "silu"
+    v_head_dim: int | None = None  # where values are narrower than keys (DeepSeek's latent attention)
+    latent: bool = False  # DeepSeek's multi-head latent attention
+    rope_interleave: bool = False  # DeepSeek: rope rotates interleaved pairs
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @classmethod
     def from_config(cls, config) -> ModelArgs:
@@ -83,13 +91,18 @@ class ModelArgs:
                 f"partial_rotary_factor {config.partial_rotary_factor})"
             )
         gemma = config.model_type in GEMMA_TYPES
+        latent = config.model_type in LATENT_TYPES
+        if latent:  # every head its own key and value from the latent; keys nope + rope wide
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         kinds = tuple(getattr(config, "layer_types", None) or ()) if _rope_by_kind(config) else ()
         return cls(
             vocab_size=config.vocab_size,
             dim=config.hidden_size,
             n_layers=config.num_hidden_layers,
             n_heads=config.num_attention_heads,
-            n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            n_kv_heads=config.num_attention_heads
+            if latent
+            else config.num_key_value_heads or config.num_attention_heads,
             head_dim=head_dim,
             norm_eps=config.rms_norm_eps,
             max_seq_len=config.max_position_embeddings,
@@ -98,11 +111,19 @@ class ModelArgs:
             kinds=kinds,
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=config.hidden_size**0.5 if gemma else None,
-            attn_scale=config.query_pre_attn_scalar**-0.5 if gemma else None,
+            attn_scale=config.query_pre_attn_scalar**-0.5
+            if gemma
+            else latent_attention_scale(config)
+            if latent
+            else None,
             attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
             final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
             sandwich=gemma,
             activation=activation,
+            v_head_dim=config.v_head_dim if latent else None,
+            latent=latent,
+            # V2 rotates complex pairs; V3 pairs where rope_interleave (its default), else halves
+            rope_interleave=latent and getattr(config, "rope_interleave", True),
         )
 
 
@@ -145,338 +166,28 @@ def rope_inverse_frequencies(config, kind: str | None = None) -> tuple[torch.Ten
     return inv_freq.float(), float(scale)
 
 
-@dataclass(frozen=True)
-class Build:
-    """How the runtime model is built: the dtype of its activations and dense weights, and its kernels."""
-
-    dtype: torch.dtype
-    kernels: str = "cpu"  # kernels.FAMILIES: "cpu", "cuda" (select.py's pick per layer), "triton", "reference"
-    map_embedding: bool = False  # use the embedding table as given (memory-mapped) where it has ``dtype``
-
-    @property
-    def shares_layers(self) -> bool:
-        """Whether the model's own linear layers run as they are, unfused and uncopied ("reference" kernels)."""
-        return self.kernels == "reference"
-
-    @property
-    def dense_linear(self) -> type[nn.Linear]:
-        """The module class of float linear layers (their weights copied into it)."""
-        if self.kernels == "cpu":
-            from lmpress.runtime.kernels.cpu import DenseLinear
-
-            return DenseLinear
-        return nn.Linear
-
-    @property
-    def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
-        return linear_kernel(self.kernels)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, fused: bool = False) -> None:
-        super().__init__()
-        self.eps, self.fused = eps, fused
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            from lmpress.runtime.kernels.cuda import triton_rms_norm
-
-            return triton_rms_norm(x, self.weight, self.eps)
-        # One fused op. In float32 it equals transformers' x * rsqrt(mean(x^2) + eps) * weight bit for bit;
-        # in half precision it scales before the final rounding where transformers rounds first (1 ulp apart).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves (the transformers convention): ``x * cos + rotate_half(x) * sin``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-FEW_QUERIES = 16  # up to this many new tokens (a decode step, a speculative round) attend by few_query_attention
-
-
-def few_query_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention of a few queries per row ``(batch, heads, n, head_dim)`` over the cache, as two matmuls.
-
-    The queries sharing a KV head (GQA) are stacked as rows of one matmul against that head's keys,
-    so keys and values are read once and never repeated. On the CPU this beats
-    ``scaled_dot_product_attention``'s kernel for a single query (~40 us per call on SmolLM2),
-    and for a speculative round's 2-16 queries SDPA's GQA path, which copies each KV head per query
-    head (SmolLM2's FP32 forward over 3 tokens: 28.9 -> 26.2 ms, bench/dense_matmul.py run before and after).
-    """
-    batch, heads, n, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads * n, head_dim)
-    scores = (grouped @ keys.transpose(-1, -2)).float() * (scale or head_dim**-0.5)  # softmax in float32
-    if softcap is not None:  # Gemma 2: scores bent into (-softcap, softcap) before the mask
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:  # (batch, 1, n, length): the same slots for every head
-        scores = scores.view(batch, kv_heads, heads // kv_heads, n, -1).masked_fill(~mask[:, :, None], float("-inf"))
-    out = scores.view(batch, kv_heads, heads // kv_heads * n, -1).softmax(dim=-1).to(values.dtype) @ values
-    return out.reshape(batch, heads, n, head_dim)
-
-
-def pointwise_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """``few_query_attention`` written as broadcast products and sums, for the compiled static step.
-
-    Inductor fuses these into one loop nest with the softmax; the two matmuls of
-    ``few_query_attention`` stay library calls of ~20 us each on 2 CPU threads, a sixth of
-    SmolLM2's compiled W4 step (``bench/runtime.py``). Eager, it would materialize the broadcast
-    products, so the growing-cache path keeps ``few_query_attention``.
-    """
-    batch, heads, n, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, n, 1, head_dim).float()
-    keys, values = keys[:, :, None, None].float(), values[:, :, None, None].float()
-    scores = (grouped * keys).sum(-1) * (scale or head_dim**-0.5)  # (batch, kv_heads, group, n, length)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:  # (batch, 1, n, length)
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    out = (scores.softmax(dim=-1)[..., None] * values).sum(-2)
-    return out.to(q.dtype).reshape(batch, heads, n, head_dim)
-
-
-class FusedLinear(nn.Module):
-    """Several linears over one input, as one output ``cat(outputs, -1)``: one matmul where they fuse."""
-
-    def __init__(self, parts: list[nn.Module], sizes: list[int]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.sizes = sizes
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.parts) == 1:
-            return self.parts[0](x)
-        return torch.cat([part(x) for part in self.parts], dim=-1)
-
-
-def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
-    """One module computing every layer of ``layers`` on the same input, outputs concatenated."""
-    sizes = [layer.out_features for layer in layers]
-    if build.shares_layers:
-        return FusedLinear([_runtime_linear(layer, build) for layer in layers], sizes)
-    if all(type(layer) is nn.Linear for layer in layers):
-        return FusedLinear([_concat_dense(layers, build)], sizes)
-    if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
-        return FusedLinear([build.quantized_linear(_concat_quantized(layers), build.dtype)], sizes)
-    return FusedLinear([_runtime_linear(layer, build) for layer in layers], sizes)
-
-
-def _runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
-    if isinstance(layer, (QuantizedLinear, Fp8Linear)):
-        return build.quantized_linear(layer, build.dtype)
-    if type(layer) is nn.Linear:
-        if build.shares_layers and layer.weight.dtype == build.dtype:
-            return layer
-        return _concat_dense([layer], build)
-    if runs_itself(layer):
-        return layer
-    raise LmpressInputError(
-        f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear, QuantizedLinear or Fp8Linear)"
-    )
-
-
-def runs_itself(layer: nn.Module) -> bool:
-    """Whether ``layer`` is a quantized linear the runtime runs through its own forward, shared:
-    bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``. Their ``weight`` holds codes (int8, packed 4-bit),
-    never the float weight, so copying it into a dense layer would run unscaled codes."""
-    return isinstance(layer, nn.Linear) and type(layer).__module__.startswith("bitsandbytes.")
-
-
-def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Linear:
-    biased = any(layer.bias is not None for layer in layers)
-    out_features = sum(la.out_features for la in layers)
-    fused = build.dense_linear(layers[0].in_features, out_features, bias=biased, dtype=build.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([layer.weight.detach() for layer in layers]))
-        if biased:
-            fused.bias.copy_(torch.cat([_bias_or_zeros(layer) for layer in layers]))
-    return fused.requires_grad_(False)
-
-
-def _bias_or_zeros(layer: nn.Module) -> torch.Tensor:
-    if layer.bias is None:
-        return torch.zeros(layer.out_features)
-    return layer.bias.detach().float()
-
-
-def _quantized_fusable(layers: list[QuantizedLinear]) -> bool:
-    first = layers[0]
-    return all(
-        layer.scheme == first.scheme
-        and layer.in_features == first.in_features
-        and layer.scales.dtype == first.scales.dtype
-        and trivial_g_idx(layer.g_idx, layer.in_features, layer.scheme)
-        for layer in layers
-    )
-
-
-def _concat_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear:
-    """Stack the layers' rows: codes are packed along the input axis, so rows concatenate as they are."""
-    first = layers[0]
-    biased = any(layer.bias is not None for layer in layers)
-    out_features = sum(layer.out_features for layer in layers)
-    fused = QuantizedLinear(first.in_features, out_features, first.scheme, biased, first.scales.dtype)
-    fused.qweight.copy_(torch.cat([layer.qweight for layer in layers]))
-    fused.scales.copy_(torch.cat([layer.scales for layer in layers]))
-    fused.zeros.copy_(torch.cat([layer.zeros for layer in layers]))
-    if biased:
-        with torch.no_grad():
-            fused.bias.copy_(torch.cat([_bias_or_zeros(layer) for layer in layers]))
-    return fused
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, hf_attn: nn.Module, window: int | None, build: Build) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.window = window
-        self.scale, self.softcap = args.attn_scale, args.attn_softcap
-        fused = getattr(hf_attn, "qkv_proj", None)  # Phi-3: q, k, v rows in one linear already
-        self.wqkv = fuse_linears(
-            [fused] if fused is not None else [hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj], build
-        )
-        self.wo = fuse_linears([hf_attn.o_proj], build)
-        offset = args.norm_offset
-        self.q_norm = _copy_norm(hf_attn.q_norm, args.norm_eps, build, offset) if args.qk_norm else None
-        self.k_norm = _copy_norm(hf_attn.k_norm, args.norm_eps, build, offset) if args.qk_norm else None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | StaticSlots,
-        layer: int,
-    ) -> torch.Tensor:
-        batch, n_new, _ = x.shape
-        heads = self.n_heads + self.n_kv_heads
-        qkv = self.wqkv(x)
-        qk = qkv[..., : heads * self.head_dim].view(batch, n_new, heads, self.head_dim)
-        v = qkv[..., heads * self.head_dim :].view(batch, n_new, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :, : self.n_heads]), self.k_norm(qk[:, :, self.n_heads :])), dim=2)
-        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # queries and keys rotated in one go
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        keys, values = cache.update(layer, k, v.transpose(1, 2))
-        if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
-            out = pointwise_attention(q, keys, values, mask, self.scale, self.softcap)
-        elif n_new <= FEW_QUERIES or self.softcap is not None:  # SDPA cannot soft-cap
-            out = few_query_attention(q, keys, values, mask, self.scale, self.softcap)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads, scale=self.scale
-            )
-        return self.wo(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
-
-
-class FeedForward(nn.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused; act is SiLU (SwiGLU) or tanh GELU
-    (Gemma's GeGLU)."""
-
-    def __init__(self, hf_mlp: nn.Module, build: Build, activation: str = "silu") -> None:
-        super().__init__()
-        fused = getattr(hf_mlp, "gate_up_proj", None)  # Phi-3: gate rows then up rows in one linear
-        self.w13 = fuse_linears([fused] if fused is not None else [hf_mlp.gate_proj, hf_mlp.up_proj], build)
-        self.halves = [fused.out_features // 2] * 2 if fused is not None else self.w13.sizes
-        self.w2 = fuse_linears([hf_mlp.down_proj], build)
-        self.act = ACTIVATIONS[activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.halves, dim=-1)
-        return self.w2(self.act(gate) * up)
-
-
-class MoEFeedForward(nn.Module):
-    """A routed mixture of gated experts (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax over the router's logits in
-    float32, the top k experts per token (their weights renormalized where the model does), each expert's output
-    weighted and summed; Qwen2-MoE adds a shared expert behind a sigmoid gate."""
-
-    def __init__(self, hf_mlp: nn.Module, config, build: Build) -> None:
-        super().__init__()
-        from lmpress.calib.moe import UnfusedExperts
-
-        experts = hf_mlp.experts
-        # Sharing the model's layers (the evals' decoding), fused float experts run as they are: copy nothing.
-        self.own_block = hf_mlp if build.shares_layers and not isinstance(experts, UnfusedExperts) else None
-        if self.own_block is not None:
-            return
-        if not isinstance(experts, UnfusedExperts):  # float experts still fused (E, 2I, H): one linear each
-            experts = UnfusedExperts.from_fused(experts, "mlp.experts")
-        self.experts = nn.ModuleList(FeedForward(expert, build) for expert in experts)
-        self.router = nn.Parameter(hf_mlp.gate.weight.detach().to(build.dtype), requires_grad=False)
-        self.top_k = config.num_experts_per_tok
-        self.normalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
-        shared = getattr(hf_mlp, "shared_expert", None)
-        self.shared = FeedForward(shared, build) if shared is not None else None
-        self.shared_gate = fuse_linears([hf_mlp.shared_expert_gate], build) if shared is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own_block is not None:
-            return self.own_block(x)
-        flat = x.reshape(-1, x.shape[-1])
-        probs = F.linear(flat, self.router).float().softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(chosen == e)
-            if rows.numel():
-                y = expert(flat[rows]) * weights[rows, slot, None].to(flat.dtype)
-                out.index_add_(0, rows, y)
-        if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        return out.reshape(x.shape)
-
-
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, hf_layer: nn.Module, window: int | None, build: Build, config=None) -> None:
         super().__init__()
-        self.attention = Attention(args, hf_layer.self_attn, window, build)
+        if args.latent:
+            self.attention = LatentAttention(args, hf_layer.self_attn, window, build, args.rope_interleave)
+        else:
+            self.attention = Attention(args, hf_layer.self_attn, window, build)
         if hasattr(hf_layer.mlp, "experts"):
             self.feed_forward = MoEFeedForward(hf_layer.mlp, config, build)
         else:
             self.feed_forward = FeedForward(hf_layer.mlp, build, args.activation)
         offset = args.norm_offset
-        self.attention_norm = _copy_norm(hf_layer.input_layernorm, args.norm_eps, build, offset)
+        self.attention_norm = copy_norm(hf_layer.input_layernorm, args.norm_eps, build, offset)
         # Gemma's sandwich: post_attention_layernorm normalizes the attention's output, and the MLP
         # has a norm on each side; elsewhere post_attention_layernorm is the MLP's input norm.
         self.post_attention_norm = self.post_ffn_norm = None
         if args.sandwich:
-            self.post_attention_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build, offset)
-            self.ffn_norm = _copy_norm(hf_layer.pre_feedforward_layernorm, args.norm_eps, build, offset)
-            self.post_ffn_norm = _copy_norm(hf_layer.post_feedforward_layernorm, args.norm_eps, build, offset)
+            self.post_attention_norm = copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build, offset)
+            self.ffn_norm = copy_norm(hf_layer.pre_feedforward_layernorm, args.norm_eps, build, offset)
+            self.post_ffn_norm = copy_norm(hf_layer.post_feedforward_layernorm, args.norm_eps, build, offset)
         else:
-            self.ffn_norm = _copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build, offset)
-
-
-def _copy_norm(hf_norm: nn.Module, eps: float, build: Build, offset: float = 0.0) -> RMSNorm:
-    """The runtime's RMSNorm for ``hf_norm``; ``offset`` 1 for norms scaling by (1 + weight) (Gemma's)."""
-    eps = getattr(hf_norm, "variance_epsilon", getattr(hf_norm, "eps", eps))
-    norm = RMSNorm(hf_norm.weight.shape[0], eps, build.dtype, fused=build.kernels in ("cuda", "triton"))
-    with torch.no_grad():
-        norm.weight.copy_(hf_norm.weight.float() + offset)
-    return norm
+            self.ffn_norm = copy_norm(hf_layer.post_attention_layernorm, args.norm_eps, build, offset)
 
 
 class Transformer(nn.Module):
@@ -493,7 +204,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             Block(args, layer, args.windows[i], build, hf_model.config) for i, layer in enumerate(base.layers)
         )
-        self.norm = _copy_norm(base.norm, args.norm_eps, build, args.norm_offset)
+        self.norm = copy_norm(base.norm, args.norm_eps, build, args.norm_offset)
         self.output = _output_layer(hf_model, self.tok_embeddings, build)
         mapped = build.map_embedding and embedding.data_ptr() == base.embed_tokens.weight.data_ptr()
         if mapped and getattr(self.output, "weight", None) is not self.tok_embeddings.weight:
@@ -553,7 +264,9 @@ class Transformer(nn.Module):
         if max_len > self.args.max_seq_len:
             raise LmpressInputError(f"{max_len} tokens exceed the model's context of {self.args.max_seq_len}")
         args = self.args
-        return KVCache(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, self.dtype, pad, self.device)
+        return KVCache(
+            args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, self.dtype, pad, self.device, args.v_head_dim
+        )
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits ``(batch, n_new, vocab)`` for ``tokens`` ``(batch, n_new)`` read after the cache's contents;
@@ -616,4 +329,4 @@ def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -
         tied = build.dense_linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=build.dtype)
         tied.weight = embeddings.weight  # tied embeddings: one tensor, read by both
         return tied.requires_grad_(False)
-    return _runtime_linear(head, build)
+    return runtime_linear(head, build)

@@ -19,6 +19,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import trims_heap_after
+from lmpress.runtime.attention import FEW_QUERIES
 from lmpress.runtime.generate import (
     ForwardFn,
     StopCriteria,
@@ -29,7 +30,7 @@ from lmpress.runtime.generate import (
     prefill,
 )
 from lmpress.runtime.kv_cache import KVCache
-from lmpress.runtime.model import FEW_QUERIES, Transformer
+from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, make_generator, next_token_probs
 
 

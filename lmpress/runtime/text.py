@@ -22,7 +22,7 @@ from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
 from lmpress.errors import LmpressInputError
 from lmpress.memory import return_freed_memory
 from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
-from lmpress.runtime.model import Transformer
+from lmpress.runtime.model import MOE_TYPES, Transformer
 from lmpress.runtime.sample import SamplingConfig
 from lmpress.runtime.speculative import (
     PromptLookupDrafter,
@@ -131,6 +131,8 @@ def _direct_checkpoint(source: str) -> Path | None:
         config = check_checkpoint_dir(path)
     except LmpressInputError:
         return None  # load_model checks the manifest first, then says what is wrong
+    if config.get("model_type") in MOE_TYPES:
+        return None  # mixtures of experts are read through transformers (checkpoint.py refuses them)
     method = quant_method(config)
     if not (path / "tokenizer.json").is_file() or (method is not None and reading_format(method) is None):
         return None  # load_model checks the manifest (once)

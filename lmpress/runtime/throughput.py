@@ -69,7 +69,7 @@ def layer_kernels(model: Transformer) -> dict[str, str]:
     """The kernel (``kernels.kernel_of``) of every linear layer of ``model``, by module path:
     ``layers.3.attention.wqkv`` (fused q/k/v; ``.0``, ``.1``, ``.2`` where they run apart), ..., ``output``."""
     from lmpress.runtime.kernels import kernel_of
-    from lmpress.runtime.model import FusedLinear
+    from lmpress.runtime.linears import FusedLinear
 
     found = {}
     for name, module in model.named_modules():
@@ -111,7 +111,7 @@ def kv_cache_bytes(model: Transformer, length: int) -> int:
     """Bytes of keys and values a decode step reads with ``length`` tokens in the cache."""
     args = model.args
     element = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * length * element
+    return args.n_layers * args.n_kv_heads * (args.head_dim + args.value_dim) * length * element
 
 
 def median_seconds(run: Callable[[], Any], repeats: int, device: torch.device) -> float:

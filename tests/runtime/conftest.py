@@ -42,6 +42,27 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, vocab_size: int = 256, *
     return model
 
 
+def tiny_family_model(family: str, seed: int = 0, vocab_size: int = 256, **overrides):
+    """A random transformers causal LM of any family of ``tests/families.py`` (its settings, then ``overrides``),
+    weights widened as ``tiny_hf_model``'s, every norm, bias, sink and routing bias random."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import randomize_norms, tiny_config
+
+    config = tiny_config(family, vocab_size, {"bos_token_id": 1, "eos_token_id": 2, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
+            if param.dim() >= 2 and "norm" not in name:
+                param.normal_(0, 0.08, generator=gen)
+            elif name.endswith(("bias", "sinks")):
+                param.normal_(0, 0.5, generator=gen)
+    randomize_norms(model, seed)
+    return model
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny models on one thread: on a shared CPU, 2-thread parallel regions of microsecond ops wait for a

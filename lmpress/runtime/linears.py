@@ -1,0 +1,160 @@
+"""The runtime's linear layers and norms, built from a transformers model's: how a model is built (``Build``),
+RMSNorm, and several linears over one input fused into one matmul (dense or packed), or run as they are where the
+runtime shares the model's own layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.kernels import linear_kernel
+from lmpress.weights.float8 import Fp8Linear
+from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
+
+
+@dataclass(frozen=True)
+class Build:
+    """How the runtime model is built: the dtype of its activations and dense weights, and its kernels."""
+
+    dtype: torch.dtype
+    kernels: str = "cpu"  # kernels.FAMILIES: "cpu", "cuda" (select.py's pick per layer), "triton", "reference"
+    map_embedding: bool = False  # use the embedding table as given (memory-mapped) where it has ``dtype``
+
+    @property
+    def shares_layers(self) -> bool:
+        """Whether the model's own linear layers run as they are, unfused and uncopied ("reference" kernels)."""
+        return self.kernels == "reference"
+
+    @property
+    def dense_linear(self) -> type[nn.Linear]:
+        """The module class of float linear layers (their weights copied into it)."""
+        if self.kernels == "cpu":
+            from lmpress.runtime.kernels.cpu import DenseLinear
+
+            return DenseLinear
+        return nn.Linear
+
+    @property
+    def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
+        return linear_kernel(self.kernels)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, fused: bool = False) -> None:
+        super().__init__()
+        self.eps, self.fused = eps, fused
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from lmpress.runtime.kernels.cuda import triton_rms_norm
+
+            return triton_rms_norm(x, self.weight, self.eps)
+        # One fused op. In float32 it equals transformers' x * rsqrt(mean(x^2) + eps) * weight bit for bit;
+        # in half precision it scales before the final rounding where transformers rounds first (1 ulp apart).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class FusedLinear(nn.Module):
+    """Several linears over one input, as one output ``cat(outputs, -1)``: one matmul where they fuse."""
+
+    def __init__(self, parts: list[nn.Module], sizes: list[int]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0](x)
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
+    """One module computing every layer of ``layers`` on the same input, outputs concatenated."""
+    sizes = [layer.out_features for layer in layers]
+    if build.shares_layers:
+        return FusedLinear([runtime_linear(layer, build) for layer in layers], sizes)
+    if all(type(layer) is nn.Linear for layer in layers):
+        return FusedLinear([_concat_dense(layers, build)], sizes)
+    if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
+        return FusedLinear([build.quantized_linear(_concat_quantized(layers), build.dtype)], sizes)
+    return FusedLinear([runtime_linear(layer, build) for layer in layers], sizes)
+
+
+def runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
+    if isinstance(layer, (QuantizedLinear, Fp8Linear)):
+        return build.quantized_linear(layer, build.dtype)
+    if type(layer) is nn.Linear:
+        if build.shares_layers and layer.weight.dtype == build.dtype:
+            return layer
+        return _concat_dense([layer], build)
+    if runs_itself(layer):
+        return layer
+    raise LmpressInputError(
+        f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear, QuantizedLinear or Fp8Linear)"
+    )
+
+
+def runs_itself(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a quantized linear the runtime runs through its own forward, shared:
+    bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``. Their ``weight`` holds codes (int8, packed 4-bit),
+    never the float weight, so copying it into a dense layer would run unscaled codes."""
+    return isinstance(layer, nn.Linear) and type(layer).__module__.startswith("bitsandbytes.")
+
+
+def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Linear:
+    biased = any(layer.bias is not None for layer in layers)
+    out_features = sum(la.out_features for la in layers)
+    fused = build.dense_linear(layers[0].in_features, out_features, bias=biased, dtype=build.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([layer.weight.detach() for layer in layers]))
+        if biased:
+            fused.bias.copy_(torch.cat([_bias_or_zeros(layer) for layer in layers]))
+    return fused.requires_grad_(False)
+
+
+def _bias_or_zeros(layer: nn.Module) -> torch.Tensor:
+    if layer.bias is None:
+        return torch.zeros(layer.out_features)
+    return layer.bias.detach().float()
+
+
+def _quantized_fusable(layers: list[QuantizedLinear]) -> bool:
+    first = layers[0]
+    return all(
+        layer.scheme == first.scheme
+        and layer.in_features == first.in_features
+        and layer.scales.dtype == first.scales.dtype
+        and trivial_g_idx(layer.g_idx, layer.in_features, layer.scheme)
+        for layer in layers
+    )
+
+
+def _concat_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear:
+    """Stack the layers' rows: codes are packed along the input axis, so rows concatenate as they are."""
+    first = layers[0]
+    biased = any(layer.bias is not None for layer in layers)
+    out_features = sum(layer.out_features for layer in layers)
+    fused = QuantizedLinear(first.in_features, out_features, first.scheme, biased, first.scales.dtype)
+    fused.qweight.copy_(torch.cat([layer.qweight for layer in layers]))
+    fused.scales.copy_(torch.cat([layer.scales for layer in layers]))
+    fused.zeros.copy_(torch.cat([layer.zeros for layer in layers]))
+    if biased:
+        with torch.no_grad():
+            fused.bias.copy_(torch.cat([_bias_or_zeros(layer) for layer in layers]))
+    return fused
+
+
+def copy_norm(hf_norm: nn.Module, eps: float, build: Build, offset: float = 0.0) -> RMSNorm:
+    """The runtime's RMSNorm for ``hf_norm``; ``offset`` 1 for norms scaling by (1 + weight) (Gemma's)."""
+    eps = getattr(hf_norm, "variance_epsilon", getattr(hf_norm, "eps", eps))
+    norm = RMSNorm(hf_norm.weight.shape[0], eps, build.dtype, fused=build.kernels in ("cuda", "triton"))
+    with torch.no_grad():
+        norm.weight.copy_(hf_norm.weight.float() + offset)
+    return norm
