@@ -75,7 +75,7 @@ def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
         return ScaledMMLinear(layer)
     if name in ("fp8-simulated", "reference"):
         return layer
-    if name in ("cpu-int4", "cpu-int8"):
+    if name in ("cpu-w4a8", "cpu-w8a8", "cpu-int4", "cpu-int8"):
         from lmpress.runtime.kernels.cpu import cpu_linear
 
         return cpu_linear(layer, dtype)

@@ -1,0 +1,400 @@
+// lmpress's CPU kernels for 4-bit (groups of 64k) and 8-bit (per row) weights times int8-quantized activations.
+//
+// Activations are quantized per block of 64 (as llama.cpp's Q8 blocks, twice as long): q = round(x / d),
+// d = max|x| / 127. A weight row is dotted with them in integers and scaled per block:
+//   W4: y = sum_g s_g * sum_{b in g} d_b * (dot_b(q, xq) - z_g * sum_b(xq))
+//   W8: y = s * sum_b d_b * (dot_b(q, xq) - z * sum_b(xq))
+// with q the unsigned code (0..15 or 0..255) and z its zero point. One pass over a weight row serves every input
+// row (up to ROWS at a time: decode is one, speculative verification a few). The ISA is picked per call by the
+// caller (isa: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = portable C++); kernels for all three are compiled into one
+// library with per-function target attributes, so one build runs on any x86-64 host.
+//
+// W4 layout (repacked once at load): per row, per superblock of 64 codes, 32 bytes; byte j holds code j in its low
+// nibble and code j + 32 in its high nibble, so one 32-byte load unpacks into codes 0..31 and 32..63 in order.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LMPRESS_X86 1
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 64;
+constexpr int64_t ROWS = 8;
+
+struct Acts {
+  std::vector<int8_t> q;  // (M, K)
+  std::vector<float> d;   // (M, K / BLOCK): the block's scale
+  std::vector<float> s;   // (M, K / BLOCK): d * sum(q) over the block
+};
+
+void quantize_acts(const float* x, int64_t M, int64_t K, Acts& a) {
+  const int64_t nb = K / BLOCK;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.s.resize(M * nb);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * BLOCK;
+      int8_t* qb = a.q.data() + m * K + b * BLOCK;
+      float amax = 0.f;
+      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < BLOCK; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+        qb[i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      a.d[m * nb + b] = d;
+      a.s[m * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// ---- portable ----------------------------------------------------------------------------------------------------
+
+void w4_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                      int64_t K, int64_t sb_per_group, const Acts& a, int64_t m0, int64_t M, int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, G = nb / sb_per_group;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * (K / 2);
+    for (int64_t m = m0; m < m0 + M; ++m) {
+      const int8_t* xq = a.q.data() + m * K;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t g = b / sb_per_group;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 32; ++j) {
+          const uint8_t byte = row[b * 32 + j];
+          dot += (byte & 0x0F) * xq[b * BLOCK + j] + (byte >> 4) * xq[b * BLOCK + 32 + j];
+        }
+        const float s = scales[n * G + g];
+        acc += s * (a.d[m * nb + b] * static_cast<float>(dot) - static_cast<float>(zeros[n * G + g]) * a.s[m * nb + b]);
+      }
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+void w8_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                      int64_t K, const Acts& a, int64_t m0, int64_t M, int64_t N, float* y) {
+  const int64_t nb = K / BLOCK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * K;
+    for (int64_t m = m0; m < m0 + M; ++m) {
+      const int8_t* xq = a.q.data() + m * K;
+      float acc = 0.f, xs = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < BLOCK; ++j) dot += row[b * BLOCK + j] * xq[b * BLOCK + j];
+        acc += a.d[m * nb + b] * static_cast<float>(dot);
+        xs += a.s[m * nb + b];
+      }
+      y[m * N + n] = scales[n] * (acc - static_cast<float>(zeros[n]) * xs);
+    }
+  }
+}
+
+#ifdef LMPRESS_X86
+
+// ---- AVX2 + FMA --------------------------------------------------------------------------------------------------
+
+TARGET_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int M>
+TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                              int64_t K, int64_t sb_per_group, const Acts& a, int64_t m0, int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, G = nb / sb_per_group;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * (K / 2);
+    __m256 acc[M];
+    float zs[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), zs[m] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t g = b / sb_per_group;
+      const float s = scales[n * G + g], sz = s * static_cast<float>(zeros[n * G + g]);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+      const __m256i lo = _mm256_and_si256(w, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * a.d[(m0 + m) * nb + b]), acc[m]);
+        zs[m] += sz * a.s[(m0 + m) * nb + b];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = hsum256(acc[m]) - zs[m];
+  }
+}
+
+template <int M>
+TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                              int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
+  // maddubs takes unsigned x signed bytes into saturating int16 pairs: 255 * 127 * 2 overflows, so the codes go in
+  // as q - 128 (signed) through the sign trick: |w| * sign(x, w) = w * x, at most 128 * 127 * 2 per pair.
+  const int64_t nb = K / BLOCK;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * K;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK)), flip);
+      const __m256i w1 =
+          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK + 32)), flip);
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
+        const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w0);
+        const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)), w1);
+        const __m256i d32 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones),
+                                             _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_set1_ps(a.d[(m0 + m) * nb + b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float xs = 0.f;
+      for (int64_t b = 0; b < nb; ++b) xs += a.s[(m0 + m) * nb + b];
+      // sum d * dot(q - 128, x) + 128 * xs = sum d * dot(q, x)
+      y[(m0 + m) * N + n] = scales[n] * (hsum256(acc[m]) + (128.f - static_cast<float>(zeros[n])) * xs);
+    }
+  }
+}
+
+// ---- AVX-512 VNNI ------------------------------------------------------------------------------------------------
+
+template <int M>
+TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
+                                  int64_t n1, int64_t K, int64_t sb_per_group, const Acts& a, int64_t m0, int64_t N,
+                                  float* y) {
+  const int64_t nb = K / BLOCK, G = nb / sb_per_group;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * (K / 2);
+    __m512 acc[M];
+    float zs[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), zs[m] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t g = b / sb_per_group;
+      const float s = scales[n * G + g], sz = s * static_cast<float>(zeros[n * G + g]);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+      const __m256i lo = _mm256_and_si256(w, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_loadu_si512(a.q.data() + (m0 + m) * K + b * BLOCK);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_set1_ps(s * a.d[(m0 + m) * nb + b]), acc[m]);
+        zs[m] += sz * a.s[(m0 + m) * nb + b];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]) - zs[m];
+  }
+}
+
+template <int M>
+TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
+                                  int64_t n1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
+  const int64_t nb = K / BLOCK;
+  float xs[M];
+  for (int m = 0; m < M; ++m) {
+    xs[m] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) xs[m] += a.s[(m0 + m) * nb + b];
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * K;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512i w = _mm512_loadu_si512(row + b * BLOCK);
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_loadu_si512(a.q.data() + (m0 + m) * K + b * BLOCK);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.d[(m0 + m) * nb + b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      y[(m0 + m) * N + n] = scales[n] * (_mm512_reduce_add_ps(acc[m]) - static_cast<float>(zeros[n]) * xs[m]);
+  }
+}
+
+#endif  // LMPRESS_X86
+
+// ---- dispatch ----------------------------------------------------------------------------------------------------
+
+template <template <int> class F, typename... Args>
+void by_rows(int64_t M, const Args&... args) {
+  switch (M) {
+    case 1: return F<1>::run(args...);
+    case 2: return F<2>::run(args...);
+    case 3: return F<3>::run(args...);
+    case 4: return F<4>::run(args...);
+    case 5: return F<5>::run(args...);
+    case 6: return F<6>::run(args...);
+    case 7: return F<7>::run(args...);
+    default: return F<8>::run(args...);
+  }
+}
+
+#ifdef LMPRESS_X86
+template <int M>
+struct W4Avx512 {
+  template <typename... A>
+  static void run(const A&... a) { w4_rows_avx512<M>(a...); }
+};
+template <int M>
+struct W4Avx2 {
+  template <typename... A>
+  static void run(const A&... a) { w4_rows_avx2<M>(a...); }
+};
+template <int M>
+struct W8Avx512 {
+  template <typename... A>
+  static void run(const A&... a) { w8_rows_avx512<M>(a...); }
+};
+template <int M>
+struct W8Avx2 {
+  template <typename... A>
+  static void run(const A&... a) { w8_rows_avx2<M>(a...); }
+};
+#endif
+
+int64_t best_isa() {
+#ifdef LMPRESS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+           int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 (M, K)");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: contiguous uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales: contiguous float32");
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous(), "zeros: contiguous uint8");
+  TORCH_CHECK(x.size(1) % BLOCK == 0, "in_features must be a multiple of 64");
+  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run instruction set level ", isa);
+}
+
+at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                     int64_t isa) {
+  check(x, codes, scales, zeros, isa);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
+  TORCH_CHECK(codes.size(1) == K / 2 && scales.size(0) == N && zeros.sizes() == scales.sizes(), "w4 shapes");
+  TORCH_CHECK(G > 0 && (K / BLOCK) % G == 0, "w4 groups must be multiples of 64 columns");
+  const int64_t spg = K / BLOCK / G;
+  at::Tensor y = at::empty({M, N}, x.options());
+  Acts acts;
+  quantize_acts(x.data_ptr<float>(), M, K, acts);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+      const int64_t rows = std::min(ROWS, M - m0);
+#ifdef LMPRESS_X86
+      if (isa == 2) {
+        by_rows<W4Avx512>(rows, c, s, z, n0, n1, K, spg, acts, m0, N, out);
+        continue;
+      }
+      if (isa == 1) {
+        by_rows<W4Avx2>(rows, c, s, z, n0, n1, K, spg, acts, m0, N, out);
+        continue;
+      }
+#endif
+      w4_rows_portable(c, s, z, n0, n1, K, spg, acts, m0, rows, N, out);
+    }
+  });
+  return y;
+}
+
+at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                     int64_t isa) {
+  check(x, codes, scales, zeros, isa);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
+  at::Tensor y = at::empty({M, N}, x.options());
+  Acts acts;
+  quantize_acts(x.data_ptr<float>(), M, K, acts);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+      const int64_t rows = std::min(ROWS, M - m0);
+#ifdef LMPRESS_X86
+      if (isa == 2) {
+        by_rows<W8Avx512>(rows, c, s, z, n0, n1, K, acts, m0, N, out);
+        continue;
+      }
+      if (isa == 1) {
+        by_rows<W8Avx2>(rows, c, s, z, n0, n1, K, acts, m0, N, out);
+        continue;
+      }
+#endif
+      w8_rows_portable(c, s, z, n0, n1, K, acts, m0, rows, N, out);
+    }
+  });
+  return y;
+}
+
+// The activations as the kernels see them (for tests): (q as float, d per block).
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % BLOCK == 0,
+              "x: contiguous float32 (M, K), K a multiple of 64");
+  const int64_t M = x.size(0), K = x.size(1);
+  Acts acts;
+  quantize_acts(x.data_ptr<float>(), M, K, acts);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / BLOCK}, x.options());
+  std::copy(acts.q.begin(), acts.q.end(), q.data_ptr<int8_t>());
+  std::copy(acts.d.begin(), acts.d.end(), d.data_ptr<float>());
+  return {q, d};
+}
+
+int64_t cpu_isa() { return best_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY(lmpress_cpu, m) {
+  m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
+  m.def("cpu_isa", &cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) {
+  m.impl("w4_linear", &w4_linear);
+  m.impl("w8_linear", &w8_linear);
+  m.impl("quantize_activations", &quantize_activations);
+}
