@@ -61,16 +61,19 @@ def inputs(rows: int, k: int, seed: int = 1) -> torch.Tensor:
 
 def test_activations_quantize_as_the_reference():
     x = inputs(3, 256)
-    q, d = cpu_int.quantize_activations(x)
+    x[1, 130] = 2.5 * x[1, 128:192].abs().max() / 127  # a value halfway between two codes: rounds to even
     ref_q, ref_d = reference_quantize(x)
-    assert torch.equal(q, ref_q) and torch.equal(d, ref_d)
+    for isa in levels():
+        q, d = cpu_int.quantize_activations(x, isa)
+        assert torch.equal(q, ref_q) and torch.equal(d, ref_d), isa
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 11])
-@pytest.mark.parametrize("group", [64, 128])
-def test_w4_matches_the_dequantized_weight_on_every_isa(rows, group):
-    codes, scales, zeros, weight = w4_case(48, 384, group)
-    x = inputs(rows, 384)
+@pytest.mark.parametrize(("k", "group"), [(384, 64), (448, 64), (640, 128), (576, 192)])
+def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group):
+    """Even and odd numbers of 64-blocks (AVX-512 takes them in pairs); groups spanning pairs, straddling them."""
+    codes, scales, zeros, weight = w4_case(48, k, group)
+    x = inputs(rows, k)
     exact = dequantized_x(x) @ weight.t()  # the quantized activations times the dequantized weight
     for isa in levels():
         y = cpu_int.W4A8Linear(codes, scales, zeros, None, isa=isa)(x)
@@ -118,3 +121,34 @@ def test_compiles_in_one_graph():
     x = inputs(2, 128)
     compiled = torch.compile(lambda t: module(t).relu() * 2, fullgraph=True)
     torch.testing.assert_close(compiled(x), module(x).relu() * 2)
+
+
+def test_a_cpu_without_avx2_warns_and_runs_the_portable_path(monkeypatch):
+    monkeypatch.setattr(cpu_int, "cpu_isa", lambda: 0)
+    cpu_int.host_isa.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no AVX2"):
+            module = cpu_int.W4A8Linear(*w4_case(16, 128, 64)[:3], None)
+        codes, scales, zeros, weight = w4_case(16, 128, 64)
+        x = inputs(1, 128)
+        assert module.isa == 0 and sqnr_db(dequantized_x(x) @ weight.t(), module(x)) > 100
+    finally:
+        cpu_int.host_isa.cache_clear()
+
+
+def test_without_a_compiler_the_runtime_keeps_torchs_kernels(monkeypatch):
+    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.quantize.scheme import QuantScheme
+    from lmpress.runtime.kernels.cpu import Int4Linear, cpu_linear
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler")
+
+    layer = QuantizedLinear(128, 32, QuantScheme(bits=4, group_size=64, symmetric=False), bias=False)
+    monkeypatch.setattr(cpu_int, "load_library", no_compiler)
+    cpu_int.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build"):
+            assert isinstance(cpu_linear(layer, torch.float32), Int4Linear)
+    finally:
+        cpu_int.available.cache_clear()

@@ -8,7 +8,9 @@ import torch
 import lmpress
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.runtime.kernels import cpu_int
 from lmpress.runtime.kernels.cpu import DenseLinear, Int4Linear, Int8Linear, cpu_linear, kernel_name
+from lmpress.runtime.kernels.cpu_int import W4A8Linear, W8A8RowLinear
 from lmpress.runtime.model import Transformer
 from tests.runtime.conftest import FAMILIES, tiny_hf_model
 
@@ -81,8 +83,20 @@ def test_bf16_model_runs_in_bf16():
     assert sqnr_db(expected, out) > 25
 
 
-@pytest.mark.parametrize(("bits", "group_size", "kernel"), [(4, 32, Int4Linear), (8, -1, Int8Linear)])
-def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel):
+@pytest.mark.parametrize(
+    ("bits", "group_size", "kernel", "int8_activations"),
+    [
+        (4, 32, Int4Linear, "1"),  # groups of 32: torch's packed kernel
+        (4, 64, W4A8Linear, "1"),
+        (4, 64, Int4Linear, "0"),  # lmpress's int8-activation kernels switched off
+        (8, -1, W8A8RowLinear, "1"),
+        (8, -1, Int8Linear, "0"),
+    ],
+)
+def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel, int8_activations, monkeypatch):
+    monkeypatch.setenv("LMPRESS_CPU_INT8_ACTIVATIONS", int8_activations)
+    if kernel in (W4A8Linear, W8A8RowLinear) and not cpu_int.available():
+        pytest.skip("lmpress's C++ kernels do not build here")
     hf = tiny_hf_model("llama", seed=5)
     lmpress.quantize_model(hf, method="rtn", bits=bits, group_size=group_size, symmetric=bits == 4)
     model = Transformer.from_hf(hf)

@@ -34,13 +34,79 @@ constexpr int64_t BLOCK = 64;
 constexpr int64_t ROWS = 8;
 
 struct Acts {
-  std::vector<int8_t> q;  // (M, K)
-  std::vector<float> d;   // (M, K / BLOCK): the block's scale
-  std::vector<float> s;   // (M, K / BLOCK): d * sum(q) over the block
+  int64_t M = 0, K = 0;
+  std::vector<int8_t> q;   // (M, K)
+  std::vector<float> d;    // (M, K / BLOCK): the block's scale
+  std::vector<float> s;    // (M, K / BLOCK): d * sum(q) over the block
+  std::vector<int8_t> qp;  // AVX-512 W4 only: q with each pair of blocks as [a 0:32, b 0:32, a 32:64, b 32:64]
+  std::vector<float> f;    // AVX-512 W4 only: per pair of blocks, 16 lanes [d_a x 8, d_b x 8]
 };
 
-void quantize_acts(const float* x, int64_t M, int64_t K, Acts& a) {
+// One block of 64: scale d = max|x| / 127 and codes round-half-even(x * (1 / d)); returns sum(q).
+int32_t quantize_block_portable(const float* x, int8_t* q, float* d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(x[i]));
+  *d = amax / 127.f;
+  const float inv = *d > 0.f ? 1.f / *d : 0.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < BLOCK; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return sum;
+}
+
+#ifdef LMPRESS_X86
+TARGET_AVX512 int32_t quantize_block_avx512(const float* x, int8_t* q, float* d) {
+  __m512 v[4];
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_loadu_ps(x + 16 * i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  *d = _mm512_reduce_max_ps(amax) / 127.f;
+  const __m512 inv = _mm512_set1_ps(*d > 0.f ? 1.f / *d : 0.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int i = 0; i < 4; ++i) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // round to nearest even (MXCSR default)
+    sum = _mm512_add_epi32(sum, r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtsepi32_epi8(r));
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
+
+TARGET_AVX2 int32_t quantize_block_avx2(const float* x, int8_t* q, float* d) {
+  __m256 v[8];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 8; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  *d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 inv = _mm256_set1_ps(*d > 0.f ? 1.f / *d : 0.f);
+  alignas(32) int32_t r[BLOCK];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 8; ++i) {
+    const __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    sum = _mm256_add_epi32(sum, t);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * i), t);
+  }
+  for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(r[i]);
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_hadd_epi32(s, s);
+  s = _mm_hadd_epi32(s, s);
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs, Acts& a) {
   const int64_t nb = K / BLOCK;
+  a.M = M, a.K = K;
   a.q.resize(M * K);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
@@ -48,42 +114,70 @@ void quantize_acts(const float* x, int64_t M, int64_t K, Acts& a) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * BLOCK;
       int8_t* qb = a.q.data() + m * K + b * BLOCK;
-      float amax = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.f;
-      const float inv = d > 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-        qb[i] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      a.d[m * nb + b] = d;
-      a.s[m * nb + b] = d * static_cast<float>(sum);
+      float* d = a.d.data() + m * nb + b;
+      int32_t sum;
+#ifdef LMPRESS_X86
+      if (isa == 2)
+        sum = quantize_block_avx512(xb, qb, d);
+      else if (isa == 1)
+        sum = quantize_block_avx2(xb, qb, d);
+      else
+#endif
+        sum = quantize_block_portable(xb, qb, d);
+      a.s[m * nb + b] = *d * static_cast<float>(sum);
     }
   }
+  if (!pairs) return;
+  const int64_t np = nb / 2;
+  a.qp.resize(M * K);
+  a.f.resize(M * std::max<int64_t>(np, 1) * 16);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* q = a.q.data() + m * K;
+    int8_t* qp = a.qp.data() + m * K;
+    for (int64_t p = 0; p < np; ++p) {
+      const int8_t* blk = q + p * 2 * BLOCK;
+      int8_t* out = qp + p * 2 * BLOCK;
+      std::copy(blk, blk + 32, out);
+      std::copy(blk + 64, blk + 96, out + 32);
+      std::copy(blk + 32, blk + 64, out + 64);
+      std::copy(blk + 96, blk + 128, out + 96);
+      float* f = a.f.data() + (m * np + p) * 16;
+      std::fill(f, f + 8, a.d[m * nb + 2 * p]);
+      std::fill(f + 8, f + 16, a.d[m * nb + 2 * p + 1]);
+    }
+    std::copy(q + np * 2 * BLOCK, q + K, qp + np * 2 * BLOCK);  // an odd last block stays as it is
+  }
+}
+
+// sum over the blocks of each group of d * sum(q): the zero point's term, (M, G).
+std::vector<float> group_sums(const Acts& a, int64_t G) {
+  const int64_t nb = a.K / BLOCK, spg = nb / G;
+  std::vector<float> out(a.M * G, 0.f);
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t b = 0; b < nb; ++b) out[m * G + b / spg] += a.s[m * nb + b];
+  return out;
 }
 
 // ---- portable ----------------------------------------------------------------------------------------------------
 
 void w4_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
-                      int64_t K, int64_t sb_per_group, const Acts& a, int64_t m0, int64_t M, int64_t N, float* y) {
-  const int64_t nb = K / BLOCK, G = nb / sb_per_group;
+                      int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t M, int64_t N,
+                      float* y) {
+  const int64_t nb = K / BLOCK, spg = nb / G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     for (int64_t m = m0; m < m0 + M; ++m) {
       const int8_t* xq = a.q.data() + m * K;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const int64_t g = b / sb_per_group;
         int32_t dot = 0;
         for (int64_t j = 0; j < 32; ++j) {
           const uint8_t byte = row[b * 32 + j];
           dot += (byte & 0x0F) * xq[b * BLOCK + j] + (byte >> 4) * xq[b * BLOCK + 32 + j];
         }
-        const float s = scales[n * G + g];
-        acc += s * (a.d[m * nb + b] * static_cast<float>(dot) - static_cast<float>(zeros[n * G + g]) * a.s[m * nb + b]);
+        acc += scales[n * G + b / spg] * a.d[m * nb + b] * static_cast<float>(dot);
       }
+      for (int64_t g = 0; g < G; ++g) acc -= scales[n * G + g] * static_cast<float>(zeros[n * G + g]) * zsum[m * G + g];
       y[m * N + n] = acc;
     }
   }
@@ -121,32 +215,36 @@ TARGET_AVX2 inline float hsum256(__m256 v) {
 
 template <int M>
 TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
-                              int64_t K, int64_t sb_per_group, const Acts& a, int64_t m0, int64_t N, float* y) {
-  const int64_t nb = K / BLOCK, G = nb / sb_per_group;
+                              int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, spg = nb / G;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xd = a.d.data() + m0 * nb;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
+    const float* sc = scales + n * G;
     __m256 acc[M];
-    float zs[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), zs[m] = 0.f;
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t g = b / sb_per_group;
-      const float s = scales[n * G + g], sz = s * static_cast<float>(zeros[n * G + g]);
+      const float s = sc[b / spg];
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
       const __m256i lo = _mm256_and_si256(w, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
       for (int m = 0; m < M; ++m) {
-        const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+        const int8_t* x = xq + m * K + b * BLOCK;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-        acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * a.d[(m0 + m) * nb + b]), acc[m]);
-        zs[m] += sz * a.s[(m0 + m) * nb + b];
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * xd[m * nb + b]), acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = hsum256(acc[m]) - zs[m];
+    for (int m = 0; m < M; ++m) {
+      float zs = 0.f;
+      for (int64_t g = 0; g < G; ++g) zs += sc[g] * static_cast<float>(zeros[n * G + g]) * zsum[(m0 + m) * G + g];
+      y[(m0 + m) * N + n] = hsum256(acc[m]) - zs;
+    }
   }
 }
 
@@ -187,32 +285,51 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
 
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------------------------
 
+// Two blocks (128 codes, 64 bytes) per step: the low nibbles are codes 0:32 of both, the high ones 32:64, against the
+// activations arranged as Acts::qp; the lanes 0-7 sum block a, 8-15 block b.
 template <int M>
 TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
-                                  int64_t n1, int64_t K, int64_t sb_per_group, const Acts& a, int64_t m0, int64_t N,
-                                  float* y) {
-  const int64_t nb = K / BLOCK, G = nb / sb_per_group;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+                                  int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
+                                  int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, spg = nb / G, np = nb / 2;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* xq = a.qp.data() + m0 * K;
+  const float* xf = a.f.data() + m0 * std::max<int64_t>(np, 1) * 16;
+  const float* xd = a.d.data() + m0 * nb;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
+    const float* sc = scales + n * G;
     __m512 acc[M];
-    float zs[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), zs[m] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t g = b / sb_per_group;
-      const float s = scales[n * G + g], sz = s * static_cast<float>(zeros[n * G + g]);
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
-      const __m256i lo = _mm256_and_si256(w, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; ++p) {
+      const __m512i w = _mm512_loadu_si512(row + p * 64);
+      const __m512i lo = _mm512_and_si512(w, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sc[(2 * p) / spg]), _mm256_set1_ps(sc[(2 * p + 1) / spg]), 1);
       for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(a.q.data() + (m0 + m) * K + b * BLOCK);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
-        acc[m] = _mm512_fmadd_ps(dot, _mm512_set1_ps(s * a.d[(m0 + m) * nb + b]), acc[m]);
-        zs[m] += sz * a.s[(m0 + m) * nb + b];
+        const int8_t* x = xq + m * K + p * 2 * BLOCK;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 64));
+        const __m512 f = _mm512_mul_ps(s, _mm512_loadu_ps(xf + (m * np + p) * 16));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), f, acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]) - zs[m];
+    if (nb % 2) {  // the odd last block, 256 bits wide
+      const int64_t b = nb - 1;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+      const __m256i l4 = _mm256_set1_epi8(0x0F);
+      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, l4)),
+                                            _mm256_and_si256(_mm256_srli_epi16(w, 4), l4), 1);
+      for (int m = 0; m < M; ++m) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + m * K + b * BLOCK));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sc[b / spg] * xd[m * nb + b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float zs = 0.f;
+      for (int64_t g = 0; g < G; ++g) zs += sc[g] * static_cast<float>(zeros[n * G + g]) * zsum[(m0 + m) * G + g];
+      y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]) - zs;
+    }
   }
 }
 
@@ -310,10 +427,10 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
   TORCH_CHECK(codes.size(1) == K / 2 && scales.size(0) == N && zeros.sizes() == scales.sizes(), "w4 shapes");
   TORCH_CHECK(G > 0 && (K / BLOCK) % G == 0, "w4 groups must be multiples of 64 columns");
-  const int64_t spg = K / BLOCK / G;
   at::Tensor y = at::empty({M, N}, x.options());
   Acts acts;
-  quantize_acts(x.data_ptr<float>(), M, K, acts);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa == 2, acts);
+  const std::vector<float> zsum = group_sums(acts, G);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -323,15 +440,15 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       const int64_t rows = std::min(ROWS, M - m0);
 #ifdef LMPRESS_X86
       if (isa == 2) {
-        by_rows<W4Avx512>(rows, c, s, z, n0, n1, K, spg, acts, m0, N, out);
+        by_rows<W4Avx512>(rows, c, s, z, n0, n1, K, G, acts, zsum.data(), m0, N, out);
         continue;
       }
       if (isa == 1) {
-        by_rows<W4Avx2>(rows, c, s, z, n0, n1, K, spg, acts, m0, N, out);
+        by_rows<W4Avx2>(rows, c, s, z, n0, n1, K, G, acts, zsum.data(), m0, N, out);
         continue;
       }
 #endif
-      w4_rows_portable(c, s, z, n0, n1, K, spg, acts, m0, rows, N, out);
+      w4_rows_portable(c, s, z, n0, n1, K, G, acts, zsum.data(), m0, rows, N, out);
     }
   });
   return y;
@@ -344,7 +461,7 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
   at::Tensor y = at::empty({M, N}, x.options());
   Acts acts;
-  quantize_acts(x.data_ptr<float>(), M, K, acts);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, false, acts);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -369,12 +486,13 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 // The activations as the kernels see them (for tests): (q as float, d per block).
-std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % BLOCK == 0,
               "x: contiguous float32 (M, K), K a multiple of 64");
+  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run instruction set level ", isa);
   const int64_t M = x.size(0), K = x.size(1);
   Acts acts;
-  quantize_acts(x.data_ptr<float>(), M, K, acts);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, false, acts);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / BLOCK}, x.options());
   std::copy(acts.q.begin(), acts.q.end(), q.data_ptr<int8_t>());
@@ -389,7 +507,7 @@ int64_t cpu_isa() { return best_isa(); }
 TORCH_LIBRARY(lmpress_cpu, m) {
   m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
-  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_activations(Tensor x, int isa) -> (Tensor, Tensor)");
   m.def("cpu_isa", &cpu_isa);
 }
 

@@ -39,12 +39,16 @@ def available() -> bool:
     try:
         load_library()
     except Exception as error:  # no compiler, no headers: torch's kernels still run every layer
-        warnings.warn(f"lmpress's CPU int8 kernels did not build ({error}); torch's packed kernels run instead")
+        warnings.warn(
+            f"lmpress's CPU int8 kernels did not build ({error}); torch's packed kernels run instead", stacklevel=2
+        )
         return False
     return True
 
 
+@functools.cache
 def load_library() -> None:
+    """Build (once per host and torch version, into lmpress's cache) and load the kernels' library."""
     from torch.utils.cpp_extension import load
 
     from lmpress.cache import cache_root
@@ -77,13 +81,19 @@ def _register_fakes() -> None:
 def host_isa() -> int:
     """The best instruction set level of this CPU the kernels use (``ISA_NAMES``); warns once without AVX2."""
     load_library()
-    level = int(torch.ops.lmpress_cpu.cpu_isa())
+    level = cpu_isa()
     if level == 0:
         warnings.warn(
             "this CPU has no AVX2 (or no FMA): lmpress's int8 CPU kernels run their portable C++ path, "
-            "several times slower than on an AVX2 CPU"
+            "several times slower than on an AVX2 CPU",
+            stacklevel=2,
         )
     return level
+
+
+def cpu_isa() -> int:
+    """What the library detects on this CPU (``ISA_NAMES``)."""
+    return int(torch.ops.lmpress_cpu.cpu_isa())
 
 
 def repack_w4(codes: torch.Tensor) -> torch.Tensor:
@@ -116,6 +126,7 @@ class W4A8Linear(nn.Module):
         isa: int | None = None,
     ) -> None:
         super().__init__()
+        load_library()
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
         self.register_buffer("codes", repack_w4(codes))
@@ -147,6 +158,7 @@ class W8A8RowLinear(nn.Module):
         isa: int | None = None,
     ) -> None:
         super().__init__()
+        load_library()
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
         self.register_buffer("codes", codes.to(torch.uint8).contiguous())
@@ -176,7 +188,7 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_fea
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 codes ``(M, K)`` and per-64 scales ``(M, K / 64)`` the kernels take ``x`` as (for tests)."""
-    load_library()
-    return torch.ops.lmpress_cpu.quantize_activations(x.float().contiguous())
+    isa = host_isa() if isa is None else isa
+    return torch.ops.lmpress_cpu.quantize_activations(x.float().contiguous(), isa)
