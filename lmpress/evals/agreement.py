@@ -102,7 +102,8 @@ def execution_unit(model: nn.Module, runtime: bool) -> float:
     """The unit roundoff of running ``model``'s layers (a model as ``load_model`` or a writer holds them):
     W8A8 layers quantize activations to int8 codes, FP8 layers to E4M3, bitsandbytes' ``Linear8bitLt`` to
     int8 and ``Linear4bit`` computes in bfloat16; weight-only ``QuantizedLinear`` layers run float32 in the
-    evaluator and bfloat16 activations in lmpress's runtime (``runtime``: its CPU and Triton kernels)."""
+    evaluator and, in lmpress's runtime (``runtime``), int8 activations per 64 columns where its CPU int8 kernels
+    hold them, bfloat16 activations otherwise (torch's CPU kernels, the Triton kernels)."""
     unit = FLOAT32_UNIT
     for module in model.modules():
         kind = type(module).__name__
@@ -111,9 +112,19 @@ def execution_unit(model: nn.Module, runtime: bool) -> float:
             unit = max(unit, INT8_ACTIVATION_UNIT)
         elif kind == "Fp8Linear" or activations == "fp8":
             unit = max(unit, FP8_ACTIVATION_UNIT)
+        elif runtime and kind == "QuantizedLinear" and runtime_quantizes_activations(module):
+            unit = max(unit, INT8_ACTIVATION_UNIT)
         elif kind == "Linear4bit" or (runtime and kind == "QuantizedLinear"):
             unit = max(unit, BFLOAT16_UNIT)
     return unit
+
+
+def runtime_quantizes_activations(layer: nn.Module) -> bool:
+    """Whether lmpress's CPU runtime runs ``layer`` (a weight-only ``QuantizedLinear``) on its int8-activation
+    kernels (``runtime/kernels/cpu_int.py``: activations quantized to int8 per 64 columns)."""
+    from lmpress.runtime.kernels.cpu import int8_activation_kernel_fits
+
+    return int8_activation_kernel_fits(layer)
 
 
 def tolerance(unit_a: float, unit_b: float, logit_scale: float) -> float:

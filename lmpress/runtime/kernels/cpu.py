@@ -173,8 +173,8 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
     return dense_linear(layer, dtype, DenseLinear)
 
 
-def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None) -> nn.Module | None:
-    """``layer`` on lmpress's int8-activation kernel, or None where it does not hold the layer or is switched off."""
+def int8_activation_kernel_fits(layer: QuantizedLinear) -> bool:
+    """Whether lmpress's int8-activation kernel runs ``layer`` on the CPU: a layout it holds, switched on, built."""
     from lmpress.quantize.qlinear import trivial_g_idx
     from lmpress.runtime.kernels import cpu_int
 
@@ -182,13 +182,20 @@ def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None) ->
     act_order = not trivial_g_idx(layer.g_idx, k, scheme)
     width = scheme.group_width(k)
     if scheme.activations is not None or layer.qweight.device.type != "cpu":
-        return None
+        return False
     fits = (scheme.bits == 4 and cpu_int.w4_fits(k, width, act_order)) or (
         scheme.bits == 8 and cpu_int.w8_fits(k, width, act_order)
     )
-    if not fits or not cpu_int.enabled():
+    return fits and cpu_int.enabled()
+
+
+def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None) -> nn.Module | None:
+    """``layer`` on lmpress's int8-activation kernel, or None where it does not hold the layer or is switched off."""
+    from lmpress.runtime.kernels import cpu_int
+
+    if not int8_activation_kernel_fits(layer):
         return None
-    kernel = cpu_int.W4A8Linear if scheme.bits == 4 else cpu_int.W8A8RowLinear
+    kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
     return kernel(layer.codes(), layer.scales.detach(), layer.zeros.float(), bias)
 
 
