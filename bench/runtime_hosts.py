@@ -133,7 +133,7 @@ def record(path: Path, host: dict[str, Any], entry: dict[str, Any], labels: dict
     hosts = json.loads(path.read_text()) if path.is_file() else {}
     if "meta" in hosts and "rows" in hosts:  # the page's first form: one run, host not recorded
         hosts = {"Xeon, 2 vCPUs (issue 11 run; CPU model not recorded)": {**hosts, "host": {}}}
-    hosts[host["key"]] = {**entry, "host": host}
+    hosts[host["key"]] = {**entry, "host": host, "labels": {name: labels[name] for name in entry.get("rows", {})}}
     path.write_text(json.dumps(hosts, indent=2) + "\n")
     path.with_suffix(".md").write_text(render_page(hosts, labels))
 
@@ -158,6 +158,6 @@ def render_page(hosts: dict[str, dict[str, Any]], labels: dict[str, str]) -> str
         if meta.get("llama_cpp_builds"):
             parts.append("")
         if entry.get("rows"):
-            parts += [render(entry["rows"], labels), ""]
+            parts += [render(entry["rows"], entry.get("labels", labels)), ""]
         parts += [f"- {goal}" for goal in entry.get("goals", [])] + [""]
     return "\n".join(parts)
