@@ -150,12 +150,11 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
 }
 
 // sum over the blocks of each group of d * sum(q): the zero point's term, (M, G).
-std::vector<float> group_sums(const Acts& a, int64_t G) {
+void group_sums(const Acts& a, int64_t G, std::vector<float>& out) {
   const int64_t nb = a.K / BLOCK, spg = nb / G;
-  std::vector<float> out(a.M * G, 0.f);
+  out.assign(a.M * G, 0.f);
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t b = 0; b < nb; ++b) out[m * G + b / spg] += a.s[m * nb + b];
-  return out;
 }
 
 // ---- portable ----------------------------------------------------------------------------------------------------
@@ -428,9 +427,11 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(codes.size(1) == K / 2 && scales.size(0) == N && zeros.sizes() == scales.sizes(), "w4 shapes");
   TORCH_CHECK(G > 0 && (K / BLOCK) % G == 0, "w4 groups must be multiples of 64 columns");
   at::Tensor y = at::empty({M, N}, x.options());
-  Acts acts;
+  // Buffers kept per calling thread: a decode step calls this some hundred times with the same sizes.
+  static thread_local Acts acts;
+  static thread_local std::vector<float> zsum;
   quantize_acts(x.data_ptr<float>(), M, K, isa, isa == 2, acts);
-  const std::vector<float> zsum = group_sums(acts, G);
+  group_sums(acts, G, zsum);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -460,7 +461,7 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
   at::Tensor y = at::empty({M, N}, x.options());
-  Acts acts;
+  static thread_local Acts acts;
   quantize_acts(x.data_ptr<float>(), M, K, isa, false, acts);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
