@@ -32,6 +32,9 @@ namespace {
 
 constexpr int64_t BLOCK = 64;
 constexpr int64_t ROWS = 8;
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the row being dotted its weights are prefetched
+
+inline int64_t rows_ahead(int64_t row_bytes) { return std::max<int64_t>(1, PREFETCH_BYTES / row_bytes); }
 
 struct Acts {
   int64_t M = 0, K = 0;
@@ -157,6 +160,16 @@ void group_sums(const Acts& a, int64_t G, std::vector<float>& out) {
     for (int64_t b = 0; b < nb; ++b) out[m * G + b / spg] += a.s[m * nb + b];
 }
 
+// The group of 64-block b: a shift where the blocks per group are a power of two (a 64-bit division per block
+// would cost more than the block's arithmetic).
+inline int64_t log2_or_minus1(int64_t v) {
+  int64_t k = 0;
+  while ((int64_t{1} << k) < v) ++k;
+  return (int64_t{1} << k) == v ? k : -1;
+}
+
+inline int64_t group_of(int64_t b, int64_t spg, int64_t shift) { return shift >= 0 ? b >> shift : b / spg; }
+
 // ---- portable ----------------------------------------------------------------------------------------------------
 
 void w4_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
@@ -215,7 +228,7 @@ TARGET_AVX2 inline float hsum256(__m256 v) {
 template <int M>
 TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
                               int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y) {
-  const int64_t nb = K / BLOCK, spg = nb / G;
+  const int64_t nb = K / BLOCK, spg = nb / G, shift = log2_or_minus1(spg);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq = a.q.data() + m0 * K;
@@ -226,7 +239,7 @@ TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const u
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = sc[b / spg];
+      const float s = sc[group_of(b, spg, shift)];
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
       const __m256i lo = _mm256_and_si256(w, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -290,7 +303,7 @@ template <int M>
 TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                   int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
                                   int64_t N, float* y) {
-  const int64_t nb = K / BLOCK, spg = nb / G, np = nb / 2;
+  const int64_t nb = K / BLOCK, spg = nb / G, np = nb / 2, shift = log2_or_minus1(spg);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* xq = a.qp.data() + m0 * K;
   const float* xf = a.f.data() + m0 * std::max<int64_t>(np, 1) * 16;
@@ -300,11 +313,14 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
     const float* sc = scales + n * G;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    const uint8_t* ahead = codes + std::min(n + rows_ahead(K / 2), n1 - 1) * (K / 2);
     for (int64_t p = 0; p < np; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 64), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(row + p * 64);
       const __m512i lo = _mm512_and_si512(w, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sc[(2 * p) / spg]), _mm256_set1_ps(sc[(2 * p + 1) / spg]), 1);
+      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sc[group_of(2 * p, spg, shift)]),
+                                          _mm256_set1_ps(sc[group_of(2 * p + 1, spg, shift)]), 1);
       for (int m = 0; m < M; ++m) {
         const int8_t* x = xq + m * K + p * 2 * BLOCK;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
@@ -321,7 +337,8 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
                                             _mm256_and_si256(_mm256_srli_epi16(w, 4), l4), 1);
       for (int m = 0; m < M; ++m) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + m * K + b * BLOCK));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sc[b / spg] * xd[m * nb + b]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sc[group_of(b, spg, shift)] * xd[m * nb + b]),
+                                 acc[m]);
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -345,7 +362,9 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
     const uint8_t* row = codes + n * K;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    const uint8_t* ahead = codes + std::min(n + rows_ahead(K), n1 - 1) * K;
     for (int64_t b = 0; b < nb; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * BLOCK), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(row + b * BLOCK);
       for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_loadu_si512(a.q.data() + (m0 + m) * K + b * BLOCK);
@@ -399,7 +418,7 @@ struct W8Avx2 {
 };
 #endif
 
-int64_t best_isa() {
+int64_t detect_isa() {
 #ifdef LMPRESS_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
@@ -408,6 +427,11 @@ int64_t best_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
 #endif
   return 0;
+}
+
+int64_t best_isa() {
+  static const int64_t level = detect_isa();
+  return level;
 }
 
 void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
