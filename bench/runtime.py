@@ -426,8 +426,10 @@ class Worker:
         for line in self.process.stdout:
             if line.startswith(REPLY):
                 return json.loads(line[len(REPLY) :])
+        code = self.process.wait()
         self.log.seek(0)
-        raise RuntimeError(f"{self.name}: the worker exited\n{self.log.read()[-3000:]}")
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"  # SIGKILL (9): out of memory?
+        raise RuntimeError(f"{self.name}: the worker exited ({how})\n{self.log.read()[-3000:]}")
 
     def close(self) -> None:
         if self.process.poll() is None:
