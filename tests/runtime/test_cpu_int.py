@@ -152,3 +152,15 @@ def test_without_a_compiler_the_runtime_keeps_torchs_kernels(monkeypatch):
             assert isinstance(cpu_linear(layer, torch.float32), Int4Linear)
     finally:
         cpu_int.available.cache_clear()
+
+
+def test_rows_split_over_threads_agree_with_one_thread():
+    """Output rows split over 2 threads (the runtime's default here; the autouse fixture runs tests on one):
+    each thread reads the activations the calling thread quantized."""
+    w4 = cpu_int.W4A8Linear(*w4_case(96, 448, 64)[:3], None)
+    w8 = cpu_int.W8A8RowLinear(*w8_case(256, 320)[:3], None)
+    x4, x8 = inputs(3, 448), inputs(3, 320)
+    one = (w4(x4), w8(x8))
+    torch.set_num_threads(2)
+    two = (w4(x4), w8(x8))
+    torch.testing.assert_close(two, one, rtol=0, atol=0)

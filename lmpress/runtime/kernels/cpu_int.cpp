@@ -452,10 +452,13 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(G > 0 && (K / BLOCK) % G == 0, "w4 groups must be multiples of 64 columns");
   at::Tensor y = at::empty({M, N}, x.options());
   // Buffers kept per calling thread: a decode step calls this some hundred times with the same sizes.
-  static thread_local Acts acts;
-  static thread_local std::vector<float> zsum;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, isa == 2, acts);
-  group_sums(acts, G, zsum);
+  // The parallel body names them through these locals: in another thread the thread_local names would be its own.
+  static thread_local Acts buffer;
+  static thread_local std::vector<float> zsums;
+  const Acts& acts = buffer;
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa == 2, buffer);
+  group_sums(acts, G, zsums);
+  const float* zsum = zsums.data();
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -465,15 +468,15 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       const int64_t rows = std::min(ROWS, M - m0);
 #ifdef LMPRESS_X86
       if (isa == 2) {
-        by_rows<W4Avx512>(rows, c, s, z, n0, n1, K, G, acts, zsum.data(), m0, N, out);
+        by_rows<W4Avx512>(rows, c, s, z, n0, n1, K, G, acts, zsum, m0, N, out);
         continue;
       }
       if (isa == 1) {
-        by_rows<W4Avx2>(rows, c, s, z, n0, n1, K, G, acts, zsum.data(), m0, N, out);
+        by_rows<W4Avx2>(rows, c, s, z, n0, n1, K, G, acts, zsum, m0, N, out);
         continue;
       }
 #endif
-      w4_rows_portable(c, s, z, n0, n1, K, G, acts, zsum.data(), m0, rows, N, out);
+      w4_rows_portable(c, s, z, n0, n1, K, G, acts, zsum, m0, rows, N, out);
     }
   });
   return y;
@@ -485,8 +488,9 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
   at::Tensor y = at::empty({M, N}, x.options());
-  static thread_local Acts acts;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, false, acts);
+  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
+  const Acts& acts = buffer;
+  quantize_acts(x.data_ptr<float>(), M, K, isa, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
