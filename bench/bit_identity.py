@@ -67,10 +67,10 @@ def run_case(source: str, stage: dict, calibration_spec: dict) -> dict[str, str]
 
     from lmpress.data import calibration_samples, load_text, tokenize
     from lmpress.export.hf import export_hf
-    from lmpress.model import load_model
-    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.loader import load_model
     from lmpress.recipe import _validate
     from lmpress.registry import StageContext
+    from lmpress.weights.qlinear import QuantizedLinear
 
     torch.manual_seed(0)
     loaded = load_model(source)

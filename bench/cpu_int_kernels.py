@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from lmpress.quantize.qlinear import int4pack_scale_and_zero
 from lmpress.runtime.kernels import cpu_int
+from lmpress.weights.qlinear import int4pack_scale_and_zero
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's products
 LAYERS, VOCAB, DIM = 30, 49152, 576

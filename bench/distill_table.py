@@ -39,8 +39,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_table import cpu_description  # noqa: E402
-from readme_block import write_readme_block  # noqa: E402
 from recipe_run import lmpress_run, normalized  # noqa: E402
+from table_rows import publish, row_parser, wanted_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -290,34 +290,21 @@ def render(rows: dict[str, dict]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
-def write_readme(table: str) -> None:
-    write_readme_block("distill-table", "Distillation results", table)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
-    parser.add_argument("--reuse", action="store_true", help="reuse runs whose report holds the same recipe")
+    parser = row_parser(__doc__.splitlines()[0], ROWS, "reuse runs whose report holds the same recipe", child=False)
     parser.add_argument("--speculative", help=argparse.SUPPRESS)  # a child: one speculative measurement
     args = parser.parse_args()
     if args.speculative:
         print(json.dumps(measure_speculative(json.loads(args.speculative))))
         return 0
-    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = [r for r in wanted if r not in ROWS]
-    if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     ROW_DIR.mkdir(parents=True, exist_ok=True)
-    for name in wanted:
+    for name in wanted_rows(parser, args.rows, ROWS):
         recipe = yaml.safe_load((REPO / ROWS[name][1]).read_text())
         measure = measure_draft if name == "draft-student" else measure_recovery
         row: dict[str, Any] = measure(name, recipe, args.reuse)
         (ROW_DIR / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
     rows = {p.stem: json.loads(p.read_text()) for p in sorted(ROW_DIR.glob("*.json"))}
-    table = render(rows)
-    (RESULTS / "distill_table.md").write_text(table)
-    write_readme(table)
-    print(table)
+    publish(render(rows), RESULTS / "distill_table.md", ("distill-table", "Distillation results"))
     return 0
 
 

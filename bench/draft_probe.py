@@ -58,8 +58,8 @@ def greedy_answer(model, prompt: list[int], n: int) -> list[int]:
 @torch.no_grad()
 def forward_ms(model, n: int, forward=None, context: int = 440, repeats: int = 20) -> float:
     """Median ms of one read of ``n`` tokens after ``context`` (a speculative round's verification for n > 1)."""
-    from lmpress.runtime.bench import median_seconds
     from lmpress.runtime.generate import model_forward
+    from lmpress.runtime.throughput import median_seconds
 
     forward = forward or model_forward
     cache = model.new_cache(1, context + n)

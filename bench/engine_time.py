@@ -33,8 +33,8 @@ import hashlib, json, os, sys, tempfile, time
 from pathlib import Path
 import torch
 from lmpress.data import calibration_samples, load_text, tokenize
-from lmpress.model import load_model
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.loader import load_model
+from lmpress.weights.qlinear import QuantizedLinear
 try:
     from lmpress.registry import stage_config, stage_handler_for
     config_cls, handler_for = stage_config(STAGE["method"]), stage_handler_for

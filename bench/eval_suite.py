@@ -28,17 +28,11 @@ from pathlib import Path
 import torch
 
 from lmpress.data import load_text, tokenize
-from lmpress.evals.kld import (
-    KLDConfig,
-    TopKScorer,
-    exact_kld,
-    score_candidate,
-    store_path,
-    summarize_baseline,
-)
+from lmpress.evals.kld import KLDConfig, TopKScorer, score_candidate, store_path, summarize_baseline
 from lmpress.evals.longctx import PasskeyConfig, PositionNLLConfig, length_label
 from lmpress.evals.perplexity import PerplexityConfig, forward_windows, perplexity, vocab_size
-from lmpress.model import load_model
+from lmpress.loader import load_model
+from lmpress.metrics import exact_kld
 from lmpress.quantize.rtn import RTNConfig, run_rtn
 from lmpress.registry import EVAL_HANDLERS, EvalContext, StageContext
 

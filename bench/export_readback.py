@@ -35,7 +35,7 @@ def measure(variant: str) -> list[dict]:
     from lmpress.data import calibration_samples, load_text, token_windows, tokenize
     from lmpress.evals.perplexity import PerplexityConfig, perplexity
     from lmpress.export.verify import compare_weights
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.registry import StageContext, exporter, stage_config, stage_handler_for
 
     stage, formats = VARIANTS[variant]

@@ -135,7 +135,7 @@ def quantized_smollm2(stage: dict, record: Path):
     import torch
 
     from lmpress.data import calibration_samples, load_text, tokenize
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.registry import StageContext, stage_config, stage_handler_for
 
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def quantized_smollm2(stage: dict, record: Path):
 
 def build_f32_gguf(work: Path) -> None:
     from lmpress.export.gguf import write_gguf
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
 
     loaded = load_model(SMOLLM2)
     write_gguf(loaded.model, loaded.tokenizer, work / "f32.gguf")
@@ -163,7 +163,7 @@ def build_f32_gguf(work: Path) -> None:
 
 def build_fp32_onnx(work: Path) -> None:
     from lmpress.export.onnx import write_onnx
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
 
     (work / "fp32-onnx").mkdir(exist_ok=True)
     write_onnx(load_model(SMOLLM2).model, work / "fp32-onnx" / "model.onnx")
@@ -281,7 +281,7 @@ def eval_windows():
     from transformers import AutoTokenizer
 
     from lmpress.data import load_text, token_windows, tokenize
-    from lmpress.model import resolve_checkpoint
+    from lmpress.loader import resolve_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(SMOLLM2))
     ids = tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw")))
@@ -347,7 +347,7 @@ def measure_row(name: str, part: str) -> dict:
 
     import torch
 
-    from lmpress.evals.perplexity import token_nll
+    from lmpress.metrics import token_nll
 
     runtime, label, artifact, _ = ROWS[name]
     path = work_dir() / artifact

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_table import EVAL, SMOLLM2, WIKITEXT, cpu_description  # noqa: E402
 
 from lmpress.data import load_text, token_windows, tokenize  # noqa: E402
-from lmpress.evals.perplexity import PerplexityConfig, perplexity  # noqa: E402
-from lmpress.model import load_model  # noqa: E402
-from lmpress.quantize.fp8 import quantize_fp8, quantize_fp8_per_token  # noqa: E402
+from lmpress.evals.perplexity import PerplexityConfig, perplexity
+from lmpress.loader import load_model
+from lmpress.weights.float8 import quantize_fp8, quantize_fp8_per_token
 
 OUT = Path(__file__).resolve().parent / "results" / "fp8_error_split.json"
 

@@ -134,7 +134,7 @@ def stage_step(model_dir: Path, device_name: str, stages: list[dict], work: Path
     """The stages on ``device`` under the placement guard; the model must end on the CPU, its logits finite."""
     import torch
 
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.pipeline import run_stages
     from lmpress.placement import placement_guard, resolve_device
     from lmpress.progress import QUIET
@@ -170,7 +170,7 @@ def matmul_fp8(device_name: str) -> dict:
     import torch
 
     from lmpress.placement import resolve_device
-    from lmpress.quantize.fp8 import Fp8Linear, real_fp8_matmul_available
+    from lmpress.weights.float8 import Fp8Linear, real_fp8_matmul_available
 
     device = resolve_device(device_name, "device")
     torch.manual_seed(0)
@@ -190,7 +190,7 @@ def matmul_int8(device_name: str) -> dict:
     import torch
 
     from lmpress.placement import resolve_device
-    from lmpress.quantize.int8_linear import quantize_per_token, sqnr_db, w8a8_linear, w8a8_reference
+    from lmpress.weights.int8_linear import quantize_per_token, sqnr_db, w8a8_linear, w8a8_reference
 
     device = resolve_device(device_name, "device")
     torch.manual_seed(0)
@@ -216,7 +216,7 @@ def onnx_cuda(model_dir: Path, device_name: str, work: Path) -> dict | str:
     if wanted not in ort.get_available_providers():
         return f"this onnxruntime has no {wanted} ({', '.join(ort.get_available_providers())})"
     from lmpress.export.onnx import export_onnx, greedy_generate, onnx_session
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
 
     loaded = load_model(str(model_dir), "float32")
     export_onnx(loaded.model, loaded.tokenizer, work / "onnx")
@@ -227,7 +227,6 @@ def onnx_cuda(model_dir: Path, device_name: str, work: Path) -> dict | str:
 
 
 def smoke(dry_run: bool) -> None:
-    os.environ["LMPRESS_CHECK_PLACEMENT"] = "1"  # every stage of every run below under the placement guard
     if dry_run:  # the CPU runtime's one-off matmul probe streams 128 MiB per weight shape: tiny sizes here
         import lmpress.runtime.kernels.cpu as cpu_kernels
 
@@ -352,7 +351,7 @@ def write_smoke_recipe(work: Path, model_dir: Path, device: str, fp8: bool = Fal
 
 
 def recipe_run(recipe: Path, out: Path) -> dict:
-    cli("run", str(recipe), "--out", str(out), "--quiet")
+    cli("run", str(recipe), "--out", str(out), "--quiet", "--check-placement")  # every stage under the guard
     report = json.loads((out / "report.json").read_text())
     failed = [c["format"] for c in report["export_checks"] if not c["passed"]]
     if failed:
@@ -426,7 +425,7 @@ def distill_speed(dry_run: bool) -> None:
     import torch
     import yaml
 
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.pipeline import run_stages
     from lmpress.placement import resolve_device
     from lmpress.progress import QUIET

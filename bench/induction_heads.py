@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--removed", type=json.loads, default=None, help="JSON list of removed layers to mark")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
 
     model = load_model(SMOLLM2, "float32").model
     model.config._attn_implementation = "eager"  # SDPA returns no attention weights

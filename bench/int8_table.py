@@ -18,11 +18,9 @@ of 5 runs each after a warm-up, and records the load average (the CPU may be sha
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_block import write_readme_block  # noqa: E402
+from table_rows import copy_fp32_row, kept_rows, measure_in_child, publish, row_parser, wanted_rows  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmpress, before an installed one
 from quant_table import CALIBRATION, EVAL, REPO, SMOLLM2, WIKITEXT, cpu_description  # noqa: E402
@@ -130,7 +128,7 @@ def measure_row(name: str) -> dict:
 
     from lmpress.data import calibration_samples, load_text, token_windows, tokenize
     from lmpress.evals.perplexity import PerplexityConfig, perplexity
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.registry import StageContext, exporter, stage_config, stage_handler_for
 
     torch.manual_seed(0)
@@ -231,47 +229,22 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
-def write_readme(table: str) -> None:
-    write_readme_block("int8-table", "INT8 and FP8 results", table)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
-    parser.add_argument("--reuse", action="store_true", help="keep rows measured before with the same stages")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser = row_parser(__doc__.splitlines()[0], ROWS, "keep rows measured before with the same stages")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure_row(args.one)))
         return 0
-    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = [r for r in wanted if r not in ROWS]
-    if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
-    ROW_DIR.mkdir(parents=True, exist_ok=True)
-    if "fp32" in wanted and QUANT_TABLE_FP32.exists():
-        fp32 = json.loads(QUANT_TABLE_FP32.read_text())
-        (ROW_DIR / "fp32.json").write_text(json.dumps({**fp32, "from": str(QUANT_TABLE_FP32)}) + "\n")
-        wanted.remove("fp32")
-    for name in wanted:
+    for name in copy_fp32_row(wanted_rows(parser, args.rows, ROWS), ROW_DIR, QUANT_TABLE_FP32):
         path = ROW_DIR / f"{name}.json"
         if args.reuse and path.exists() and json.loads(path.read_text()).get("stage") == ROWS[name][1]:
             continue
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=REPO, check=False
-        )
-        if done.returncode != 0:
-            print(done.stderr[-4000:], file=sys.stderr)
-            return done.returncode
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = measure_in_child(__file__, "--one", name)
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"  {name}: ppl {result['ppl']:.3f}  seconds {result['seconds']}", file=sys.stderr, flush=True)
-    measured = [json.loads((ROW_DIR / f"{n}.json").read_text()) for n in ROWS if (ROW_DIR / f"{n}.json").exists()]
-    table = render(measured)
-    (RESULTS / "int8_table.md").write_text(table)
-    write_readme(table)
-    print(table)
+    table = render(list(kept_rows(ROW_DIR, ROWS).values()))
+    publish(table, RESULTS / "int8_table.md", ("int8-table", "INT8 and FP8 results"))
     return 0
 
 

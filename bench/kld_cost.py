@@ -31,16 +31,9 @@ import torch
 
 from lmpress import quantize_model
 from lmpress.data import load_text, token_windows, tokenize
-from lmpress.evals.kld import (
-    ExactBaselineWriter,
-    ExactScorer,
-    KLDConfig,
-    TopKBaselineWriter,
-    TopKScorer,
-    store_path,
-)
+from lmpress.evals.kld import ExactBaselineWriter, ExactScorer, KLDConfig, TopKBaselineWriter, TopKScorer, store_path
 from lmpress.evals.perplexity import PerplexityConfig, perplexity, vocab_size
-from lmpress.model import load_model
+from lmpress.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"

@@ -12,10 +12,8 @@ process; the stages run in order on the FP32 model, seconds are the stages' wall
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_table import CALIBRATION, EVAL, REPO, SMOLLM2, WIKITEXT, cpu_description  # noqa: E402
-from readme_block import write_readme_block  # noqa: E402
+from table_rows import copy_fp32_row, kept_rows, measure_in_child, publish, row_parser, wanted_rows  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 ROW_DIR = RESULTS / "prune_rows"
@@ -73,7 +71,7 @@ def measure_rows(names: list[str]) -> list[dict]:
     import torch
 
     from lmpress.data import calibration_samples, load_text, tokenize
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.prune.structured import parameter_bytes
 
     torch.manual_seed(0)
@@ -210,28 +208,13 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
-def write_readme(table: str) -> None:
-    write_readme_block("prune-table", "Pruning results", table)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
-    parser.add_argument("--reuse", action="store_true", help="keep rows measured before with the same stages")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser = row_parser(__doc__.splitlines()[0], ROWS, "keep rows measured before with the same stages")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure_rows(args.one.split(","))))
         return 0
-    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = [r for r in wanted if r not in ROWS]
-    if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
-    ROW_DIR.mkdir(parents=True, exist_ok=True)
-    if "fp32" in wanted and QUANT_TABLE_FP32.exists():
-        fp32 = json.loads(QUANT_TABLE_FP32.read_text())
-        (ROW_DIR / "fp32.json").write_text(json.dumps({**fp32, "stages": [], "from": str(QUANT_TABLE_FP32)}) + "\n")
-        wanted.remove("fp32")
+    wanted = copy_fp32_row(wanted_rows(parser, args.rows, ROWS), ROW_DIR, QUANT_TABLE_FP32, stages=[])
     todo = []
     for name in wanted:
         path = ROW_DIR / f"{name}.json"
@@ -248,20 +231,11 @@ def main() -> int:
             chains.append([parent, name] if parent in ROWS and parent not in todo else [name])
     for chain in chains:
         print(f"measuring {', '.join(chain)} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", ",".join(chain)], capture_output=True, text=True, cwd=REPO, check=False
-        )
-        if done.returncode != 0:
-            print(done.stderr[-4000:], file=sys.stderr)
-            return done.returncode
-        for result in json.loads(done.stdout.strip().splitlines()[-1]):
+        for result in measure_in_child(__file__, "--one", ",".join(chain)):
             (ROW_DIR / f"{result['row']}.json").write_text(json.dumps(result, indent=2) + "\n")
             print(f"  {result['row']}: ppl {result['ppl']:.3f}  seconds {result['seconds']}", file=sys.stderr)
-    measured = [json.loads((ROW_DIR / f"{n}.json").read_text()) for n in ROWS if (ROW_DIR / f"{n}.json").exists()]
-    table = render(measured)
-    (RESULTS / "prune_table.md").write_text(table)
-    write_readme(table)
-    print(table)
+    table = render(list(kept_rows(ROW_DIR, ROWS).values()))
+    publish(table, RESULTS / "prune_table.md", ("prune-table", "Pruning results"))
     return 0
 
 

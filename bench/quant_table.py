@@ -169,7 +169,7 @@ def measure_row(name: str, gpu_rows_on: str = "cuda") -> dict:
     import torch
 
     from lmpress.data import calibration_samples, load_text, tokenize
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.placement import resolve_device
     from lmpress.registry import StageContext, stage_config, stage_handler_for
 

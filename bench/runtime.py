@@ -10,7 +10,7 @@ turn, one repeat of each per round (A, B, C, A, B, C, ...; the first row of a ro
 machine whose speed drifts slows them alike. Each repeat times 1 and N new tokens (decode tok/s =
 (N - 1) / (t(N) - t(1))) and measures the copy bandwidth just before, in the same process; a row
 reports the median and quartiles over repeats, with the load average at each. Bytes per token follow
-``lmpress.runtime.bench``: weights + KV cache at the mean length.
+``lmpress.runtime.throughput``: weights + KV cache at the mean length.
 
 llama.cpp runs through llama-cpp-python in two builds where both exist: the one installed (``.ci/run``
 builds it for AVX2) and a native one (``-march=native`` without AMX; ``--build-llama-cpp`` builds it
@@ -143,7 +143,7 @@ def artifact(label: str) -> Path:
 
 
 def q4_1_gguf() -> Path:
-    from lmpress.model import package_file
+    from lmpress.loader import package_file
 
     return package_file(SMOLLM2)
 
@@ -185,7 +185,7 @@ def llama_cpp_builds(build: bool) -> dict[str, Path | None]:
 
 
 def plain_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
-    from lmpress.runtime.bench import bench_prompt
+    from lmpress.runtime.throughput import bench_prompt
 
     return bench_prompt(tokenizer, n_tokens)
 
@@ -204,9 +204,9 @@ Generate = Callable[[int], Any]
 
 
 def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bool = False) -> tuple[Generate, dict]:
-    from lmpress.runtime.bench import kv_cache_bytes, layer_kernels, weight_bytes
     from lmpress.runtime.generate import decode_with, decoding_forward, generate
     from lmpress.runtime.text import load_runtime
+    from lmpress.runtime.throughput import kv_cache_bytes, layer_kernels, weight_bytes
 
     model, tokenizer = load_runtime(source, "cpu", dtype)
     prompt = plain_prompt(tokenizer, args.prompt_tokens)
@@ -350,8 +350,8 @@ def row_speculative(
     draft_vocab: int | None = None,
     draft_vocab_text: str = "builtin:python-docs",
 ) -> dict[str, Any]:
-    from lmpress.runtime.bench import BenchSettings, benchmark
     from lmpress.runtime.text import load_draft, load_runtime
+    from lmpress.runtime.throughput import BenchSettings, benchmark
 
     model, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
     draft = load_draft(draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text)
@@ -384,7 +384,7 @@ REPLY = "@@bench "  # marks the worker's replies among whatever else the librari
 
 
 def worker(name: str, args: argparse.Namespace) -> None:
-    from lmpress.runtime.bench import copy_bandwidth_gbs, running_peak_mb
+    from lmpress.runtime.throughput import copy_bandwidth_gbs, running_peak_mb
 
     run, info = TIMED[name][1](args)
     run(args.new_tokens)  # warm-up: compiles, fills caches

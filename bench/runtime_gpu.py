@@ -7,12 +7,12 @@ against the copy bandwidth (issue 37's decode goals). Every row prints the momen
 Each row times the runtime's fixed-shape decode step (``Transformer.forward_static``, what
 ``lmpress generate --compile`` compiles) captured once in a CUDA graph and replayed per token: no
 compile time, no launch overhead; decode tok/s = tokens / seconds of the replays. Bytes per token
-follow ``lmpress.runtime.bench`` (every weight once, the embedding's one row, the KV cache's slots the
+follow ``lmpress.runtime.throughput`` (every weight once, the embedding's one row, the KV cache's slots the
 static step reads), GB/s = bytes x tok/s, against a device-to-device copy timed in the same run.
 Rows: bf16 (goal: >= 70% of the copy bandwidth) and W4 g128 symmetric RTN on the kernels
 ``lmpress.runtime.kernels.select`` picks, each layer's kernel named (goal: >= 2.0x bf16; issue 37 measured
 bf16 140 tok/s before). ``--compile`` adds the runtime's own ``torch.compile`` path
-(``lmpress.runtime.bench``, CUDA graphs through Inductor), ``--transformers`` transformers' eager generate.
+(``lmpress.runtime.throughput``, CUDA graphs through Inductor), ``--transformers`` transformers' eager generate.
 ``--layers`` shortens the model (the unquantized 1 GB head then weighs more in the W4/bf16 ratio).
 """
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("bench/runtime_gpu.py needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
-    from lmpress.runtime.bench import copy_bandwidth_gbs
+    from lmpress.runtime.throughput import copy_bandwidth_gbs
 
     began = time.time()
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -125,8 +125,8 @@ def quantize_w4(hf) -> None:
     """Every decoder linear to W4 g128 symmetric RTN, in place, on its device (the head stays bf16)."""
     import torch
 
-    from lmpress.quantize.qlinear import QuantizedLinear
-    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
     scheme = QuantScheme(4, 128, True)
     with torch.no_grad():
@@ -190,7 +190,7 @@ def static_step_rate(model, args: argparse.Namespace, device) -> float:
 
 
 def decode_row(args, hf, device, label: str, copy_gbs: float, shape: str, bf16: dict | None) -> dict:
-    from lmpress.runtime.bench import kernel_rows, kv_cache_bytes, layer_kernels, weight_bytes
+    from lmpress.runtime.throughput import kernel_rows, kv_cache_bytes, layer_kernels, weight_bytes
 
     model = build_runtime(hf, device)
     by_layer = layer_kernels(model)
@@ -217,7 +217,7 @@ def decode_row(args, hf, device, label: str, copy_gbs: float, shape: str, bf16: 
 
 def compiled_row(model, args, label: str, copy_gbs: float, shape: str) -> dict:
     """The runtime's own ``torch.compile`` path (``lmpress bench --compile``), for comparison."""
-    from lmpress.runtime.bench import BenchSettings, benchmark
+    from lmpress.runtime.throughput import BenchSettings, benchmark
 
     prompt = list(range(1, 17))
     plain = benchmark(model, prompt, BenchSettings(new_tokens=args.new_tokens, repeats=1, compile=True))["plain"]
@@ -228,7 +228,7 @@ def compiled_row(model, args, label: str, copy_gbs: float, shape: str) -> dict:
 def transformers_row(hf, args, copy_gbs: float, shape: str) -> dict:
     import torch
 
-    from lmpress.runtime.bench import decode_rate, generation_times
+    from lmpress.runtime.throughput import decode_rate, generation_times
 
     device = hf.device
     ids = torch.zeros(1, 16, dtype=torch.long, device=device)

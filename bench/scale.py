@@ -218,7 +218,7 @@ import json, sys, time
 import torch
 from lmpress.api import quantize_model
 from lmpress.memory import process_peak_mb
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.progress import Bars
 
 path, stage, data, device = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
@@ -258,8 +258,8 @@ def add_forecast(row: dict, data: dict) -> dict:
     """``row`` with lmpress.memory_plan's forecast for its run (from the configs alone) and for the whole model."""
     import torch
 
+    from lmpress.loader import model_skeleton
     from lmpress.memory_plan import forecast_memory
-    from lmpress.model import model_skeleton
     from lmpress.registry import stage_config
 
     config = stage_config(GPTQ["method"])(**GPTQ)
@@ -284,12 +284,15 @@ def measure(shape: str, layers: int, data: dict, device: str, threads: int) -> d
     view = first_layers_view(build_checkpoint(shape), layers)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", CHILD, str(view), json.dumps(GPTQ), json.dumps(data), device, str(threads)]
+    load_before = os.getloadavg()[0]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
+    load_after = os.getloadavg()[0]
     if done.returncode != 0:
         raise SystemExit(f"{shape} with {layers} layers failed:\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
     total_layers = SHAPES[shape]["num_hidden_layers"]
     row.update(shape=shape, layers=layers, device=device, seconds_per_layer=row["stage_s"] / layers)
+    row["load_average"] = [round(load_before, 2), round(load_after, 2)]  # 1-minute, at the run's start and end
     row["cpu_seconds_per_layer"] = sum(row["layer_cpu_s"]) / layers  # every thread's, robust to a busy machine
     row["projected_model_s"] = row["seconds_per_layer"] * total_layers
     row["projected_model_cpu_s"] = row["cpu_seconds_per_layer"] * total_layers
@@ -309,13 +312,15 @@ def markdown(rows: list[dict], data: dict, host_name: str) -> str:
         f"GPTQ W4 g128 (symmetric), calibration {data['samples']} x {data['seq_len']} tokens, "
         f"bfloat16 checkpoint memory-mapped; host: {host_name}.",
         "",
-        "| shape | layers run | device | wall s / layer | CPU s / layer | projected whole model (wall) | "
-        "peak RSS | forecast | forecast / peak | forecast, whole model |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | layers run | device | load average (start, end) | wall s / layer | CPU s / layer | "
+        "projected whole model (wall) | peak RSS | forecast | forecast / peak | forecast, whole model |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        load = r.get("load_average")
+        load = f"{load[0]:.1f}, {load[1]:.1f}" if load else "not recorded"
         lines.append(
-            f"| {r['shape']} | {r['layers']} | {r['device']} | {r['seconds_per_layer']:.1f} | "
+            f"| {r['shape']} | {r['layers']} | {r['device']} | {load} | {r['seconds_per_layer']:.1f} | "
             f"{r['cpu_seconds_per_layer']:.1f} | {r['projected_model_s'] / 60:.1f} min | "
             f"{r['peak_rss_mb'] / 1024:.2f} GiB | {r['forecast_ram_mb'] / 1024:.2f} GiB | "
             f"{r['forecast_vs_peak']:.2f} | {r['forecast_whole_model_mb'] / 1024:.2f} GiB |"

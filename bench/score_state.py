@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from quant_table import REPO, SMOLLM2, reference_perplexity
 
+from lmpress.anatomy import decoder_layers
 from lmpress.calib.state import LayerState
-from lmpress.model import decoder_layers, load_model
+from lmpress.loader import load_model
 
 RESULTS = REPO / "bench" / "results" / "score_state.json"
 

@@ -102,7 +102,7 @@ class KernelBench:
         self.device, self.results, self.dry_run = device, results, dry_run
         self.began, self.failures = time.time(), 0
         self.torch = torch
-        from lmpress.runtime.bench import copy_bandwidth_gbs
+        from lmpress.runtime.throughput import copy_bandwidth_gbs
 
         self.copy_gbs = copy_bandwidth_gbs(device, megabytes=16 if dry_run else 1024)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
@@ -209,8 +209,8 @@ class KernelBench:
 
     def fp8(self, role: str, n: int, k: int, rows: int) -> None:
         torch = self.torch
-        from lmpress.quantize.fp8 import Fp8Linear, quantize_fp8_per_token
         from lmpress.runtime.kernels.fp8 import ScaledMMLinear
+        from lmpress.weights.float8 import Fp8Linear, quantize_fp8_per_token
 
         shape = f"{n}x{k} ({role})"
         linear = torch.nn.Linear(k, n, bias=False, device=self.device).requires_grad_(False)
@@ -250,8 +250,8 @@ class KernelBench:
 def quantized_layer(n: int, k: int, bits: int, group: int, device):
     import torch
 
-    from lmpress.quantize.qlinear import QuantizedLinear
-    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
     torch.manual_seed(n * 7 + k)
     w = torch.randn(n, k, device=device) * 0.02

@@ -21,8 +21,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LmpressInputError": ("lmpress.errors", "LmpressInputError"),
     "evaluate": ("lmpress.evals.suite", "run_suite"),
-    "load_artifact": ("lmpress.model", "load_model"),
-    "load_model": ("lmpress.model", "load_model"),
+    "load_artifact": ("lmpress.loader", "load_model"),
+    "load_model": ("lmpress.loader", "load_model"),
     "load_recipe": ("lmpress.recipe", "load_recipe"),
     "parse_recipe": ("lmpress.recipe", "parse_recipe"),
     "quantize_model": ("lmpress.api", "quantize_model"),

@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace a non-empty --out when the run finishes")
     run.add_argument("--resume", action="store_true", help="continue an interrupted run from its saved state")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--check-placement",
+        action="store_true",
+        help="assert that every forward of every stage computes on the stage's device (slower; for GPU checks)",
+    )
     run.add_argument("--junit", metavar="FILE", help="also write the gates as JUnit XML (one test case per gate)")
 
     ev = sub.add_parser("eval", help="evaluate a model (or a checkpoint lmpress wrote) with an eval suite")
@@ -118,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_vocab_arguments(bench)
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
-    ins.add_argument("artifact", help="a checkpoint directory (gptq, awq, compressed-tensors, hf) or a run directory")
+    ins.add_argument(
+        "artifact",
+        help="a checkpoint directory (gptq, awq, compressed-tensors, hf), a GGUF or ONNX export, or a run directory",
+    )
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
@@ -153,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output_paths(args)
     recipe = load_recipe(args.recipe, args.overrides)
     with Bars(enabled=not args.quiet) as bars:
-        result = run_recipe(recipe, args.out, overwrite=args.overwrite, resume=args.resume, bars=bars)
+        result = run_recipe(recipe, args.out, args.overwrite, args.resume, bars, check_placement=args.check_placement)
     if not result.report:  # a launched process other than the main one: the main one reports
         return result.exit_code
     print_metrics(result.report)
@@ -269,8 +277,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from lmpress.runtime.bench import BenchSettings, bench_prompt, benchmark, render_rows
     from lmpress.runtime.text import load_draft, load_runtime, resolve_device
+    from lmpress.runtime.throughput import BenchSettings, bench_prompt, benchmark, render_rows
 
     if args.draft is not None and args.prompt_lookup:
         raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")

@@ -7,7 +7,9 @@ The forecast is the sum of what stays resident for the whole run and the largest
   a run that only streams layers (one-shot stages, no eval, no training) keeps about one decoder layer of it
   resident at a time (the engine drops a finished layer's pages); anything that reads the whole model (an eval,
   a training stage) or converts its dtype holds all of it;
-- ``quantized``: the packed codes, scales and zero points of every linear a quantization stage replaces;
+- ``quantized``: the packed codes, scales and zero points of every linear a quantization stage replaces; where
+  the layers stream through the layer-wise engine, only the largest layer's (the engine reads each finished
+  layer's back from its state file, memory-mapped);
 - the largest phase: ``calibration`` (the engine's float16 activation slab of samples x seq_len x hidden, one
   forward's float32 temporaries, and the largest linear's statistics and GPTQ/SparseGPT working copies: its
   Hessian, the damped inverse's factor and float32 copies of the weight), ``eval`` (a perplexity batch's logits
@@ -29,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, layer_linears
 from lmpress.quantize.targets import WeightQuantConfig
 
 if TYPE_CHECKING:
@@ -123,14 +125,16 @@ def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
     return rows * -(-cols * bits // 32) * 4 + groups * (4 + 1)
 
 
-def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int) -> int:
-    """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work."""
+def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int, hessian_copies: int = 2) -> int:
+    """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work
+    (``hessian_copies``: 2 where the Hessian and a working copy are held, 1 where GPTQ factors in the Hessian)."""
     slab = samples * seq_len * shape.hidden * 2
     batch_tokens = min(batch_size, samples) * seq_len
     forward = FORWARD_TENSORS * batch_tokens * shape.widest_output * 4
     # GPTQ / SparseGPT on one linear: the accumulated Hessian and its working copy, factored in place
-    # (2 x cols^2), beside float32 copies of the weight's transpose and of the codes being written.
-    solve = max((2 * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears)
+    # (2 x cols^2; 1 x where GPTQ is handed the Hessian), beside float32 copies of the weight's transpose and
+    # of the codes being written.
+    solve = max((hessian_copies * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears)
     return slab + forward + solve
 
 
@@ -153,19 +157,26 @@ def forecast_memory(
     training = any(s.trains_across_processes for s in stages)
     streams = stored_dtype(checkpoint) == dtype and not logit_tokens and not training
     float_model = shape.parameters * size
-    planned = quantized_linears(model, [s for s in stages if isinstance(s, WeightQuantConfig)])
+    quantizers = [s for s in stages if isinstance(s, WeightQuantConfig)]
+    planned = quantized_linears(model, quantizers)
     quantized = sum(packed_bytes(*plan) for plan in planned.values())
+    by_layer: dict[str, int] = {}
+    for name, plan in planned.items():
+        layer = name.removeprefix(f"{get_anatomy(model).layers}.").partition(".")[0]
+        by_layer[layer] = by_layer.get(layer, 0) + packed_bytes(*plan)
+    # the engine maps finished layers' packed weights from its state files; a whole-model stage (RTN) holds them
+    mapped = streams and quantizers and all(s.calibrates_layerwise for s in quantizers)
     replaced = sum(rows * cols for rows, cols, _, _ in planned.values()) * size
 
     forecast = MemoryForecast()
     forecast.parts["process"] = PROCESS_BYTES
     # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized
     forecast.parts["weights"] = 2 * shape.layer_parameters * size if streams else float_model - replaced
-    forecast.parts["quantized"] = quantized
+    forecast.parts["quantized"] = max(by_layer.values(), default=0) if mapped else quantized
     phases = {
         "calibration": max(
             (
-                calibration_bytes(shape, samples, seq_len, getattr(s, "batch_size", 4))
+                calibration_bytes(shape, samples, seq_len, s.batch_size, s.hessian_copies)
                 for s in stages
                 if s.calibrates_layerwise
             ),

@@ -37,16 +37,15 @@ from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
 from lmpress.evals.speed import size_and_speed
 from lmpress.evals.suite import baseline_identity, run_suite, suite_report
-from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
+from lmpress.export.formats import check_export_plan, check_recipe_exports
 from lmpress.export.manifest import write_manifest
 from lmpress.export.verify import ExportCheck, check_export, window_ppl
+from lmpress.loader import LoadedModel, load_model, model_skeleton, resolve_checkpoint
 from lmpress.memory import process_peak_mb, track_peak_rss
 from lmpress.memory_plan import available_memory, check_fits, forecast_recipe
-from lmpress.model import LoadedModel, load_model, model_skeleton, resolve_checkpoint
 from lmpress.placement import (
     naming_out_of_memory,
     on_device,
-    placement_checked,
     placement_guard,
     release_memory,
     resolve_device,
@@ -133,12 +132,12 @@ def teacher_loader(checkpoint: Path, dtype: str) -> Callable[[str | None], nn.Mo
 
 
 @contextmanager
-def stage_placement(index: int, method: str, device: torch.device) -> Iterator[None]:
+def stage_placement(index: int, method: str, device: torch.device, check: bool = False) -> Iterator[None]:
     """Around one stage: an out-of-memory error names the stage (and the layer or step inside it) and says how
-    to go on; under ``LMPRESS_CHECK_PLACEMENT=1`` every forward is checked to run on ``device``; the device's
-    memory is given back after."""
+    to go on; with ``check`` (``lmpress run --check-placement``) every forward is checked to run on ``device``;
+    the device's memory is given back after."""
     advice = "free memory on it (or lower the stage's batch_size), then rerun with --resume: finished work is kept"
-    guard = placement_guard(device) if placement_checked() else nullcontext()
+    guard = placement_guard(device) if check else nullcontext()
     try:
         with naming_out_of_memory(f"stage {index} ({method})", device, advice), guard:
             yield
@@ -155,6 +154,7 @@ def run_stages(
     device: torch.device | None = None,
     stop: int | None = None,
     shared_partial: Path | None = None,
+    check_placement: bool = False,
 ) -> list[dict]:
     """Run the recipe's stages in order (up to index ``stop``); one-shot stages compute on ``device``
     (``model.device`` resolved). ``shared_partial``: the main process's partial directory, where training
@@ -192,7 +192,7 @@ def run_stages(
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
-        with track_peak_rss() as peak, stage_placement(index, stage.method, device):
+        with track_peak_rss() as peak, stage_placement(index, stage.method, device, check_placement):
             summary = stage_handler_for(stage)(loaded.model, stage, ctx)
         settings = ", ".join(f"{k}={v}" for k, v in stage.model_dump(exclude={"method"}).items())
         summaries.append(
@@ -275,9 +275,15 @@ def run_as_launched_worker(
 
 
 def run_recipe(
-    recipe: Recipe, out: str | Path, overwrite: bool = False, resume: bool = False, bars: Bars = QUIET
+    recipe: Recipe,
+    out: str | Path,
+    overwrite: bool = False,
+    resume: bool = False,
+    bars: Bars = QUIET,
+    check_placement: bool = False,
 ) -> RunResult:
-    """Run ``recipe`` into ``out``; the exit code says whether every gate passed."""
+    """Run ``recipe`` into ``out``; the exit code says whether every gate passed. ``check_placement``: every
+    forward of every stage asserts that it computes on the stage's device (a mixed-device bug fails loudly)."""
     out = Path(out)
     began = time.perf_counter()
     check_recipe_exports(recipe.stages, recipe.export.formats)
@@ -315,7 +321,7 @@ def run_recipe(
     with on_device(device, loaded.model):  # the evals compute where the stages do
         identity = baseline_identity(loaded.fingerprint, loaded.model)
         baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, identity, "baseline", bars)
-    stages = run_stages(loaded, recipe, partial, resume, bars, device)
+    stages = run_stages(loaded, recipe, partial, resume, bars, device, check_placement=check_placement)
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)
     agreement = None

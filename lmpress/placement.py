@@ -11,7 +11,6 @@ whole model, the teacher) to the compute device, and returns it when it ends (:f
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,8 +21,6 @@ from lmpress.errors import LmpressInputError
 
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
 CPU = torch.device("cpu")
-# LMPRESS_CHECK_PLACEMENT=1: every stage of a run runs under placement_guard (bench/gpu_check.sh's smoke)
-CHECK_PLACEMENT_ENV = "LMPRESS_CHECK_PLACEMENT"
 
 
 def resolve_device(choice: str | None, where: str) -> torch.device:
@@ -141,8 +138,3 @@ def placement_guard(device: torch.device) -> Iterator[None]:
         yield
     finally:
         handle.remove()
-
-
-def placement_checked() -> bool:
-    """Whether this process checks placement in every stage (``LMPRESS_CHECK_PLACEMENT=1``)."""
-    return os.environ.get(CHECK_PLACEMENT_ENV, "") not in ("", "0")

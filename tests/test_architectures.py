@@ -12,14 +12,14 @@ What each cell checks:
 - export (lmpress): the artifact read back by ``lmpress.load_model`` holds the candidate's codes and scales and
   scores the candidate's perplexity on a window (``export.verify.check_export``, the pipeline's own check).
 - export (consumer): compressed-tensors' own decompressor gives the candidate's weights; ONNX Runtime's logits
-  match the candidate's; the GGUF file's tensors dequantized by the ``gguf`` package match the candidate's.
+  match the candidate's; the GGUF file's tensors dequantized by the ``gguf`` package match the candidate's and
+  llama.cpp's logits on the file match the candidate's (relative RMS 2e-2: llama.cpp rounds activations to Q8_0).
 - runtime: lmpress's runtime logits on the GPTQ W4 model against transformers' on the same dequantized weights:
   the model's own layers (exact numerics, 1e-4) and the CPU kernels (relative RMS 2e-2), prefill and decode.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +80,7 @@ def relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def load(path: Path):
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
 
     return load_model(str(path), fingerprint=False)
 
@@ -88,7 +88,7 @@ def load(path: Path):
 def run_method(path: Path, method: str):
     """(cell, model or None): the method run on a fresh copy of the family's model, checked."""
     from lmpress.api import quantize_model
-    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.weights.qlinear import QuantizedLinear
 
     loaded = load(path)
     model = loaded.model
@@ -108,10 +108,14 @@ def run_method(path: Path, method: str):
     assert 0 < relative_rms(logits, before_logits) < (1.5 if method in ("sparsegpt", "wanda") else 0.6), method
     linears = {n: m for n, m in model.model.named_modules() if n.startswith("layers.") and hasattr(m, "in_features")}
     experts = [n for n in linears if ".experts." in n]
-    if model.config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        assert summary["moe_blocks_unfused"] == model.config.num_hidden_layers
-        n_experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
-        assert len(experts) == 3 * n_experts * model.config.num_hidden_layers  # every expert calibrated
+    if model.config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"):
+        config = model.config
+        moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)  # DeepSeek's dense first
+        assert summary["moe_blocks_unfused"] == moe_layers
+        n_experts = next(
+            getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(config, k)
+        )
+        assert len(experts) == 3 * n_experts * moe_layers  # every expert calibrated
     if method in ("sparsegpt", "wanda"):
         for name, m in linears.items():
             if name.endswith(("gate", "shared_expert_gate")):
@@ -134,7 +138,7 @@ def ct_consumer(out: Path, candidate) -> str:
 
     from safetensors.torch import load_file
 
-    from lmpress.export.checkpoint import quantized_layers
+    from lmpress.export.formats import quantized_layers
 
     raw = json.loads((out / "config.json").read_text())["quantization_config"]
     qc = QuantizationConfig.model_validate({k: v for k, v in raw.items() if k in QuantizationConfig.model_fields})
@@ -163,26 +167,36 @@ def onnx_consumer(out: Path, candidate) -> str:
 
 
 def gguf_consumer(out: Path, candidate) -> str:
+    """The GGUF file's tensors dequantized by the ``gguf`` package are the candidate's; llama.cpp (where installed)
+    runs the file to the candidate's logits within its Q8_0 activation rounding."""
+    import importlib.util
+
     import gguf
     from gguf.quants import dequantize
 
-    from lmpress.export.checkpoint import quantized_layers
+    from lmpress.export.formats import quantized_layers
+    from lmpress.export.gguf import ARCHITECTURES, PERMUTED_ROPE, gguf_tensor_name
 
+    arch = ARCHITECTURES[candidate.config.model_type]
     reader = gguf.GGUFReader(out / "model.gguf")
     tensors = {t.name: t for t in reader.tensors}
-    layers = quantized_layers(candidate)
-    for name, module in layers.items():
-        match = re.match(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj$", name)
-        assert match, name
-        suffix = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate"}
-        suffix |= {"up": "ffn_up", "down": "ffn_down"}
-        t = tensors[f"blk.{match[1]}.{suffix[match[3]]}.weight"]
+    for name, module in quantized_layers(candidate).items():
+        t = tensors[f"{gguf_tensor_name(name, arch)}.weight"]
         weight = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(module.out_features, -1)
         want = module.dequantized_weight(torch.float32)
-        if match[3] in ("q", "k"):  # llama.cpp's converter permutes q/k rows for its rope; compare as sets of rows
+        if arch in PERMUTED_ROPE and name.endswith(("q_proj", "k_proj")):  # llama.cpp's rope order: rows as sets
             weight, want = weight.sort(0).values, want.sort(0).values
         torch.testing.assert_close(weight, want, atol=2e-3, rtol=1e-3)
-    return "pass (gguf reader)"
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "pass (gguf reader)"
+    from tests.export.test_gguf_llama_cpp import llama_cpp_logits
+
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        want = candidate(torch.tensor([ids])).logits[0].float()
+    got = torch.from_numpy(llama_cpp_logits(out / "model.gguf", ids))
+    assert relative_rms(got, want) < 0.02, relative_rms(got, want)  # Q8_0 activations: ~0.5-1% RMS
+    return "pass (llama.cpp)"
 
 
 CONSUMERS = {"compressed-tensors": ct_consumer, "onnx": onnx_consumer, "gguf": gguf_consumer}
@@ -190,9 +204,9 @@ CONSUMERS = {"compressed-tensors": ct_consumer, "onnx": onnx_consumer, "gguf": g
 
 def run_export(path: Path, fmt: str, tmp: Path, candidates: dict) -> tuple[str, str]:
     """(lmpress read-back cell, consumer cell) for ``fmt`` on the family at ``path``."""
-    from lmpress.export.checkpoint import check_export_plan
+    from lmpress.export.formats import check_export_plan
     from lmpress.export.verify import check_export, window_ppl
-    from lmpress.model import model_skeleton
+    from lmpress.loader import model_skeleton
     from lmpress.recipe import _validate
     from lmpress.registry import exporter, stage_config
 
@@ -294,7 +308,13 @@ def write_doc(results: dict[str, dict[str, str]]) -> None:
     lines += table(results, list(METHODS), list(METHODS))
     lines += ["", "Exports (read back by lmpress / loaded by the consumer) and the runtime's logits:", ""]
     lines += table(results, exports + ["runtime"], exports + ["runtime"])
+    exported = [
+        f for f, row in results.items() if "all" not in row and f not in end_to_end
+        and all(row[m] == "pass" for m in METHODS) and any(row[f"{f_} lmpress"] == "pass" for f_ in FORMATS)
+    ]  # fmt: skip
     lines += ["", f"End to end (every method, an export read back, runtime logits): {', '.join(end_to_end)}."]
+    if exported:
+        lines += ["", f"Every method and an export read back, the runtime refusing: {', '.join(exported)}."]
     lines += ["", "Each refusal, as lmpress prints it (one line, exit code 2, before any work):", ""]
     lines += [f"- {reason} ({'; '.join(where)})" for reason, where in reasons.items()]
     text = DOC.read_text() if DOC.exists() else f"# Architectures\n\n{BEGIN}\n{END}\n"

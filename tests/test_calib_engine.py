@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AttentionInterface
 
+from lmpress.anatomy import decoder_layers
 from lmpress.calib.engine import capture_first_layer_inputs, run_calibration
 from lmpress.calib.hooks import SharedInput
 from lmpress.calib.session import LayerSession
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, load_model
+from lmpress.loader import load_model
 from lmpress.quantize.gptq import GPTQConfig, GPTQMethod, run_gptq
 from lmpress.registry import StageContext
 from tests.conftest import save_tiny_model
@@ -175,6 +178,45 @@ def test_resume_after_a_crash_gives_the_identical_model(deep_llama_dir, tmp_path
     schemes = {name: m.scheme for name, m in resumed.named_modules() if hasattr(m, "scheme")}
     assert schemes == {name: m.scheme for name, m in reference.named_modules() if hasattr(m, "scheme")}
     assert schemes["model.layers.0.mlp.down_proj"].k_quant_scales == ("k_quant_scales" in settings)
+
+
+def mapped_from(tensor: torch.Tensor) -> str | None:
+    """The file whose private mapping holds ``tensor``'s bytes (``/proc/self/maps``), or None (anonymous memory)."""
+    start = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= start < high and len(fields) >= 6 and fields[5].startswith("/") and fields[1].endswith("p"):
+                return fields[5]
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_finished_layers_packed_weights_are_read_from_their_state_files(deep_llama_dir, tmp_path):
+    """Every finished layer's QuantizedLinear buffers live in a mapping of that layer's state file, not in RAM, so
+    a whole model's packed weights do not pile up while its layers stream; they hold what the pass computed."""
+    from lmpress.weights.qlinear import QuantizedLinear
+
+    calibration = calibration_for(load_model(str(deep_llama_dir)).tokenizer)
+    model, summary = _quantize_all(deep_llama_dir, tmp_path, calibration)
+    layers = decoder_layers(model)
+    mapped = 0
+    for index, layer in enumerate(layers):
+        state_file = str((tmp_path / "state" / f"layer_{index:05d}.safetensors").resolve())
+        for name, module in layer.named_modules():
+            if isinstance(module, QuantizedLinear):
+                for buffer in ("qweight", "scales", "zeros"):
+                    assert mapped_from(getattr(module, buffer)) == state_file, (index, name, buffer)
+                mapped += 1
+    assert mapped == summary["quantized_linears"] == 7 * len(layers)
+    # the mapped model is the one the pass computed: a resume from the same state rebuilds it identically
+    resumed, _ = _quantize_all(deep_llama_dir, tmp_path, calibration, resume=True)
+    want, got = model.state_dict(), resumed.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    ids = calibration[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 def test_resume_refuses_state_from_another_run(tiny_llama_dir, tmp_path):

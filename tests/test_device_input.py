@@ -72,7 +72,7 @@ def test_commands_with_device_cuda_and_no_gpu_exit_2(command, no_cuda, tiny_llam
     def never(*args, **kwargs):
         raise AssertionError("a model was loaded before the device was checked")
 
-    monkeypatch.setattr("lmpress.model.load_model", never)
+    monkeypatch.setattr("lmpress.loader.load_model", never)
     extra = ["--prompt", "Hello"] if command == "generate" else []
     assert main([command, str(tiny_llama_dir), "--device", "cuda", *extra]) == 2
     one_error_line(capsys, "--device: cuda, but no CUDA GPU is available here")

@@ -7,8 +7,8 @@ import pytest
 import torch
 import yaml
 
+from lmpress.anatomy import get_anatomy
 from lmpress.calib.engine import CalibrationMethod, run_calibration
-from lmpress.model import get_anatomy
 from lmpress.quantize.awq_search import can_fold, fold_scales
 from lmpress.registry import StageContext
 from lmpress.runtime.model import Transformer
@@ -126,11 +126,9 @@ def test_runtime_reads_checkpoints_directly(family, tokenizer, tmp_path):
         torch.testing.assert_close(runtime(x, runtime.new_cache(2, 64)), model(x).logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
-def test_an_unsupported_family_is_one_line_and_exit_2_before_work(family, tokenizer, tmp_path, capsys):
+def run_recipe(path, tmp_path, capsys, formats: list[str]) -> tuple[int, str, object]:
     from lmpress.cli import main
 
-    path = save_family_model(tmp_path / family, family, tokenizer)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         yaml.safe_dump(
@@ -138,7 +136,7 @@ def test_an_unsupported_family_is_one_line_and_exit_2_before_work(family, tokeni
                 "model": {"source": str(path)},
                 "data": {"samples": 2, "seq_len": 32},
                 "stages": [{"method": "gptq", "bits": 4, "group_size": 32}],
-                "export": {"formats": ["gptq"]},
+                "export": {"formats": formats},
                 "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
             }
         )
@@ -146,10 +144,24 @@ def test_an_unsupported_family_is_one_line_and_exit_2_before_work(family, tokeni
     out = tmp_path / "out"
     capsys.readouterr()
     code = main(["run", str(recipe), "--out", str(out), "--quiet"])
+    return code, capsys.readouterr().err.strip(), out
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_a_format_and_the_runtime_refuse_mla_and_gpt_oss_in_one_line_before_work(family, tokenizer, tmp_path, capsys):
+    """DeepSeek's latent attention and gpt-oss's sinks are calibrated and exported, but neither the ONNX writer nor
+    the runtime computes them: each says so in one line, exit code 2, before any weight is quantized."""
+    from lmpress.cli import main
+
+    path = save_family_model(tmp_path / family, family, tokenizer)
+    code, err, out = run_recipe(path, tmp_path, capsys, ["compressed-tensors", "onnx"])
+    assert code == 2
+    assert len(err.splitlines()) == 1 and f"architecture {family!r} is not written by" in err, err
+    assert not out.exists() or not any(out.iterdir())
+    code = main(["generate", str(path), "--prompt", "hello", "--max-new-tokens", "2", "--device", "cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert len(err.splitlines()) == 1 and family in err and "not supported; lmpress lacks its" in err, err
-    assert not out.exists() or not any(out.iterdir())
+    assert len(err.splitlines()) == 1 and f"the runtime does not support model type {family!r}" in err, err
 
 
 def test_the_runtime_refuses_to_read_moe_checkpoints_directly(tokenizer, tmp_path):

@@ -13,10 +13,10 @@ import torch
 from lmpress.api import quantize_model
 from lmpress.calib.statistics import inverse_hessian_factor, invert_upper_triangular_, reverse_storage_
 from lmpress.cli import main
+from lmpress.loader import load_model, model_skeleton
 from lmpress.memory_plan import forecast_memory, packed_bytes
-from lmpress.model import load_model, model_skeleton
-from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.registry import stage_config
+from lmpress.weights.qlinear import QuantizedLinear
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,6 +96,21 @@ def test_quantized_part_is_what_the_model_then_holds(tiny_llama_dir):
         for buffer in (module.qweight, module.scales, module.zeros)
     )
     assert forecast.parts["quantized"] == held
+
+
+def test_streamed_layers_hold_one_layer_of_packed_weights(tiny_llama_dir):
+    """The layer-wise engine maps finished layers' packed weights from its state files: a streamed GPTQ run's
+    forecast holds the largest layer's, an RTN stage (whole model, no state files) or an eval's all of them."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    gptq = stage_config("gptq")(method="gptq", bits=4, group_size=32)
+    rtn = stage_config("rtn")(method="rtn", bits=4, group_size=32)
+    cpu = torch.device("cpu")
+    streamed = forecast_memory(skeleton, tiny_llama_dir, "float32", [gptq], 4, 32, cpu)
+    whole = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, cpu)
+    scored = forecast_memory(skeleton, tiny_llama_dir, "float32", [gptq], 4, 32, cpu, 4 * 64)
+    layers = len(skeleton.model.layers)
+    assert layers > 1 and whole.parts["quantized"] == scored.parts["quantized"]
+    assert streamed.parts["quantized"] * layers == whole.parts["quantized"]  # alike layers; lm_head is not planned
 
 
 def test_packed_bytes_counts_words_scales_and_zeros():

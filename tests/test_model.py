@@ -3,15 +3,9 @@ import json
 import pytest
 import torch
 
+from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
-from lmpress.model import (
-    check_checkpoint_dir,
-    decoder_layers,
-    get_anatomy,
-    layer_linears,
-    load_model,
-    resolve_checkpoint,
-)
+from lmpress.loader import check_checkpoint_dir, load_model, resolve_checkpoint
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_opt_dir"])
@@ -81,8 +75,8 @@ def test_not_gguf_and_not_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_quantized_exports_load_in_the_requested_dtype_without_extra_packages(tiny_llama_dir, tmp_path, fmt):
     from lmpress.api import quantize_model
-    from lmpress.quantize.qlinear import QuantizedLinear
     from lmpress.registry import exporter
+    from lmpress.weights.qlinear import QuantizedLinear
 
     loaded = load_model(str(tiny_llama_dir))
     quantize_model(loaded.model, method="rtn", bits=4, group_size=32)

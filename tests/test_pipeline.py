@@ -10,7 +10,7 @@ import yaml
 from lmpress.cache import sha256_file
 from lmpress.cli import main
 from lmpress.export.manifest import verify_manifest
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 
 @pytest.fixture(autouse=True)
@@ -202,7 +202,7 @@ def test_export_format_that_cannot_hold_the_scheme_is_refused_before_work(tiny_l
 
 def test_python_api_quantize_model(tiny_llama_dir):
     import lmpress
-    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.weights.qlinear import QuantizedLinear
 
     loaded = lmpress.load_model(str(tiny_llama_dir))
     summary = lmpress.quantize_model(loaded.model, loaded.tokenizer, method="rtn", bits=4, group_size=32)

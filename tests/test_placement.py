@@ -87,7 +87,7 @@ def assert_on_cpu(model: torch.nn.Module) -> None:
 
 
 def run_under_guard(model_dir, stages, text, tmp_path):
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.pipeline import run_stages
 
     recipe = recipe_for(model_dir, stages, text)
@@ -133,9 +133,54 @@ def test_every_stage_computes_on_the_device_and_leaves_the_model_on_the_cpu(
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_check_placement_guards_every_stage_of_a_run(check, tiny_llama_dir, training_text, tmp_path, monkeypatch):
+    """``lmpress run --check-placement``: a stage that computes off its device fails; unchecked, it goes by."""
+    from lmpress import registry
+    from lmpress.loader import load_model
+    from lmpress.pipeline import run_stages
+
+    def computes_on_the_cpu(model, config, ctx):  # the stage's device is the fake one; the model rests on the CPU
+        with torch.no_grad():
+            model(torch.arange(8)[None])
+        return {}
+
+    recipe = recipe_for(tiny_llama_dir, STAGES["rtn"], training_text)
+    monkeypatch.setitem(registry.STAGE_HANDLERS, type(recipe.stages[0]), computes_on_the_cpu)
+    loaded = load_model(str(tiny_llama_dir), "float32")
+    with fake_accelerator() as device:
+        run = lambda: run_stages(loaded, recipe, tmp_path / "p", False, _quiet(), device, check_placement=check)  # noqa: E731
+        if check:
+            with pytest.raises(MisplacedTensor, match="is on cpu"):
+                run()
+        else:
+            assert [s["method"] for s in run()] == ["rtn"]
+
+
+def test_the_run_command_passes_check_placement_on(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    import lmpress.pipeline
+    from lmpress.cli import main
+    from lmpress.pipeline import RunResult
+
+    seen = {}
+
+    def fake_run(recipe, out, overwrite, resume, bars, check_placement=False):
+        seen["check_placement"] = check_placement
+        return RunResult(exit_code=0, out_dir=Path(out), report={})
+
+    monkeypatch.setattr(lmpress.pipeline, "run_recipe", fake_run)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: x\nstages: [{method: rtn}]\n")
+    for flags, expected in (([], False), (["--check-placement"], True)):
+        assert main(["run", str(recipe), "--out", str(tmp_path / "out"), "--quiet", *flags]) == 0
+        assert seen["check_placement"] is expected
+
+
 def test_the_eval_suite_runs_on_the_device(tiny_llama_dir, tmp_path):
     from lmpress.evals.suite import run_suite
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.progress import QUIET
     from lmpress.recipe import parse_recipe
 

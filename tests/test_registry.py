@@ -7,18 +7,23 @@ import sys
 
 import pytest
 
-from lmpress.export.checkpoint import READERS
 from lmpress.registry import (
     EVAL_CONFIGS,
+    EVAL_HANDLERS,
     EVAL_MODULES,
-    EXPORT_MODULES,
-    EXPORTERS,
-    READER_MODULES,
+    FORMAT_MODULES,
+    FORMATS,
     STAGE_CONFIGS,
+    STAGE_HANDLERS,
     STAGE_MODULES,
+    ExportFormat,
     eval_config,
+    export_format,
     exporter,
-    load_reader,
+    readable_methods,
+    reading_format,
+    register_format,
+    register_stage,
     stage_config,
 )
 
@@ -36,7 +41,7 @@ def _imported_after(code: str) -> set[str]:
 def test_help_imports_no_torch_and_no_method():
     modules = _imported_after("from lmpress.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass")
     assert "torch" not in modules
-    assert not modules & (set(STAGE_MODULES.values()) | set(EXPORT_MODULES.values()))
+    assert not modules & (set(STAGE_MODULES.values()) | set(FORMAT_MODULES.values()))
 
 
 def test_unknown_method_lists_every_method_without_importing_one():
@@ -67,20 +72,32 @@ def test_a_recipe_imports_only_the_methods_it_names():
 def test_every_stage_name_resolves_to_its_module(name):
     config = stage_config(name)
     assert STAGE_CONFIGS[name] is config
-    assert config.__module__ == STAGE_MODULES[name]
+    assert STAGE_HANDLERS[config].__module__ == STAGE_MODULES[name]  # one registration gave both
+    if config.calibrates_layerwise:  # the memory forecast reads it
+        assert "batch_size" in config.model_fields
 
 
 def test_every_eval_format_and_reader_name_resolves():
     for name in EVAL_MODULES:
         assert eval_config(name) is EVAL_CONFIGS[name]
-    for fmt in EXPORT_MODULES:
-        assert exporter(fmt) is EXPORTERS[fmt]
-        assert exporter(fmt).__module__ == EXPORT_MODULES[fmt]
-    for method in READER_MODULES:
-        assert load_reader(method) and method in READERS
-    assert not load_reader("bitsandbytes")
+        assert EVAL_HANDLERS[EVAL_CONFIGS[name]].__module__ == EVAL_MODULES[name]
+    for fmt in FORMAT_MODULES:
+        assert export_format(fmt) is FORMATS[fmt]
+        assert exporter(fmt).__module__ == FORMAT_MODULES[fmt]
+    assert readable_methods() == ["awq", "compressed-tensors", "gptq"]
+    assert reading_format("bitsandbytes") is None and reading_format("no-such-format") is None
+    assert export_format("gguf").artifact_file == "model.gguf"
     with pytest.raises(KeyError):
         stage_config("no-such-method")
+    with pytest.raises(KeyError):
+        export_format("no-such-format")
+
+
+def test_a_name_registered_twice_is_refused():
+    with pytest.raises(RuntimeError, match="export format 'gguf' is registered twice"):
+        register_format(ExportFormat(name="gguf", write=lambda model, tokenizer, out: None))
+    with pytest.raises(RuntimeError, match="stage method 'rtn' is registered twice"):
+        register_stage("rtn", type("OtherRTN", (), {}))(lambda model, config, ctx: {})
 
 
 def test_methods_do_not_import_each_other():

@@ -18,7 +18,8 @@
 4. After each layer its state (quantized weights, changed parameters) and the
    next layer's inputs are written atomically to the stage's state directory
    (``calib.state``), so an interrupted run resumes from the last finished layer
-   and ends bit-identical.
+   and ends bit-identical; the layer's packed weights are then read from that file
+   as a memory mapping instead of held in RAM.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
 from lmpress.errors import LmpressInputError
-from lmpress.model import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.placement import naming_out_of_memory
 from lmpress.registry import StageContext
 
@@ -254,6 +255,7 @@ def run_calibration(
             quantized += len(session.quantized)
             rewritten += len(session.rewritten - set(session.quantized))
         state.save_layer(session, inputs, {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()})
+        state.map_layer(index, layer)  # the finished layer's packed weights leave RAM for its state file
 
     return {
         "layers": len(layers),

@@ -45,9 +45,9 @@ from lmpress.calib.hooks import (
 )
 from lmpress.calib.moe import set_calibrate_all
 from lmpress.calib.pages import drop_file_pages, trim_heap
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.fp8 import Fp8Weight
-from lmpress.quantize.scheme import QuantizedWeight
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.float8 import Fp8Weight
+from lmpress.weights.scheme import QuantizedWeight
 
 InputHook = Callable[[str, int, tuple, dict], None]
 OutputHook = Callable[[int, torch.Tensor, torch.Tensor], None]

@@ -8,6 +8,11 @@ scales) and the next layer's inputs to the stage's state directory
 interrupted run resumes from the last finished layer and ends bit-identical. The
 state carries a fingerprint of the model, calibration data and stage config; a
 resume against a different one is refused.
+
+A finished layer's ``QuantizedLinear`` buffers (packed codes, scales, zero points)
+are then read from its state file as a private file mapping (:meth:`LayerState.map_layer`):
+they leave RAM, and a later reader (an export, an eval) faults them in from the file,
+so a whole model's packed weights do not pile up in the process while its layers stream.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ from torch import nn
 
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.fp8 import Fp8Weight
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.float8 import Fp8Weight
+from lmpress.weights.pack import ct_unpack_weight
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 if TYPE_CHECKING:
     from lmpress.calib.session import LayerSession
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: quantized linears as QuantizedLinear's packed buffers ("k." keys), mapped back
 
 
 class LayerState:
@@ -46,6 +53,11 @@ class LayerState:
         if not self.progress_path.exists():
             return 0
         progress = json.loads(self.progress_path.read_text())
+        if progress.get("version") != STATE_VERSION:
+            raise LmpressInputError(
+                f"cannot resume from {self.dir}: it was written by another lmpress version (state version "
+                f"{progress.get('version')}, this one reads {STATE_VERSION}); run without --resume to start over"
+            )
         if progress.get("fingerprint") != self.fingerprint:
             raise LmpressInputError(
                 f"cannot resume from {self.dir}: it was written for a different model, calibration data "
@@ -65,12 +77,18 @@ class LayerState:
         """Write finished layer ``session.index``, the next layer's inputs and the methods' ``carried`` tensors."""
         tensors, meta = {}, {}
         for name, q in session.quantized.items():
-            tensors[f"q.{name}.qweight"] = q.qweight
-            tensors[f"q.{name}.scales"] = q.scales
-            if not isinstance(q, Fp8Weight):  # an E4M3 weight has no zero point
-                tensors[f"q.{name}.zeros"] = q.zeros
-            if q.g_idx is not None:
-                tensors[f"q.{name}.g_idx"] = q.g_idx
+            module = session.layer.get_submodule(name)
+            if isinstance(module, QuantizedLinear):  # its own packed buffers, which map_layer points back at
+                for buffer, value in module.named_buffers(recurse=False):
+                    if value is not None:
+                        tensors[f"k.{name}.{buffer}"] = value
+            else:
+                tensors[f"q.{name}.qweight"] = q.qweight
+                tensors[f"q.{name}.scales"] = q.scales
+                if not isinstance(q, Fp8Weight):  # an E4M3 weight has no zero point
+                    tensors[f"q.{name}.zeros"] = q.zeros
+                if q.g_idx is not None:
+                    tensors[f"q.{name}.g_idx"] = q.g_idx
             scheme = q.scheme
             meta[name] = json.dumps(
                 [scheme.bits, scheme.group_size, scheme.symmetric, scheme.activations, scheme.k_quant_scales]
@@ -119,15 +137,53 @@ class LayerState:
                 fp8 = Fp8Weight(tensors[f"q.{name}.qweight"], tensors[f"q.{name}.scales"], "channel")
                 apply_quantized_weight(layer, name, fp8)
                 continue
-            qweight = QuantizedWeight(
-                qweight=tensors[f"q.{name}.qweight"],
-                scales=tensors[f"q.{name}.scales"],
-                zeros=tensors[f"q.{name}.zeros"],
-                scheme=scheme,
-                g_idx=tensors.get(f"q.{name}.g_idx"),
-            )
+            if f"k.{name}.qweight" in tensors:
+                codes = ct_unpack_weight(
+                    tensors[f"k.{name}.qweight"], scheme.bits, layer.get_submodule(name).in_features
+                )
+                qweight = QuantizedWeight(
+                    qweight=codes,
+                    scales=tensors[f"k.{name}.scales"],
+                    zeros=tensors[f"k.{name}.zeros"].float(),
+                    scheme=scheme,
+                    g_idx=tensors.get(f"k.{name}.g_idx"),
+                )
+            else:
+                qweight = QuantizedWeight(
+                    qweight=tensors[f"q.{name}.qweight"],
+                    scales=tensors[f"q.{name}.scales"],
+                    zeros=tensors[f"q.{name}.zeros"],
+                    scheme=scheme,
+                    g_idx=tensors.get(f"q.{name}.g_idx"),
+                )
             apply_quantized_weight(layer, name, qweight)
+        del tensors
+        self.map_layer(index, layer)
         return len(meta)
+
+    def map_layer(self, index: int, layer: nn.Module) -> int:
+        """Point finished layer ``index``'s ``QuantizedLinear`` buffers at their copies in its state file, read as a
+        private file mapping (pages come from the file when read and can be dropped); returns how many it mapped.
+        The in-memory buffers they replace are freed."""
+        from safetensors import safe_open
+
+        mapped = 0
+        with safe_open(self.dir / f"layer_{index:05d}.safetensors", "pt") as f:
+            for key in f.keys():
+                if not key.startswith("k."):
+                    continue
+                name, _, buffer = key.removeprefix("k.").rpartition(".")
+                module = layer.get_submodule(name)
+                current = module._buffers.get(buffer) if isinstance(module, QuantizedLinear) else None
+                if current is None or current.device.type != "cpu":
+                    continue
+                value = f.get_tensor(key)
+                if value.shape != current.shape or value.dtype != current.dtype:
+                    continue
+                module._buffers[buffer] = value
+                module._kernel_cache = None
+                mapped += 1
+        return mapped
 
     def load_inputs(self, index: int, kwargs: list[dict]) -> tuple[LayerInputs, dict[str, torch.Tensor]]:
         """Layer ``index``'s saved inputs, and the methods' carried tensors saved with them (by ``method.name``)."""

@@ -56,11 +56,20 @@ class HessianAccumulator:
 
     @property
     def H(self) -> torch.Tensor:
+        if self._H is None:
+            raise RuntimeError("this Hessian was taken by its last reader (take()); it holds nothing now")
         cols = self._H.shape[0]
         for i in range(0, cols, self.block):
             j = min(i + self.block, cols)
             self._H[j:, i:j] = self._H[i:j, j:].T
         return self._H
+
+    def take(self) -> torch.Tensor:
+        """H, handed to a last reader that may overwrite it (GPTQ factors its inverse in H's own storage, saving
+        an n x n copy); the accumulator holds nothing afterwards."""
+        H = self.H
+        self._H = None
+        return H
 
 
 class InputNormAccumulator:

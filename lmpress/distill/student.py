@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lmpress.anatomy import decoder_layers
 from lmpress.calib.hooks import set_submodule
-from lmpress.model import decoder_layers
 from lmpress.prune.masks import nm_pattern
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, round_ste
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, round_ste
 
 # A float layer with at least this fraction of exact zeros is taken as pruned (a trained dense
 # layer has essentially none); smaller fractions are left free to move.

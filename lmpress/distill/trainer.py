@@ -32,12 +32,12 @@ from lmpress.distill.losses import hidden_state_loss, logit_divergence
 from lmpress.distill.student import apply_masks, norm_parameters
 from lmpress.distill.teacher import TeacherCache, TeacherOutputs, teacher_forward
 from lmpress.errors import LmpressInputError
-from lmpress.evals.perplexity import token_nll
+from lmpress.metrics import token_nll
 from lmpress.placement import naming_out_of_memory
 from lmpress.progress import QUIET, Bars
 
 if TYPE_CHECKING:
-    from lmpress.distill.stage import DistillConfig
+    from lmpress.distill.config import DistillConfig
 
 
 @dataclass

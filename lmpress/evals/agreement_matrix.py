@@ -84,7 +84,7 @@ def stage_configs(spec: SchemeSpec) -> list[Any]:
 
 def refusal_before_work(spec: SchemeSpec, fmt: str, skeleton: nn.Module) -> str | None:
     """What a recipe run would refuse before loading weights (``check_recipe_exports`` and the plan checks)."""
-    from lmpress.export.checkpoint import check_export_plan, check_recipe_exports
+    from lmpress.export.formats import check_export_plan, check_recipe_exports
     from lmpress.quantize.targets import WeightQuantConfig
 
     stages = stage_configs(spec)
@@ -134,7 +134,7 @@ class ReferenceLinear(nn.Module):
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             x = torch.round(x / scale).clamp(-127, 127) * scale
         elif self.activations == "fp8":
-            from lmpress.quantize.fp8 import fake_quantize_fp8_per_token
+            from lmpress.weights.float8 import fake_quantize_fp8_per_token
 
             x = fake_quantize_fp8_per_token(x.float()).double()
         return F.linear(x, self.weight, self.bias)
@@ -224,7 +224,7 @@ def _add_compressed_tensors(found: Consumers, export_dir: Path, evaluator: nn.Mo
     from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lmpress.export.checkpoint import read_config, read_tensors
+    from lmpress.checkpoint_files import read_config, read_tensors
     from lmpress.export.compressed_tensors import layer_group
 
     raw = read_config(export_dir)["quantization_config"]
@@ -340,7 +340,7 @@ def check_pair(
     """Quantize, write, load every side, compare; ``candidate`` reuses a model ``spec`` already produced."""
     from transformers import AutoTokenizer
 
-    from lmpress.model import load_model, model_skeleton
+    from lmpress.loader import load_model, model_skeleton
     from lmpress.registry import exporter
     from lmpress.runtime.text import load_runtime
 

@@ -97,12 +97,6 @@ class KLDConfig(StrictConfig):
         )
 
 
-def exact_kld(base_logprobs: torch.Tensor, cand_logprobs: torch.Tensor) -> torch.Tensor:
-    """The full-vocabulary KL(P || Q) per row in float64: the reference both modes are tested against."""
-    p = base_logprobs.double()
-    return (p.exp() * (p - cand_logprobs.double())).sum(-1)
-
-
 # Exact mode ---------------------------------------------------------------------------------------------------
 
 

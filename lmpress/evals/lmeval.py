@@ -24,11 +24,11 @@ import torch
 from pydantic import Field, PositiveInt
 from torch import nn
 
+from lmpress.anatomy import context_length
 from lmpress.errors import LmpressInputError
 from lmpress.evals.kld import vocab_digest
 from lmpress.evals.longctx import greedy_decode
-from lmpress.model import context_length
-from lmpress.registry import EvalConfig, EvalContext, EvalResult, eval_handler, register_eval
+from lmpress.registry import EvalConfig, EvalContext, EvalResult, register_eval
 from lmpress.runtime.model import Transformer
 
 try:
@@ -56,7 +56,7 @@ class LmpressLM(TemplateLM):
 
     @classmethod
     def from_source(cls, source: str, dtype: str = "float32", **kwargs: Any) -> LmpressLM:
-        from lmpress.model import load_model
+        from lmpress.loader import load_model
 
         loaded = load_model(source, dtype)
         return cls(loaded.model, loaded.tokenizer, **kwargs)
@@ -156,7 +156,6 @@ def _says_any(tokenizer, stops: list[str], tokens: list[int]) -> bool:
     return any(s and s in text for s in stops)
 
 
-@register_eval("lmeval")
 class LMEvalConfig(EvalConfig):
     tasks: list[str] = Field(min_length=1)
     include_path: str | None = None  # a directory of local task YAML files
@@ -268,7 +267,7 @@ def run_lm_eval(model: nn.Module, tokenizer, config: LMEvalConfig) -> tuple[dict
     return metrics, details, protocol
 
 
-@eval_handler(LMEvalConfig)
+@register_eval("lmeval", LMEvalConfig)
 def run_lmeval(model: nn.Module, tokenizer, config: LMEvalConfig, ctx: EvalContext) -> EvalResult:
     metrics, details, protocol = run_lm_eval(model, tokenizer, config)
     return EvalResult(metrics=metrics, details=details, protocol=protocol)

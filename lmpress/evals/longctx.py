@@ -32,13 +32,13 @@ import torch
 from pydantic import Field, PositiveInt, field_validator
 from torch import nn
 
+from lmpress.anatomy import context_length
 from lmpress.data import token_windows
 from lmpress.errors import LmpressInputError
 from lmpress.evals.kld import vocab_digest
 from lmpress.evals.perplexity import forward_windows, window_protocol
-from lmpress.model import context_length
 from lmpress.progress import QUIET, Bars
-from lmpress.registry import EvalConfig, EvalContext, EvalResult, eval_handler, register_eval
+from lmpress.registry import EvalConfig, EvalContext, EvalResult, register_eval
 from lmpress.runtime.generate import generate_tokens
 from lmpress.runtime.model import Transformer
 
@@ -62,7 +62,6 @@ def _unique_sorted(values: list) -> list:
     return sorted(values)
 
 
-@register_eval("passkey")
 class PasskeyConfig(EvalConfig):
     lengths: list[PositiveInt] = Field(default=[1024, 2048, 4096], min_length=1)  # prompt + answer, in tokens
     depths: list[float] = Field(default=[0.0, 0.25, 0.5, 0.75, 1.0], min_length=1)  # where the key sits, 0..1
@@ -95,7 +94,6 @@ class PasskeyConfig(EvalConfig):
             )
 
 
-@register_eval("ppl_by_position")
 class PositionNLLConfig(EvalConfig):
     seq_len: PositiveInt = 4096  # document length; 8192 adds the 4k-8k bucket at about 3x the cost
     documents: PositiveInt = 2
@@ -247,7 +245,7 @@ def passkey(model: nn.Module, tokenizer, config: PasskeyConfig, bars: Bars = QUI
     return metrics, details
 
 
-@eval_handler(PasskeyConfig)
+@register_eval("passkey", PasskeyConfig)
 def run_passkey(model: nn.Module, tokenizer, config: PasskeyConfig, ctx: EvalContext) -> EvalResult:
     config.check(model)
     metrics, details = passkey(model, tokenizer, config, ctx.bars)
@@ -288,7 +286,7 @@ def position_nll(
     return metrics, {"nll_by_position": table}
 
 
-@eval_handler(PositionNLLConfig)
+@register_eval("ppl_by_position", PositionNLLConfig)
 def run_position_nll(model: nn.Module, tokenizer, config: PositionNLLConfig, ctx: EvalContext) -> EvalResult:
     config.check(model)
     documents = token_windows(ctx.ids(), config.seq_len, config.documents, where="eval.ppl_by_position")

@@ -29,22 +29,14 @@ import torch
 from pydantic import PositiveInt, model_validator
 from torch import nn
 
+from lmpress.anatomy import context_length
 from lmpress.data import token_windows
 from lmpress.errors import LmpressInputError
-from lmpress.evals.kld import (
-    KLD_METRICS,
-    CandidateScorer,
-    KLDConfig,
-    kld_consumer,
-    vocab_digest,
-    windows_digest,
-)
-from lmpress.model import context_length
+from lmpress.evals.kld import KLD_METRICS, CandidateScorer, KLDConfig, kld_consumer, vocab_digest, windows_digest
 from lmpress.progress import QUIET, Bars
-from lmpress.registry import EvalConfig, EvalContext, EvalResult, eval_handler, register_eval
+from lmpress.registry import EvalConfig, EvalContext, EvalResult, register_eval
 
 
-@register_eval("perplexity")
 class PerplexityConfig(EvalConfig):
     seq_len: PositiveInt = 2048
     windows: PositiveInt | None = 20  # None: every full window of the text
@@ -101,12 +93,6 @@ def forward_windows(
     for start in bars.track(starts, label, total=len(starts)):
         batch = windows[start : start + batch_size].to(device)
         yield start, model(batch, use_cache=False).logits.float()
-
-
-def token_nll(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-    """Next-token NLL, shape ``(batch, seq_len - 1)``: position t scores token t+1."""
-    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
-    return -logprobs.gather(-1, windows[:, 1:, None].to(logits.device)).squeeze(-1)
 
 
 WindowConsumer = Callable[[int, torch.Tensor], None]  # (window index, scored positions' log-probs)
@@ -166,7 +152,7 @@ def vocab_size(model: nn.Module) -> int:
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
-@eval_handler(PerplexityConfig)
+@register_eval("perplexity", PerplexityConfig)
 def run_perplexity(model: nn.Module, tokenizer, config: PerplexityConfig, ctx: EvalContext) -> EvalResult:
     config.check(model)
     windows = config.windows_for(ctx.ids(), tokenizer)

@@ -5,7 +5,7 @@ A recipe's ``speed:`` section asks for it::
     speed: {prompt_tokens: 128, new_tokens: 64, repeats: 3}
 
 Each model (the baseline checkpoint as loaded, then every export as written) is loaded into the
-runtime and timed by ``lmpress.runtime.bench.benchmark``, the code behind ``lmpress bench``: decode
+runtime and timed by ``lmpress.runtime.throughput.benchmark``, the code behind ``lmpress bench``: decode
 tok/s = (N - 1) / (t(N new tokens) - t(1)), medians of ``repeats``, greedy, the same prompt for all.
 Sizes are every file in the model's directory (weights, config, tokenizer).
 """
@@ -36,8 +36,8 @@ def directory_mb(path: Path) -> float:
 
 def measure(path: Path, spec: SpeedSpec) -> dict[str, Any]:
     """Decode speed of the model or export in ``path`` on the runtime (CPU, float32 activations)."""
-    from lmpress.runtime.bench import BenchSettings, bench_prompt, benchmark
     from lmpress.runtime.text import load_runtime
+    from lmpress.runtime.throughput import BenchSettings, bench_prompt, benchmark
 
     model, tokenizer = load_runtime(str(path), device="cpu")
     prompt = bench_prompt(tokenizer, spec.prompt_tokens)

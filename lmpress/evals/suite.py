@@ -144,9 +144,9 @@ def evaluate_models(
 ) -> dict[str, Any]:
     """``lmpress eval``: the recipe's suite on its model, against ``baseline_source`` when given, computed on
     ``device`` (default: the CPU)."""
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.placement import CPU, on_device
-    from lmpress.quantize.fp8 import require_fp8_kernels
+    from lmpress.weights.float8 import require_fp8_kernels
 
     device = device or CPU
 

@@ -1,6 +1,6 @@
 """AWQ GEMM checkpoints (AutoAWQ's ``version: gemm``), as transformers, vLLM and TGI read them.
 
-Per quantized layer ``L`` (4-bit only; see ``quantize/pack.py`` for the interleave):
+Per quantized layer ``L`` (4-bit only; see ``weights/pack.py`` for the interleave):
 
 - ``L.qweight`` int32 ``(in, out/8)``: codes packed along the output axis;
 - ``L.qzeros`` int32 ``(in/group_size, out/8)``: zeros, packed the same way;
@@ -21,35 +21,29 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.anatomy import get_anatomy
+from lmpress.checkpoint_files import check_shape, group_count, require_tensor
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
-    check_shape,
     dense_tensors,
     fp16_scales,
-    group_count,
     plan_of,
-    register_plan_check,
-    register_reader,
-    register_scheme_check,
     require_quantized_layers,
-    require_tensor,
     unpack_layer,
     unquantized_linears,
     write_checkpoint,
 )
-from lmpress.model import get_anatomy
-from lmpress.quantize.pack import awq_pack, awq_unpack
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import register_exporter
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.pack import awq_pack, awq_unpack
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 FORMAT = "awq"
 AWQ_BITS = 4
 SUFFIXES = ("qweight", "qzeros", "scales")
 
 
-@register_scheme_check(FORMAT)
 def awq_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     if scheme.bits != AWQ_BITS:
         return f"{scheme.bits}-bit weights; AWQ GEMM holds 4-bit weights only (export gptq or compressed-tensors)"
@@ -60,7 +54,6 @@ def awq_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     return None
 
 
-@register_plan_check(FORMAT)
 def check_awq_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> int:
     """Refuse what AWQ GEMM cannot hold; returns the model's one group size."""
     try:
@@ -95,7 +88,6 @@ def awq_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-@register_exporter(FORMAT)
 def export_awq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     layers = require_quantized_layers(model, FORMAT)
     group_size = check_awq_plan(model, plan_of(layers))
@@ -118,7 +110,6 @@ def export_awq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     write_checkpoint(out_dir, model, tokenizer, tensors, quantization_config)
 
 
-@register_reader("awq", SUFFIXES)
 def read_awq(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     qc = config["quantization_config"]
     version = str(qc.get("version", "gemm")).lower()
@@ -148,3 +139,15 @@ def read_awq(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[s
             scheme=QuantScheme(AWQ_BITS, group_size, symmetric),
         )
     return layers
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_awq,
+        refuse_scheme=awq_scheme_refusal,
+        check_plan=check_awq_plan,
+        read=read_awq,
+        packed_suffixes=SUFFIXES,
+    )
+)

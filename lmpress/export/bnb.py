@@ -19,12 +19,11 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.bnb import bnb_layers
-from lmpress.registry import register_exporter
+from lmpress.registry import ExportFormat, register_format
 
 FORMAT = "bitsandbytes"
 
 
-@register_exporter(FORMAT)
 def export_bitsandbytes(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     if not bnb_layers(model) or not getattr(model.config, "quantization_config", None):
         raise LmpressInputError(
@@ -33,3 +32,11 @@ def export_bitsandbytes(model: nn.Module, tokenizer: Any, out_dir: Path) -> None
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_bitsandbytes,
+    )
+)

@@ -1,6 +1,6 @@
 """compressed-tensors ``pack-quantized`` checkpoints, as llm-compressor writes them and vLLM reads them.
 
-Per quantized layer ``L`` (see ``quantize/pack.py`` for the bit layout):
+Per quantized layer ``L`` (see ``weights/pack.py`` for the bit layout):
 
 - ``L.weight_packed`` int32 ``(out, ceil(in*bits/32))``: codes packed along the input axis;
 - ``L.weight_scale`` ``(out, n_groups)`` in the scales' dtype (float32 from lmpress's quantizers);
@@ -15,14 +15,12 @@ zero point 0: lmpress's symmetric zero ``2**(bits-1)`` is that same point.
 scheme, explicit module names otherwise. compressed-tensors dropped act-order
 ``g_idx`` (``actorder: group``), so act-order layers cannot be written here.
 
-Pruned layers: when quantized layers' weights hold an N:M pattern (every group of
-M along the input axis has at least M - N zeros, checked on the codes as
-written), ``sparsity_config`` records it (``sparsity_structure: "2:4"``,
-``global_sparsity``, ``targets``: those layers). Its ``format`` is ``dense``: the
-zeros stay inside the packed 4-bit codes, because compressed-tensors keeps its
-``sparse-24-bitmask`` layout for 8-bit ``int-quantized`` / ``float-quantized``
-weights (and 0.20 decompresses no sparse layout at all); 4-bit 2:4 kernels read
-the structure from this config.
+Pruned layers: the N:M zeros stay inside the packed codes (the weights are stored
+dense), and ``sparsity_config`` is empty: vLLM (0.32) refuses any checkpoint whose
+``sparsity_config`` names targets ("Sparsity support has been removed from
+compressed-tensors"), and compressed-tensors 0.20 decompresses no sparse layout, so
+no current consumer reads that record. ``lmpress inspect`` finds each layer's N:M
+pattern in its weights.
 
 W8A8 layers (``scheme.activations == "int8"``, from SmoothQuant) are written as
 llm-compressor writes W8A8 checkpoints, in the ``int-quantized`` format: the signed
@@ -44,36 +42,30 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.checkpoint_files import check_shape, group_count, require_tensor
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
-    check_shape,
     dense_tensors,
-    group_count,
     plan_of,
     quantized_layers,
-    register_plan_check,
-    register_reader,
-    register_scheme_check,
     require_quantized_layers,
-    require_tensor,
     unquantized_linears,
     write_checkpoint,
 )
-from lmpress.prune.masks import nm_pattern
-from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
-from lmpress.quantize.int8_linear import int8_weight
-from lmpress.quantize.pack import (
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.float8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
+from lmpress.weights.int8_linear import int8_weight
+from lmpress.weights.pack import (
     PACKABLE_BITS,
     ct_pack_zero_point,
     ct_unpack_weight,
     ct_unpack_zero_point,
     packed_length,
 )
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import register_exporter
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 FORMAT = "compressed-tensors"
 PACK_QUANTIZED = "pack-quantized"
@@ -160,7 +152,6 @@ def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@register_scheme_check(FORMAT)
 def ct_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     if scheme.bits not in PACKABLE_BITS:
         return f"{scheme.bits}-bit weights; lmpress packs {PACKABLE_BITS} bits"
@@ -169,7 +160,6 @@ def ct_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     return None
 
 
-@register_plan_check(FORMAT)
 def check_ct_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     for name, layer in plan.items():
         reason = ct_scheme_refusal(layer.scheme, act_order=False)
@@ -186,31 +176,6 @@ def _check_layer(name: str, module: QuantizedLinear) -> None:
         )
     if scheme.symmetric and not bool((module.zeros == 2 ** (scheme.bits - 1)).all()):
         raise LmpressInputError(f"export {FORMAT}: {name} is marked symmetric but its zeros are not 2**(bits-1)")
-
-
-def ct_sparsity_config(layers: dict[str, QuantizedLinear]) -> dict[str, Any]:
-    """compressed-tensors' ``sparsity_config`` for the quantized layers that hold an N:M pattern ({} for none)."""
-    patterns: dict[str, list[str]] = {}
-    zeros = total = 0
-    for name, module in layers.items():
-        weight = module.dequantized_weight(torch.float32)
-        pattern = nm_pattern(weight)
-        if pattern is not None:
-            patterns.setdefault(pattern, []).append(name)
-            zeros += int((weight == 0).sum())
-            total += weight.numel()
-    if not patterns:
-        return {}
-    # a 2:4 layer is 4:8 too, so a mix of both is recorded as 4:8
-    structure = next(iter(patterns)) if len(patterns) == 1 else "4:8"
-    return {
-        "format": "dense",
-        "global_sparsity": zeros / total,
-        "sparsity_structure": structure,
-        "targets": sorted(n for names in patterns.values() for n in names),
-        "ignore": [],
-        "registry_requires_subclass": False,
-    }
 
 
 def _group_args(key: QuantScheme | str) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
@@ -252,13 +217,12 @@ def ct_quantization_config(
         "ignore": float_linears,
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
-        "sparsity_config": ct_sparsity_config(layers),
+        "sparsity_config": {},  # see the module docstring: vLLM refuses a sparsity_config with targets
         "transform_config": {},
         "version": CT_CONFIG_VERSION,
     }
 
 
-@register_exporter(FORMAT)
 def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     fp8 = fp8_layers(model)  # their buffers already carry the float-quantized names (weight, weight_scale)
     layers = quantized_layers(model) if fp8 else require_quantized_layers(model, FORMAT)
@@ -369,7 +333,6 @@ def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
     return QuantScheme(int(args["num_bits"]), group_size, bool(args.get("symmetric", True)))
 
 
-@register_reader("compressed-tensors", SUFFIXES)
 def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     qc = config["quantization_config"]
     readable = (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED)
@@ -421,3 +384,15 @@ def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Ten
             scheme=scheme,
         )
     return layers
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_compressed_tensors,
+        refuse_scheme=ct_scheme_refusal,
+        check_plan=check_ct_plan,
+        read=read_compressed_tensors,
+        packed_suffixes=SUFFIXES,
+    )
+)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmpress.quantize.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK
+from lmpress.weights.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK
 
 BLOCK = 32  # columns per Q4_0 / Q8_0 block
 Q4_0_BYTES = 2 + BLOCK // 2

@@ -1,8 +1,10 @@
 """GGUF files for llama.cpp (and Ollama, LM Studio): ``OUT/gguf/model.gguf``.
 
-Llama-family models (``model_type`` llama, or mistral without a sliding window) are
-written with the metadata and tokenizer llama.cpp needs: the byte-level BPE vocabulary,
-its merges and token types, the pre-tokenizer name, BOS/EOS and the chat template.
+Llama-family models (``model_type`` llama, or mistral without a sliding window), Qwen2
+(its q/k/v biases) and Qwen3 (its q/k norms) are written, as llama.cpp's ``llama``,
+``qwen2`` and ``qwen3`` architectures, with the metadata and tokenizer llama.cpp needs: the
+byte-level BPE vocabulary, its merges and token types, the pre-tokenizer name, BOS/EOS and
+the chat template.
 
 Quantized layers keep lmpress's integer codes; each maps onto a GGML block type exactly:
 
@@ -25,15 +27,16 @@ zero points, 2 or 3 bits) and are refused from the recipe alone, before any weig
 loaded, naming what would work. Every other tensor is written in the model's float type
 (F32, F16 or BF16), norms as F32.
 
-llama.cpp rotates query/key pairs interleaved where transformers' Llama rotates halves, so
-``q_proj`` and ``k_proj`` rows are permuted as llama.cpp's own converter does; a row
+llama.cpp's ``llama`` rotates query/key pairs interleaved where transformers' Llama rotates
+halves, so ``q_proj`` and ``k_proj`` rows are permuted as llama.cpp's own converter does; a row
 permutation leaves the blocks, which lie within a row, intact. ``read_gguf`` undoes it when
-reading back.
+reading back. Its ``qwen2`` and ``qwen3`` rotate halves (NEOX), as transformers does: no permutation.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +45,11 @@ import torch
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
     fp16_scales,
     quantized_layers,
-    register_artifact_loader,
-    register_plan_check,
-    register_scheme_check,
 )
 from lmpress.export.ggml_blocks import (
     BLOCK,
@@ -60,17 +60,27 @@ from lmpress.export.ggml_blocks import (
     unpack_q4_k,
     unpack_q8_0,
 )
-from lmpress.quantize.kquant import SUPER_BLOCK, kquant_grid
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import register_exporter
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.kquant import SUPER_BLOCK, kquant_grid
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 FORMAT = "gguf"
 FILE_NAME = "model.gguf"
-ARCHITECTURES = {"llama": "llama", "mistral": "llama"}  # transformers model_type -> GGUF architecture
+# transformers model_type -> GGUF architecture (gguf-py's MODEL_ARCH_NAMES)
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+PERMUTED_ROPE = ("llama",)  # GGUF architectures whose q/k rows llama.cpp's converter permutes
+# GGUF architecture -> the linears whose biases it holds (as ``<name>.bias``, F32)
+BIASES = {"qwen2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
 # tokenizer.json pre_tokenizer -> the llama.cpp pre-tokenizer with the same splits
 GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True}
 DIGITS_SPLIT = {"type": "Digits", "individual_digits": True}
+# Qwen2 / Qwen2.5 / Qwen3's split (single digits, case-insensitive contractions), then bytes: llama.cpp's "qwen2"
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": False}
+BYTES_ONLY = {"type": "ByteLevel", "use_regex": False}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 LAYER_NAMES = {
@@ -79,18 +89,23 @@ LAYER_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Phi-3's fused linears: llama.cpp's phi3 holds qkv_proj as attn_qkv and gate_up_proj (gate rows first) as ffn_up
+FUSED_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+SPLIT = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ARCH_LAYER_NAMES = {"phi3": {k: v for k, v in LAYER_NAMES.items() if k not in SPLIT} | FUSED_NAMES}
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
 # What GGUF can hold ------------------------------------------------------------------------------
 
 
-@register_scheme_check(FORMAT)
 def gguf_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     """Why a layer quantized with ``scheme`` has no exact GGML block type, or None (Q4_K / Q4_0 / Q8_0)."""
     what = (
@@ -123,15 +138,21 @@ def gguf_architecture(config: Any) -> str:
     window = getattr(config, "sliding_window", None)
     if model_type == "mistral" and window is not None and window < getattr(config, "max_position_embeddings", 0):
         raise LmpressInputError(f"export gguf: mistral with a sliding window ({window}) is not written by lmpress")
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    ):
+        raise LmpressInputError(f"export gguf: {model_type} with sliding-window layers is not written by lmpress")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise LmpressInputError(
             f"export gguf: rope_type {rope.get('rope_type')!r} is not written by lmpress (only default RoPE)"
         )
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    if partial != 1.0:
+        raise LmpressInputError(f"export gguf: partial rotary embeddings ({partial}) are not written by lmpress")
     return ARCHITECTURES[model_type]
 
 
-@register_plan_check(FORMAT)
 def check_gguf_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     gguf_architecture(model.config)
     for name, layer in plan.items():
@@ -153,18 +174,26 @@ def rope_row_order(rows: int, n_heads: int) -> torch.Tensor:
 # Writing ----------------------------------------------------------------------------------------
 
 
-def gguf_tensor_name(name: str, layers_prefix: str = "model.layers.") -> str | None:
+def layer_names(arch: str) -> dict[str, str]:
+    """A decoder layer's modules (relative names) -> their GGUF names in architecture ``arch``."""
+    return ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
+
+
+def gguf_tensor_name(name: str, arch: str = "llama", layers_prefix: str = "model.layers.") -> str | None:
     """The GGUF name of module ``name`` (no ``.weight`` suffix), or None when GGUF has no such tensor."""
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     if name.startswith(layers_prefix):
         index, _, rest = name.removeprefix(layers_prefix).partition(".")
-        if rest in LAYER_NAMES:
-            return f"blk.{index}.{LAYER_NAMES[rest]}"
+        names = layer_names(arch)
+        if rest in names:
+            return f"blk.{index}.{names[rest]}"
     return None
 
 
 def _rope_heads(name: str, config: Any) -> int | None:
+    if ARCHITECTURES.get(config.model_type) not in PERMUTED_ROPE:
+        return None
     if name.endswith("self_attn.q_proj"):
         return config.num_attention_heads
     if name.endswith("self_attn.k_proj"):
@@ -212,14 +241,16 @@ def float_array(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, s
 def model_tensors(model: nn.Module, float_dtype: torch.dtype) -> list[tuple[str, np.ndarray, str]]:
     """Every tensor of the GGUF file: (GGUF name, data, GGML type name), rows in GGUF order."""
     config = model.config
+    arch = gguf_architecture(config)
+    biased = BIASES.get(arch, ())
     tensors: list[tuple[str, np.ndarray, str]] = []
     quantized = quantized_layers(model)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     for name, module in model.named_modules():
-        target = gguf_tensor_name(name)
+        target = gguf_tensor_name(name, arch)
         if isinstance(module, QuantizedLinear):
             if target is None:
-                raise LmpressInputError(f"export gguf: quantized layer {name} has no place in a GGUF llama model")
+                raise LmpressInputError(f"export gguf: quantized layer {name} has no place in a GGUF {arch} model")
             data, kind = quantized_blocks(name, module)
         elif isinstance(module, (nn.Linear, nn.Embedding)) or name.endswith("norm"):
             if target is None:
@@ -233,12 +264,14 @@ def model_tensors(model: nn.Module, float_dtype: torch.dtype) -> list[tuple[str,
                 data, kind = float_array(weight, float_dtype)
         else:
             continue
-        if getattr(module, "bias", None) is not None:
-            raise LmpressInputError(f"export gguf: {name} has a bias, which lmpress's GGUF llama writer does not hold")
         heads = _rope_heads(name, config)
         if heads is not None:
             data = data[rope_row_order(data.shape[0], heads).numpy()]
         tensors.append((f"{target}.weight", np.ascontiguousarray(data), kind))
+        if getattr(module, "bias", None) is not None:
+            if not name.endswith(biased):
+                raise LmpressInputError(f"export gguf: {name} has a bias, which GGUF's {arch} does not hold")
+            tensors.append((f"{target}.bias", *float_array(module.bias, torch.float32)))
     return tensors
 
 
@@ -254,9 +287,11 @@ def tokenizer_pre(tokenizer_json: dict[str, Any]) -> str:
         return "gpt-2"
     if len(steps) == 2 and matches(steps[0], DIGITS_SPLIT) and matches(steps[1], GPT2_SPLIT):
         return "smollm"
+    if len(steps) == 2 and matches(steps[0], QWEN2_SPLIT) and matches(steps[1], BYTES_ONLY):
+        return "qwen2"
     raise LmpressInputError(
         f"export gguf: the tokenizer's pre-tokenizer ({json.dumps(pre)[:120]}) has no llama.cpp equivalent "
-        "lmpress knows (byte-level GPT-2 splits, optionally with single digits)"
+        "lmpress knows (byte-level GPT-2 splits, optionally with single digits; Qwen2's split)"
     )
 
 
@@ -292,12 +327,22 @@ def _adds(tokenizer: Any, token_id: int | None, first: bool) -> bool:
     return bool(ids) and (ids[0] if first else ids[-1]) == token_id
 
 
+def model_name(config: Any, tokenizer: Any) -> str:
+    """general.name: the checkpoint's last path component. llama.cpp looks up ``</s>`` in the vocabulary of a model
+    whose name contains "phi3" or "phi-3" (Phi-3's SentencePiece tokens) and fails to load one without it (Phi-4's
+    byte-level BPE), so such a name loses that part."""
+    name = Path(str(getattr(config, "_name_or_path", "") or config.model_type)).name or config.model_type
+    if re.search(r"phi-?3", name, re.IGNORECASE) and "</s>" not in tokenizer.get_vocab():
+        name = re.sub(r"phi-?3", "phi", name, flags=re.IGNORECASE)
+    return name
+
+
 def add_metadata(writer: Any, model: nn.Module, tokenizer: Any, file_type: int) -> None:
     """General, architecture and tokenizer keys llama.cpp reads."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
-    writer.add_name(str(getattr(config, "_name_or_path", "") or config.model_type))
+    writer.add_name(model_name(config, tokenizer))
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
@@ -377,7 +422,6 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: Path, float_dtype: torch.
     writer.close()
 
 
-@register_exporter(FORMAT)
 def export_gguf(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     """``OUT/gguf/model.gguf`` plus the transformers tokenizer files (for ``lmpress eval OUT/gguf``)."""
     out_dir = Path(out_dir)
@@ -395,26 +439,27 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def gguf_config(reader: Any) -> Any:
-    """A transformers LlamaConfig from a GGUF file's llama metadata."""
-    from transformers import LlamaConfig
+    """A transformers config (Llama, Qwen2, Qwen3) from the metadata of a GGUF file of that architecture."""
+    import transformers
 
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise LmpressInputError(f"GGUF architecture {arch!r}: lmpress reads back llama GGUF files only")
+    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
+    if arch not in classes:
+        raise LmpressInputError(f"GGUF architecture {arch!r}: lmpress reads back {', '.join(classes)} GGUF files only")
     names = {t.name for t in reader.tensors}
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    return LlamaConfig(
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    return getattr(transformers, classes[arch])(
         vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(_field(reader, "llama.context_length")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
@@ -423,7 +468,7 @@ def gguf_config(reader: Any) -> Any:
 
 
 def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | QuantizedWeight]]:
-    """(LlamaConfig, {HF tensor or module name: float tensor or QuantizedWeight}) of a GGUF file lmpress wrote."""
+    """(config, {HF module name: QuantizedWeight, or HF tensor name: float tensor}) of a GGUF file lmpress wrote."""
     import gguf
 
     try:
@@ -432,16 +477,17 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
         raise LmpressInputError(f"{path}: not a readable GGUF file ({e})") from e
     config = gguf_config(reader)
     per_layer = {
-        f"blk.{i}.{v}.weight": f"model.layers.{i}.{k}"
+        f"blk.{i}.{v}.{kind}": (f"model.layers.{i}.{k}", kind)
         for i in range(config.num_hidden_layers)
-        for k, v in LAYER_NAMES.items()
+        for k, v in layer_names(_field(reader, "general.architecture")).items()
+        for kind in ("weight", "bias")
     }
-    hf_names = {f"{v}.weight": k for k, v in TOP_NAMES.items()} | per_layer
+    hf_names = {f"{v}.weight": (k, "weight") for k, v in TOP_NAMES.items()} | per_layer
     out: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
-        module = hf_names.get(tensor.name)
+        module, kind_of = hf_names.get(tensor.name, (None, None))
         if module is None:
-            raise LmpressInputError(f"{path}: tensor {tensor.name!r} is not one of a llama model")
+            raise LmpressInputError(f"{path}: tensor {tensor.name!r} is not one of a {config.model_type} model")
         cols = int(tensor.shape[0])
         kind = tensor.tensor_type.name
         data = np.asarray(tensor.data)
@@ -467,7 +513,7 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
         if heads is not None:
             inverse = torch.argsort(rope_row_order(int(tensor.shape[1]), heads))
             value = _take_rows(value, inverse)
-        out[module] = value
+        out[module if isinstance(value, QuantizedWeight) else f"{module}.{kind_of}"] = value
     return config, out
 
 
@@ -500,7 +546,6 @@ def _take_rows(value: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> tor
     return value[rows]
 
 
-@register_artifact_loader(FILE_NAME)
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The GGUF export in directory ``path`` as a transformers model; Q4_K / Q4_0 / Q8_0 layers as QuantizedLinear.
 
@@ -509,7 +554,7 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from lmpress.quantize.apply import apply_quantized_weight
+    from lmpress.weights.apply import apply_quantized_weight
 
     config, tensors = read_gguf_tensors(Path(path) / FILE_NAME)
     with no_init_weights():
@@ -521,10 +566,22 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         if isinstance(value, QuantizedWeight):
             apply_quantized_weight(model, name, value)
         else:
-            dense[f"{name}.weight"] = value.to(dtype)
+            dense[name] = value.to(dtype)
     expected = {k for k in model.state_dict() if k.endswith(".weight") and k in dict(model.named_parameters())}
     missing = sorted(expected - set(dense) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing:
         raise LmpressInputError(f"{path}: the GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
     model.load_state_dict(dense, strict=False)
     return model.eval()
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_gguf,
+        refuse_scheme=gguf_scheme_refusal,
+        check_plan=check_gguf_plan,
+        artifact_file=FILE_NAME,
+        load_artifact=read_gguf,
+    )
+)

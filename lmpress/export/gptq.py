@@ -1,6 +1,6 @@
 """GPTQ checkpoints, as GPTQModel, transformers, vLLM, SGLang and TGI read them.
 
-Per quantized layer ``L`` (see ``quantize/pack.py`` for the bit layout):
+Per quantized layer ``L`` (see ``weights/pack.py`` for the bit layout):
 
 - ``L.qweight`` int32 ``(in*bits/32, out)``: codes packed along the input axis;
 - ``L.qzeros`` int32 ``(n_groups, ceil(out*bits/32))``: zeros packed along the
@@ -30,36 +30,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.anatomy import get_anatomy
+from lmpress.checkpoint_files import check_shape, group_count, require_tensor
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
-    check_shape,
     dense_tensors,
     escape_name,
     fp16_scales,
-    group_count,
     plan_of,
-    register_plan_check,
-    register_reader,
-    register_scheme_check,
     require_quantized_layers,
-    require_tensor,
     unpack_layer,
     unquantized_linears,
     write_checkpoint,
 )
-from lmpress.model import get_anatomy
-from lmpress.quantize.pack import (
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.pack import (
     gptq_pack_qweight,
     gptq_pack_qzeros,
     gptq_unpack_qweight,
     gptq_unpack_qzeros,
     packed_length,
 )
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import register_exporter
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +76,12 @@ def _layer_key(module: QuantizedLinear) -> tuple[int, int, bool, bool]:
     return (scheme.bits, scheme.group_size, scheme.symmetric, act_order_g_idx(module) is not None)
 
 
-@register_scheme_check(FORMAT)
 def gptq_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     if scheme.bits not in GPTQ_BITS:
         return f"{scheme.bits}-bit weights; GPTQ holds {GPTQ_BITS} bits"
     return None
 
 
-@register_plan_check(FORMAT)
 def check_gptq_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     for name, layer in plan.items():
         bits = layer.scheme.bits
@@ -163,7 +156,6 @@ def gptq_quantization_config(
     return config
 
 
-@register_exporter(FORMAT)
 def export_gptq(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     layers = require_quantized_layers(model, FORMAT)
     check_gptq_plan(model, plan_of(layers))
@@ -211,7 +203,6 @@ def layer_scheme(qc: dict[str, Any], name: str) -> tuple[QuantScheme, bool] | No
     return scheme, bool(settings.get("desc_act", False))
 
 
-@register_reader("gptq", SUFFIXES)
 def read_gptq(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     qc = config["quantization_config"]
     checkpoint_format = qc.get("checkpoint_format", "gptq")
@@ -255,3 +246,15 @@ def read_gptq(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[
             g_idx=g_idx,
         )
     return layers
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_gptq,
+        refuse_scheme=gptq_scheme_refusal,
+        check_plan=check_gptq_plan,
+        read=read_gptq,
+        packed_suffixes=SUFFIXES,
+    )
+)

@@ -1,7 +1,8 @@
 """The modified model as an ordinary Hugging Face checkpoint (dense float weights, safetensors).
 
 Quantized layers are written as the float weights they stand for, under the
-original ``<layer>.weight`` names, so any transformers install loads the result.
+original ``<layer>.weight`` names, so any transformers install loads the result;
+gpt-oss's per-expert linears are fused back into its experts' 3-D tensors.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.registry import register_exporter
+from lmpress.calib.moe import fuse_gpt_oss_state, is_gpt_oss_experts
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.qlinear import QuantizedLinear
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -26,6 +28,10 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state.pop(prefix + buffer, None)
         dtype = module.bias.dtype if module.bias is not None else _float_dtype(model)
         state[prefix + "weight"] = module.dequantized_weight(dtype)
+    # transformers re-fuses other families' per-expert tensors on loading, not gpt-oss's: write its layout
+    for name, module in model.named_modules():
+        if is_gpt_oss_experts(module):
+            fuse_gpt_oss_state(state, f"{name}.", len(module))
     return state
 
 
@@ -36,7 +42,6 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-@register_exporter("hf")
 def export_hf(model: nn.Module, tokenizer, out_dir: Path) -> None:
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -50,3 +55,11 @@ def export_hf(model: nn.Module, tokenizer, out_dir: Path) -> None:
         if untie:
             config.tie_word_embeddings = True
     tokenizer.save_pretrained(out_dir)
+
+
+register_format(
+    ExportFormat(
+        name="hf",
+        write=export_hf,
+    )
+)

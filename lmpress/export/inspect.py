@@ -19,17 +19,17 @@ import torch
 from rich.console import Console, Group
 from rich.table import Table
 
-from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.checkpoint_files import (
     CONFIG_NAME,
-    READERS,
     quant_method,
+    quantized_format,
     read_config,
     read_tensor_headers,
     read_tensors,
 )
+from lmpress.errors import LmpressInputError
+from lmpress.export.consumers import VLLM_VERSION, vllm_refusal
 from lmpress.prune.masks import nm_pattern
-from lmpress.registry import READER_MODULES, load_reader
 
 MANIFEST = "manifest.json"
 
@@ -65,13 +65,10 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         if sparse:
             info["sparsity"] = _overall_sparsity(sparse)
         return info
+    fmt = quantized_format(path, config)
     tensors = read_tensors(path)
-    if not load_reader(method) and method not in READERS:
-        raise LmpressInputError(
-            f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READER_MODULES)})"
-        )
     qc = config["quantization_config"]
-    layers = READERS[method](config, tensors)
+    layers = fmt.read(config, tensors)
     rows = []
     for name, qw in layers.items():
         out_features, in_features = qw.qweight.shape
@@ -143,17 +140,50 @@ def _overall_sparsity(rows: list[dict[str, Any]]) -> float:
     return sum(r["sparsity"] * r["shape"][0] * r["shape"][1] for r in rows) / weights
 
 
+SINGLE_FILE_FORMATS = {".gguf": "gguf", ".onnx": "onnx"}
+
+
+def _single_file_export(path: Path) -> dict[str, Any] | None:
+    """A GGUF or ONNX export (the file, or lmpress's export directory holding it with no config.json): its file,
+    size and who serves it; None for anything else."""
+    if path.is_dir() and not (path / CONFIG_NAME).is_file():
+        files = [p for p in sorted(path.iterdir()) if p.suffix in SINGLE_FILE_FORMATS]
+        if len(files) != 1:
+            return None
+        path = files[0]
+    if not (path.is_file() and path.suffix in SINGLE_FILE_FORMATS):
+        return None
+    info = {
+        "path": str(path),
+        "format": SINGLE_FILE_FORMATS[path.suffix],
+        "size_bytes": path.stat().st_size,
+        "layers": [],
+    }
+    return _with_consumers(info)
+
+
+def _with_consumers(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` with whether vLLM loads the artifact (``lmpress.export.consumers``)."""
+    refusal = vllm_refusal(info)
+    info["vllm"] = f"refuses: {refusal}" if refusal else f"loads ({VLLM_VERSION}, measured)"
+    return info
+
+
 def inspect_artifact(path: str | Path) -> dict[str, Any]:
     """Format, bits, group size, symmetry, act-order, size on disk and a per-layer summary of ``path``."""
     path = Path(path)
     if not path.exists():
         raise LmpressInputError(f"{path}: no such file or directory")
+    single = _single_file_export(path)
+    if single is not None:
+        return single
     if path.is_file():
         raise LmpressInputError(
-            f"{path}: inspect reads checkpoint directories (gptq, awq, compressed-tensors, hf) or a run's output"
+            f"{path}: inspect reads checkpoint directories (gptq, awq, compressed-tensors, hf), GGUF and ONNX "
+            "exports, or a run's output"
         )
     if (path / CONFIG_NAME).is_file():
-        return _inspect_checkpoint(path)
+        return _with_consumers(_inspect_checkpoint(path))
     children = sorted(p for p in path.iterdir() if p.is_dir() and (p / CONFIG_NAME).is_file())
     if not children:
         raise LmpressInputError(f"{path}: neither a checkpoint (no {CONFIG_NAME}) nor a run directory with checkpoints")
@@ -161,7 +191,7 @@ def inspect_artifact(path: str | Path) -> dict[str, Any]:
         "format": "run",
         "path": str(path),
         "size_bytes": _size_on_disk(path),
-        "artifacts": [_inspect_checkpoint(child) for child in children],
+        "artifacts": [_with_consumers(_inspect_checkpoint(child)) for child in children],
     }
     manifest = path / MANIFEST
     if manifest.is_file():
@@ -195,6 +225,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "parameters",
         "sparsity",
         "dtypes",
+        "vllm",
     )
     for key in keys:
         if key in info and info[key] is not None:
@@ -256,7 +287,7 @@ def render_inspect(info: dict[str, Any]) -> Group:
     parts: list[Any] = []
     for artifact in info["artifacts"] if info["format"] == "run" else [info]:
         parts.append(_summary_table(artifact))
-        if artifact["layers"]:
+        if artifact.get("layers"):
             parts.append(_layer_table(artifact["layers"]))
         if artifact.get("sparse_layers"):
             parts.append(_sparsity_table(artifact["sparse_layers"]))

@@ -33,17 +33,14 @@ import torch
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import (
+from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
     quantized_layers,
-    register_artifact_loader,
-    register_plan_check,
-    register_scheme_check,
 )
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import register_exporter
+from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 FORMAT = "onnx"
 FILE_NAME = "model.onnx"
@@ -57,7 +54,6 @@ CONFIG_KEY = "lmpress.config"  # metadata_props: the transformers config, for re
 INSTALL_HINT = "pip install 'lmpress[onnx]' (onnx, onnxruntime)"
 
 
-@register_scheme_check(FORMAT)
 def onnx_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     """Why MatMulNBits cannot hold a layer quantized with ``scheme``, or None."""
     if scheme.bits not in BITS:
@@ -86,7 +82,6 @@ def check_family(config: Any) -> None:
         raise LmpressInputError(f"export onnx: {model_type} with extra biases is not written by lmpress")
 
 
-@register_plan_check(FORMAT)
 def check_onnx_plan(model: nn.Module, plan: dict[str, PlannedLayer]) -> None:
     check_family(model.config)
 
@@ -353,7 +348,6 @@ def write_onnx(model: nn.Module, path: Path) -> None:
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=DATA_NAME)
 
 
-@register_exporter(FORMAT)
 def export_onnx(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     """``OUT/onnx/model.onnx`` + ``model.onnx.data`` and the transformers tokenizer files."""
     out_dir = Path(out_dir)
@@ -516,7 +510,6 @@ def onnx_forward(model: nn.Module, session: Any) -> Any:
     return forward
 
 
-@register_artifact_loader(FILE_NAME)
 def read_onnx(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The ONNX export in directory ``path``: its weights in a transformers model whose forward runs ONNX Runtime.
 
@@ -527,7 +520,7 @@ def read_onnx(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from lmpress.quantize.apply import apply_quantized_weight
+    from lmpress.weights.apply import apply_quantized_weight
 
     file = Path(path) / FILE_NAME
     proto = onnx.load(str(file))
@@ -559,3 +552,15 @@ def read_onnx(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         model.tie_weights()
     model.forward = onnx_forward(model, onnx_session(file, device="auto"))
     return model.eval()
+
+
+register_format(
+    ExportFormat(
+        name=FORMAT,
+        write=export_onnx,
+        refuse_scheme=onnx_scheme_refusal,
+        check_plan=check_onnx_plan,
+        artifact_file=FILE_NAME,
+        load_artifact=read_onnx,
+    )
+)

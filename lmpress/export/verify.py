@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.weights.qlinear import QuantizedLinear
 
 # Float16 scales move each weight by at most half a float16 step of its scale times the code's distance
 # from the zero point. On SmolLM2 (GPTQ W4 g64, bench/export_readback.py) that moved the reference
@@ -119,7 +119,7 @@ def _compare_layer(name: str, cand: QuantizedLinear, art: nn.Module) -> tuple[st
 
 
 def _same_groups(a: QuantizedLinear, b: QuantizedLinear) -> bool:
-    from lmpress.export.checkpoint import act_order_g_idx
+    from lmpress.export.formats import act_order_g_idx
 
     ga, gb = act_order_g_idx(a), act_order_g_idx(b)
     return (ga is None and gb is None) or (ga is not None and gb is not None and torch.equal(ga.long(), gb.long()))
@@ -128,7 +128,7 @@ def _same_groups(a: QuantizedLinear, b: QuantizedLinear) -> bool:
 @torch.inference_mode()
 def window_ppl(model: nn.Module, window: torch.Tensor) -> float:
     """Perplexity of ``model`` on one ``(1, seq_len)`` token window (every next token scored)."""
-    from lmpress.evals.perplexity import token_nll
+    from lmpress.metrics import token_nll
 
     device = next(model.parameters()).device
     logits = model(window.to(device), use_cache=False).logits.float()

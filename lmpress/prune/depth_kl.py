@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lmpress.anatomy import decoder_layers, get_anatomy
 from lmpress.calib.hooks import check_finite, first_input
-from lmpress.evals.kld import exact_kld
-from lmpress.model import decoder_layers, get_anatomy
+from lmpress.metrics import exact_kld
 from lmpress.progress import QUIET, Bars
 
 

@@ -22,10 +22,9 @@ from torch import nn
 
 from lmpress.prune.masks import matrix_mask, nm_mask
 from lmpress.prune.targets import PruneConfig, PruneTarget
-from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.registry import StageContext, register_stage
 
 
-@register_stage("magnitude")
 class MagnitudeConfig(PruneConfig):
     method: Literal["magnitude"] = "magnitude"
 
@@ -37,7 +36,7 @@ def magnitude_prune_weight(W: torch.Tensor, target: PruneTarget) -> tuple[torch.
     return W.masked_fill(pruned, 0), pruned
 
 
-@stage_handler(MagnitudeConfig)
+@register_stage("magnitude", MagnitudeConfig)
 @torch.no_grad()
 def run_magnitude(model: nn.Module, config: MagnitudeConfig, ctx: StageContext) -> dict:
     config.check(model)

@@ -55,9 +55,9 @@ from lmpress.calib.statistics import column_loop_threads, group_hessians, invers
 from lmpress.prune.masks import nm_mask
 from lmpress.prune.reconstruct import masked_least_squares
 from lmpress.prune.targets import PruneConfig, PruneTarget
-from lmpress.quantize.scheme import QuantScheme
 from lmpress.quantize.targets import Bits, GroupSize
-from lmpress.registry import StageContext, StrictConfig, calibration_method, register_stage, stage_config, stage_handler
+from lmpress.registry import StageContext, StrictConfig, calibration_method, register_stage, stage_config
+from lmpress.weights.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ class JointQuantization(StrictConfig):
     mse: bool = False
 
 
-@register_stage("sparsegpt")
 class SparseGPTConfig(PruneConfig):
     method: Literal["sparsegpt"] = "sparsegpt"
     calibrates_layerwise: ClassVar[bool] = True
@@ -223,7 +222,7 @@ class SparseGPTMethod(CalibrationMethod):
             session.set_weight(name, weight, pruned)
 
 
-@stage_handler(SparseGPTConfig)
+@register_stage("sparsegpt", SparseGPTConfig)
 @torch.no_grad()
 def run_sparsegpt(model: nn.Module, config: SparseGPTConfig, ctx: StageContext) -> dict:
     configs, methods = [config], [SparseGPTMethod(config)]

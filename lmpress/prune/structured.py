@@ -45,19 +45,18 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from lmpress.anatomy import decoder_layers
 from lmpress.calib.engine import CalibrationMethod, run_calibration
 from lmpress.calib.session import LayerSession
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers
 from lmpress.placement import on_device
 from lmpress.prune.depth_kl import greedy_kl_layer_drop
-from lmpress.registry import StageConfig, StageContext, register_stage, stage_handler
+from lmpress.registry import StageConfig, StageContext, register_stage
 
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-@register_stage("structured")
 class StructuredConfig(StageConfig):
     method: Literal["structured"] = "structured"
     calibrates_layerwise: ClassVar[bool] = True
@@ -206,7 +205,7 @@ def remove_layers(model: nn.Module, drop: list[int]) -> None:
 def parameter_bytes(model: nn.Module) -> tuple[int, int]:
     """(weights, bytes) of ``model``, tied tensors counted once. A quantized linear counts its
     in x out weights, and the bytes of what it holds (packed codes, scales, zeros, g_idx)."""
-    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.weights.qlinear import QuantizedLinear
 
     params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
     params += sum(p.numel() for p in _distinct(model.parameters()))
@@ -228,7 +227,7 @@ def repeated_halves(samples: torch.Tensor) -> torch.Tensor:
     return torch.cat([half, half], dim=1)
 
 
-@stage_handler(StructuredConfig)
+@register_stage("structured", StructuredConfig)
 @torch.no_grad()
 def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext) -> dict:
     config.check(model)

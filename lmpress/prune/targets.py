@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, get_anatomy, layer_linears
-from lmpress.quantize.scheme import QuantScheme
-from lmpress.quantize.targets import _check_patterns
-from lmpress.registry import StageConfig, StrictConfig
+from lmpress.registry import LayerPatterns, PatternKeyed, StageConfig, StrictConfig
+from lmpress.weights.scheme import QuantScheme
 
 _PATTERN = re.compile(r"^(unstructured|(\d+):(\d+))$")
 
@@ -62,17 +61,10 @@ class PruneConfig(StageConfig):
 
     sparsity: float = Field(0.5, ge=0, lt=1, description="fraction of weights set to zero (unstructured)")
     pattern: str = "unstructured"
-    ignore: list[str] = []
-    overrides: dict[str, PruneOverride] = {}
+    ignore: LayerPatterns = []
+    overrides: PatternKeyed[PruneOverride] = {}
 
-    _ignore_ok = field_validator("ignore")(classmethod(lambda cls, v: _check_patterns(v)))
     _pattern_ok = field_validator("pattern")(classmethod(lambda cls, v: _check_pattern(v)))
-
-    @field_validator("overrides")
-    @classmethod
-    def _overrides_ok(cls, v: dict[str, PruneOverride]) -> dict[str, PruneOverride]:
-        _check_patterns(list(v))
-        return v
 
     @model_validator(mode="after")
     def _sparsity_or_pattern(self) -> PruneConfig:

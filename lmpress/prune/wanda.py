@@ -31,10 +31,9 @@ from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import group_input_norms
 from lmpress.prune.masks import nm_mask, row_mask
 from lmpress.prune.targets import PruneConfig, PruneTarget
-from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.registry import StageContext, register_stage
 
 
-@register_stage("wanda")
 class WandaConfig(PruneConfig):
     method: Literal["wanda"] = "wanda"
     calibrates_layerwise: ClassVar[bool] = True
@@ -63,7 +62,7 @@ class WandaMethod(CalibrationMethod):
             session.set_weight(name, weight, pruned)
 
 
-@stage_handler(WandaConfig)
+@register_stage("wanda", WandaConfig)
 @torch.no_grad()
 def run_wanda(model: nn.Module, config: WandaConfig, ctx: StageContext) -> dict:
     return run_one_shot_stage(

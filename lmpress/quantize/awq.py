@@ -26,7 +26,6 @@ the layer is quantized by RTN or by GPTQ on all calibration samples.
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Literal
 
@@ -34,22 +33,19 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.anatomy import get_anatomy
+from lmpress.calib.engine import CalibrationMethod
 from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
-from lmpress.model import get_anatomy
-from lmpress.quantize.awq_search import apply_clip, can_fold, fold_scales, search_clip, search_scales
-from lmpress.quantize.scheme import quantize_weight_rtn
+from lmpress.quantize.awq_search import apply_clip, fold_scales, search_clip, search_scales
+from lmpress.quantize.scaling_pairs import foldable_pairs, run_scaling_stage
 from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding
-from lmpress.registry import StageContext, register_stage, stage_handler
-from lmpress.registry import calibration_method as method_by_name
-
-log = logging.getLogger(__name__)
+from lmpress.registry import StageContext, register_stage
+from lmpress.weights.scheme import quantize_weight_rtn
 
 NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
 
 
-@register_stage("awq")
 class AWQConfig(GPTQRounding):
     method: Literal["awq"] = "awq"
     grid: int = Field(20, ge=1, le=200)
@@ -83,22 +79,9 @@ class AWQMethod(CalibrationMethod):
 
     def pairs(self, session: LayerSession) -> list[tuple[str, list[str], str]]:
         """(source, linears, block) for each scaling pair this layer can take."""
-        found = []
-        anatomy = get_anatomy(session.model)
-        for prev, linears in anatomy.scaling_pairs:
-            linears = list(linears)
-            try:
-                source = session.layer.get_submodule(prev)
-                modules = [session.layer.get_submodule(n) for n in linears]
-            except AttributeError:
-                continue
-            if not all(n in session.targets for n in linears):
-                continue
-            if not can_fold(source, modules, anatomy.rows_feeding(prev)):
-                self.skipped_pairs.add(f"{prev} -> {', '.join(linears)}")
-                continue
-            found.append((prev, linears, common_parent(linears)))
-        return found
+        return [
+            (prev, linears, common_parent(linears)) for prev, linears in foldable_pairs(session, self.skipped_pairs)
+        ]
 
     def scale_and_clip(self, session: LayerSession) -> None:
         """Search, fold and clip: the float layer is rescaled (same function) and clipped, not yet quantized."""
@@ -149,15 +132,11 @@ def calibration_method(config: AWQConfig) -> AWQMethod:
     return AWQMethod(config, rounds=False)
 
 
-@stage_handler(AWQConfig)
+@register_stage("awq", AWQConfig)
 @torch.no_grad()
 def run_awq(model: nn.Module, config: AWQConfig, ctx: StageContext) -> dict:
     method = AWQMethod(config)
-    methods = [method] if config.rounding == "rtn" else [method, method_by_name(config.rounding, config)]
-    true_sequential = config.true_sequential if config.rounding == "gptq" else False
-    summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, true_sequential, config.batch_size)
-    if method.skipped_pairs:
-        log.info("awq: scaling pairs that cannot fold, left unscaled: %s", "; ".join(sorted(method.skipped_pairs)))
+    summary = run_scaling_stage(model, config, ctx, method, "awq: scaling pairs that cannot fold, left unscaled")
     mean_alpha = sum(method.alphas) / len(method.alphas) if method.alphas else None
     return {
         **summary,

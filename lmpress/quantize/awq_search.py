@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from lmpress.quantize.kquant import live_groups, snap_to_kquant_grid
-from lmpress.quantize.scheme import QuantScheme, compute_qparams, fake_quantize
+from lmpress.weights.kquant import live_groups, snap_to_kquant_grid
+from lmpress.weights.scheme import QuantScheme, compute_qparams, fake_quantize
 
 SCALE_FLOOR = 1e-4
 

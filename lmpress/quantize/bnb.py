@@ -32,11 +32,11 @@ import re
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.registry import StageConfig, StageContext, register_stage, stage_handler
+from lmpress.registry import LayerPatterns, StageConfig, StageContext, register_stage
 
 
 def _bnb(where: str) -> Any:
@@ -50,17 +50,7 @@ def _bnb(where: str) -> Any:
 class BnBStageConfig(StageConfig):
     """Keys both bitsandbytes stages accept."""
 
-    ignore: list[str] = ["lm_head"]
-
-    @field_validator("ignore")
-    @classmethod
-    def _patterns_ok(cls, v: list[str]) -> list[str]:
-        for pattern in v:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"{pattern!r} is not a valid regular expression ({e})") from e
-        return v
+    ignore: LayerPatterns = ["lm_head"]
 
     def ignored(self, name: str) -> bool:
         return any(re.fullmatch(p, name) for p in self.ignore)
@@ -98,7 +88,6 @@ class BnBStageConfig(StageConfig):
         raise NotImplementedError
 
 
-@register_stage("llm_int8")
 class LLMInt8Config(BnBStageConfig):
     method: Literal["llm_int8"] = "llm_int8"
     threshold: float = Field(6.0, ge=0)
@@ -127,7 +116,6 @@ class LLMInt8Config(BnBStageConfig):
         return module.to(linear.weight.device)  # Int8Params quantizes on this move
 
 
-@register_stage("bnb_4bit")
 class BnB4bitConfig(BnBStageConfig):
     method: Literal["bnb_4bit"] = "bnb_4bit"
     quant_type: Literal["nf4", "fp4"] = "nf4"
@@ -202,5 +190,5 @@ def run_bnb(model: nn.Module, config: BnBStageConfig, ctx: StageContext) -> dict
     return {"quantized_layers": len(targets)}
 
 
-stage_handler(LLMInt8Config)(torch.no_grad()(run_bnb))
-stage_handler(BnB4bitConfig)(torch.no_grad()(run_bnb))
+register_stage("llm_int8", LLMInt8Config)(torch.no_grad()(run_bnb))
+register_stage("bnb_4bit", BnB4bitConfig)(torch.no_grad()(run_bnb))

@@ -31,18 +31,23 @@ from torch import nn
 
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.session import LayerSession
-from lmpress.calib.statistics import group_hessians
+from lmpress.calib.statistics import HessianAccumulator, collect_inputs, group_hessians
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.scheme import QuantScheme
 from lmpress.quantize.targets import GPTQRounding
-from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.registry import StageContext, register_stage
+from lmpress.weights.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
 
 
-@register_stage("gptq")
 class GPTQConfig(GPTQRounding):
     method: Literal["gptq"] = "gptq"
+
+    @property
+    def hessian_copies(self) -> int:
+        """n x n float32 matrices the solve holds per linear: the stage's pass has no other method, so each
+        Hessian's last linear factors it in place, except with act-order, which permutes it into a copy."""
+        return 2 if self.act_order else 1
 
 
 def scheme_of(target: QuantScheme | object) -> QuantScheme:
@@ -50,17 +55,23 @@ def scheme_of(target: QuantScheme | object) -> QuantScheme:
     return target if isinstance(target, QuantScheme) else target.scheme
 
 
-def gptq_group(session: LayerSession, names: list[str], config: GPTQRounding, warnings: list[str]) -> None:
+def gptq_group(
+    session: LayerSession, names: list[str], config: GPTQRounding, warnings: list[str], last_reader: bool = False
+) -> None:
     """GPTQ-quantize linears ``names`` of the session's layer on the group's shared Hessians.
 
-    Entries an earlier method of the pass pruned (``session.masks``) stay zero.
+    Entries an earlier method of the pass pruned (``session.masks``) stay zero. ``last_reader``: no later method
+    of the pass reads the group's Hessians, so each is handed to its last linear, which factors in its storage.
     """
     hessians = group_hessians(session, names)
-    for name in names:
+    for i, name in enumerate(names):
         linear = session.linear(name)
+        accumulator = hessians[name]
+        take = last_reader and all(hessians[n] is not accumulator for n in names[i + 1 :])
+        again = (lambda name=name: collect_inputs(session, [name], HessianAccumulator)[name].H) if take else None
         quantized, info = gptq_quantize_layer(
             linear.weight.data,
-            hessians[name].H,
+            accumulator.take() if take else accumulator.H,
             scheme_of(session.targets[name]),
             block_size=config.block_size,
             damp=config.damp_percent,
@@ -68,6 +79,7 @@ def gptq_group(session: LayerSession, names: list[str], config: GPTQRounding, wa
             static_groups=config.static_groups,
             mse=config.mse,
             pruned=session.masks.get(name),
+            hessian_again=again,
         )
         if info["damp"] != config.damp_percent:
             message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"
@@ -79,12 +91,13 @@ def gptq_group(session: LayerSession, names: list[str], config: GPTQRounding, wa
 class GPTQMethod(CalibrationMethod):
     name = "gptq"
 
-    def __init__(self, config: GPTQRounding) -> None:
+    def __init__(self, config: GPTQRounding, last_reader: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.last_reader = last_reader  # no later method of the pass reads the Hessians
 
     def process_group(self, session: LayerSession, group: list[str]) -> None:
-        gptq_group(session, group, self.config, self.warnings)
+        gptq_group(session, group, self.config, self.warnings, self.last_reader)
 
 
 def calibration_method(config: GPTQRounding) -> GPTQMethod:
@@ -92,9 +105,10 @@ def calibration_method(config: GPTQRounding) -> GPTQMethod:
     return GPTQMethod(config)
 
 
-@stage_handler(GPTQConfig)
+@register_stage("gptq", GPTQConfig)
 @torch.no_grad()
 def run_gptq(model: nn.Module, config: GPTQConfig, ctx: StageContext) -> dict:
+    method = GPTQMethod(config, last_reader=True)  # the pass's only method
     return run_one_shot_stage(
-        model, [config], [GPTQMethod(config)], config.scheme_for, ctx, config.true_sequential, config.batch_size
+        model, [config], [method], config.scheme_for, ctx, config.true_sequential, config.batch_size
     )

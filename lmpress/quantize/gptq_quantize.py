@@ -20,14 +20,15 @@ after the block once per block (Eq. 3, "lazy batch updates").
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from lmpress.calib.statistics import column_loop_threads, inverse_hessian_factor
-from lmpress.quantize.fp8 import Fp8Weight, fp8_channel_qparams, require_float8, round_to_e4m3_
-from lmpress.quantize.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid
-from lmpress.quantize.kquant import super_scale as kquant_super_scale
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams
+from lmpress.weights.float8 import Fp8Weight, fp8_channel_qparams, require_float8, round_to_e4m3_
+from lmpress.weights.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid
+from lmpress.weights.kquant import super_scale as kquant_super_scale
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ def gptq_quantize_layer(
     static_groups: bool = False,
     mse: bool = False,
     pruned: torch.Tensor | None = None,
+    hessian_again: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[QuantizedWeight | Fp8Weight, dict]:
     """Quantize ``W`` (out, in) given ``H`` (in, in) = 2 X Xᵀ; returns the weight and ``{"damp", "dead_columns"}``.
 
@@ -135,6 +137,10 @@ def gptq_quantize_layer(
     (``kquant.py``), ``d`` of each 256-column super-block taken when the loop reaches its first
     column, from the current weights of its columns (with static groups: from the original weights,
     up front, like the scales). Act-order without static groups cannot keep super-blocks contiguous.
+
+    ``hessian_again`` hands ``H`` over: without act-order its inverse's factor is computed in ``H``'s own
+    storage (H is overwritten), which saves an n x n float32 copy (0.8 GB for an 8B model's down_proj); should
+    that factorization fail, ``hessian_again()`` gives H afresh for the retry with more dampening.
     """
     rows, cols = W.shape
     if not scheme.fits(cols):
@@ -180,8 +186,17 @@ def gptq_quantize_layer(
         if keep is not None:
             keep = keep[:, perm]
 
+    in_place = [hessian_again is not None and not act_order and H.dtype == torch.float32 and H.is_contiguous()]
+    retried = [False]
+
     def working_hessian() -> torch.Tensor:
-        work = H.float()[perm][:, perm] if act_order else H.float().clone()
+        if in_place[0]:
+            in_place[0], retried[0] = False, True
+            work = H  # overwritten: the caller handed it over
+        elif retried[0]:
+            work = hessian_again().float().contiguous()  # H itself was factored by the failed try
+        else:
+            work = H.float()[perm][:, perm] if act_order else H.float().clone()
         unused = dead[perm]
         work[unused, unused] = 1
         return work

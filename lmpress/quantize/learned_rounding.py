@@ -83,17 +83,16 @@ from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator
 from lmpress.errors import LmpressInputError
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, round_ste
 from lmpress.quantize.targets import WeightQuantConfig
-from lmpress.registry import StageContext, register_stage, stage_config, stage_handler
+from lmpress.registry import StageContext, register_stage, stage_config
 from lmpress.registry import calibration_method as method_by_name
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme, round_ste
 
 MAX_ITERATIONS = 10_000
 V_RANGE = (-0.5, 0.5)
 CLIP_RANGE = (0.5, 1.0)
 
 
-@register_stage("learned")
 class LearnedRoundingConfig(WeightQuantConfig):
     method: Literal["learned"] = "learned"
     calibrates_layerwise: ClassVar[bool] = True
@@ -433,7 +432,7 @@ def awq_scales_method(config: LearnedRoundingConfig) -> CalibrationMethod:
     return method_by_name("awq", awq)
 
 
-@stage_handler(LearnedRoundingConfig)
+@register_stage("learned", LearnedRoundingConfig)
 @torch.no_grad()
 def run_learned(model: nn.Module, config: LearnedRoundingConfig, ctx: StageContext) -> dict:
     method = LearnedRoundingMethod(config)

@@ -17,18 +17,17 @@ import torch
 from torch import nn
 
 from lmpress.calib.moe import unfuse_experts
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.scheme import quantize_weight_rtn
 from lmpress.quantize.targets import WeightQuantConfig
-from lmpress.registry import StageContext, register_stage, stage_handler
+from lmpress.registry import StageContext, register_stage
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.scheme import quantize_weight_rtn
 
 
-@register_stage("rtn")
 class RTNConfig(WeightQuantConfig):
     method: Literal["rtn"] = "rtn"
 
 
-@stage_handler(RTNConfig)
+@register_stage("rtn", RTNConfig)
 @torch.no_grad()
 def run_rtn(model: nn.Module, config: RTNConfig, ctx: StageContext) -> dict:
     moe_blocks = unfuse_experts(model)  # fused MoE experts become one linear each, so every expert is quantized

@@ -45,30 +45,33 @@ Sample recipe stage:
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.anatomy import get_anatomy
+from lmpress.calib.engine import CalibrationMethod
 from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
-from lmpress.model import get_anatomy
-from lmpress.quantize.awq_search import can_fold, fake_quantize_weight, fold_scales
-from lmpress.quantize.fp8 import Fp8Weight, fake_quantize_fp8, fake_quantize_fp8_per_token, quantize_fp8, require_float8
-from lmpress.quantize.int8_linear import fake_quantize_per_token
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+from lmpress.quantize.awq_search import fake_quantize_weight, fold_scales
+from lmpress.quantize.scaling_pairs import foldable_pairs, run_scaling_stage
 from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding, GroupSize
-from lmpress.registry import StageContext, calibration_method, register_stage, stage_handler
-
-log = logging.getLogger(__name__)
+from lmpress.registry import StageContext, register_stage
+from lmpress.weights.float8 import (
+    Fp8Weight,
+    fake_quantize_fp8,
+    fake_quantize_fp8_per_token,
+    quantize_fp8,
+    require_float8,
+)
+from lmpress.weights.int8_linear import fake_quantize_per_token
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 RANGE_FLOOR = 1e-5
 
 
-@register_stage("smoothquant")
 class SmoothQuantConfig(GPTQRounding):
     method: Literal["smoothquant"] = "smoothquant"
     bits: Literal[8] = 8
@@ -181,25 +184,6 @@ class SmoothQuantMethod(CalibrationMethod):
         self.alphas: list[float] = []
         self.smoothed = 0
 
-    def pairs(self, session: LayerSession) -> list[tuple[str, list[str]]]:
-        """(source, linears) for each scaling pair of the layer whose factors fold exactly into the source."""
-        found = []
-        anatomy = get_anatomy(session.model)
-        for prev, linears in anatomy.scaling_pairs:
-            linears = list(linears)
-            try:
-                source = session.layer.get_submodule(prev)
-                modules = [session.layer.get_submodule(n) for n in linears]
-            except AttributeError:
-                continue
-            if not all(n in session.targets for n in linears):
-                continue
-            if not can_fold(source, modules, anatomy.rows_feeding(prev)):
-                self.skipped_pairs.add(f"{prev} -> {', '.join(linears)}")
-                continue
-            found.append((prev, linears))
-        return found
-
     def search_alpha(
         self, recorded: RecordedInputs, module: nn.Module, block: str, linears: list[nn.Linear], x_max: torch.Tensor,
         w_max: torch.Tensor,
@@ -221,7 +205,7 @@ class SmoothQuantMethod(CalibrationMethod):
         return best, best_alpha
 
     def smooth_layer(self, session: LayerSession) -> None:
-        pairs = self.pairs(session)
+        pairs = foldable_pairs(session, self.skipped_pairs)
         if not pairs:
             return
         ranges = _ChannelRanges()
@@ -265,17 +249,13 @@ class SmoothQuantMethod(CalibrationMethod):
                     session.apply(name, quantize_weight_rtn(w, session.targets[name]))
 
 
-@stage_handler(SmoothQuantConfig)
+@register_stage("smoothquant", SmoothQuantConfig)
 @torch.no_grad()
 def run_smoothquant(model: nn.Module, config: SmoothQuantConfig, ctx: StageContext) -> dict:
     if config.activations == "fp8":
         require_float8("stage smoothquant (activations: fp8)")
     method = SmoothQuantMethod(config)
-    methods = [method] if config.rounding == "rtn" else [method, calibration_method(config.rounding, config)]
-    true_sequential = config.true_sequential if config.rounding == "gptq" else False
-    summary = run_one_shot_stage(model, [config], methods, config.scheme_for, ctx, true_sequential, config.batch_size)
-    if method.skipped_pairs:
-        log.info("smoothquant: pairs that cannot fold, left unsmoothed: %s", "; ".join(sorted(method.skipped_pairs)))
+    summary = run_scaling_stage(model, config, ctx, method, "smoothquant: pairs that cannot fold, left unsmoothed")
     return {
         **summary,
         "smoothed_pairs": method.smoothed,

@@ -15,25 +15,16 @@ from __future__ import annotations
 import re
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.kquant import SUPER_BLOCK
-from lmpress.quantize.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
-from lmpress.registry import StageConfig, StrictConfig
+from lmpress.registry import LayerPatterns, PatternKeyed, StageConfig, StrictConfig
+from lmpress.weights.kquant import SUPER_BLOCK
+from lmpress.weights.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
 
 Bits = Literal[2, 3, 4, 8]
 GroupSize = Literal[-1, 32, 64, 128]
-
-
-def _check_patterns(patterns: list[str]) -> list[str]:
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"{pattern!r} is not a valid regular expression ({e})") from e
-    return patterns
 
 
 class SchemeOverride(StrictConfig):
@@ -50,16 +41,8 @@ class WeightQuantConfig(StageConfig):
     group_size: GroupSize = 128
     symmetric: bool = True
     k_quant_scales: bool = Field(False, description="group scales on llama.cpp's k-quant grid (GGUF Q4_K)")
-    ignore: list[str] = ["lm_head"]
-    overrides: dict[str, SchemeOverride] = {}
-
-    _ignore_ok = field_validator("ignore")(classmethod(lambda cls, v: _check_patterns(v)))
-
-    @field_validator("overrides")
-    @classmethod
-    def _overrides_ok(cls, v: dict[str, SchemeOverride]) -> dict[str, SchemeOverride]:
-        _check_patterns(list(v))
-        return v
+    ignore: LayerPatterns = ["lm_head"]
+    overrides: PatternKeyed[SchemeOverride] = {}
 
     @model_validator(mode="after")
     def _schemes_ok(self) -> WeightQuantConfig:

@@ -13,10 +13,6 @@ only transformers' formulas compute.
 
 from __future__ import annotations
 
-import json
-import math
-import mmap
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,25 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.checkpoint_files import MappedSafetensors, quantized_format, read_config
 from lmpress.errors import LmpressInputError
-from lmpress.memory import pages_within, return_freed_memory
-from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.memory import return_freed_memory
 from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, Build, ModelArgs, Transformer
+from lmpress.weights.float8 import Fp8Linear, Fp8Weight
+from lmpress.weights.qlinear import QuantizedLinear
 
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
-}
 FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")  # safetensors dtypes of a dense (unquantized) weight
 LINEARS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -52,65 +36,6 @@ LINEARS = {
 FUSED_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}  # Phi-3
 LINEARS_OF = {"phi3": FUSED_LINEARS}
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
-class MappedSafetensors:
-    """Every tensor of a checkpoint's safetensors files as a zero-copy view of the memory-mapped file."""
-
-    def __init__(self, files: list[Path]) -> None:
-        self.maps: list[mmap.mmap] = []
-        self.where: dict[str, tuple[int, int, int, str, list[int]]] = {}  # key -> (file, start, end, dtype, shape)
-        for index, file in enumerate(files):
-            with open(file, "rb") as handle:
-                try:
-                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-                except ValueError as e:  # an empty file
-                    raise LmpressInputError(f"{file}: not a readable safetensors file ({e})") from e
-            self.maps.append(mapped)
-            for key, (dtype, shape, start, end) in _header(file, mapped).items():
-                self.where[key] = (index, start, end, dtype, shape)
-
-    def keys(self) -> list[str]:
-        return list(self.where)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.where
-
-    def tensor(self, key: str) -> torch.Tensor:
-        index, start, end, dtype, shape = self.where[key]
-        if DTYPES.get(dtype) is None:
-            raise LmpressInputError(f"tensor {key!r} has dtype {dtype}, which the runtime does not read")
-        flat = torch.frombuffer(self.maps[index], dtype=DTYPES[dtype], count=math.prod(shape), offset=start)
-        return flat.reshape(shape) if end > start else torch.empty(shape, dtype=DTYPES[dtype])
-
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {key: self.tensor(key) for key in self.where if key.startswith(prefix)}
-
-    def release(self, prefix: str) -> None:
-        """Drop the file's pages under every tensor whose key starts with ``prefix`` (read already, copied)."""
-        for key, (index, start, end, _, _) in self.where.items():
-            first, last = pages_within(start, end)
-            if key.startswith(prefix) and last > first:
-                self.maps[index].madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
-def _header(file: Path, mapped: mmap.mmap) -> dict[str, tuple[str, list[int], int, int]]:
-    """safetensors layout: an 8-byte little-endian header length, a JSON header, then the data."""
-    try:
-        (length,) = struct.unpack("<Q", mapped[:8])
-        header = json.loads(mapped[8 : 8 + length])
-        base = 8 + length
-        entries = {}
-        for key, entry in header.items():
-            if key != "__metadata__":
-                start, end = entry["data_offsets"]
-                entries[key] = (entry["dtype"], list(entry["shape"]), base + start, base + end)
-    except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise LmpressInputError(f"{file}: not a readable safetensors file (damaged or truncated?): {e}") from e
-    for key, (_, _, start, end) in entries.items():
-        if end > len(mapped) or start > end:
-            raise LmpressInputError(f"{file}: tensor {key!r} lies past the end of the file (truncated?)")
-    return entries
 
 
 class ConfigView(SimpleNamespace):
@@ -122,7 +47,7 @@ class ConfigView(SimpleNamespace):
 
 def read_model_config(path: Path) -> ConfigView | Any:
     """The model's config: a view of config.json, or transformers' own where RoPE scaling needs its formulas."""
-    from lmpress.export.checkpoint import read_config
+    from lmpress.checkpoint_files import read_config
 
     raw = read_config(path)
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
@@ -153,7 +78,7 @@ class CheckpointModel:
     """
 
     def __init__(self, path: Path, config: Any) -> None:
-        from lmpress.export.checkpoint import safetensors_files
+        from lmpress.checkpoint_files import safetensors_files
 
         self.path, self.config = path, config
         self.files = MappedSafetensors(safetensors_files(path))
@@ -227,18 +152,9 @@ class CheckpointModel:
 
 def _reader_for(path: Path) -> tuple[dict, Any] | None:
     """``(config.json, reader)`` for a quantized checkpoint's layers; None for a dense checkpoint."""
-    from lmpress.export.checkpoint import READERS, quant_method, read_config
-    from lmpress.registry import READER_MODULES, load_reader
-
     config = read_config(path)
-    method = quant_method(config)
-    if method is None:
-        return None
-    if not load_reader(method) and method not in READERS:
-        raise LmpressInputError(f"{path}: quantization method {method!r} is not one the runtime reads")
-    if method not in READER_MODULES:
-        raise LmpressInputError(f"{path}: the runtime reads gptq, awq and compressed-tensors layers, not {method!r}")
-    return config, READERS[method]
+    fmt = quantized_format(path, config)
+    return None if fmt is None else (config, fmt.read)
 
 
 def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:

@@ -16,7 +16,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import trims_heap_after
-from lmpress.runtime.cache import KVCache
+from lmpress.runtime.kv_cache import KVCache
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, make_generator, sample
 

@@ -27,11 +27,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.fp8 import Fp8Linear
-from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
-from lmpress.runtime.cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.kernels import linear_kernel
+from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.mapped_embedding import MappedEmbedding
+from lmpress.weights.float8 import Fp8Linear
+from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",

@@ -19,7 +19,6 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import trims_heap_after
-from lmpress.runtime.cache import KVCache
 from lmpress.runtime.generate import (
     ForwardFn,
     StopCriteria,
@@ -29,6 +28,7 @@ from lmpress.runtime.generate import (
     model_forward,
     prefill,
 )
+from lmpress.runtime.kv_cache import KVCache
 from lmpress.runtime.model import FEW_QUERIES, Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, make_generator, next_token_probs
 

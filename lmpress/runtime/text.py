@@ -1,6 +1,6 @@
 """Text in, text out on the runtime: what ``lmpress generate`` runs.
 
-Loads any model or export lmpress reads (``lmpress.model.load_model``: manifest
+Loads any model or export lmpress reads (``lmpress.loader.load_model``: manifest
 checked, quantized layers kept packed), builds the runtime decoder from it and
 streams decoded text as tokens come, plain or speculative (a draft model, or
 prompt lookup).
@@ -75,15 +75,15 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
     and bfloat16 on CUDA, where the Triton kernels take half-precision activations. A checkpoint
     directory (dense, GPTQ, AWQ, compressed-tensors; a .gguf or pypkg: source once converted) is
     read straight into the runtime (``checkpoint.py``: memory-mapped, no transformers model); other
-    exports (GGUF and ONNX directories, bitsandbytes) go through ``lmpress.model.load_model``.
+    exports (GGUF and ONNX directories, bitsandbytes) go through ``lmpress.loader.load_model``.
     """
     device = torch.device(device)
     dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
     checkpoint = _direct_checkpoint(source)
     if checkpoint is not None:
-        from lmpress.model import DTYPES
+        from lmpress.loader import DTYPES
         from lmpress.placement import require_capability
-        from lmpress.quantize.fp8 import FP8_CAPABILITY
+        from lmpress.weights.float8 import FP8_CAPABILITY
 
         if device.type == "cuda" and any(d.startswith("F8") for d in stored_dtypes(checkpoint)):
             require_capability(device, FP8_CAPABILITY, f"{source} (FP8 layers)")
@@ -94,8 +94,8 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
         # after both: parsing tokenizer.json leaves ~13 MiB freed in the heap (bench/load_memory.py)
         return_freed_memory()
         return model, tokenizer
-    from lmpress.model import load_model
-    from lmpress.quantize.fp8 import require_fp8_kernels
+    from lmpress.loader import load_model
+    from lmpress.weights.float8 import require_fp8_kernels
 
     loaded = load_model(source, dtype, fingerprint=False)  # the runtime needs no weights hash
     require_fp8_kernels(loaded.model, device, source)
@@ -118,10 +118,11 @@ def stored_dtypes(checkpoint: Path) -> set[str]:
 
 def _direct_checkpoint(source: str) -> Path | None:
     """The checkpoint directory of ``source`` when the runtime reads it itself (manifest checked), else None."""
-    from lmpress.export.checkpoint import artifact_loader, quant_method
+    from lmpress.checkpoint_files import quant_method
+    from lmpress.export.formats import artifact_loader
     from lmpress.export.manifest import verify_artifact
-    from lmpress.model import check_checkpoint_dir, resolve_checkpoint
-    from lmpress.registry import READER_MODULES
+    from lmpress.loader import check_checkpoint_dir, resolve_checkpoint
+    from lmpress.registry import reading_format
 
     if artifact_loader(Path(os.path.expanduser(source))) is not None:  # GGUF / ONNX export directories
         return None
@@ -130,7 +131,8 @@ def _direct_checkpoint(source: str) -> Path | None:
         config = check_checkpoint_dir(path)
     except LmpressInputError:
         return None  # load_model checks the manifest first, then says what is wrong
-    if not (path / "tokenizer.json").is_file() or quant_method(config) not in (None, *READER_MODULES):
+    method = quant_method(config)
+    if not (path / "tokenizer.json").is_file() or (method is not None and reading_format(method) is None):
         return None  # load_model checks the manifest (once)
     verify_artifact(path)
     return path

@@ -81,7 +81,7 @@ class RuntimeTokenizer:
 
 
 def _read_json(file: Path) -> dict[str, Any]:
-    from lmpress.export.checkpoint import read_json_file
+    from lmpress.checkpoint_files import read_json_file
 
     return read_json_file(file) if file.is_file() else {}
 

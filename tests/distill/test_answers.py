@@ -6,7 +6,7 @@ import torch
 from lmpress.data import load_text, tokenize
 from lmpress.distill.answers import TeacherAnswers, chat_prompt_ids, teacher_answer_windows
 from lmpress.errors import LmpressInputError
-from lmpress.model import load_model
+from lmpress.loader import load_model
 
 TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmpress.cli import main
-from lmpress.distill.stage import DistillConfig
+from lmpress.distill.config import DistillConfig
 from lmpress.distill.trainer import out_of_time
 from lmpress.errors import LmpressInputError
 from tests.distill.test_stage import RTN_W2, distill_stage, exported_weights, write_recipe

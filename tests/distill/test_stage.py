@@ -212,7 +212,8 @@ def test_training_on_the_calibration_samples_uses_exactly_them_and_holds_out_oth
     from transformers import AutoTokenizer
 
     from lmpress.data import calibration_samples, load_text, tokenize
-    from lmpress.distill.stage import DistillConfig, calibration_windows
+    from lmpress.distill.config import DistillConfig
+    from lmpress.distill.stage import calibration_windows
 
     data = {"source": training_text, "samples": 8, "seq_len": 64, "seed": 3}
     stage = distill_stage(train_on="calibration", steps=4, eval_windows=3)

@@ -6,8 +6,8 @@ from torch import nn
 
 from lmpress.distill.student import FakeQuantLinear, apply_masks, freeze_student, prepare_student
 from lmpress.prune.masks import nm_mask, nm_pattern
-from lmpress.quantize.qlinear import QuantizedLinear, quantized_linear_from
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+from lmpress.weights.qlinear import QuantizedLinear, quantized_linear_from
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 
 def quantized(bits=3, group=32, symmetric=True, seed=0, in_features=64, out_features=48, weight=None):
@@ -81,7 +81,7 @@ def test_pruned_entries_stay_zero_and_2_4_stays_2_4_through_training(tiny_llama_
 def test_with_learn_weights_off_only_scales_and_norms_train_each_at_its_own_lr(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from lmpress.distill.stage import DistillConfig
+    from lmpress.distill.config import DistillConfig
     from lmpress.distill.trainer import parameter_groups
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)

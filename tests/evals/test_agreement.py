@@ -76,7 +76,7 @@ def w8a8_export(model_dir: Path, calibration, tmp_path: Path) -> tuple[Path, tor
 
 def test_runtime_runs_the_w8a8_export_as_the_evaluator_does(tiny_llama_wide_dir, calibration, tmp_path):
     """The W8A8 defect: the runtime read the int8 codes under ``L.weight`` as float weights (garbage out)."""
-    from lmpress.export.checkpoint import load_quantized_model
+    from lmpress.export.formats import load_quantized_model
     from lmpress.runtime.text import load_runtime
 
     out, candidate = w8a8_export(tiny_llama_wide_dir, calibration, tmp_path)

@@ -14,13 +14,13 @@ from lmpress.evals.kld import (
     TopKScorer,
     coarse_kld,
     coarse_logprobs,
-    exact_kld,
     log_rest_mass,
     score_candidate,
     store_path,
     summarize_baseline,
 )
 from lmpress.evals.perplexity import PerplexityConfig, forward_windows, perplexity, run_perplexity, vocab_size
+from lmpress.metrics import exact_kld
 from tests.evals.conftest import make_ctx, perturbed
 
 
@@ -164,7 +164,7 @@ def test_a_candidate_with_a_quantized_head_is_scored_exactly(tiny, docs_text, tm
     import copy
 
     import lmpress
-    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.weights.qlinear import QuantizedLinear
 
     model, tokenizer = tiny
     candidate = copy.deepcopy(model)
@@ -295,7 +295,7 @@ def test_smollm2_w8_exact_kld_matches_reference_and_top64_reads_low(smollm2_dir,
     import copy
 
     from lmpress.data import load_text
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.quantize.rtn import RTNConfig, run_rtn
     from lmpress.registry import StageContext
 

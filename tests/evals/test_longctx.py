@@ -18,7 +18,7 @@ from lmpress.evals.longctx import (
     run_passkey,
     run_position_nll,
 )
-from lmpress.evals.perplexity import token_nll
+from lmpress.metrics import token_nll
 from lmpress.runtime.generate import generate_tokens
 from lmpress.runtime.model import Transformer
 from tests.evals.conftest import make_ctx
@@ -69,7 +69,7 @@ def test_greedy_decode_runs_on_the_runtime_and_matches_hf_generate(tiny, monkeyp
 
 
 def test_runtime_view_shares_the_models_layers(tiny):
-    from lmpress.quantize.qlinear import QuantizedLinear
+    from lmpress.weights.qlinear import QuantizedLinear
 
     model, _ = tiny
     runtime = Transformer.sharing(model)

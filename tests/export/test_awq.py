@@ -8,10 +8,10 @@ import torch
 from safetensors.numpy import load_file
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import load_quantized_checkpoint, load_quantized_model, quantized_layers
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.scheme import QuantScheme
-from tests.quantize.test_qlinear import act_order_weight
+from lmpress.export.formats import load_quantized_checkpoint, load_quantized_model, quantized_layers
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.scheme import QuantScheme
+from tests.weights.test_qlinear import act_order_weight
 
 # Nibble i of an AWQ GEMM word holds output column AWQ_ORDER[i] of its 8 columns (AutoAWQ's pack order).
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]

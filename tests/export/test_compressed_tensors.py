@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import load_quantized_checkpoint, load_quantized_model, quantized_layers
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.scheme import QuantScheme
-from tests.quantize.test_qlinear import act_order_weight
+from lmpress.export.formats import load_quantized_checkpoint, load_quantized_model, quantized_layers
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.scheme import QuantScheme
+from tests.weights.test_qlinear import act_order_weight
 
 CASES = [(4, 32, True), (4, 64, False), (3, 32, False), (8, -1, False), (2, 64, True)]
 

@@ -9,10 +9,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lmpress.export.checkpoint import load_quantized_model
+from lmpress.export.formats import load_quantized_model
 from lmpress.export.inspect import inspect_artifact
-from lmpress.quantize.fp8 import FP8Config, fp8_layers, run_fp8
+from lmpress.quantize.fp8 import FP8Config, run_fp8
 from lmpress.registry import StageContext
+from lmpress.weights.float8 import fp8_layers
 
 
 def fp8_tiny(tiny_llama_dir, tmp_path, weights: str):
@@ -81,9 +82,9 @@ def test_runtime_reads_an_fp8_artifact_and_names_its_kernel(tiny_llama_dir, tmp_
     E4M3 product simulated in float, the transformers-side model's own numerics; the same layers built for
     ``_scaled_mm`` (what a GPU with FP8 tensor cores runs, torch's CPU op here) agree within bf16 output rounding."""
     pytest.importorskip("compressed_tensors")
-    from lmpress.runtime.bench import layer_kernels
     from lmpress.runtime.checkpoint import load_checkpoint
     from lmpress.runtime.kernels import build_kernel
+    from lmpress.runtime.throughput import layer_kernels
 
     model, tokenizer = fp8_tiny(tiny_llama_dir, tmp_path, "channel")
     out = export("compressed-tensors", model, tokenizer)

@@ -9,7 +9,7 @@ import torch
 from gguf.quants import dequantize
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import check_recipe_exports, load_quantized_model, quantized_layers
+from lmpress.export.formats import check_recipe_exports, load_quantized_model, quantized_layers
 from lmpress.export.ggml_blocks import pack_q4_k
 from lmpress.export.gguf import (
     FILE_NAME,
@@ -20,11 +20,11 @@ from lmpress.export.gguf import (
     write_gguf,
 )
 from lmpress.export.verify import compare_weights
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.quantize.gptq import GPTQConfig
-from lmpress.quantize.kquant import kquant_grid
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantScheme
+from lmpress.weights.kquant import kquant_grid
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantScheme
 from tests.export.test_ggml_blocks import random_q4_k
 
 

@@ -106,7 +106,7 @@ def dequantized_copy(model):
     (what the GGUF file holds), so llama.cpp can run the same weights in float32."""
     from torch import nn
 
-    from lmpress.export.checkpoint import quantized_layers
+    from lmpress.export.formats import quantized_layers
 
     for name, module in quantized_layers(model).items():
         qw = module.unpack()
@@ -120,7 +120,7 @@ def dequantized_copy(model):
 
 @pytest.mark.integration
 def test_smollm2_q4_0_in_llama_cpp(smollm2_dir, tmp_path):
-    from lmpress.model import load_model
+    from lmpress.loader import load_model
     from lmpress.quantize.rtn import RTNConfig, run_rtn
     from lmpress.registry import StageContext
 

@@ -8,10 +8,10 @@ import torch
 from safetensors.numpy import load_file
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import load_quantized_checkpoint, load_quantized_model, quantized_layers
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
-from tests.quantize.test_qlinear import act_order_weight
+from lmpress.export.formats import load_quantized_checkpoint, load_quantized_model, quantized_layers
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+from tests.weights.test_qlinear import act_order_weight
 
 
 def expected_layers(model):

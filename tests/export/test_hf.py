@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lmpress.export.checkpoint import quantized_layers
+from lmpress.export.formats import quantized_layers
 
 IDS = torch.tensor([[1, 7, 42, 99, 3, 250]])
 

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import load_quantized_checkpoint
+from lmpress.export.formats import load_quantized_checkpoint
 from lmpress.export.inspect import inspect_artifact, render_inspect_text
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import check_recipe_exports, load_quantized_model, quantized_layers
+from lmpress.export.formats import check_recipe_exports, load_quantized_model, quantized_layers
 from lmpress.export.inspect import inspect_artifact, render_inspect_text
 from lmpress.quantize.smoothquant import SmoothQuantConfig, run_smoothquant
 from lmpress.registry import StageContext

@@ -10,7 +10,7 @@ pytest.importorskip("onnx", reason="the onnx extra is not installed (pip install
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip install 'lmpress[onnx]')")
 
 from lmpress.errors import LmpressInputError  # noqa: E402
-from lmpress.export.checkpoint import check_recipe_exports, quantized_layers  # noqa: E402
+from lmpress.export.formats import check_recipe_exports, quantized_layers
 from lmpress.export.onnx import (  # noqa: E402
     FILE_NAME,
     greedy_generate,
@@ -21,10 +21,10 @@ from lmpress.export.onnx import (  # noqa: E402
     write_onnx,
 )
 from lmpress.export.verify import compare_weights  # noqa: E402
-from lmpress.model import load_model  # noqa: E402
-from lmpress.quantize.apply import apply_quantized_weight  # noqa: E402
+from lmpress.loader import load_model
 from lmpress.quantize.gptq import GPTQConfig  # noqa: E402
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme  # noqa: E402
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 TEXT = "def f(x):\n    return x + 1  # a comment, and then some more words for the window"
 

@@ -7,7 +7,7 @@ import yaml
 
 from lmpress.cli import main
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import check_recipe_exports
+from lmpress.export.formats import check_recipe_exports
 from lmpress.recipe import parse_recipe
 
 MISSING_MODEL = "/nonexistent/model-dir"

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmpress.data import calibration_samples, load_text, tokenize
-from lmpress.export.checkpoint import quantized_layers
+from lmpress.export.formats import quantized_layers
 from lmpress.export.inspect import inspect_artifact, render_inspect_text
 from lmpress.prune.sparsegpt import SparseGPTConfig, run_sparsegpt
 from lmpress.prune.wanda import WandaConfig, run_wanda
@@ -30,18 +30,15 @@ def pruned_tiny(tiny_llama_dir, tmp_path):
     return prune
 
 
-def test_24_w4_export_carries_its_sparsity_config_and_decompresses_24(pruned_tiny, export):
+def test_24_w4_export_keeps_its_zeros_in_the_codes_with_no_sparsity_config(pruned_tiny, export):
+    """vLLM 0.32 refuses a compressed-tensors checkpoint whose sparsity_config names targets, so the export
+    writes none; the 2:4 zeros are in the decompressed weights and ``inspect`` reads the pattern from them."""
     pytest.importorskip("compressed_tensors")
-    from compressed_tensors.config import SparsityCompressionConfig
 
     config = SparseGPTConfig(pattern="2:4", quantize={"bits": 4, "group_size": 32}, ignore=["lm_head"])
     model, tokenizer = pruned_tiny(run_sparsegpt, config)
     out = export("compressed-tensors", model, tokenizer)
-    sparsity = json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"]
-    assert sparsity["sparsity_structure"] == "2:4" and sparsity["format"] == "dense"
-    assert len(sparsity["targets"]) == 14 and sparsity["global_sparsity"] >= 0.5
-    parsed = SparsityCompressionConfig.load_from_registry(sparsity["format"], **sparsity)
-    assert parsed.sparsity_structure == "2:4"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"] == {}
     weights = _decompress_with_compressed_tensors(out)
     layers = quantized_layers(model)
     assert set(weights) == set(layers)

@@ -11,8 +11,8 @@ import yaml
 
 from lmpress.cli import main
 from lmpress.export.verify import WINDOW_PPL_TOLERANCE, check_export, compare_weights, window_ppl
-from lmpress.model import load_model
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.loader import load_model
+from lmpress.weights.qlinear import QuantizedLinear
 
 FORMATS = ["gptq", "awq", "compressed-tensors", "hf"]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lmpress.evals.speed import directory_mb
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.pipeline import export_model, run_stages
 from lmpress.progress import QUIET
 from lmpress.recipe import load_recipe

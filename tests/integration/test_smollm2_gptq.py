@@ -7,7 +7,7 @@ import pytest
 
 from lmpress.data import calibration_samples, load_text, token_windows, tokenize
 from lmpress.evals.perplexity import PerplexityConfig, perplexity
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.quantize.gptq import GPTQConfig, run_gptq
 from lmpress.quantize.rtn import RTNConfig, run_rtn
 from lmpress.registry import StageContext

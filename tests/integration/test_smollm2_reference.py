@@ -4,7 +4,7 @@ import pytest
 
 from lmpress.data import load_text, tokenize
 from lmpress.evals.perplexity import PerplexityConfig, perplexity
-from lmpress.model import load_model
+from lmpress.loader import load_model
 
 pytestmark = pytest.mark.integration
 

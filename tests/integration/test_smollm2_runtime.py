@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmpress.data import load_text, tokenize
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.runtime.generate import generate_tokens
 from lmpress.runtime.model import Transformer
 

@@ -5,9 +5,10 @@ import copy
 import pytest
 import torch
 
+from lmpress.anatomy import decoder_layers
 from lmpress.data import calibration_samples, load_text, tokenize
-from lmpress.evals.kld import exact_kld
-from lmpress.model import decoder_layers, load_model
+from lmpress.loader import load_model
+from lmpress.metrics import exact_kld
 from lmpress.prune.depth_kl import greedy_kl_layer_drop
 from lmpress.prune.structured import StructuredConfig, remove_layers, repeated_halves, run_structured
 from lmpress.registry import StageContext, stage_handler_for

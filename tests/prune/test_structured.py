@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lmpress.anatomy import decoder_layers
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
-from lmpress.model import decoder_layers, load_model
+from lmpress.loader import load_model
 from lmpress.prune.structured import StructuredConfig, prune_kv_groups, run_structured
 from lmpress.registry import StageContext, exporter
 from tests.conftest import save_tiny_model

@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from lmpress import quantize_model
+from lmpress.anatomy import decoder_layers, get_anatomy
 from lmpress.calib.engine import capture_first_layer_inputs, expand_groups
 from lmpress.calib.session import LayerSession
 from lmpress.data import calibration_samples, load_text, tokenize
-from lmpress.model import DTYPES, decoder_layers, get_anatomy, load_model
+from lmpress.loader import DTYPES, load_model
 from lmpress.quantize.awq import AWQConfig, AWQMethod, run_awq
 from lmpress.quantize.awq_search import apply_clip, fake_quantize_weight, fold_scales, search_clip
-from lmpress.quantize.kquant import kquant_grid
-from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.rtn import RTNConfig, run_rtn
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 from lmpress.registry import StageContext
+from lmpress.weights.kquant import kquant_grid
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 
 def calibration_for(tokenizer, n: int = 8, seq_len: int = 32) -> torch.Tensor:

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmpress.errors import LmpressInputError
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.quantize.bnb import BnB4bitConfig, LLMInt8Config, bnb_layers, run_bnb
-from lmpress.quantize.int8_linear import sqnr_db
 from lmpress.quantize.rtn import RTNConfig, run_rtn
 from lmpress.registry import StageContext, exporter
+from lmpress.weights.int8_linear import sqnr_db
 
 
 @pytest.fixture(autouse=True)

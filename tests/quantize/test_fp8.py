@@ -8,17 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.fp8 import (
-    FP8_MAX,
-    FP8Config,
-    Fp8Linear,
-    fp8_layers,
-    quantize_fp8,
-    quantize_fp8_per_token,
-    run_fp8,
-)
-from lmpress.quantize.int8_linear import sqnr_db
+from lmpress.quantize.fp8 import FP8Config, run_fp8
 from lmpress.registry import StageContext
+from lmpress.weights.float8 import FP8_MAX, Fp8Linear, fp8_layers, quantize_fp8, quantize_fp8_per_token
+from lmpress.weights.int8_linear import sqnr_db
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.kquant import SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid, super_scale
-from lmpress.quantize.scheme import QuantScheme, compute_qparams, dequantize_int, quantize_to_int
+from lmpress.weights.kquant import SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid, super_scale
+from lmpress.weights.scheme import QuantScheme, compute_qparams, dequantize_int, quantize_to_int
 from tests.quantize.test_gptq_quantize import correlated_inputs
 
 TIE = 1e-4  # grid steps: about 10x the largest float32 vs float64 difference of w/scale measured on this layer

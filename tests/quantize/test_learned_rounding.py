@@ -15,11 +15,12 @@ import pytest
 import torch
 import yaml
 
+from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.calib.engine import capture_first_layer_inputs, expand_groups
 from lmpress.calib.session import LayerSession
 from lmpress.cli import main
 from lmpress.data import calibration_samples, load_text, tokenize
-from lmpress.model import decoder_layers, get_anatomy, layer_linears, load_model
+from lmpress.loader import load_model
 from lmpress.quantize.learned_rounding import (
     CLIP_RANGE,
     V_RANGE,
@@ -32,9 +33,9 @@ from lmpress.quantize.learned_rounding import (
     learned_fake_quantize,
     run_learned,
 )
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, compute_qparams, quantize_to_int, quantize_weight_rtn
 from lmpress.registry import StageContext
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme, compute_qparams, quantize_to_int, quantize_weight_rtn
 from tests.conftest import save_tiny_model
 from tests.prune.test_unstructured import KILLED_CHILD
 

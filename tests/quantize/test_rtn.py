@@ -1,10 +1,10 @@
 import pytest
 
 from lmpress.errors import LmpressInputError
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.quantize.rtn import RTNConfig, run_rtn
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 from lmpress.registry import StageContext
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 
 def context(tmp_path) -> StageContext:

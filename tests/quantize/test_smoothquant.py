@@ -6,10 +6,10 @@ import pydantic
 import pytest
 import torch
 
-from lmpress.model import load_model
-from lmpress.quantize.fp8 import fp8_layers
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.loader import load_model
 from lmpress.quantize.smoothquant import SmoothQuantConfig, SmoothQuantMethod, run_smoothquant, smoothing_factors
+from lmpress.weights.float8 import fp8_layers
+from lmpress.weights.qlinear import QuantizedLinear
 from tests.quantize.test_awq import calibration_for, context, layer0_session, layer_outputs, with_salient_channels
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from lmpress.errors import LmpressInputError
-from lmpress.model import load_model
+from lmpress.loader import load_model
 from lmpress.quantize.gptq import GPTQConfig
-from lmpress.quantize.kquant import kquant_grid
-from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.quantize.rtn import RTNConfig, run_rtn
-from lmpress.quantize.scheme import QuantScheme
 from lmpress.registry import StageContext
+from lmpress.weights.kquant import kquant_grid
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantScheme
 from tests.test_recipe import error_of
 
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from lmpress.cli import main
-from lmpress.runtime.bench import (
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.throughput import (
     BenchSettings,
     benchmark,
     copy_bandwidth_gbs,
     interleaved_generation_times,
     kv_cache_bytes,
 )
-from lmpress.runtime.model import Transformer
 from tests.runtime.conftest import tiny_hf_model
 
 
@@ -76,9 +76,9 @@ def test_kv_cache_bytes_and_copy_bandwidth():
 def test_bench_names_the_kernel_of_every_layer():
     """A W4 model on the CPU: every decoder linear on torch's int4 kernel, a W8A8 down projection on _int_mm, the
     float head dense; the table has one row per layer role."""
-    from lmpress.quantize.qlinear import QuantizedLinear
-    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
-    from lmpress.runtime.bench import render_rows
+    from lmpress.runtime.throughput import render_rows
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
     hf = tiny_hf_model("llama", seed=3)
     for block in hf.model.layers:

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import lmpress
+from lmpress.checkpoint_files import MappedSafetensors
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.checkpoint import MappedSafetensors, load_checkpoint
+from lmpress.runtime.checkpoint import load_checkpoint
 from lmpress.runtime.model import Transformer
 from tests.runtime.conftest import FAMILIES, tiny_hf_model
 

@@ -137,9 +137,9 @@ def test_a_cpu_without_avx2_warns_and_runs_the_portable_path(monkeypatch):
 
 
 def test_without_a_compiler_the_runtime_keeps_torchs_kernels(monkeypatch):
-    from lmpress.quantize.qlinear import QuantizedLinear
-    from lmpress.quantize.scheme import QuantScheme
     from lmpress.runtime.kernels.cpu import Int4Linear, cpu_linear
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme
 
     def no_compiler():
         raise RuntimeError("no C++ compiler")

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 from lmpress.runtime.kernels import build_kernel, kernel_of
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 from tests.runtime.test_kernel_select import TINYGEMM_MIN_DB, sqnr_db, w4_layer
 
 pytestmark = [
@@ -36,8 +36,8 @@ def test_tinygemm_on_the_gpu_matches_the_dequantized_weight(group, symmetric, ac
 
 def test_runtime_on_cuda_kernels_matches_the_cpu_runtime():
     """A W4 g32 tiny model built for CUDA (tinygemm on sm80+, fused RMSNorm) against the CPU runtime."""
-    from lmpress.runtime.bench import layer_kernels
     from lmpress.runtime.model import Transformer
+    from lmpress.runtime.throughput import layer_kernels
     from tests.runtime.conftest import tiny_hf_model
 
     hf = tiny_hf_model("llama", seed=4)
@@ -63,7 +63,7 @@ def test_runtime_on_cuda_kernels_matches_the_cpu_runtime():
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs sm89+"
 )
 def test_fp8_scaled_mm_on_the_gpu():
-    from lmpress.quantize.fp8 import Fp8Linear, quantize_fp8_per_token
+    from lmpress.weights.float8 import Fp8Linear, quantize_fp8_per_token
 
     linear = torch.nn.Linear(512, 256, bias=True).requires_grad_(False)
     fp8 = Fp8Linear.from_linear(linear, "channel")
@@ -75,7 +75,7 @@ def test_fp8_scaled_mm_on_the_gpu():
 
 
 def test_w8a8_int_mm_on_the_gpu():
-    from lmpress.quantize.int8_linear import w8a8_reference
+    from lmpress.weights.int8_linear import w8a8_reference
 
     qw = quantize_weight_rtn(torch.randn(256, 512) * 0.02, QuantScheme(8, -1, True, activations="int8"))
     layer = QuantizedLinear.from_quantized_weight(qw)

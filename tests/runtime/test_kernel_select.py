@@ -19,11 +19,11 @@ import math
 import pytest
 import torch
 
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
 from lmpress.runtime.kernels import build_kernel, kernel_of, linear_kernel, tuning
 from lmpress.runtime.kernels.select import DeviceCase, LayerCase, kernel_candidates, select_kernel
 from lmpress.runtime.kernels.tinygemm import TinyGemmLinear, inner_k_tiles, nibble_pairs, tinygemm_linear, unpaired
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 TINYGEMM_MIN_DB = 42.0
 H100 = DeviceCase("cuda", torch.bfloat16, (9, 0))
@@ -171,7 +171,7 @@ def test_fp8_scaled_mm_module_against_the_dequantized_product(strategy):
     """``_scaled_mm`` (torch's CPU op here, cuBLASLt on a GPU) computes Fp8Linear's function: E4M3 codes of x
     per token times E4M3 W, both scales after. The reference multiplies the same E4M3 values in float64;
     the module's only extra rounding is its bf16 output (u = 2**-8: >= 45 dB with margin)."""
-    from lmpress.quantize.fp8 import Fp8Linear, quantize_fp8_per_token
+    from lmpress.weights.float8 import Fp8Linear, quantize_fp8_per_token
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(256, 64).requires_grad_(False)
@@ -186,7 +186,7 @@ def test_fp8_scaled_mm_module_against_the_dequantized_product(strategy):
 
 
 def test_w8a8_runs_int_mm_in_every_family_but_reference():
-    from lmpress.quantize.int8_linear import w8a8_reference
+    from lmpress.weights.int8_linear import w8a8_reference
 
     torch.manual_seed(2)
     qw = quantize_weight_rtn(torch.randn(48, 128) * 0.02, QuantScheme(8, -1, True, activations="int8"))

@@ -7,11 +7,11 @@ import torch
 
 import lmpress
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.qlinear import QuantizedLinear
 from lmpress.runtime.kernels import cpu_int
 from lmpress.runtime.kernels.cpu import DenseLinear, Int4Linear, Int8Linear, cpu_linear, kernel_name
 from lmpress.runtime.kernels.cpu_int import W4A8Linear, W8A8RowLinear
 from lmpress.runtime.model import Transformer
+from lmpress.weights.qlinear import QuantizedLinear
 from tests.runtime.conftest import FAMILIES, tiny_hf_model
 
 
@@ -129,7 +129,7 @@ def _dequantized_copy(hf) -> Transformer:
 
 @pytest.mark.parametrize(("bits", "group_size", "symmetric"), [(4, 64, True), (4, 128, False), (8, -1, False)])
 def test_cpu_kernel_matches_dequantize_then_matmul(bits, group_size, symmetric):
-    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
     weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
     qw = quantize_weight_rtn(weight, QuantScheme(bits, group_size, symmetric))
@@ -167,7 +167,7 @@ def test_float_layers_and_tied_head_run_in_dense_linear():
 
 
 def test_unfusable_quantized_layers_stay_separate():
-    from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
     hf = tiny_hf_model("llama")
     attn = hf.model.layers[0].self_attn

@@ -29,10 +29,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install 'lmpress[dev]')")
 
-from lmpress.quantize.qlinear import QuantizedLinear  # noqa: E402
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn  # noqa: E402
-from lmpress.runtime.kernels import triton as tk  # noqa: E402
-from tests.quantize.test_qlinear import act_order_weight  # noqa: E402
+from lmpress.runtime.kernels import triton as tk
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+from tests.weights.test_qlinear import act_order_weight  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"

@@ -15,20 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.runtime.kernels.dense import dense_linear
+from lmpress.weights.qlinear import QuantizedLinear
 
 FAMILIES = ("cpu", "cuda", "triton", "reference")
-
-
-def dense_linear(layer: nn.Module, dtype: torch.dtype, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
-    """``layer``'s weight dequantized once into a ``cls`` of ``dtype``: full speed, no memory saving."""
-    bias = layer.bias
-    dense = cls(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
-    with torch.no_grad():
-        dense.weight.copy_(layer.dequantized_weight(dtype))
-        if bias is not None:
-            dense.bias.copy_(bias.detach().float())
-    return dense.requires_grad_(False)
 
 
 def as_is(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -44,7 +34,7 @@ def kernel_of(module: nn.Module) -> str:
         return "int8-mm" if module.scheme.activations == "int8" else "reference"
     if isinstance(module, nn.Linear):
         return "dense"
-    from lmpress.quantize.fp8 import Fp8Linear
+    from lmpress.weights.float8 import Fp8Linear
 
     if isinstance(module, Fp8Linear):
         return "fp8-simulated"
@@ -101,7 +91,7 @@ def linear_kernel(family: str) -> Callable[[nn.Module, torch.dtype], nn.Module]:
         if family == "cuda":
             from lmpress.runtime.kernels.cuda import cuda_kernel_name
 
-            return build_kernel(cuda_kernel_name(layer, case, dtype), layer, dtype)
+            return build_kernel(cuda_kernel_name(layer, case, dtype, build_kernel), layer, dtype)
         if case.activations is not None:
             return build_kernel(kernel_candidates(case, DeviceCase("cpu", dtype))[0], layer, dtype)
         if family == "triton":

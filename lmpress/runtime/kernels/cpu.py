@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.runtime.kernels import dense_linear
+from lmpress.runtime.kernels.dense import dense_linear
+from lmpress.weights.qlinear import QuantizedLinear
 
 
 class DenseLinear(nn.Linear):
@@ -175,8 +175,8 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
 
 def int8_activation_kernel_fits(layer: QuantizedLinear) -> bool:
     """Whether lmpress's int8-activation kernel runs ``layer`` on the CPU: a layout it holds, switched on, built."""
-    from lmpress.quantize.qlinear import trivial_g_idx
     from lmpress.runtime.kernels import cpu_int
+    from lmpress.weights.qlinear import trivial_g_idx
 
     scheme, k = layer.scheme, layer.in_features
     act_order = not trivial_g_idx(layer.g_idx, k, scheme)

@@ -17,13 +17,17 @@ the autotuner, and a CUDA graph captures their launches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.runtime.kernels import build_kernel, dense_linear
+from lmpress.runtime.kernels.dense import dense_linear
 from lmpress.runtime.kernels.select import DeviceCase, LayerCase, select_kernel
 from lmpress.runtime.kernels.tuning import tuned_choice
+from lmpress.weights.qlinear import QuantizedLinear
+
+KernelBuilder = Callable[[str, nn.Module, torch.dtype], nn.Module]  # (name, layer, dtype): kernels.build_kernel
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -118,22 +122,24 @@ def cuda_seconds(run, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def fastest_kernel(layer: nn.Module, case: LayerCase, names: tuple[str, ...], dtype: torch.dtype) -> str:
+def fastest_kernel(
+    layer: nn.Module, case: LayerCase, names: tuple[str, ...], dtype: torch.dtype, build: KernelBuilder
+) -> str:
     """Which of ``names`` runs ``layer`` fastest for one row (a decode step) on the current GPU: timed once per
-    shape, GPU and versions, then read from the tuning cache."""
+    shape, GPU and versions, then read from the tuning cache. ``build(name, layer, dtype)`` makes each module."""
     device = torch.device("cuda", torch.cuda.current_device())
     shape = {"N": case.out_features, "K": case.in_features, "bits": case.bits, "group": case.group_width}
     shape |= {"act_order": case.act_order, "dtype": str(dtype)}
 
     def seconds(name: str) -> float:
-        module = build_kernel(name, layer, dtype).to(device)
+        module = build(name, layer, dtype).to(device)
         x = torch.randn(1, case.in_features, dtype=dtype, device=device)
         return cuda_seconds(lambda: module(x))
 
     return tuned_choice(torch.cuda.get_device_name(device), "weight_only_kernel", shape, list(names), seconds)
 
 
-def cuda_kernel_name(layer: nn.Module, case: LayerCase, dtype: torch.dtype) -> str:
+def cuda_kernel_name(layer: nn.Module, case: LayerCase, dtype: torch.dtype, build: KernelBuilder) -> str:
     """The kernel that runs ``layer`` on the current CUDA device (``select.select_kernel``)."""
     here = DeviceCase.here(torch.device("cuda", torch.cuda.current_device()), dtype)
-    return select_kernel(case, here, measure=lambda names: fastest_kernel(layer, case, names, dtype))
+    return select_kernel(case, here, measure=lambda names: fastest_kernel(layer, case, names, dtype, build))

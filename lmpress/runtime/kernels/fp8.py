@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmpress.quantize.fp8 import Fp8Linear, quantize_fp8_per_token
+from lmpress.weights.float8 import Fp8Linear, quantize_fp8_per_token
 
 
 class ScaledMMLinear(nn.Module):

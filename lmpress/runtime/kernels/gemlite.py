@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.weights.qlinear import QuantizedLinear
 
 
 class GemliteLinear(nn.Module):

@@ -1,6 +1,6 @@
 """W8A8 in the runtime: int8 weights and per-token int8 activations through ``torch._int_mm`` (CPU and CUDA).
 
-The same execution as a W8A8 ``QuantizedLinear`` (``quantize/int8_linear.py``), with
+The same execution as a W8A8 ``QuantizedLinear`` (``weights/int8_linear.py``), with
 the int8 weight transposed once at load and the packed codes dropped.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmpress.quantize.int8_linear import int8_weight, w8a8_linear
-from lmpress.quantize.qlinear import QuantizedLinear
+from lmpress.weights.int8_linear import int8_weight, w8a8_linear
+from lmpress.weights.qlinear import QuantizedLinear
 
 
 class W8A8Linear(nn.Module):

@@ -53,7 +53,7 @@ class LayerCase:
     @classmethod
     def of(cls, layer: torch.nn.Module) -> LayerCase:
         """The case of a ``QuantizedLinear`` or an ``Fp8Linear``."""
-        from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
+        from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
         if not isinstance(layer, QuantizedLinear):  # Fp8Linear: E4M3 weights, per-token E4M3 activations
             return cls(8, layer.in_features, layer.in_features, layer.out_features, activations="fp8")

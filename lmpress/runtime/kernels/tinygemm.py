@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmpress.quantize.qlinear import QuantizedLinear, int4pack_scale_and_zero, trivial_g_idx
 from lmpress.runtime.kernels.select import TINYGEMM_GROUPS
+from lmpress.weights.qlinear import QuantizedLinear, int4pack_scale_and_zero, trivial_g_idx
 
 
 def kernel_group(width: int) -> int:

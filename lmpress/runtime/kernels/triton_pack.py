@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
-from lmpress.quantize.scheme import QuantizedWeight
+from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
+from lmpress.weights.scheme import QuantizedWeight
 
 PER_CHANNEL_BLOCK = 128
 FP16_MIN_NORMAL = 2.0**-14

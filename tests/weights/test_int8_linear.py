@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmpress.quantize.int8_linear import (
+from lmpress.weights.int8_linear import (
     fake_quantize_per_token,
     int8_matmul,
     int8_weight,
@@ -14,8 +14,8 @@ from lmpress.quantize.int8_linear import (
     w8a8_linear,
     w8a8_reference,
 )
-from lmpress.quantize.qlinear import QuantizedLinear
-from lmpress.quantize.scheme import QuantScheme, quantize_weight_rtn
+from lmpress.weights.qlinear import QuantizedLinear
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
 W8A8 = QuantScheme(8, -1, True, "int8")
 

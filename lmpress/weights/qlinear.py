@@ -37,9 +37,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmpress.quantize.int8_linear import fake_quantize_per_token, int8_weight, w8a8_linear
-from lmpress.quantize.pack import ct_pack_weight, ct_unpack_weight, packed_length
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, dequantize_int
+from lmpress.weights.int8_linear import fake_quantize_per_token, int8_weight, w8a8_linear
+from lmpress.weights.pack import ct_pack_weight, ct_unpack_weight, packed_length
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme, dequantize_int
 
 KernelMode = Literal["auto", "bf16", "reference"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)

@@ -12,12 +12,13 @@ import re
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lmpress.anatomy import ANATOMIES, get_anatomy, unsupported
 from lmpress.cache import cache_root, sha256_file, sha256_json, write_text_atomic
 from lmpress.errors import LmpressInputError
 
@@ -25,222 +26,6 @@ GGUF_MAGIC = b"GGUF"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACKAGE_PREFIX = "pypkg:"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass(frozen=True)
-class Anatomy:
-    """Where things are in one architecture family, as module paths.
-
-    ``sequential``: the linear layers of one decoder layer, grouped in dependency
-    order (a group's inputs depend only on earlier groups).
-    ``scaling_pairs``: (module whose output feeds the linears, the linears); the
-    module is a norm or a linear whose output channels can absorb per-channel
-    scales (AWQ, SmoothQuant).
-    ``blocks``: submodules of a decoder layer whose output depends only on what
-    they are called with (attention without a KV cache, the MLP); the engine
-    replays a finished block's outputs instead of recomputing them.
-    ``fed_only_by``: (linear, the linears its input is computed from, whose
-    outputs go nowhere else): the engine replays the linear's recorded input and
-    skips those producers once they are finished.
-    ``attention``: the attention module; while its output projection's input is
-    replayed, the engine skips its attention kernel as well.
-    """
-
-    layers: str
-    embed: str
-    final_norm: str
-    lm_head: str
-    sequential: tuple[tuple[str, ...], ...]
-    scaling_pairs: tuple[tuple[str, tuple[str, ...]], ...]
-    # Modules outside the decoder layers that the first layer's inputs pass through.
-    pre_layer_modules: tuple[str, ...] = ()
-    blocks: tuple[str, ...] = ()
-    fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    attention: str | None = None
-    norm_kind: str = "rms"
-    # What a norm's weight adds to its output scale: Gemma's RMSNorm multiplies by (1 + weight).
-    norm_offset: float = 0.0
-    # (linear, part, parts): of a fused linear (Phi-3's qkv_proj, gate_up_proj), only output rows
-    # part of ``parts`` equal slices feed the next linear of its scaling pair.
-    fused_rows: tuple[tuple[str, int, int], ...] = ()
-    families: tuple[str, ...] = field(default=())
-
-    def rows_feeding(self, prev: str) -> tuple[int, int] | None:
-        """(part, parts) where ``prev`` is a fused linear of which only one slice of rows feeds its pair."""
-        for name, part, parts in self.fused_rows:
-            if name == prev:
-                return part, parts
-        return None
-
-
-_LLAMA = Anatomy(
-    layers="model.layers",
-    embed="model.embed_tokens",
-    final_norm="model.norm",
-    lm_head="lm_head",
-    sequential=(
-        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        ("self_attn.o_proj",),
-        ("mlp.gate_proj", "mlp.up_proj"),
-        ("mlp.down_proj",),
-    ),
-    scaling_pairs=(
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ("mlp.up_proj", ("mlp.down_proj",)),
-    ),
-    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
-    blocks=("self_attn", "mlp"),
-    fed_only_by=(
-        ("self_attn.o_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),
-    ),
-    attention="self_attn",
-    families=("llama", "mistral", "qwen2", "qwen3"),
-)
-
-_OPT = Anatomy(
-    layers="model.decoder.layers",
-    embed="model.decoder.embed_tokens",
-    final_norm="model.decoder.final_layer_norm",
-    lm_head="lm_head",
-    sequential=(
-        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        ("self_attn.out_proj",),
-        ("fc1",),
-        ("fc2",),
-    ),
-    scaling_pairs=(
-        ("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("self_attn.v_proj", ("self_attn.out_proj",)),
-        ("final_layer_norm", ("fc1",)),
-        ("fc1", ("fc2",)),
-    ),
-    pre_layer_modules=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
-    blocks=("self_attn",),
-    fed_only_by=(
-        ("self_attn.out_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("fc2", ("fc1",)),
-    ),
-    attention="self_attn",
-    norm_kind="layer",
-    families=("opt",),
-)
-
-# Mixture-of-experts families: per-expert linears exist once lmpress.moe.unfuse_experts
-# has split the fused expert parameters; ``*`` in a name matches the expert index.
-_MOE_ATTENTION = _LLAMA.sequential[:2]
-_MIXTRAL = Anatomy(
-    layers="model.layers",
-    embed="model.embed_tokens",
-    final_norm="model.norm",
-    lm_head="lm_head",
-    sequential=_MOE_ATTENTION
-    + (
-        (
-            "mlp.experts.*.gate_proj",
-            "mlp.experts.*.up_proj",
-            "mlp.shared_expert.gate_proj",
-            "mlp.shared_expert.up_proj",
-            "mlp.shared_expert_gate",
-        ),
-        ("mlp.experts.*.down_proj", "mlp.shared_expert.down_proj"),
-    )
-    + _LLAMA.sequential[2:],
-    scaling_pairs=_LLAMA.scaling_pairs[:2],
-    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
-    blocks=("self_attn", "mlp"),
-    # Not down_proj: calibration runs every expert on every token, which is not the routed input.
-    fed_only_by=_LLAMA.fed_only_by[:1],
-    attention="self_attn",
-    families=("mixtral", "qwen2_moe", "qwen3_moe"),
-)
-
-# Phi-3 (and Phi-4, same model_type): q/k/v and gate/up are each one fused linear. Only the up half of
-# gate_up_proj feeds down_proj; qkv_proj's v third feeds o_proj where the heads are not grouped (else
-# the pair's widths differ and AWQ / SmoothQuant skip it).
-_PHI3 = Anatomy(
-    layers="model.layers",
-    embed="model.embed_tokens",
-    final_norm="model.norm",
-    lm_head="lm_head",
-    sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
-    scaling_pairs=(
-        ("input_layernorm", ("self_attn.qkv_proj",)),
-        ("self_attn.qkv_proj", ("self_attn.o_proj",)),
-        ("post_attention_layernorm", ("mlp.gate_up_proj",)),
-        ("mlp.gate_up_proj", ("mlp.down_proj",)),
-    ),
-    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
-    blocks=("self_attn", "mlp"),
-    fed_only_by=(("self_attn.o_proj", ("self_attn.qkv_proj",)), ("mlp.down_proj", ("mlp.gate_up_proj",))),
-    attention="self_attn",
-    fused_rows=(("self_attn.qkv_proj", 2, 3), ("mlp.gate_up_proj", 1, 2)),
-    families=("phi3",),
-)
-
-# Gemma 2 / Gemma 3 (text): sandwich norms. post_attention_layernorm normalizes the attention's output,
-# so the MLP's inputs come from pre_feedforward_layernorm; every norm scales by (1 + weight).
-_GEMMA = Anatomy(
-    layers="model.layers",
-    embed="model.embed_tokens",
-    final_norm="model.norm",
-    lm_head="lm_head",
-    sequential=_LLAMA.sequential,
-    scaling_pairs=(
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ("mlp.up_proj", ("mlp.down_proj",)),
-    ),
-    pre_layer_modules=("model.embed_tokens", "model.rotary_emb"),
-    blocks=("self_attn", "mlp"),
-    fed_only_by=_LLAMA.fed_only_by,
-    attention="self_attn",
-    norm_offset=1.0,
-    families=("gemma2", "gemma3_text"),
-)
-
-ANATOMIES: dict[str, Anatomy] = {family: a for a in (_LLAMA, _OPT, _MIXTRAL, _PHI3, _GEMMA) for family in a.families}
-
-
-# Families people bring whose anatomy lmpress lacks, with what it would have to learn (named in the refusal).
-MISSING: dict[str, str] = {
-    "deepseek_v3": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
-    "deepseek_v2": "multi-head latent attention (q_a/q_b and kv_a/kv_b low-rank projections) and grouped routing",
-    "gpt_oss": "experts with biases and a clamped, interleaved SwiGLU, and attention sinks",
-}
-
-
-def unsupported(model_type: object) -> str:
-    """The one-line refusal of an architecture without an anatomy."""
-    missing = f"; lmpress lacks its {MISSING[model_type]}" if model_type in MISSING else ""
-    return f"architecture {model_type!r} is not supported{missing} (lmpress supports: {', '.join(sorted(ANATOMIES))})"
-
-
-def get_anatomy(model: nn.Module) -> Anatomy:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in ANATOMIES:
-        raise LmpressInputError(unsupported(model_type))
-    return ANATOMIES[model_type]
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.get_submodule(get_anatomy(model).layers)
-
-
-def layer_linears(layer: nn.Module) -> dict[str, nn.Linear]:
-    """Every nn.Linear inside one decoder layer, by its path relative to the layer."""
-    return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
-
-
-def context_length(model: nn.Module) -> int:
-    config = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    raise LmpressInputError(f"cannot tell the context length of {config.model_type!r} models")
 
 
 @dataclass
@@ -270,7 +55,8 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lmpress.export.checkpoint import artifact_loader, load_quantized_model, quant_method
+    from lmpress.checkpoint_files import quant_method
+    from lmpress.export.formats import artifact_loader, load_quantized_model
     from lmpress.export.manifest import verify_artifact
 
     loader = artifact_loader(Path(os.path.expanduser(source)))
@@ -358,7 +144,7 @@ def check_checkpoint_dir(path: Path) -> dict:
     """Refuse, in one line, a checkpoint lmpress cannot load: unreadable config.json, an architecture
     without an anatomy, a damaged or truncated safetensors file (its header is read, not its tensors).
     Returns the parsed config.json."""
-    from lmpress.export.checkpoint import read_config, read_tensor_headers
+    from lmpress.checkpoint_files import read_config, read_tensor_headers
 
     config = read_config(path)
     model_type = config.get("model_type") if isinstance(config, dict) else None

@@ -22,33 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.checkpoint_files import CONFIG_NAME, SAFETENSORS_NAME, quantized_format, read_config, read_tensors
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.qlinear import QuantizedLinear, trivial_g_idx
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme
-from lmpress.registry import READER_MODULES, load_format, load_reader
+from lmpress.registry import ExportFormat, artifact_format, export_format
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
-SAFETENSORS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
 # a quantized layer's own buffers: QuantizedLinear's packed form; Fp8Linear's E4M3 weight and its scale
 QUANTIZED_BUFFERS = ("qweight", "scales", "zeros", "g_idx", "weight", "weight_scale")
-
-# quantization_config.quant_method -> the reader of that format: (config, tensors) -> {layer: QuantizedWeight}
-Reader = Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, QuantizedWeight]]
-READERS: dict[str, Reader] = {}
-# quantization_config.quant_method -> the tensor names that hold a quantized layer's weight (all but bias)
-PACKED_SUFFIXES: dict[str, tuple[str, ...]] = {}
-
-
-def register_reader(quant_method: str, packed_suffixes: tuple[str, ...]) -> Callable[[Reader], Reader]:
-    def decorator(fn: Reader) -> Reader:
-        READERS[quant_method] = fn
-        PACKED_SUFFIXES[quant_method] = packed_suffixes
-        return fn
-
-    return decorator
-
 
 # Planning: what a format can hold, checked before any quantization runs ----------------------
 
@@ -60,20 +42,6 @@ class PlannedLayer:
     scheme: QuantScheme
     in_features: int
     out_features: int
-
-
-# format -> check(model, {layer: PlannedLayer}) raising LmpressInputError for what the format cannot hold
-PLAN_CHECKS: dict[str, Callable[[nn.Module, dict[str, PlannedLayer]], None]] = {}
-# format -> reason(scheme, act_order) it cannot hold such a layer, or None: decided from the recipe alone
-SCHEME_CHECKS: dict[str, Callable[[QuantScheme, bool], str | None]] = {}
-
-
-def register_scheme_check(fmt: str) -> Callable[[Callable], Callable]:
-    def decorator(fn: Callable[[QuantScheme, bool], str | None]) -> Callable:
-        SCHEME_CHECKS[fmt] = fn
-        return fn
-
-    return decorator
 
 
 # formats that describe quantized activations (W8A8); every other format would drop them silently
@@ -94,8 +62,7 @@ def scheme_refusal(fmt: str, scheme: QuantScheme, act_order: bool) -> str | None
     refusal = activation_refusal(fmt, scheme)
     if refusal:
         return refusal
-    load_format(fmt)
-    check = SCHEME_CHECKS.get(fmt)
+    check = export_format(fmt).refuse_scheme
     return None if check is None else check(scheme, act_order)
 
 
@@ -140,41 +107,13 @@ def _check_bitsandbytes_exports(stages: list[Any], formats: list[str]) -> None:
             )
 
 
-# file name -> loader(directory, dtype) -> model, for exports that are not safetensors checkpoints
-# (a directory holding that file is such an export: model.gguf, model.onnx); load_model dispatches on it
-ARTIFACT_LOADERS: dict[str, Callable[[Path, torch.dtype], nn.Module]] = {}
-
-
-def register_artifact_loader(file_name: str) -> Callable[[Callable], Callable]:
-    def decorator(fn: Callable[[Path, torch.dtype], nn.Module]) -> Callable:
-        ARTIFACT_LOADERS[file_name] = fn
-        return fn
-
-    return decorator
-
-
 def artifact_loader(path: Path) -> Callable[[Path, torch.dtype], nn.Module] | None:
-    """The loader of the non-safetensors export in directory ``path`` (no config.json), or None."""
-    import importlib
-
-    from lmpress.registry import ARTIFACT_FILE_MODULES
-
+    """The loader of the single-file export in directory ``path`` (no config.json: model.gguf, model.onnx), or None."""
     path = Path(path)
     if not path.is_dir() or (path / CONFIG_NAME).exists():
         return None
-    name = next((name for name in ARTIFACT_FILE_MODULES if (path / name).is_file()), None)
-    if name is None:
-        return None
-    importlib.import_module(ARTIFACT_FILE_MODULES[name])  # registers its loader
-    return ARTIFACT_LOADERS[name]
-
-
-def register_plan_check(fmt: str) -> Callable[[Callable], Callable]:
-    def decorator(fn: Callable) -> Callable:
-        PLAN_CHECKS[fmt] = fn
-        return fn
-
-    return decorator
+    fmt = artifact_format(path)
+    return None if fmt is None else fmt.load_artifact
 
 
 def check_export_plan(fmt: str, model: nn.Module, targets: dict[str, tuple[nn.Module, QuantScheme]]) -> None:
@@ -184,8 +123,7 @@ def check_export_plan(fmt: str, model: nn.Module, targets: dict[str, tuple[nn.Mo
     recipe's quantization stages). Act-order is only known after quantization and is
     checked when writing.
     """
-    load_format(fmt)
-    check = PLAN_CHECKS.get(fmt, lambda model, plan: None)
+    check = export_format(fmt).check_plan or (lambda model, plan: None)
     plan = {name: PlannedLayer(scheme, m.in_features, m.out_features) for name, (m, scheme) in targets.items()}
     for name, layer in plan.items():
         reason = scheme_refusal(fmt, layer.scheme, act_order=False)
@@ -309,145 +247,18 @@ def escape_name(name: str) -> str:
     return "^" + re.escape(name) + "$"
 
 
-# Reading ------------------------------------------------------------------------------------
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    path = Path(path)
-    config_path = path / CONFIG_NAME
-    if not config_path.is_file():
-        raise LmpressInputError(f"{path}: no {CONFIG_NAME}; expected a checkpoint directory")
-    return read_json_file(config_path)
-
-
-def read_json_file(file: Path) -> dict[str, Any]:
-    """A JSON file's contents; one clear error if it is not valid JSON."""
-    try:
-        return json.loads(Path(file).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LmpressInputError(f"{file}: not valid JSON ({e})") from e
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    path = Path(path)
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise LmpressInputError(f"{index}: not a safetensors index ({e})") from e
-        return [path / name for name in sorted(set(weight_map.values()))]
-    single = path / SAFETENSORS_NAME
-    if single.is_file():
-        return [single]
-    found = sorted(path.glob("*.safetensors"))
-    if not found:
-        raise LmpressInputError(f"{path}: no .safetensors weights")
-    return found
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
-
-
-def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one file; a damaged or truncated file is a one-line LmpressInputError."""
-    from safetensors import safe_open
-
-    if not file.is_file():
-        raise LmpressInputError(f"{file}: missing")
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as e:  # safetensors raises its own error types and OSError for damaged files
-        raise LmpressInputError(
-            f"{file}: not a readable safetensors file (damaged or truncated?): {_first_line(e)}"
-        ) from e
-
-
-def read_tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """Each tensor's safetensors dtype ("F32", "I32", ...) and shape, from the file headers only.
-
-    A sharded checkpoint's index must match its shards: every file it names exists and holds the tensors it
-    names (a shard from another download, or one missing, is refused here, before any weight is read)."""
-    from safetensors import safe_open
-
-    headers, held_by = {}, {}
-    for file in safetensors_files(path):
-        if not file.is_file():
-            raise LmpressInputError(f"{path / INDEX_NAME} names the shard {file.name}, which is missing from {path}")
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    view = f.get_slice(key)
-                    headers[key] = (view.get_dtype(), list(view.get_shape()))
-                    held_by[key] = file.name
-        except Exception as e:  # see read_safetensors
-            raise LmpressInputError(
-                f"{file}: not a readable safetensors file (damaged or truncated?): {_first_line(e)}"
-            ) from e
-    index = path / INDEX_NAME
-    if index.is_file():
-        for key, name in json.loads(index.read_text())["weight_map"].items():
-            if held_by.get(key) != name:
-                where = f"it is in {held_by[key]}" if key in held_by else "no shard holds it"
-                raise LmpressInputError(
-                    f"{index}: says tensor {key} is in {name}, but {where} (the shards do not match their index)"
-                )
-    return headers
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        tensors.update(read_safetensors(file))
-    return tensors
-
-
-def quant_method(config: dict[str, Any]) -> str | None:
-    qc = config.get("quantization_config") or config.get("compression_config")
-    return None if not qc else str(qc.get("quant_method", "unknown"))
-
-
-def require_tensor(tensors: dict[str, torch.Tensor], key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if key not in tensors:
-        raise LmpressInputError(f"checkpoint has no tensor {key!r} (incomplete or not this format)")
-    tensor = tensors[key]
-    if dtype is not None and tensor.dtype != dtype:
-        raise LmpressInputError(f"checkpoint tensor {key!r} is {tensor.dtype}, expected {dtype}")
-    return tensor
-
-
-def check_shape(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != tuple(expected):
-        raise LmpressInputError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
-
-
-def group_count(in_features: int, group_size: int, layer: str) -> int:
-    if group_size == -1:
-        return 1
-    if group_size <= 0 or in_features % group_size:
-        raise LmpressInputError(f"{layer}: group size {group_size} does not divide in_features {in_features}")
-    return in_features // group_size
-
-
-def _load_parts(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+def _load_parts(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], ExportFormat]:
     config = read_config(path)
-    method = quant_method(config)
-    if method is None:
+    fmt = quantized_format(path, config)
+    if fmt is None:
         raise LmpressInputError(f"{path}: config.json has no quantization_config (a dense checkpoint?)")
-    if not load_reader(method) and method not in READERS:
-        raise LmpressInputError(
-            f"{path}: quantization method {method!r} is not one lmpress reads ({sorted(READER_MODULES)})"
-        )
-    return config, read_tensors(path), method
+    return config, read_tensors(path), fmt
 
 
 def load_quantized_checkpoint(path: str | Path) -> dict[str, QuantizedWeight]:
     """Every quantized layer of the checkpoint at ``path``, by module name."""
-    config, tensors, method = _load_parts(Path(path))
-    return READERS[method](config, tensors)
+    config, tensors, fmt = _load_parts(Path(path))
+    return fmt.read(config, tensors)
 
 
 def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -463,8 +274,8 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
     from transformers.initialization import no_init_weights
 
     path = Path(path)
-    config_dict, tensors, method = _load_parts(path)
-    layers = READERS[method](config_dict, tensors)
+    config_dict, tensors, fmt = _load_parts(path)
+    layers = fmt.read(config_dict, tensors)
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -481,8 +292,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             apply_quantized_weight(model, name, qw)
         except (AttributeError, TypeError, ValueError) as e:
             raise LmpressInputError(f"{path}: quantized layer {name!r} does not fit the model ({e})") from e
-    suffixes = PACKED_SUFFIXES[method]
-    packed = {f"{name}.{suffix}" for name in layers for suffix in suffixes}
+    packed = {f"{name}.{suffix}" for name in layers for suffix in fmt.packed_suffixes}
     dense = {k: v for k, v in tensors.items() if k not in packed}
     held = {f"{name}.{buffer}" for name in layers for buffer in QUANTIZED_BUFFERS}
     expected = {k: v for k, v in model.state_dict().items() if k not in held}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmpress.quantize.kquant import GROUP, SUPER_BLOCK, live_groups, snap_to_kquant_grid
+from lmpress.weights.kquant import GROUP, SUPER_BLOCK, live_groups, snap_to_kquant_grid
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)

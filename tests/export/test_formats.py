@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lmpress.errors import LmpressInputError
-from lmpress.export.checkpoint import load_quantized_checkpoint
+from lmpress.export.formats import load_quantized_checkpoint
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors", "hf"])
@@ -36,7 +36,7 @@ def test_reader_refuses_dense_and_unknown_checkpoints(quantized_tiny, export):
 def test_export_plans_are_checked_before_any_quantization(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from lmpress.export.checkpoint import check_export_plan, quantized_layers
+    from lmpress.export.formats import check_export_plan, quantized_layers
     from lmpress.quantize.rtn import RTNConfig
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmpress.quantize.fp8 import Fp8Linear, Fp8Weight
-from lmpress.quantize.qlinear import QuantizedLinear, quantized_linear_from
-from lmpress.quantize.scheme import QuantizedWeight
+from lmpress.weights.float8 import Fp8Linear, Fp8Weight
+from lmpress.weights.qlinear import QuantizedLinear, quantized_linear_from
+from lmpress.weights.scheme import QuantizedWeight
 
 
 def apply_quantized_weight(

@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmpress.quantize.kquant import (
-    FP16_QUANTUM,
-    SCALE_MAX,
-    kquant_grid,
-    snap_scales,
-    snap_to_kquant_grid,
-    super_scale,
-)
-from lmpress.quantize.scheme import QuantScheme, compute_qparams, quantize_weight_rtn
+from lmpress.weights.kquant import FP16_QUANTUM, SCALE_MAX, kquant_grid, snap_scales, snap_to_kquant_grid, super_scale
+from lmpress.weights.scheme import QuantScheme, compute_qparams, quantize_weight_rtn
 
 
 def significant_bits(x: torch.Tensor) -> torch.Tensor:

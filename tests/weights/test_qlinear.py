@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from lmpress.quantize.apply import apply_quantized_weight
-from lmpress.quantize.qlinear import QuantizedLinear, quantized_linear_from
-from lmpress.quantize.scheme import QuantizedWeight, QuantScheme, quantize_weight_rtn
+from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.qlinear import QuantizedLinear, quantized_linear_from
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme, quantize_weight_rtn
 
 
 def act_order_weight(w: torch.Tensor, scheme: QuantScheme, seed: int = 0) -> QuantizedWeight:

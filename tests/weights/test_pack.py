@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmpress.quantize.pack import (
+from lmpress.weights.pack import (
     AWQ_PACK_ORDER,
     awq_pack,
     awq_unpack,

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmpress.quantize.scheme import QuantScheme, compute_qparams, quantize_weight_rtn
+from lmpress.weights.scheme import QuantScheme, compute_qparams, quantize_weight_rtn
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

