@@ -1,9 +1,13 @@
 // lmpress's CPU kernels for 4-bit (groups of 64k) and 8-bit (per row) weights times int8-quantized activations.
 //
-// Activations are quantized per block of 64 (as llama.cpp's Q8 blocks, twice as long): q = round(x / d),
-// d = max|x| / 127. A weight row is dotted with them in integers and scaled per block:
+// Activations are quantized per block of 16: q = round(x / d), d = max|x| / 127.
+// A weight row is dotted with them in integers and scaled per activation block b:
 //   W4: y = sum_g s_g * sum_{b in g} d_b * (dot_b(q, xq) - z_g * sum_b(xq))
 //   W8: y = s * sum_b d_b * (dot_b(q, xq) - z * sum_b(xq))
+// (Blocks of 64 moved SmolLM2 W4's perplexity by +0.78%, 32 by +0.53%, over the 0.5% the runtime may differ from
+// the evaluator: docs/runtime.md.) A block of 16 is 4 lanes of an int32 dot product (4 codes each), so the SIMD
+// paths apply every block's d by a per-lane vector of scales (Acts::fb, fp) at no cost over longer blocks.
+// Weight codes come in superblocks of 64 (four activation blocks).
 // with q the unsigned code (0..15 or 0..255) and z its zero point. One pass over a weight row serves every input
 // row (up to ROWS at a time: decode is one, speculative verification a few). The ISA is picked per call by the
 // caller (isa: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = portable C++); kernels for all three are compiled into one
@@ -30,7 +34,8 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 64;
+constexpr int64_t BLOCK = 64;  // weight superblock: W4's groups and K are multiples of it
+constexpr int64_t ABLOCK = 16;  // activation block: one scale d per 16 values (4 int32 lanes of a dot product)
 constexpr int64_t ROWS = 8;
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the row being dotted its weights are prefetched
 
@@ -39,20 +44,22 @@ inline int64_t rows_ahead(int64_t row_bytes) { return std::max<int64_t>(1, PREFE
 struct Acts {
   int64_t M = 0, K = 0;
   std::vector<int8_t> q;   // (M, K)
-  std::vector<float> d;    // (M, K / BLOCK): the block's scale
-  std::vector<float> s;    // (M, K / BLOCK): d * sum(q) over the block
-  std::vector<int8_t> qp;  // AVX-512 W4 only: q with each pair of blocks as [a 0:32, b 0:32, a 32:64, b 32:64]
-  std::vector<float> f;    // AVX-512 W4 only: per pair of blocks, 16 lanes [d_a x 8, d_b x 8]
+  std::vector<float> d;    // (M, K / ABLOCK): the block's scale
+  std::vector<float> s;    // (M, K / ABLOCK): d * sum(q) over the block
+  std::vector<float> fb;   // SIMD only: per 64 codes, 16 lanes [d_0 x 4, d_1 x 4, d_2 x 4, d_3 x 4] (its 4 blocks)
+  std::vector<int8_t> qp;  // AVX-512 W4 only: q with each pair of 64-blocks as [a 0:32, b 0:32, a 32:64, b 32:64]
+  std::vector<float> fp;   // AVX-512 W4 only: per pair of 64-blocks a, b, 32 lanes as qp: [a0, a1, b0, b1, a2, a3, b2, b3]
+                           // (each d x 4)
 };
 
-// One block of 64: scale d = max|x| / 127 and codes round-half-even(x * (1 / d)); returns sum(q).
+// One block of 16: scale d = max|x| / 127 and codes round-half-even(x * (1 / d)); returns sum(q).
 int32_t quantize_block_portable(const float* x, int8_t* q, float* d) {
   float amax = 0.f;
-  for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int64_t i = 0; i < ABLOCK; ++i) amax = std::max(amax, std::fabs(x[i]));
   *d = amax / 127.f;
   const float inv = *d > 0.f ? 1.f / *d : 0.f;
   int32_t sum = 0;
-  for (int64_t i = 0; i < BLOCK; ++i) {
+  for (int64_t i = 0; i < ABLOCK; ++i) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));
     q[i] = static_cast<int8_t>(v);
     sum += v;
@@ -62,28 +69,18 @@ int32_t quantize_block_portable(const float* x, int8_t* q, float* d) {
 
 #ifdef LMPRESS_X86
 TARGET_AVX512 int32_t quantize_block_avx512(const float* x, int8_t* q, float* d) {
-  __m512 v[4];
-  __m512 amax = _mm512_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm512_loadu_ps(x + 16 * i);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-  }
-  *d = _mm512_reduce_max_ps(amax) / 127.f;
-  const __m512 inv = _mm512_set1_ps(*d > 0.f ? 1.f / *d : 0.f);
-  __m512i sum = _mm512_setzero_si512();
-  for (int i = 0; i < 4; ++i) {
-    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // round to nearest even (MXCSR default)
-    sum = _mm512_add_epi32(sum, r);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtsepi32_epi8(r));
-  }
-  return _mm512_reduce_add_epi32(sum);
+  const __m512 v = _mm512_loadu_ps(x);
+  *d = _mm512_reduce_max_ps(_mm512_abs_ps(v)) / 127.f;
+  const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(*d > 0.f ? 1.f / *d : 0.f)));  // ties to even
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(r));
+  return _mm512_reduce_add_epi32(r);
 }
 
 TARGET_AVX2 int32_t quantize_block_avx2(const float* x, int8_t* q, float* d) {
-  __m256 v[8];
+  __m256 v[2];
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps();
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 2; ++i) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
   }
@@ -92,14 +89,14 @@ TARGET_AVX2 int32_t quantize_block_avx2(const float* x, int8_t* q, float* d) {
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   *d = _mm_cvtss_f32(m) / 127.f;
   const __m256 inv = _mm256_set1_ps(*d > 0.f ? 1.f / *d : 0.f);
-  alignas(32) int32_t r[BLOCK];
+  alignas(32) int32_t r[ABLOCK];
   __m256i sum = _mm256_setzero_si256();
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 2; ++i) {
     const __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
     sum = _mm256_add_epi32(sum, t);
     _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * i), t);
   }
-  for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(r[i]);
+  for (int i = 0; i < ABLOCK; ++i) q[i] = static_cast<int8_t>(r[i]);
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
   s = _mm_hadd_epi32(s, s);
   s = _mm_hadd_epi32(s, s);
@@ -108,16 +105,16 @@ TARGET_AVX2 int32_t quantize_block_avx2(const float* x, int8_t* q, float* d) {
 #endif
 
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs, Acts& a) {
-  const int64_t nb = K / BLOCK;
+  const int64_t na = K / ABLOCK;
   a.M = M, a.K = K;
   a.q.resize(M * K);
-  a.d.resize(M * nb);
-  a.s.resize(M * nb);
+  a.d.resize(M * na);
+  a.s.resize(M * na);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * BLOCK;
-      int8_t* qb = a.q.data() + m * K + b * BLOCK;
-      float* d = a.d.data() + m * nb + b;
+    for (int64_t b = 0; b < na; ++b) {
+      const float* xb = x + m * K + b * ABLOCK;
+      int8_t* qb = a.q.data() + m * K + b * ABLOCK;
+      float* d = a.d.data() + m * na + b;
       int32_t sum;
 #ifdef LMPRESS_X86
       if (isa == 2)
@@ -127,16 +124,26 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
       else
 #endif
         sum = quantize_block_portable(xb, qb, d);
-      a.s[m * nb + b] = *d * static_cast<float>(sum);
+      a.s[m * na + b] = *d * static_cast<float>(sum);
     }
   }
+  if (isa == 0) return;
+  const int64_t nb = K / BLOCK;
+  a.fb.resize(M * nb * 16);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t j = 0; j < 4; ++j) {
+        float* f = a.fb.data() + (m * nb + b) * 16 + 4 * j;
+        std::fill(f, f + 4, a.d[m * na + 4 * b + j]);
+      }
   if (!pairs) return;
   const int64_t np = nb / 2;
   a.qp.resize(M * K);
-  a.f.resize(M * std::max<int64_t>(np, 1) * 16);
+  a.fp.resize(M * std::max<int64_t>(np, 1) * 32);
   for (int64_t m = 0; m < M; ++m) {
     const int8_t* q = a.q.data() + m * K;
     int8_t* qp = a.qp.data() + m * K;
+    const float* d = a.d.data() + m * na;
     for (int64_t p = 0; p < np; ++p) {
       const int8_t* blk = q + p * 2 * BLOCK;
       int8_t* out = qp + p * 2 * BLOCK;
@@ -144,20 +151,20 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
       std::copy(blk + 64, blk + 96, out + 32);
       std::copy(blk + 32, blk + 64, out + 64);
       std::copy(blk + 96, blk + 128, out + 96);
-      float* f = a.f.data() + (m * np + p) * 16;
-      std::fill(f, f + 8, a.d[m * nb + 2 * p]);
-      std::fill(f + 8, f + 16, a.d[m * nb + 2 * p + 1]);
+      float* f = a.fp.data() + (m * np + p) * 32;
+      const int64_t order[8] = {0, 1, 4, 5, 2, 3, 6, 7};  // the blocks of 16 of a (0-3) and b (4-7) in qp's order
+      for (int64_t j = 0; j < 8; ++j) std::fill(f + 4 * j, f + 4 * j + 4, d[8 * p + order[j]]);
     }
     std::copy(q + np * 2 * BLOCK, q + K, qp + np * 2 * BLOCK);  // an odd last block stays as it is
   }
 }
 
-// sum over the blocks of each group of d * sum(q): the zero point's term, (M, G).
+// sum over the activation blocks of each group of d * sum(q): the zero point's term, (M, G).
 void group_sums(const Acts& a, int64_t G, std::vector<float>& out) {
-  const int64_t nb = a.K / BLOCK, spg = nb / G;
+  const int64_t na = a.K / ABLOCK, spg = na / G;
   out.assign(a.M * G, 0.f);
   for (int64_t m = 0; m < a.M; ++m)
-    for (int64_t b = 0; b < nb; ++b) out[m * G + b / spg] += a.s[m * nb + b];
+    for (int64_t b = 0; b < na; ++b) out[m * G + b / spg] += a.s[m * na + b];
 }
 
 // The group of 64-block b: a shift where the blocks per group are a power of two (a 64-bit division per block
@@ -175,19 +182,23 @@ inline int64_t group_of(int64_t b, int64_t spg, int64_t shift) { return shift >=
 void w4_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
                       int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t M, int64_t N,
                       float* y) {
-  const int64_t nb = K / BLOCK, spg = nb / G;
+  const int64_t nb = K / BLOCK, na = K / ABLOCK, spg = nb / G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     for (int64_t m = m0; m < m0 + M; ++m) {
       const int8_t* xq = a.q.data() + m * K;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
+        int32_t dot[4] = {0, 0, 0, 0};  // the block's 4 activation blocks: codes 0:16, 16:32 (low), 32:48, 48:64
         for (int64_t j = 0; j < 32; ++j) {
           const uint8_t byte = row[b * 32 + j];
-          dot += (byte & 0x0F) * xq[b * BLOCK + j] + (byte >> 4) * xq[b * BLOCK + 32 + j];
+          dot[j / 16] += (byte & 0x0F) * xq[b * BLOCK + j];
+          dot[2 + j / 16] += (byte >> 4) * xq[b * BLOCK + 32 + j];
         }
-        acc += scales[n * G + b / spg] * a.d[m * nb + b] * static_cast<float>(dot);
+        const float* d = a.d.data() + m * na + 4 * b;
+        float block = 0.f;
+        for (int j = 0; j < 4; ++j) block += d[j] * static_cast<float>(dot[j]);
+        acc += scales[n * G + b / spg] * block;
       }
       for (int64_t g = 0; g < G; ++g) acc -= scales[n * G + g] * static_cast<float>(zeros[n * G + g]) * zsum[m * G + g];
       y[m * N + n] = acc;
@@ -197,17 +208,17 @@ void w4_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* 
 
 void w8_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
                       int64_t K, const Acts& a, int64_t m0, int64_t M, int64_t N, float* y) {
-  const int64_t nb = K / BLOCK;
+  const int64_t na = K / ABLOCK;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * K;
     for (int64_t m = m0; m < m0 + M; ++m) {
       const int8_t* xq = a.q.data() + m * K;
       float acc = 0.f, xs = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t b = 0; b < na; ++b) {
         int32_t dot = 0;
-        for (int64_t j = 0; j < BLOCK; ++j) dot += row[b * BLOCK + j] * xq[b * BLOCK + j];
-        acc += a.d[m * nb + b] * static_cast<float>(dot);
-        xs += a.s[m * nb + b];
+        for (int64_t j = 0; j < ABLOCK; ++j) dot += row[b * ABLOCK + j] * xq[b * ABLOCK + j];
+        acc += a.d[m * na + b] * static_cast<float>(dot);
+        xs += a.s[m * na + b];
       }
       y[m * N + n] = scales[n] * (acc - static_cast<float>(zeros[n]) * xs);
     }
@@ -232,14 +243,14 @@ TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const u
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq = a.q.data() + m0 * K;
-  const float* xd = a.d.data() + m0 * nb;
+  const float* xf = a.fb.data() + m0 * nb * 16;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     const float* sc = scales + n * G;
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = sc[group_of(b, spg, shift)];
+      const __m256 s = _mm256_set1_ps(sc[group_of(b, spg, shift)]);
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
       const __m256i lo = _mm256_and_si256(w, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -247,9 +258,11 @@ TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const u
         const int8_t* x = xq + m * K + b * BLOCK;
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-        acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * xd[m * nb + b]), acc[m]);
+        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones));
+        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
+        const float* f = xf + (m * nb + b) * 16;  // lanes of d0 sum codes 4i..4i+3: blocks of 16 are 4 lanes
+        const __m256 dot = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), _mm256_mul_ps(d0, _mm256_loadu_ps(f)));
+        acc[m] = _mm256_fmadd_ps(dot, s, acc[m]);
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -265,7 +278,7 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
                               int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
   // maddubs takes unsigned x signed bytes into saturating int16 pairs: 255 * 127 * 2 overflows, so the codes go in
   // as q - 128 (signed) through the sign trick: |w| * sign(x, w) = w * x, at most 128 * 127 * 2 per pair.
-  const int64_t nb = K / BLOCK;
+  const int64_t nb = K / BLOCK, na = K / ABLOCK;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
@@ -281,14 +294,16 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
         const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
         const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w0);
         const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)), w1);
-        const __m256i d32 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones),
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_set1_ps(a.d[(m0 + m) * nb + b]), acc[m]);
+        const float* f = a.fb.data() + ((m0 + m) * nb + b) * 16;
+        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones));
+        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
+        acc[m] = _mm256_fmadd_ps(d0, _mm256_loadu_ps(f), acc[m]);
+        acc[m] = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), acc[m]);
       }
     }
     for (int m = 0; m < M; ++m) {
       float xs = 0.f;
-      for (int64_t b = 0; b < nb; ++b) xs += a.s[(m0 + m) * nb + b];
+      for (int64_t b = 0; b < na; ++b) xs += a.s[(m0 + m) * na + b];
       // sum d * dot(q - 128, x) + 128 * xs = sum d * dot(q, x)
       y[(m0 + m) * N + n] = scales[n] * (hsum256(acc[m]) + (128.f - static_cast<float>(zeros[n])) * xs);
     }
@@ -298,7 +313,8 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------------------------
 
 // Two blocks (128 codes, 64 bytes) per step: the low nibbles are codes 0:32 of both, the high ones 32:64, against the
-// activations arranged as Acts::qp; the lanes 0-7 sum block a, 8-15 block b.
+// activations arranged as Acts::qp; in each product the lanes 0-7 sum block a's 32 codes, 8-15 block b's, each
+// scaled by its activation block's d (Acts::fp).
 template <int M>
 TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                   int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
@@ -306,8 +322,8 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
   const int64_t nb = K / BLOCK, spg = nb / G, np = nb / 2, shift = log2_or_minus1(spg);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* xq = a.qp.data() + m0 * K;
-  const float* xf = a.f.data() + m0 * std::max<int64_t>(np, 1) * 16;
-  const float* xd = a.d.data() + m0 * nb;
+  const float* xf = a.fp.data() + m0 * std::max<int64_t>(np, 1) * 32;
+  const float* xb = a.fb.data() + m0 * nb * 16;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     const float* sc = scales + n * G;
@@ -323,10 +339,11 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
                                           _mm256_set1_ps(sc[group_of(2 * p + 1, spg, shift)]), 1);
       for (int m = 0; m < M; ++m) {
         const int8_t* x = xq + m * K + p * 2 * BLOCK;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 64));
-        const __m512 f = _mm512_mul_ps(s, _mm512_loadu_ps(xf + (m * np + p) * 16));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), f, acc[m]);
+        const float* f = xf + (m * np + p) * 32;
+        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x + 64));
+        const __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(f));
+        acc[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_loadu_ps(f + 16), f0), s, acc[m]);
       }
     }
     if (nb % 2) {  // the odd last block, 256 bits wide
@@ -337,8 +354,8 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
                                             _mm256_and_si256(_mm256_srli_epi16(w, 4), l4), 1);
       for (int m = 0; m < M; ++m) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + m * K + b * BLOCK));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sc[group_of(b, spg, shift)] * xd[m * nb + b]),
-                                 acc[m]);
+        const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(xb + (m * nb + b) * 16), _mm512_set1_ps(sc[group_of(b, spg, shift)]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), f, acc[m]);
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -352,11 +369,11 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
 template <int M>
 TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                   int64_t n1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
-  const int64_t nb = K / BLOCK;
+  const int64_t nb = K / BLOCK, na = K / ABLOCK;
   float xs[M];
   for (int m = 0; m < M; ++m) {
     xs[m] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) xs[m] += a.s[(m0 + m) * nb + b];
+    for (int64_t b = 0; b < na; ++b) xs[m] += a.s[(m0 + m) * na + b];
   }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * K;
@@ -369,7 +386,7 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
       for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_loadu_si512(a.q.data() + (m0 + m) * K + b * BLOCK);
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
-        acc[m] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.d[(m0 + m) * nb + b]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_loadu_ps(a.fb.data() + ((m0 + m) * nb + b) * 16), acc[m]);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -523,7 +540,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int
   Acts acts;
   quantize_acts(x.data_ptr<float>(), M, K, isa, false, acts);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({M, K / BLOCK}, x.options());
+  at::Tensor d = at::empty({M, K / ABLOCK}, x.options());
   std::copy(acts.q.begin(), acts.q.end(), q.data_ptr<int8_t>());
   std::copy(acts.d.begin(), acts.d.end(), d.data_ptr<float>());
   return {q, d};
