@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.kernels import linear_kernel
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, linear_kernel
 from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.mapped_embedding import MappedEmbedding
 from lmpress.weights.float8 import Fp8Linear
@@ -152,6 +152,7 @@ class Build:
     dtype: torch.dtype
     kernels: str = "cpu"  # kernels.FAMILIES: "cpu", "cuda" (select.py's pick per layer), "triton", "reference"
     map_embedding: bool = False  # use the embedding table as given (memory-mapped) where it has ``dtype``
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS  # weight-only layers on the CPU: "int8" or "bf16" activations
 
     @property
     def shares_layers(self) -> bool:
@@ -169,7 +170,7 @@ class Build:
 
     @property
     def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
-        return linear_kernel(self.kernels)
+        return linear_kernel(self.kernels, self.cpu_activations)
 
 
 class RMSNorm(nn.Module):
@@ -517,11 +518,13 @@ class Transformer(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         kernels: str | None = None,
+        cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
     ) -> Transformer:
         """The runtime model for ``hf_model`` (a transformers causal LM) on ``device``.
 
-        ``dtype`` defaults to the model's own; ``kernels`` to the device's: torch's packed
-        kernels on the CPU, ``"cuda"`` on a GPU (per layer, the kernel ``kernels/select.py`` picks;
+        ``dtype`` defaults to the model's own; ``kernels`` to the device's: lmpress's and torch's packed
+        kernels on the CPU (weight-only layers' activations as ``cpu_activations``: "int8" or "bf16"), ``"cuda"``
+        on a GPU (per layer, the kernel ``kernels/select.py`` picks;
         ``"triton"`` on the CPU runs Triton's interpreter, for tests). Weights are repacked on the
         CPU, then moved (a GPU-only layout, tinygemm's, is packed as the module moves).
         """
@@ -529,7 +532,7 @@ class Transformer(nn.Module):
         dtype = dtype or hf_model.model.embed_tokens.weight.dtype
         device = torch.device(device)
         kernels = kernels or ("cuda" if device.type == "cuda" else "cpu")
-        return cls(args, hf_model, Build(dtype, kernels)).eval().to(device)
+        return cls(args, hf_model, Build(dtype, kernels, cpu_activations=cpu_activations)).eval().to(device)
 
     @classmethod
     def sharing(cls, hf_model: nn.Module) -> Transformer | None:

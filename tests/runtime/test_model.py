@@ -84,23 +84,23 @@ def test_bf16_model_runs_in_bf16():
 
 
 @pytest.mark.parametrize(
-    ("bits", "group_size", "kernel", "int8_activations"),
+    ("bits", "group_size", "kernel", "activations"),
     [
-        (4, 32, Int4Linear, "1"),  # groups of 32: torch's packed kernel
-        (4, 64, W4A8Linear, "1"),
-        (4, 64, Int4Linear, "0"),  # lmpress's int8-activation kernels switched off
-        (8, -1, W8A8RowLinear, "1"),
-        (8, -1, Int8Linear, "0"),
+        (4, 32, Int4Linear, "int8"),  # groups of 32: torch's packed kernel
+        (4, 64, W4A8Linear, "int8"),
+        (4, 64, Int4Linear, "bf16"),  # bf16 activations asked for: torch's packed kernels
+        (8, -1, W8A8RowLinear, "int8"),
+        (8, -1, Int8Linear, "bf16"),
     ],
 )
-def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel, int8_activations, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CPU_INT8_ACTIVATIONS", int8_activations)
+def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel, activations):
     if kernel in (W4A8Linear, W8A8RowLinear) and not cpu_int.available():
         pytest.skip("lmpress's C++ kernels do not build here")
     hf = tiny_hf_model("llama", seed=5)
     lmpress.quantize_model(hf, method="rtn", bits=bits, group_size=group_size, symmetric=bits == 4)
-    model = Transformer.from_hf(hf)
+    model = Transformer.from_hf(hf, cpu_activations=activations)
     assert isinstance(model.layers[0].attention.wqkv.parts[0], kernel)
+    assert isinstance(model.output, DenseLinear)  # the float head is float whatever the setting
     assert len(model.layers[0].attention.wqkv.parts) == 1  # q/k/v quantized alike: fused
     reference = _dequantized_copy(hf)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -211,3 +211,10 @@ def test_cache_is_preallocated_and_rolls_back():
         model(ids[:, :4], cache)
     with pytest.raises(LmpressInputError, match="context of 256"):
         model.new_cache(1, 257)
+
+
+def test_unknown_cpu_activations_are_an_input_error():
+    hf = tiny_hf_model("llama", seed=5)
+    lmpress.quantize_model(hf, method="rtn", bits=4, group_size=64)
+    with pytest.raises(LmpressInputError, match="activations 'fp4': choose int8 or bf16"):
+        Transformer.from_hf(hf, cpu_activations="fp4")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import warnings
 from pathlib import Path
 
@@ -26,12 +25,6 @@ SOURCE = Path(__file__).with_name("cpu_int.cpp")
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 16  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
-SWITCH = "LMPRESS_CPU_INT8_ACTIVATIONS"  # "0" keeps torch's bf16 packed kernels
-
-
-def enabled() -> bool:
-    """Whether the runtime uses these kernels (``$LMPRESS_CPU_INT8_ACTIVATIONS`` not "0") and they build here."""
-    return os.environ.get(SWITCH, "1") != "0" and available()
 
 
 @functools.cache
