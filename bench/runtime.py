@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_hosts import cpu_identity, goals, record, render, summarize  # noqa: E402
+from runtime_hosts import cpu_identity, goals, record, render, round_orders, summarize, worker_environment  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -208,7 +208,7 @@ def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bo
     from lmpress.runtime.text import load_runtime
     from lmpress.runtime.throughput import kv_cache_bytes, layer_kernels, weight_bytes
 
-    model, tokenizer = load_runtime(source, "cpu", dtype)
+    model, tokenizer = load_runtime(source, "cpu", dtype, args.activations)
     prompt = plain_prompt(tokenizer, args.prompt_tokens)
     decode = decode_with(decoding_forward(model.device, compile))
 
@@ -218,7 +218,7 @@ def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bo
     kernels = sorted(set(layer_kernels(model).values()))
     per_token = weight_bytes(model) + kv_cache_bytes(model, len(prompt) + args.new_tokens // 2)
     info = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "bytes_per_token": per_token}
-    info["kernels"] = kernels
+    info["kernels"], info["cpu_activations"] = kernels, args.activations
     info["product_4_over_1"] = product_ratio(model, rows=4)
     return run, info
 
@@ -354,7 +354,9 @@ def row_speculative(
     from lmpress.runtime.throughput import BenchSettings, benchmark
 
     model, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
-    draft = load_draft(draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text)
+    draft = load_draft(
+        draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text, args.activations
+    )
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=compile)
     result = benchmark(model, grounded_prompt(tokenizer), settings, draft=draft, prompt_lookup=draft is None)
     return {**result["plain"], **{f"spec_{k}": v for k, v in result["speculative"].items()}}
@@ -413,7 +415,8 @@ class Worker:
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         argv = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
         argv += ["--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        argv += ["--activations", args.activations]
+        env = worker_environment(dict(os.environ), REPO)
         self.name, self.log = name, tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
@@ -452,8 +455,7 @@ def run_interleaved(names: list[str], args: argparse.Namespace) -> tuple[dict[st
             failed.append(name)
     samples: dict[str, list[dict]] = {name: [] for name in workers}
     try:
-        for round_ in range(args.repeats):
-            order = list(workers)[round_ % max(1, len(workers)) :] + list(workers)[: round_ % max(1, len(workers))]
+        for round_, (order, counted) in enumerate(round_orders(list(workers), args.repeats, args.warmup_rounds)):
             for name in order:
                 if name in failed:
                     continue
@@ -463,11 +465,12 @@ def run_interleaved(names: list[str], args: argparse.Namespace) -> tuple[dict[st
                     print(error, file=sys.stderr)
                     failed.append(name)
                     continue
-                samples[name].append(sample)
+                if counted:
+                    samples[name].append(sample)
                 rate = (args.new_tokens - 1) / (sample["tn"] - sample["t1"])
+                which = f"round {round_ + 1 - args.warmup_rounds}" if counted else "warm-up round"
                 print(
-                    f"  round {round_ + 1}: {name} {rate:.1f} tok/s, copy {sample['bw']:.1f} GB/s, load "
-                    f"{sample['load']:.2f}",
+                    f"  {which}: {name} {rate:.1f} tok/s, copy {sample['bw']:.1f} GB/s, load {sample['load']:.2f}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -485,8 +488,8 @@ def run_speculative(name: str, args: argparse.Namespace) -> dict[str, Any] | Non
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         argv = [sys.executable, __file__, "--row", name, "--out", out.name, "--threads", str(args.threads)]
         argv += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
-        argv += ["--prompt-tokens", str(args.prompt_tokens)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        argv += ["--prompt-tokens", str(args.prompt_tokens), "--activations", args.activations]
+        env = worker_environment(dict(os.environ), REPO)
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -523,6 +526,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="rounds over the rows (at least 5 for the results page)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rows", nargs="+", choices=[*TIMED, *SPECULATIVE], default=DEFAULT_ROWS)
+    parser.add_argument(
+        "--activations",
+        choices=["int8", "bf16"],
+        default="int8",
+        help="lmpress rows: weight-only layers' CPU activations (int8 per 16 values: lmpress's kernels; bf16: torch's)",
+    )
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="timed rounds run first and discarded")
     parser.add_argument("--build-llama-cpp", action="store_true", help="build the native llama.cpp once if missing")
     parser.add_argument("--no-record", action="store_true", help="print only; leave bench/results as it is")
     parser.add_argument("--worker", choices=list(TIMED), help=argparse.SUPPRESS)  # internal: one timed row
@@ -571,6 +581,8 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "warmup_rounds": args.warmup_rounds,
+        "cpu_activations": args.activations,
         "interleaved": True,
         "torch": torch.__version__,
         "load_average": os.getloadavg(),

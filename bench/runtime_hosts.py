@@ -41,6 +41,25 @@ def cpu_identity() -> dict[str, Any]:
     return {"cpu_model": model, "isa": isa, "cores": os.cpu_count(), "key": f"{model} [{', '.join(isa) or 'no AVX2'}]"}
 
 
+def worker_environment(environ: dict[str, str], repo: Path) -> dict[str, str]:
+    """The environment of a row's worker process: the repository first on ``PYTHONPATH``, and OpenMP threads
+    that sleep rather than spin while they wait (``OMP_WAIT_POLICY=PASSIVE``): every row's process sits idle
+    while another is timed, and spinning idle threads took the cores from it (a 0.3 tok/s first round)."""
+    path = os.pathsep.join(filter(None, [str(repo), environ.get("PYTHONPATH")]))
+    return {**environ, "PYTHONPATH": path, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def round_orders(names: list[str], repeats: int, warmup: int = 1) -> list[tuple[list[str], bool]]:
+    """Each round's order of the rows and whether it counts: ``warmup`` discarded rounds first (the first
+    timed run of a process after the others loaded pays for caches and pages), then ``repeats`` counted ones;
+    the first row rotates from round to round."""
+    rounds = []
+    for i in range(warmup + repeats):
+        shift = i % max(1, len(names))
+        rounds.append((names[shift:] + names[:shift], i >= warmup))
+    return rounds
+
+
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     """(lower quartile, median, upper quartile); with fewer than 2 values all three are the one value."""
     if len(values) < 2:

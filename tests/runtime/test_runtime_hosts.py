@@ -83,3 +83,20 @@ def test_threads_above_the_cores_warn_and_are_capped():
     with pytest.warns(UserWarning, match="more than this machine's"):
         assert runtime.capped_threads(os.cpu_count() + 3) == os.cpu_count()
     assert runtime.capped_threads(1) == 1
+
+
+def test_workers_wait_passively_with_the_repository_first(tmp_path):
+    env = runtime_hosts.worker_environment(
+        {"PYTHONPATH": "/elsewhere", "OMP_WAIT_POLICY": "ACTIVE", "X": "1"}, tmp_path
+    )
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # idle rows' OpenMP threads must not spin while another is timed
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"] and env["X"] == "1"
+    assert runtime_hosts.worker_environment({}, tmp_path)["PYTHONPATH"] == str(tmp_path)
+
+
+def test_warm_up_rounds_are_run_first_and_not_counted():
+    rounds = runtime_hosts.round_orders(["a", "b", "c"], repeats=4, warmup=1)
+    assert [counted for _, counted in rounds] == [False, True, True, True, True]
+    assert [order[0] for order, _ in rounds] == ["a", "b", "c", "a", "b"]  # the first row rotates
+    assert all(sorted(order) == ["a", "b", "c"] for order, _ in rounds)  # every row once per round
+    assert [counted for _, counted in runtime_hosts.round_orders(["a"], repeats=2, warmup=0)] == [True, True]
