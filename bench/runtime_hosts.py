@@ -8,6 +8,7 @@ another host's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -110,7 +111,8 @@ def render(rows: dict[str, dict[str, Any]], labels: dict[str, str]) -> str:
 
 
 def _best(rows: dict[str, dict[str, Any]], prefix: str) -> str | None:
-    names = [n for n in rows if n.startswith(prefix)]
+    """The fastest row named ``prefix...``; a row without a rate (NaN: no repeat timed t(N) > t(1)) never wins."""
+    names = [n for n in rows if n.startswith(prefix) and not math.isnan(rows[n]["decode_tok_s"])]
     return max(names, key=lambda n: rows[n]["decode_tok_s"], default=None)
 
 

@@ -48,6 +48,8 @@ def test_goals_compare_with_the_faster_llama_cpp_build():
     found = runtime_hosts.goals(rows, labels)
     assert found[0].startswith("lmpress-w4-head8-compile / llama.cpp-q4_1 (the faster llama.cpp build): 1.50x")
     assert "1.40x at its slower quartile" in found[0]
+    rows["llama.cpp-q4_1"] = row(float("nan"))  # a build whose repeats all failed to time is not the reference
+    assert "/ llama.cpp-q4_1-native (the faster llama.cpp build): 1.67x" in runtime_hosts.goals(rows, labels)[0]
 
 
 def test_a_host_files_its_own_entry_and_keeps_the_others(tmp_path):
