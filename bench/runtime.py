@@ -416,7 +416,7 @@ class Worker:
         argv = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
         argv += ["--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
         argv += ["--activations", args.activations]
-        env = worker_environment(dict(os.environ), REPO)
+        env = worker_environment(dict(os.environ), REPO, args.omp_wait_policy)
         self.name, self.log = name, tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
@@ -489,7 +489,7 @@ def run_speculative(name: str, args: argparse.Namespace) -> dict[str, Any] | Non
         argv = [sys.executable, __file__, "--row", name, "--out", out.name, "--threads", str(args.threads)]
         argv += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
         argv += ["--prompt-tokens", str(args.prompt_tokens), "--activations", args.activations]
-        env = worker_environment(dict(os.environ), REPO)
+        env = worker_environment(dict(os.environ), REPO, args.omp_wait_policy)
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -533,6 +533,12 @@ def main() -> None:
         help="lmpress rows: weight-only layers' CPU activations (int8 per 16 values: lmpress's kernels; bf16: torch's)",
     )
     parser.add_argument("--warmup-rounds", type=int, default=1, help="timed rounds run first and discarded")
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=["PASSIVE", "default"],
+        default="PASSIVE",
+        help="the rows' OpenMP threads sleep while they wait (PASSIVE) or spin first (libgomp's default)",
+    )
     parser.add_argument("--build-llama-cpp", action="store_true", help="build the native llama.cpp once if missing")
     parser.add_argument("--no-record", action="store_true", help="print only; leave bench/results as it is")
     parser.add_argument("--worker", choices=list(TIMED), help=argparse.SUPPRESS)  # internal: one timed row
@@ -582,6 +588,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "warmup_rounds": args.warmup_rounds,
+        "omp_wait_policy": args.omp_wait_policy,
         "cpu_activations": args.activations,
         "interleaved": True,
         "torch": torch.__version__,

@@ -94,6 +94,8 @@ def test_workers_wait_passively_with_the_repository_first(tmp_path):
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # idle rows' OpenMP threads must not spin while another is timed
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"] and env["X"] == "1"
     assert runtime_hosts.worker_environment({}, tmp_path)["PYTHONPATH"] == str(tmp_path)
+    spinning = runtime_hosts.worker_environment({"OMP_WAIT_POLICY": "ACTIVE"}, tmp_path, "default")
+    assert "OMP_WAIT_POLICY" not in spinning  # libgomp's own policy, whatever the caller's environment said
 
 
 def test_warm_up_rounds_are_run_first_and_not_counted():
