@@ -1,13 +1,14 @@
 // lmpress's CPU kernels for 4-bit (groups of 64k) and 8-bit (per row) weights times int8-quantized activations.
 //
-// Activations are quantized per block of 16: q = round(x / d), d = max|x| / 127.
+// Activations are quantized per block of 4: q = round(x / d), d = max|x| / 127.
 // A weight row is dotted with them in integers and scaled per activation block b:
 //   W4: y = sum_g s_g * sum_{b in g} d_b * (dot_b(q, xq) - z_g * sum_b(xq))
 //   W8: y = s * sum_b d_b * (dot_b(q, xq) - z * sum_b(xq))
-// (Blocks of 64 moved SmolLM2 W4's perplexity by +0.78%, 32 by +0.53%, over the 0.5% the runtime may differ from
-// the evaluator: docs/runtime.md.) A block of 16 is 4 lanes of an int32 dot product (4 codes each), so the SIMD
-// paths apply every block's d by a per-lane vector of scales (Acts::fb, fp) at no cost over longer blocks.
-// Weight codes come in superblocks of 64 (four activation blocks).
+// (Blocks of 64 moved SmolLM2 W4's perplexity by +0.78%, 32 by +0.53%, 16 W8's by +0.58%, over the 0.5% the
+// runtime may differ from the evaluator: docs/runtime.md.) A block of 4 is one lane of an int32 dot product
+// (4 codes), so the SIMD paths apply every block's d by a per-lane vector of scales (Acts::fb, fp) at no cost over
+// longer blocks; only quantizing the activations (once per call) does more work. Weight codes come in superblocks
+// of 64.
 // with q the unsigned code (0..15 or 0..255) and z its zero point. One pass over a weight row serves every input
 // row (up to ROWS at a time: decode is one, speculative verification a few). The ISA is picked per call by the
 // caller (isa: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = portable C++); kernels for all three are compiled into one
@@ -35,7 +36,8 @@
 namespace {
 
 constexpr int64_t BLOCK = 64;  // weight superblock: W4's groups and K are multiples of it
-constexpr int64_t ABLOCK = 16;  // activation block: one scale d per 16 values (4 int32 lanes of a dot product)
+constexpr int64_t ABLOCK = 4;  // activation block: one scale d per 4 values (one int32 lane of a dot product)
+constexpr int64_t APER = BLOCK / ABLOCK;  // activation blocks per 64 codes
 constexpr int64_t ROWS = 8;
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the row being dotted its weights are prefetched
 
@@ -46,13 +48,12 @@ struct Acts {
   std::vector<int8_t> q;   // (M, K)
   std::vector<float> d;    // (M, K / ABLOCK): the block's scale
   std::vector<float> s;    // (M, K / ABLOCK): d * sum(q) over the block
-  std::vector<float> fb;   // SIMD only: per 64 codes, 16 lanes [d_0 x 4, d_1 x 4, d_2 x 4, d_3 x 4] (its 4 blocks)
+  std::vector<float> fb;   // SIMD only: per 64 codes, 16 lanes: lane i the d of codes 4i..4i+3
   std::vector<int8_t> qp;  // AVX-512 W4 only: q with each pair of 64-blocks as [a 0:32, b 0:32, a 32:64, b 32:64]
-  std::vector<float> fp;   // AVX-512 W4 only: per pair of 64-blocks a, b, 32 lanes as qp: [a0, a1, b0, b1, a2, a3, b2, b3]
-                           // (each d x 4)
+  std::vector<float> fp;   // AVX-512 W4 only: per pair of 64-blocks, 32 lanes: the d of each lane's 4 codes in qp
 };
 
-// One block of 16: scale d = max|x| / 127 and codes round-half-even(x * (1 / d)); returns sum(q).
+// One block: scale d = max|x| / 127 and codes round-half-even(x * (1 / d)); returns sum(q).
 int32_t quantize_block_portable(const float* x, int8_t* q, float* d) {
   float amax = 0.f;
   for (int64_t i = 0; i < ABLOCK; ++i) amax = std::max(amax, std::fabs(x[i]));
@@ -67,40 +68,53 @@ int32_t quantize_block_portable(const float* x, int8_t* q, float* d) {
   return sum;
 }
 
-#ifdef LMPRESS_X86
-TARGET_AVX512 int32_t quantize_block_avx512(const float* x, int8_t* q, float* d) {
-  const __m512 v = _mm512_loadu_ps(x);
-  *d = _mm512_reduce_max_ps(_mm512_abs_ps(v)) / 127.f;
-  const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(*d > 0.f ? 1.f / *d : 0.f)));  // ties to even
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(r));
-  return _mm512_reduce_add_epi32(r);
+// 16 values (16 / ABLOCK blocks): codes q, each block's d and s = d * sum(q).
+void quantize16_portable(const float* x, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < 16 / ABLOCK; ++b)
+    s[b] = static_cast<float>(quantize_block_portable(x + b * ABLOCK, q + b * ABLOCK, d + b)) * d[b];
 }
 
-TARGET_AVX2 int32_t quantize_block_avx2(const float* x, int8_t* q, float* d) {
-  __m256 v[2];
+#ifdef LMPRESS_X86
+static_assert(ABLOCK == 4, "the SIMD quantizers take blocks of 4 (one per 128-bit lane)");
+
+TARGET_AVX512 void quantize16_avx512(const float* x, int8_t* q, float* d, float* s) {
+  const __m512 v = _mm512_loadu_ps(x);
+  __m512 a = _mm512_abs_ps(v);
+  a = _mm512_max_ps(a, _mm512_permute_ps(a, 0xB1));  // max of each 4 (a 128-bit lane) in all 4
+  a = _mm512_max_ps(a, _mm512_permute_ps(a, 0x4E));
+  const __m512 dv = _mm512_div_ps(a, _mm512_set1_ps(127.f));
+  const __mmask16 nonzero = _mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.f), dv);
+  const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // round to nearest even (MXCSR default)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(r));
+  __m512i t = _mm512_add_epi32(r, _mm512_shuffle_epi32(r, static_cast<_MM_PERM_ENUM>(0xB1)));
+  t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, static_cast<_MM_PERM_ENUM>(0x4E)));
+  _mm512_mask_compressstoreu_ps(d, 0x1111, dv);
+  _mm512_mask_compressstoreu_ps(s, 0x1111, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv));
+}
+
+TARGET_AVX2 void quantize16_avx2(const float* x, int8_t* q, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 amax = _mm256_setzero_ps();
-  for (int i = 0; i < 2; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  for (int h = 0; h < 2; ++h) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * h);
+    __m256 a = _mm256_andnot_ps(sign, v);
+    a = _mm256_max_ps(a, _mm256_permute_ps(a, 0xB1));
+    a = _mm256_max_ps(a, _mm256_permute_ps(a, 0x4E));
+    const __m256 dv = _mm256_div_ps(a, _mm256_set1_ps(127.f));
+    const __m256 nonzero = _mm256_cmp_ps(dv, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), dv), nonzero);
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+    __m256i t = _mm256_add_epi32(r, _mm256_shuffle_epi32(r, 0xB1));
+    t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
+    alignas(32) int32_t codes[8];
+    alignas(32) float ds[8], ss[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes), r);
+    _mm256_store_ps(ds, dv);
+    _mm256_store_ps(ss, _mm256_mul_ps(_mm256_cvtepi32_ps(t), dv));
+    for (int i = 0; i < 8; ++i) q[8 * h + i] = static_cast<int8_t>(codes[i]);
+    d[2 * h] = ds[0], d[2 * h + 1] = ds[4];
+    s[2 * h] = ss[0], s[2 * h + 1] = ss[4];
   }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  *d = _mm_cvtss_f32(m) / 127.f;
-  const __m256 inv = _mm256_set1_ps(*d > 0.f ? 1.f / *d : 0.f);
-  alignas(32) int32_t r[ABLOCK];
-  __m256i sum = _mm256_setzero_si256();
-  for (int i = 0; i < 2; ++i) {
-    const __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    sum = _mm256_add_epi32(sum, t);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * i), t);
-  }
-  for (int i = 0; i < ABLOCK; ++i) q[i] = static_cast<int8_t>(r[i]);
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s = _mm_hadd_epi32(s, s);
-  s = _mm_hadd_epi32(s, s);
-  return _mm_cvtsi128_si32(s);
 }
 #endif
 
@@ -111,20 +125,19 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
   a.d.resize(M * na);
   a.s.resize(M * na);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < na; ++b) {
-      const float* xb = x + m * K + b * ABLOCK;
-      int8_t* qb = a.q.data() + m * K + b * ABLOCK;
-      float* d = a.d.data() + m * na + b;
-      int32_t sum;
+    for (int64_t c = 0; c < K / 16; ++c) {
+      const float* xc = x + m * K + c * 16;
+      int8_t* qc = a.q.data() + m * K + c * 16;
+      float* d = a.d.data() + m * na + c * (16 / ABLOCK);
+      float* s = a.s.data() + m * na + c * (16 / ABLOCK);
 #ifdef LMPRESS_X86
       if (isa == 2)
-        sum = quantize_block_avx512(xb, qb, d);
+        quantize16_avx512(xc, qc, d, s);
       else if (isa == 1)
-        sum = quantize_block_avx2(xb, qb, d);
+        quantize16_avx2(xc, qc, d, s);
       else
 #endif
-        sum = quantize_block_portable(xb, qb, d);
-      a.s[m * na + b] = *d * static_cast<float>(sum);
+        quantize16_portable(xc, qc, d, s);
     }
   }
   if (isa == 0) return;
@@ -132,10 +145,7 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
   a.fb.resize(M * nb * 16);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b)
-      for (int64_t j = 0; j < 4; ++j) {
-        float* f = a.fb.data() + (m * nb + b) * 16 + 4 * j;
-        std::fill(f, f + 4, a.d[m * na + 4 * b + j]);
-      }
+      for (int64_t i = 0; i < 16; ++i) a.fb[(m * nb + b) * 16 + i] = a.d[m * na + b * APER + 4 * i / ABLOCK];
   if (!pairs) return;
   const int64_t np = nb / 2;
   a.qp.resize(M * K);
@@ -152,8 +162,10 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
       std::copy(blk + 32, blk + 64, out + 64);
       std::copy(blk + 96, blk + 128, out + 96);
       float* f = a.fp.data() + (m * np + p) * 32;
-      const int64_t order[8] = {0, 1, 4, 5, 2, 3, 6, 7};  // the blocks of 16 of a (0-3) and b (4-7) in qp's order
-      for (int64_t j = 0; j < 8; ++j) std::fill(f + 4 * j, f + 4 * j + 4, d[8 * p + order[j]]);
+      for (int64_t j = 0; j < 32; ++j) {  // lanes 0-15 (low nibbles): codes 0:32 of a, of b; 16-31: codes 32:64
+        const int64_t half = j / 16, block = 2 * p + (j % 16) / 8, code = 32 * half + 4 * (j % 8);
+        f[j] = d[block * APER + code / ABLOCK];
+      }
     }
     std::copy(q + np * 2 * BLOCK, q + K, qp + np * 2 * BLOCK);  // an odd last block stays as it is
   }
@@ -189,15 +201,15 @@ void w4_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* 
       const int8_t* xq = a.q.data() + m * K;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot[4] = {0, 0, 0, 0};  // the block's 4 activation blocks: codes 0:16, 16:32 (low), 32:48, 48:64
+        int32_t dot[APER] = {};  // per activation block of the 64 codes (low nibbles: codes 0:32, high: 32:64)
         for (int64_t j = 0; j < 32; ++j) {
           const uint8_t byte = row[b * 32 + j];
-          dot[j / 16] += (byte & 0x0F) * xq[b * BLOCK + j];
-          dot[2 + j / 16] += (byte >> 4) * xq[b * BLOCK + 32 + j];
+          dot[j / ABLOCK] += (byte & 0x0F) * xq[b * BLOCK + j];
+          dot[(32 + j) / ABLOCK] += (byte >> 4) * xq[b * BLOCK + 32 + j];
         }
-        const float* d = a.d.data() + m * na + 4 * b;
+        const float* d = a.d.data() + m * na + APER * b;
         float block = 0.f;
-        for (int j = 0; j < 4; ++j) block += d[j] * static_cast<float>(dot[j]);
+        for (int64_t j = 0; j < APER; ++j) block += d[j] * static_cast<float>(dot[j]);
         acc += scales[n * G + b / spg] * block;
       }
       for (int64_t g = 0; g < G; ++g) acc -= scales[n * G + g] * static_cast<float>(zeros[n * G + g]) * zsum[m * G + g];
@@ -260,7 +272,7 @@ TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const u
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
         const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones));
         const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
-        const float* f = xf + (m * nb + b) * 16;  // lanes of d0 sum codes 4i..4i+3: blocks of 16 are 4 lanes
+        const float* f = xf + (m * nb + b) * 16;  // lane i of d0 sums codes 4i..4i+3: one block of 4
         const __m256 dot = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), _mm256_mul_ps(d0, _mm256_loadu_ps(f)));
         acc[m] = _mm256_fmadd_ps(dot, s, acc[m]);
       }

@@ -4,7 +4,7 @@ The C++ source (``cpu_int.cpp``) is compiled once per host and torch version int
 (``torch.utils.cpp_extension``, the C++ compiler torch.compile on the CPU needs anyway) and registered
 as the torch ops ``torch.ops.lmpress_cpu.w4_linear`` / ``w8_linear`` with fake implementations, so a
 decode step containing them compiles with ``torch.compile`` in one graph. Activations are quantized
-per block of 16 to int8 (llama.cpp's Q8_0 blocks are 32) and dotted with the weight codes in integers:
+per block of 4 to int8 (llama.cpp's Q8_0 blocks are 32) and dotted with the weight codes in integers:
 AVX-512 VNNI ``vpdpbusd`` where the CPU has it, AVX2 ``vpmaddubsw`` otherwise, portable C++ on a CPU
 without AVX2 (with a warning). One pass over the weights serves up to 8 input rows (speculative
 verification) at once. Weights are repacked once at load (``repack_w4``); where the library cannot be
@@ -23,7 +23,7 @@ from torch import nn
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
-ACTIVATION_BLOCK = 16  # one int8 scale per this many activations (fixed in cpu_int.cpp)
+ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
 
 
@@ -107,7 +107,7 @@ def w8_fits(in_features: int, group_width: int, act_order: bool) -> bool:
 
 
 class W4A8Linear(nn.Module):
-    """``(q - zero) * scale`` 4-bit weights in groups of 64k columns, times activations quantized to int8 per 16."""
+    """``(q - zero) * scale`` 4-bit weights in groups of 64k columns, times activations quantized to int8 per 4."""
 
     KERNEL = "cpu-w4a8"
 
@@ -139,7 +139,7 @@ class W4A8Linear(nn.Module):
 
 
 class W8A8RowLinear(nn.Module):
-    """Per-row ``(q - zero) * scale`` 8-bit weights times activations quantized to int8 per 16."""
+    """Per-row ``(q - zero) * scale`` 8-bit weights times activations quantized to int8 per 4."""
 
     KERNEL = "cpu-w8a8"
 
@@ -183,6 +183,6 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_fea
 
 
 def quantize_activations(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 codes ``(M, K)`` and per-16 scales ``(M, K / 16)`` the kernels take ``x`` as (for tests)."""
+    """The int8 codes ``(M, K)`` and per-4 scales ``(M, K / 4)`` the kernels take ``x`` as (for tests)."""
     isa = host_isa() if isa is None else isa
     return torch.ops.lmpress_cpu.quantize_activations(x.float().contiguous(), isa)
