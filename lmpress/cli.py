@@ -51,6 +51,16 @@ def add_draft_vocab_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_activations_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--activations",
+        default="int8",
+        metavar="{int8,bf16}",
+        help="on the CPU, weight-only quantized layers take their activations as int8 per 16 values (lmpress's "
+        "kernels, where they hold the layer; default) or bf16 (torch's packed kernels)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmpress", description="Compress LLMs and gate them on quality.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile the decode step (CUDA graphs on a GPU; compiling takes a while)",
     )
     gen.add_argument("--device", help="cpu or cuda (default: cuda where a GPU is found, else the CPU)")
+    add_activations_argument(gen)
     bench = sub.add_parser("bench", help="speed of any model or export on lmpress's runtime: latency, tok/s, GB/s")
     bench.add_argument("artifact", help="an export lmpress wrote, a checkpoint directory, .gguf file or pypkg:")
     bench.add_argument("--prompt", help="prompt text (default: --prompt-tokens tokens of the built-in Python docs)")
@@ -118,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="cpu or cuda (default: cuda where a GPU is found, else the CPU)")
     bench.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on the CPU, bfloat16 on CUDA)")
     bench.add_argument("--compile", action="store_true", help="time a torch.compile'd decode step")
+    add_activations_argument(bench)
     bench.add_argument("--draft", metavar="ARTIFACT", help="also time speculative decoding with this draft")
     bench.add_argument("--prompt-lookup", action="store_true", help="also time prompt-lookup speculative decoding")
     add_draft_vocab_arguments(bench)
@@ -266,6 +278,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_vocab_text=args.draft_vocab_text,
         device=device,
         compile=args.compile,
+        cpu_activations=args.activations,
         on_text=(lambda piece: print(piece, end="", flush=True)) if args.stream else pieces.append,
     )
     print("" if args.stream else "".join(pieces))
@@ -288,8 +301,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise LmpressInputError(f"--json {args.json} is a directory; give the file to write")
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
     device, where = resolve_device(args.device)
-    model, tokenizer = load_runtime(args.artifact, device, args.dtype)
-    draft = load_draft(args.draft, model, tokenizer, device, args.dtype, args.draft_vocab, args.draft_vocab_text)
+    model, tokenizer = load_runtime(args.artifact, device, args.dtype, args.activations)
+    draft = load_draft(
+        args.draft, model, tokenizer, device, args.dtype, args.draft_vocab, args.draft_vocab_text, args.activations
+    )
     prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt)
     result = benchmark(model, prompt, settings, draft=draft, prompt_lookup=args.prompt_lookup)
     result["artifact"], result["device_choice"] = args.artifact, where

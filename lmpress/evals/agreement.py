@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
+
 FLOAT32_UNIT = 2.0**-20  # float32 sums in another order (2**-24 each), over a few thousand terms
 FLOAT16_UNIT = 2.0**-11
 BFLOAT16_UNIT = 2.0**-8
@@ -98,11 +100,13 @@ def runtime_side(model: nn.Module, unit: float) -> Side:
     return Side("runtime", logits, greedy, unit)
 
 
-def execution_unit(model: nn.Module, runtime: bool) -> float:
+def execution_unit(model: nn.Module, runtime: bool, cpu_activations: str = DEFAULT_CPU_ACTIVATIONS) -> float:
     """The unit roundoff of running ``model``'s layers (a model as ``load_model`` or a writer holds them):
     W8A8 layers quantize activations to int8 codes, FP8 layers to E4M3, bitsandbytes' ``Linear8bitLt`` to
     int8 and ``Linear4bit`` computes in bfloat16; weight-only ``QuantizedLinear`` layers run float32 in the
-    evaluator and bfloat16 activations in lmpress's runtime (``runtime``: its CPU and Triton kernels)."""
+    evaluator and, in lmpress's runtime (``runtime``) built with ``cpu_activations`` (``load_runtime``'s), int8
+    activations per 16 columns where that is "int8" and its CPU int8 kernels hold them, bfloat16 activations
+    otherwise (torch's CPU kernels, the Triton kernels)."""
     unit = FLOAT32_UNIT
     for module in model.modules():
         kind = type(module).__name__
@@ -111,9 +115,19 @@ def execution_unit(model: nn.Module, runtime: bool) -> float:
             unit = max(unit, INT8_ACTIVATION_UNIT)
         elif kind == "Fp8Linear" or activations == "fp8":
             unit = max(unit, FP8_ACTIVATION_UNIT)
+        elif runtime and kind == "QuantizedLinear" and runtime_quantizes_activations(module, cpu_activations):
+            unit = max(unit, INT8_ACTIVATION_UNIT)
         elif kind == "Linear4bit" or (runtime and kind == "QuantizedLinear"):
             unit = max(unit, BFLOAT16_UNIT)
     return unit
+
+
+def runtime_quantizes_activations(layer: nn.Module, cpu_activations: str = DEFAULT_CPU_ACTIVATIONS) -> bool:
+    """Whether lmpress's CPU runtime, built with ``cpu_activations``, runs ``layer`` (a weight-only
+    ``QuantizedLinear``) on its int8-activation kernels (``runtime/kernels/cpu_int.py``: int8 per 16 columns)."""
+    from lmpress.runtime.kernels.cpu import int8_activation_kernel_fits
+
+    return int8_activation_kernel_fits(layer, cpu_activations)
 
 
 def tolerance(unit_a: float, unit_b: float, logit_scale: float) -> float:
@@ -248,20 +262,28 @@ class RuntimeAgreement:
 
 
 def check_runtime_agreement(
-    fmt: str, export_dir: Path, evaluator: nn.Module, window: torch.Tensor, dtype: str = "float32"
+    fmt: str,
+    export_dir: Path,
+    evaluator: nn.Module,
+    window: torch.Tensor,
+    dtype: str = "float32",
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
 ) -> RuntimeAgreement:
-    """Load ``export_dir`` into lmpress's runtime in ``dtype`` (the run's) and compare its logits on ``window``
-    ``(1, T)`` with those of ``evaluator`` (the export as lmpress's evaluator loaded it, in the same dtype)."""
+    """Load ``export_dir`` into lmpress's runtime in ``dtype`` (the run's) with ``cpu_activations`` and compare
+    its logits on ``window`` ``(1, T)`` with those of ``evaluator`` (the export as lmpress's evaluator loaded it,
+    in the same dtype), within the unit of what the runtime runs."""
     from lmpress.errors import LmpressInputError
     from lmpress.runtime.text import load_runtime
 
     want = hf_side("evaluator", evaluator, execution_unit(evaluator, runtime=False)).logits(window).double()
     scale = float(want.abs().max())
     try:
-        model, _ = load_runtime(str(export_dir), dtype=dtype)
+        model, _ = load_runtime(str(export_dir), dtype=dtype, cpu_activations=cpu_activations)
     except LmpressInputError as e:
         return RuntimeAgreement(fmt, math.inf, math.nan, math.nan, scale, 0.0, error=f"the runtime refused: {e}")
-    unit = max(execution_unit(evaluator, runtime=True), DTYPE_UNIT.get(dtype, FLOAT32_UNIT))
+    unit = max(
+        execution_unit(evaluator, runtime=True, cpu_activations=cpu_activations), DTYPE_UNIT.get(dtype, FLOAT32_UNIT)
+    )
     got = runtime_side(model, unit).logits(window).double()
     del model
     diff = float((got - want).abs().max())

@@ -24,6 +24,7 @@ from torch import nn
 from lmpress.checkpoint_files import MappedSafetensors, quantized_format, read_config
 from lmpress.errors import LmpressInputError
 from lmpress.memory import return_freed_memory
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.linears import Build
 from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, ModelArgs, Transformer
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight
@@ -172,14 +173,20 @@ def _norm(weight: torch.Tensor, config: Any) -> SimpleNamespace:
 
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kernels: str | None = None
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    kernels: str | None = None,
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
 ) -> Transformer:
-    """The runtime model of the checkpoint directory at ``path`` (its manifest checked by the caller)."""
+    """The runtime model of the checkpoint directory at ``path`` (its manifest checked by the caller); weight-only
+    layers on the CPU take ``cpu_activations`` ("int8" or "bf16")."""
     path = Path(path)
     config = read_model_config(path)
     device = torch.device(device)
     source = CheckpointModel(path, config)
-    build = Build(dtype, kernels or ("cuda" if device.type == "cuda" else "cpu"), map_embedding=device.type == "cpu")
+    kernels = kernels or ("cuda" if device.type == "cuda" else "cpu")
+    build = Build(dtype, kernels, map_embedding=device.type == "cpu", cpu_activations=cpu_activations)
     with torch.no_grad():
         model = Transformer(ModelArgs.from_config(config), source, build).eval()
     return model.to(device)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.kernels import linear_kernel
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, linear_kernel
 from lmpress.weights.float8 import Fp8Linear
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
@@ -25,6 +25,7 @@ class Build:
     dtype: torch.dtype
     kernels: str = "cpu"  # kernels.FAMILIES: "cpu", "cuda" (select.py's pick per layer), "triton", "reference"
     map_embedding: bool = False  # use the embedding table as given (memory-mapped) where it has ``dtype``
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS  # weight-only layers on the CPU: "int8" or "bf16" activations
 
     @property
     def shares_layers(self) -> bool:
@@ -42,7 +43,7 @@ class Build:
 
     @property
     def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
-        return linear_kernel(self.kernels)
+        return linear_kernel(self.kernels, self.cpu_activations)
 
 
 class RMSNorm(nn.Module):

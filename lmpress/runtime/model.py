@@ -29,6 +29,7 @@ from torch import nn
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.attention import Attention, LatentAttention, latent_attention_scale
 from lmpress.runtime.feed_forward import ACTIVATIONS, FeedForward, MoEFeedForward
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.linears import Build, copy_norm, runtime_linear
 from lmpress.runtime.mapped_embedding import MappedEmbedding
@@ -228,11 +229,13 @@ class Transformer(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         kernels: str | None = None,
+        cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
     ) -> Transformer:
         """The runtime model for ``hf_model`` (a transformers causal LM) on ``device``.
 
-        ``dtype`` defaults to the model's own; ``kernels`` to the device's: torch's packed
-        kernels on the CPU, ``"cuda"`` on a GPU (per layer, the kernel ``kernels/select.py`` picks;
+        ``dtype`` defaults to the model's own; ``kernels`` to the device's: lmpress's and torch's packed
+        kernels on the CPU (weight-only layers' activations as ``cpu_activations``: "int8" or "bf16"), ``"cuda"``
+        on a GPU (per layer, the kernel ``kernels/select.py`` picks;
         ``"triton"`` on the CPU runs Triton's interpreter, for tests). Weights are repacked on the
         CPU, then moved (a GPU-only layout, tinygemm's, is packed as the module moves).
         """
@@ -240,7 +243,7 @@ class Transformer(nn.Module):
         dtype = dtype or hf_model.model.embed_tokens.weight.dtype
         device = torch.device(device)
         kernels = kernels or ("cuda" if device.type == "cuda" else "cpu")
-        return cls(args, hf_model, Build(dtype, kernels)).eval().to(device)
+        return cls(args, hf_model, Build(dtype, kernels, cpu_activations=cpu_activations)).eval().to(device)
 
     @classmethod
     def sharing(cls, hf_model: nn.Module) -> Transformer | None:

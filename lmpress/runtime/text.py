@@ -22,6 +22,7 @@ from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
 from lmpress.errors import LmpressInputError
 from lmpress.memory import return_freed_memory
 from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, check_cpu_activations
 from lmpress.runtime.model import MOE_TYPES, Transformer
 from lmpress.runtime.sample import SamplingConfig
 from lmpress.runtime.speculative import (
@@ -68,15 +69,22 @@ def resolve_device(requested: str | None) -> tuple[torch.device, str]:
     return device, "a CUDA GPU was found" if device.type == "cuda" else "no CUDA GPU found"
 
 
-def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | None = None) -> tuple[Transformer, Any]:
+def load_runtime(
+    source: str,
+    device: torch.device | str = "cpu",
+    dtype: str | None = None,
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
+) -> tuple[Transformer, Any]:
     """The runtime model and tokenizer of any model or export lmpress reads (the manifest is checked).
 
-    ``dtype`` defaults to float32 on the CPU (quantized layers run bf16 kernels either way)
-    and bfloat16 on CUDA, where the Triton kernels take half-precision activations. A checkpoint
+    ``dtype`` defaults to float32 on the CPU and bfloat16 on CUDA, where the Triton kernels take half-precision
+    activations. On the CPU, weight-only quantized layers take their activations as ``cpu_activations``: "int8"
+    (per 16 values, lmpress's kernels, where they hold the layer) or "bf16" (torch's packed kernels). A checkpoint
     directory (dense, GPTQ, AWQ, compressed-tensors; a .gguf or pypkg: source once converted) is
     read straight into the runtime (``checkpoint.py``: memory-mapped, no transformers model); other
     exports (GGUF and ONNX directories, bitsandbytes) go through ``lmpress.loader.load_model``.
     """
+    check_cpu_activations(cpu_activations)
     device = torch.device(device)
     dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
     checkpoint = _direct_checkpoint(source)
@@ -90,7 +98,8 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
         from lmpress.runtime.checkpoint import load_checkpoint
         from lmpress.runtime.tokenizer import RuntimeTokenizer
 
-        model, tokenizer = load_checkpoint(checkpoint, DTYPES[dtype], device), RuntimeTokenizer(checkpoint)
+        model = load_checkpoint(checkpoint, DTYPES[dtype], device, cpu_activations=cpu_activations)
+        tokenizer = RuntimeTokenizer(checkpoint)
         # after both: parsing tokenizer.json leaves ~13 MiB freed in the heap (bench/load_memory.py)
         return_freed_memory()
         return model, tokenizer
@@ -99,7 +108,8 @@ def load_runtime(source: str, device: torch.device | str = "cpu", dtype: str | N
 
     loaded = load_model(source, dtype, fingerprint=False)  # the runtime needs no weights hash
     require_fp8_kernels(loaded.model, device, source)
-    model, tokenizer = Transformer.from_hf(loaded.model, device=device), loaded.tokenizer
+    model = Transformer.from_hf(loaded.model, device=device, cpu_activations=cpu_activations)
+    tokenizer = loaded.tokenizer
     del loaded  # the transformers model: the runtime holds copies of what it needs
     return_freed_memory()
     return model, tokenizer
@@ -148,15 +158,16 @@ def load_draft(
     dtype: str | None = None,
     vocabulary: int | None = None,
     vocabulary_text: str = BUILTIN_PYTHON_DOCS,
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
 ) -> Transformer | None:
     """A draft model for ``target`` (None without ``source``), refused when its tokenizer differs from the
     target's; with ``vocabulary``, scoring only that many tokens, the most frequent in ``vocabulary_text``
-    (``restrict_vocabulary``)."""
+    (``restrict_vocabulary``); ``cpu_activations`` as ``load_runtime``'s."""
     if source is None:
         if vocabulary is not None:
             raise LmpressInputError("--draft-vocab cuts a draft model's vocabulary: give --draft")
         return None
-    draft, draft_tokenizer = load_runtime(source, device, dtype)
+    draft, draft_tokenizer = load_runtime(source, device, dtype, cpu_activations)
     check_same_vocabulary(target, draft, target_tokenizer, draft_tokenizer)
     if vocabulary is not None:
         text = load_text(vocabulary_text, default_split="train").text
@@ -189,21 +200,25 @@ def generate_text(
     draft_vocab: int | None = None,
     draft_vocab_text: str = BUILTIN_PYTHON_DOCS,
     compile: bool = False,
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
 ) -> GenerationResult:
     """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes.
     ``draft_vocab``, ``draft_vocab_text``: ``load_draft``'s ``vocabulary`` and ``vocabulary_text``;
-    ``compile``: decode (and draft and verify) through ``torch.compile``'d steps, CUDA graphs on a GPU."""
+    ``compile``: decode (and draft and verify) through ``torch.compile``'d steps, CUDA graphs on a GPU;
+    ``cpu_activations``: ``load_runtime``'s (target and draft)."""
     if draft is not None and prompt_lookup:
         raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
     if max_new_tokens < 1:
         raise LmpressInputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     config = SamplingConfig(**(sampling or {}))
-    model, tokenizer = load_runtime(source, device)
+    model, tokenizer = load_runtime(source, device, cpu_activations=cpu_activations)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise LmpressInputError("the prompt is empty")
     common = dict(max_new_tokens=max_new_tokens, sampling=config, eos_token_id=tokenizer.eos_token_id, seed=seed)
-    draft_model = load_draft(draft, model, tokenizer, device, vocabulary=draft_vocab, vocabulary_text=draft_vocab_text)
+    draft_model = load_draft(
+        draft, model, tokenizer, device, None, draft_vocab, draft_vocab_text, cpu_activations=cpu_activations
+    )
     forward = decoding_forward(model.device, compile)
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()

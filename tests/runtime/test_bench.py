@@ -96,3 +96,29 @@ def test_bench_names_the_kernel_of_every_layer():
     rows = dict(render_rows(result))
     assert rows["kernel of feed_forward.w2"] == "int8-mm (2 layers)"
     assert rows["kernel of attention.wo"] == "cpu-int4 (2 layers)" and rows["kernel of output"] == "dense (1 layer)"
+
+
+@pytest.mark.parametrize(("activations", "kernel"), [("int8", "cpu-w4a8"), ("bf16", "cpu-int4"), (None, "cpu-w4a8")])
+def test_bench_cli_runs_the_kernel_its_activations_name(tiny_llama_wide_dir, tmp_path, activations, kernel):
+    """``lmpress bench --activations``: int8 (the default) runs lmpress's W4 kernel, bf16 torch's packed one."""
+    import lmpress
+    from lmpress.export.compressed_tensors import export_compressed_tensors
+    from lmpress.runtime.kernels import cpu_int
+
+    if kernel == "cpu-w4a8" and not cpu_int.available():
+        pytest.skip("lmpress's C++ kernels do not build here")
+    loaded = lmpress.load_model(str(tiny_llama_wide_dir))
+    lmpress.quantize_model(loaded.model, method="rtn", bits=4, group_size=64, symmetric=False)
+    export_compressed_tensors(loaded.model, loaded.tokenizer, tmp_path / "w4")
+    out = tmp_path / "bench.json"
+    argv = ["bench", str(tmp_path / "w4"), "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1"]
+    argv += [] if activations is None else ["--activations", activations]
+    assert main([*argv, "--json", str(out)]) == 0
+    kernels = json.loads(out.read_text())["kernels"]
+    assert kernels["layers.0.attention.wqkv"] == kernel and kernels["layers.1.feed_forward.w2"] == kernel
+
+
+def test_bench_cli_refuses_unknown_activations(tiny_llama_dir, capsys):
+    assert main(["bench", str(tiny_llama_dir), "--activations", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert "activations 'int4': choose int8 or bf16" in err and "Traceback" not in err

@@ -81,11 +81,11 @@ def test_runtime_gpu_dry_run(dry_runs):
     assert appended_when_printed >= 2
     assert [row["name"] for row in rows] == ["copy", "decode", "decode"]
     bf16, w4 = rows[1], rows[2]
-    assert bf16["kernel"].startswith("bf16 (dense x9)") and w4["kernel"].startswith("W4 g128 (cpu-int4 x8, dense x1)")
+    assert bf16["kernel"].startswith("bf16 (dense x9)") and w4["kernel"].startswith("W4 g128 (cpu-w4a8 x8, dense x1)")
     assert w4["reference"] == "bf16" and w4["ratio"] == pytest.approx(w4["tok_s"] / bf16["tok_s"])
     assert w4["bytes_per_token"] < bf16["bytes_per_token"] / 2  # the W4 model reads its packed codes
     assert bf16["pct_copy"] == pytest.approx(100 * bf16["gb_s"] / rows[0]["gb_s"])
-    assert w4["kernels"]["kernel of attention.wqkv"] == "cpu-int4 (2 layers)"
+    assert w4["kernels"]["kernel of attention.wqkv"] == "cpu-w4a8 (2 layers)"
 
 
 def test_bench_flags_are_checked():

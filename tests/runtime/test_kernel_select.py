@@ -72,8 +72,11 @@ def case(bits=4, group=128, k=4096, n=4096, **kw) -> LayerCase:
         (case(bits=8, group=-1, activations="fp8"), DeviceCase("cuda", torch.bfloat16, (8, 9)), "fp8-scaled-mm"),
         (case(bits=8, group=-1, activations="fp8"), DeviceCase("cuda", torch.bfloat16, (8, 0)), "fp8-simulated"),
         (case(bits=8, group=-1, k=4104, activations="fp8"), H100, "fp8-simulated"),  # K % 16
-        (case(group=128), DeviceCase("cpu", torch.float32), "cpu-int4"),
-        (case(bits=8, group=-1), DeviceCase("cpu", torch.float32), "cpu-int8"),
+        (case(group=128), DeviceCase("cpu", torch.float32), "cpu-w4a8"),
+        (case(group=32), DeviceCase("cpu", torch.float32), "cpu-int4"),  # groups narrower than the 64-blocks
+        (case(act_order=True), DeviceCase("cpu", torch.float32), "cpu-int4"),
+        (case(bits=8, group=-1), DeviceCase("cpu", torch.float32), "cpu-w8a8"),
+        (case(bits=8, group=-1, k=4100), DeviceCase("cpu", torch.float32), "cpu-int8"),  # K % 64
         (case(bits=8, group=-1, activations="int8"), DeviceCase("cpu", torch.float32), "int8-mm"),
         (case(bits=8, group=-1, activations="fp8"), DeviceCase("cpu", torch.float32), "fp8-simulated"),
         (case(bits=3, group=128), DeviceCase("cpu", torch.float32), "dense"),

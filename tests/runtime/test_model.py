@@ -7,7 +7,9 @@ import torch
 
 import lmpress
 from lmpress.errors import LmpressInputError
+from lmpress.runtime.kernels import cpu_int
 from lmpress.runtime.kernels.cpu import DenseLinear, Int4Linear, Int8Linear, cpu_linear, kernel_name
+from lmpress.runtime.kernels.cpu_int import W4A8Linear, W8A8RowLinear
 from lmpress.runtime.model import Transformer
 from lmpress.weights.qlinear import QuantizedLinear
 from tests.runtime.conftest import FAMILIES, tiny_hf_model
@@ -81,12 +83,24 @@ def test_bf16_model_runs_in_bf16():
     assert sqnr_db(expected, out) > 25
 
 
-@pytest.mark.parametrize(("bits", "group_size", "kernel"), [(4, 32, Int4Linear), (8, -1, Int8Linear)])
-def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel):
+@pytest.mark.parametrize(
+    ("bits", "group_size", "kernel", "activations"),
+    [
+        (4, 32, Int4Linear, "int8"),  # groups of 32: torch's packed kernel
+        (4, 64, W4A8Linear, "int8"),
+        (4, 64, Int4Linear, "bf16"),  # bf16 activations asked for: torch's packed kernels
+        (8, -1, W8A8RowLinear, "int8"),
+        (8, -1, Int8Linear, "bf16"),
+    ],
+)
+def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel, activations):
+    if kernel in (W4A8Linear, W8A8RowLinear) and not cpu_int.available():
+        pytest.skip("lmpress's C++ kernels do not build here")
     hf = tiny_hf_model("llama", seed=5)
     lmpress.quantize_model(hf, method="rtn", bits=bits, group_size=group_size, symmetric=bits == 4)
-    model = Transformer.from_hf(hf)
+    model = Transformer.from_hf(hf, cpu_activations=activations)
     assert isinstance(model.layers[0].attention.wqkv.parts[0], kernel)
+    assert isinstance(model.output, DenseLinear)  # the float head is float whatever the setting
     assert len(model.layers[0].attention.wqkv.parts) == 1  # q/k/v quantized alike: fused
     reference = _dequantized_copy(hf)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -197,3 +211,10 @@ def test_cache_is_preallocated_and_rolls_back():
         model(ids[:, :4], cache)
     with pytest.raises(LmpressInputError, match="context of 256"):
         model.new_cache(1, 257)
+
+
+def test_unknown_cpu_activations_are_an_input_error():
+    hf = tiny_hf_model("llama", seed=5)
+    lmpress.quantize_model(hf, method="rtn", bits=4, group_size=64)
+    with pytest.raises(LmpressInputError, match="activations 'fp4': choose int8 or bf16"):
+        Transformer.from_hf(hf, cpu_activations="fp4")

@@ -59,3 +59,20 @@ def test_bad_generation_settings_are_exit_2(tiny_llama_dir, capsys, args, messag
     assert main(["generate", str(tiny_llama_dir), "--prompt", PROMPT, *args]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], "int8"), (["--activations", "bf16"], "bf16")])
+def test_generate_cli_passes_its_activations_to_the_runtime(tiny_llama_dir, capsys, monkeypatch, argv, expected):
+    from lmpress.runtime import text
+
+    seen = []
+    real = text.load_runtime
+
+    def recording(source, device="cpu", dtype=None, cpu_activations="unset"):
+        seen.append(cpu_activations)
+        return real(source, device, dtype, cpu_activations)
+
+    monkeypatch.setattr(text, "load_runtime", recording)
+    args = ["generate", str(tiny_llama_dir), "--prompt", PROMPT, "--max-new-tokens", "2", *argv]
+    assert main([*args, "--draft", str(tiny_llama_dir)]) == 0
+    assert seen == [expected, expected]  # the target and its draft

@@ -19,6 +19,10 @@ from lmpress.runtime.kernels.dense import dense_linear
 from lmpress.weights.qlinear import QuantizedLinear
 
 FAMILIES = ("cpu", "cuda", "triton", "reference")
+# What weight-only quantized layers take their activations as on the CPU: "int8" (per 16 values, lmpress's C++
+# kernels, cpu_int.py, where they hold the layer and build) or "bf16" (torch's packed kernels).
+CPU_ACTIVATIONS = ("int8", "bf16")
+DEFAULT_CPU_ACTIVATIONS = "int8"
 
 
 def as_is(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -65,17 +69,20 @@ def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
         return ScaledMMLinear(layer)
     if name in ("fp8-simulated", "reference"):
         return layer
-    if name in ("cpu-int4", "cpu-int8"):
+    if name in ("cpu-w4a8", "cpu-w8a8", "cpu-int4", "cpu-int8"):
         from lmpress.runtime.kernels.cpu import cpu_linear
 
-        return cpu_linear(layer, dtype)
+        return cpu_linear(layer, dtype, "int8" if name in ("cpu-w4a8", "cpu-w8a8") else "bf16")
     if name == "dense":
         return dense_linear(layer, dtype)
     raise ValueError(f"unknown kernel {name!r}")
 
 
-def linear_kernel(family: str) -> Callable[[nn.Module, torch.dtype], nn.Module]:
-    """The builder of quantized layers' modules for kernel ``family`` (see the module docstring).
+def linear_kernel(
+    family: str, cpu_activations: str = DEFAULT_CPU_ACTIVATIONS
+) -> Callable[[nn.Module, torch.dtype], nn.Module]:
+    """The builder of quantized layers' modules for kernel ``family`` (see the module docstring); on the CPU,
+    weight-only layers take their activations as ``cpu_activations`` (``CPU_ACTIVATIONS``).
 
     W8A8 layers (int8 activations) run ``torch._int_mm`` in every family but "reference" (``kernels/int8.py``),
     and FP8 layers ``_scaled_mm`` where the GPU has FP8 tensor cores: a weight-only kernel would silently
@@ -84,6 +91,7 @@ def linear_kernel(family: str) -> Callable[[nn.Module, torch.dtype], nn.Module]:
         return as_is
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r} ({', '.join(FAMILIES)})")
+    check_cpu_activations(cpu_activations)
     from lmpress.runtime.kernels.select import DeviceCase, LayerCase, kernel_candidates
 
     def kernel(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -98,6 +106,14 @@ def linear_kernel(family: str) -> Callable[[nn.Module, torch.dtype], nn.Module]:
             return build_kernel("triton", layer, dtype)
         from lmpress.runtime.kernels.cpu import cpu_linear
 
-        return cpu_linear(layer, dtype)  # a packed kernel (as select names it), else DenseLinear
+        return cpu_linear(layer, dtype, cpu_activations)  # a packed kernel (as select names it), else DenseLinear
 
     return kernel
+
+
+def check_cpu_activations(activations: str) -> None:
+    """An input error unless ``activations`` is one of ``CPU_ACTIVATIONS``."""
+    if activations not in CPU_ACTIVATIONS:
+        from lmpress.errors import LmpressInputError
+
+        raise LmpressInputError(f"activations {activations!r}: choose {' or '.join(CPU_ACTIVATIONS)}")

@@ -152,20 +152,54 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_fea
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = "int8") -> nn.Module:
     """The fastest CPU module for ``layer``: a packed kernel, else its weight dequantized once into ``DenseLinear``.
 
+    With ``activations="int8"``, first lmpress's int8-activation kernels (``cpu_int.py``) where they hold the layer
+    (4 bits in groups of 64k columns, 8 bits per row, no act-order) and build on this host; then (and with
+    ``"bf16"``, only) torch's packed kernels, which take bfloat16 activations.
     Layouts the packed kernels cannot run (2/3 bits, grouped 8 bits, 4 bits with
     out_features not a multiple of 16, act-order groups of unequal size) fall back to
     a dense ``dtype`` weight: as fast as an unquantized layer, without the memory saving.
     """
     bias = None if layer.bias is None else layer.bias.detach().float().clone()
+    dot = int8_activation_kernel(layer, bias, activations)
+    if dot is not None:
+        return dot
     prepared = layer._prepare_kernel()  # the same repacking QuantizedLinear's own kernel path uses
     if prepared is not None and prepared[0] == "int4":
         return Int4Linear(prepared, layer.in_features, layer.out_features, bias)
     if prepared is not None and prepared[0] == "int8":
         return Int8Linear(prepared, layer.in_features, layer.out_features, bias)
     return dense_linear(layer, dtype, DenseLinear)
+
+
+def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> bool:
+    """Whether lmpress's int8-activation kernel runs ``layer`` on the CPU: ``activations`` "int8", a layout it
+    holds, built on this host."""
+    from lmpress.runtime.kernels import cpu_int
+    from lmpress.weights.qlinear import trivial_g_idx
+
+    scheme, k = layer.scheme, layer.in_features
+    act_order = not trivial_g_idx(layer.g_idx, k, scheme)
+    width = scheme.group_width(k)
+    if activations != "int8" or scheme.activations is not None or layer.qweight.device.type != "cpu":
+        return False
+    fits = (scheme.bits == 4 and cpu_int.w4_fits(k, width, act_order)) or (
+        scheme.bits == 8 and cpu_int.w8_fits(k, width, act_order)
+    )
+    return fits and cpu_int.available()
+
+
+def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None, activations: str) -> nn.Module | None:
+    """``layer`` on lmpress's int8-activation kernel, or None where it does not hold the layer or ``activations``
+    is not "int8"."""
+    from lmpress.runtime.kernels import cpu_int
+
+    if not int8_activation_kernel_fits(layer, activations):
+        return None
+    kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
+    return kernel(layer.codes(), layer.scales.detach(), layer.zeros.float(), bias)
 
 
 @torch.no_grad()
@@ -177,6 +211,10 @@ def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
         offset = None if layer.offset is None else layer.offset[rows].contiguous()
         prepared = ("int8", layer.weight[rows].contiguous(), layer.scale[rows].contiguous(), offset)
         return Int8Linear(prepared, layer.in_features, len(rows), bias)
+    from lmpress.runtime.kernels.cpu_int import W8A8RowLinear
+
+    if isinstance(layer, W8A8RowLinear):
+        return layer.rows(rows)
     if isinstance(layer, nn.Linear):
         dtype = layer.weight.dtype
         cut = DenseLinear(layer.in_features, len(rows), bias=bias is not None, dtype=dtype)
@@ -191,8 +229,10 @@ def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
 
 def kernel_name(module: nn.Module) -> str:
     """ "int4", "int8" or "dense" for a module ``cpu_linear`` returned (or a plain ``nn.Linear``)."""
-    if isinstance(module, Int4Linear):
+    from lmpress.runtime.kernels.cpu_int import W4A8Linear, W8A8RowLinear
+
+    if isinstance(module, (Int4Linear, W4A8Linear)):
         return "int4"
-    if isinstance(module, Int8Linear):
+    if isinstance(module, (Int8Linear, W8A8RowLinear)):
         return "int8"
     return "dense"

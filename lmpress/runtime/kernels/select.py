@@ -24,6 +24,8 @@ KERNELS = {
     "int8-mm": "torch _int_mm, W8A8 (int8 activations)",
     "fp8-scaled-mm": "torch _scaled_mm, FP8 W8A8 (sm89+)",
     "fp8-simulated": "FP8 W8A8 simulated in float (E4M3 values, no FP8 tensor cores)",
+    "cpu-w4a8": "lmpress C++ int4 x int8 dot (AVX-512 VNNI / AVX2), activations int8 per 64",
+    "cpu-w8a8": "lmpress C++ int8 x int8 dot per-row weights (AVX-512 VNNI / AVX2), activations int8 per 64",
     "cpu-int4": "torch _weight_int4pack_mm_for_cpu",
     "cpu-int8": "torch _weight_int8pack_mm",
     "dense": "weight dequantized once, dense matmul",
@@ -125,6 +127,18 @@ def _triton_holds(layer: LayerCase) -> bool:
     return layer.bits in (4, 8) and width % (32 // layer.bits) == 0 and width & (width - 1) == 0 and layer.equal_groups
 
 
+def _cpu_int8_activations(layer: LayerCase) -> str | None:
+    """lmpress's own CPU kernel (kernels/cpu_int.py) that holds the layer, if any (when it builds on the host)."""
+    k, width = layer.in_features, layer.group_width
+    if layer.act_order or k % 64:
+        return None
+    if layer.bits == 4 and width % 64 == 0 and k % width == 0:
+        return "cpu-w4a8"
+    if layer.bits == 8 and width == k:
+        return "cpu-w8a8"
+    return None
+
+
 def _cpu_packed(layer: LayerCase) -> str | None:
     """The CPU packed kernel QuantizedLinear._prepare_kernel takes, if any."""
     if layer.bits == 8 and layer.group_width == layer.in_features:
@@ -143,8 +157,8 @@ def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
         fp8 = fp8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
         return ("fp8-scaled-mm", "fp8-simulated") if fp8 else ("fp8-simulated",)
     if device.type != "cuda":
-        packed = _cpu_packed(layer)
-        return (packed, "dense") if packed else ("dense",)
+        found = [name for name in (_cpu_int8_activations(layer), _cpu_packed(layer)) if name]
+        return (*found, "dense")
     found = []
     if _tinygemm_holds(layer, device):
         found.append("tinygemm")

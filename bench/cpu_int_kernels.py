@@ -1,0 +1,84 @@
+"""lmpress's CPU int8-activation kernels against torch's packed bf16 kernels on SmolLM2's linear shapes.
+
+    python bench/cpu_int_kernels.py [--threads 1] [--repeats 7]
+
+One pass = every linear layer of SmolLM2-135M W4 g64 (30 layers of distinct random weights: q/k/v fused,
+o, gate/up fused, down) plus the W8 head, as one decode step reads them (streamed from memory, not cached).
+Times are CPU time of the calling thread (``time.thread_time``), the two kernels interleaved, medians and
+quartiles over the repeats, for 1 and 4 input rows. Prints a table; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from lmpress.runtime.kernels import cpu_int
+from lmpress.weights.qlinear import int4pack_scale_and_zero
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's products
+LAYERS, VOCAB, DIM = 30, 49152, 576
+
+
+def build() -> tuple[list, list, dict]:
+    torch.manual_seed(0)
+    ours, theirs = [], []
+    for _ in range(LAYERS):
+        for out, k in SHAPES:
+            codes = torch.randint(0, 16, (out, k), dtype=torch.uint8)
+            scales, zeros = torch.rand(out, k // 64) * 0.01 + 0.001, torch.randint(0, 16, (out, k // 64)).float()
+            ours.append((cpu_int.W4A8Linear(codes, scales, zeros, None), k))
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            theirs.append(((packed, int4pack_scale_and_zero(scales, zeros, 1)), k))
+    codes = torch.randint(0, 256, (VOCAB, DIM), dtype=torch.uint8)
+    head = cpu_int.W8A8RowLinear(codes, torch.rand(VOCAB, 1), torch.full((VOCAB, 1), 128.0), None)
+    heads = {"ours": head, "theirs": ((codes ^ 0x80).view(torch.int8), torch.rand(VOCAB).bfloat16())}
+    return ours, theirs, heads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ours, theirs, heads = build()
+    xs = {k: torch.randn(8, k) for k in (576, 1536)}
+
+    def run_ours(rows: int) -> None:
+        for module, k in ours:
+            module(xs[k][:rows])
+        heads["ours"](xs[DIM][:rows])
+
+    def run_theirs(rows: int) -> None:
+        for (packed, scale_zero), k in theirs:
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k][:rows].bfloat16(), packed, 64, scale_zero)
+        torch.ops.aten._weight_int8pack_mm(xs[DIM][:rows].bfloat16(), *heads["theirs"])
+
+    kernels = {f"lmpress int8 ({cpu_int.ISA_NAMES[cpu_int.host_isa()]})": run_ours, "torch bf16 packed": run_theirs}
+    medians = {}
+    print("| kernel | rows | ms per pass: median [quartiles] |\n|---|---|---|")
+    for rows in (1, 4):
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for run in kernels.values():
+            run(rows)  # warm-up
+        for _ in range(args.repeats):
+            for name, run in kernels.items():
+                began = time.thread_time()
+                run(rows)
+                times[name].append(time.thread_time() - began)
+        for name, samples in times.items():
+            q1, q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+            medians[name, rows] = q2
+            print(f"| {name} | {rows} | {q2 * 1e3:.1f} [{q1 * 1e3:.1f}, {q3 * 1e3:.1f}] |")
+    for name in kernels:
+        print(f"{name}: 4 rows take {medians[name, 4] / medians[name, 1]:.2f}x the time of 1")
+    print(f"{args.threads} thread(s), load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""lmpress's own CPU kernels: 4-bit (groups of 64k) and per-row 8-bit weights times int8 activations.
+
+The C++ source (``cpu_int.cpp``) is compiled once per host and torch version into lmpress's cache
+(``torch.utils.cpp_extension``, the C++ compiler torch.compile on the CPU needs anyway) and registered
+as the torch ops ``torch.ops.lmpress_cpu.w4_linear`` / ``w8_linear`` with fake implementations, so a
+decode step containing them compiles with ``torch.compile`` in one graph. Activations are quantized
+per block of 4 to int8 (llama.cpp's Q8_0 blocks are 32) and dotted with the weight codes in integers:
+AVX-512 VNNI ``vpdpbusd`` where the CPU has it, AVX2 ``vpmaddubsw`` otherwise, portable C++ on a CPU
+without AVX2 (with a warning). One pass over the weights serves up to 8 input rows (speculative
+verification) at once. Weights are repacked once at load (``repack_w4``); where the library cannot be
+built (no compiler), ``available()`` is False and the runtime keeps torch's packed kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SOURCE = Path(__file__).with_name("cpu_int.cpp")
+BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
+ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
+ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the library is built (building it now if needed) and loaded; a failed build warns once."""
+    try:
+        load_library()
+    except Exception as error:  # no compiler, no headers: torch's kernels still run every layer
+        warnings.warn(
+            f"lmpress's CPU int8 kernels did not build ({error}); torch's packed kernels run instead", stacklevel=2
+        )
+        return False
+    return True
+
+
+@functools.cache
+def load_library() -> None:
+    """Build (once per host and torch version, into lmpress's cache) and load the kernels' library."""
+    from torch.utils.cpp_extension import load
+
+    from lmpress.cache import cache_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    name = f"lmpress_cpu_int_{digest}"
+    build = cache_root() / "kernels" / name
+    build.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-fopenmp", "-std=c++17"]
+    load(
+        name,
+        [str(SOURCE)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    def fake_linear(x, codes, scales, zeros, isa):  # noqa: ANN001, ANN202 - torch.library's signature
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    for op in ("w4_linear", "w8_linear"):
+        torch.library.register_fake(f"lmpress_cpu::{op}")(fake_linear)
+
+
+@functools.cache
+def host_isa() -> int:
+    """The best instruction set level of this CPU the kernels use (``ISA_NAMES``); warns once without AVX2."""
+    load_library()
+    level = cpu_isa()
+    if level == 0:
+        warnings.warn(
+            "this CPU has no AVX2 (or no FMA): lmpress's int8 CPU kernels run their portable C++ path, "
+            "several times slower than on an AVX2 CPU",
+            stacklevel=2,
+        )
+    return level
+
+
+def cpu_isa() -> int:
+    """What the library detects on this CPU (``ISA_NAMES``)."""
+    return int(torch.ops.lmpress_cpu.cpu_isa())
+
+
+def repack_w4(codes: torch.Tensor) -> torch.Tensor:
+    """``(out, in)`` 4-bit codes as the kernel reads them: per 64 codes, 32 bytes holding code j (low nibble) and
+    code j + 32 (high nibble)."""
+    out, k = codes.shape
+    blocks = codes.to(torch.uint8).reshape(out, k // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2).contiguous()
+
+
+def w4_fits(in_features: int, group_width: int, act_order: bool) -> bool:
+    return not act_order and in_features % BLOCK == 0 and group_width % BLOCK == 0 and in_features % group_width == 0
+
+
+def w8_fits(in_features: int, group_width: int, act_order: bool) -> bool:
+    return not act_order and in_features % BLOCK == 0 and group_width == in_features
+
+
+class W4A8Linear(nn.Module):
+    """``(q - zero) * scale`` 4-bit weights in groups of 64k columns, times activations quantized to int8 per 4."""
+
+    KERNEL = "cpu-w4a8"
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        isa: int | None = None,
+    ) -> None:
+        super().__init__()
+        load_library()
+        self.out_features, self.in_features = codes.shape
+        self.isa = host_isa() if isa is None else isa
+        self.register_buffer("codes", repack_w4(codes))
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("zeros", zeros.round().to(torch.uint8).contiguous())
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.ops.lmpress_cpu.w4_linear(flat, self.codes, self.scales, self.zeros, self.isa)
+        return _finish(y, x, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        group = self.in_features // self.scales.shape[1]
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{group}, {ISA_NAMES[self.isa]}"
+
+
+class W8A8RowLinear(nn.Module):
+    """Per-row ``(q - zero) * scale`` 8-bit weights times activations quantized to int8 per 4."""
+
+    KERNEL = "cpu-w8a8"
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        isa: int | None = None,
+    ) -> None:
+        super().__init__()
+        load_library()
+        self.out_features, self.in_features = codes.shape
+        self.isa = host_isa() if isa is None else isa
+        self.register_buffer("codes", codes.to(torch.uint8).contiguous())
+        self.register_buffer("scales", scales.float().reshape(-1).contiguous())
+        self.register_buffer("zeros", zeros.round().to(torch.uint8).reshape(-1).contiguous())
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.ops.lmpress_cpu.w8_linear(flat, self.codes, self.scales, self.zeros, self.isa)
+        return _finish(y, x, self.bias, self.out_features)
+
+    def rows(self, rows: torch.Tensor) -> W8A8RowLinear:
+        """A copy computing only output rows ``rows``."""
+        bias = None if self.bias is None else self.bias[rows].clone()
+        cut = W8A8RowLinear(self.codes[rows], self.scales[rows], self.zeros[rows].float(), bias, self.isa)
+        return cut
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}"
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def quantize_activations(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes ``(M, K)`` and per-4 scales ``(M, K / 4)`` the kernels take ``x`` as (for tests)."""
+    isa = host_isa() if isa is None else isa
+    return torch.ops.lmpress_cpu.quantize_activations(x.float().contiguous(), isa)

@@ -1,0 +1,168 @@
+"""lmpress's C++ int8-activation CPU kernels (kernels/cpu_int.py) against float64 references, on every instruction
+set level this host runs (AVX-512 VNNI, AVX2, portable C++): tiny shapes, seconds once the library is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.runtime.kernels import cpu_int
+
+pytestmark = pytest.mark.skipif(not cpu_int.available(), reason="the C++ kernels do not build on this host")
+
+
+def levels() -> list[int]:
+    return list(range(cpu_int.host_isa() + 1)) if cpu_int.available() else []
+
+
+def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and a scale per cpu_int.ACTIVATION_BLOCK values: d = max|x| / 127, q = round-half-even(x * (1 / d)),
+    in float32 as the kernel."""
+    blocks = x.float().reshape(x.shape[0], -1, cpu_int.ACTIVATION_BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None])
+    return q.reshape(x.shape).to(torch.int8), d
+
+
+def dequantized_x(x: torch.Tensor) -> torch.Tensor:
+    q, d = reference_quantize(x)
+    return (q.double().reshape(x.shape[0], -1, cpu_int.ACTIVATION_BLOCK) * d.double()[..., None]).reshape(x.shape)
+
+
+def sqnr_db(reference: torch.Tensor, result: torch.Tensor) -> float:
+    noise = (reference.double() - result.double()).pow(2).sum()
+    return float(10 * torch.log10(reference.double().pow(2).sum() / noise.clamp_min(1e-300)))
+
+
+def w4_case(out: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(out, k // group, generator=g) * 0.05 + 0.01
+    zeros = torch.randint(0, 16, (out, k // group), generator=g).float()
+    weight = (codes.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
+    return codes, scales, zeros, weight
+
+
+def w8_case(out: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (out, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(out, 1, generator=g) * 0.01 + 0.001
+    zeros = torch.randint(0, 256, (out, 1), generator=g).float()
+    return codes, scales, zeros, (codes.double() - zeros.double()) * scales.double()
+
+
+def inputs(rows: int, k: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[:, :16] *= 20  # blocks of very different ranges, also within a 64-block: each gets its own scale
+    x[:, 112:128] *= 0.01
+    if k > 128:
+        x[:, 128:144] = 0  # an all-zero block (scale 0)
+    return x
+
+
+def test_activations_quantize_as_the_reference():
+    x = inputs(3, 256)
+    x[1, 168], x[1, 170] = 10.0, 2.5 * 10.0 / 127  # a value halfway between two codes: rounds to even
+    ref_q, ref_d = reference_quantize(x)
+    for isa in levels():
+        q, d = cpu_int.quantize_activations(x, isa)
+        assert torch.equal(q, ref_q) and torch.equal(d, ref_d), isa
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 11])
+@pytest.mark.parametrize(("k", "group"), [(384, 64), (448, 64), (640, 128), (576, 192)])
+def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group):
+    """Even and odd numbers of 64-blocks (AVX-512 takes them in pairs); groups spanning pairs, straddling them."""
+    codes, scales, zeros, weight = w4_case(48, k, group)
+    x = inputs(rows, k)
+    exact = dequantized_x(x) @ weight.t()  # the quantized activations times the dequantized weight
+    for isa in levels():
+        y = cpu_int.W4A8Linear(codes, scales, zeros, None, isa=isa)(x)
+        assert y.shape == (rows, 48) and y.dtype == torch.float32
+        assert sqnr_db(exact, y) > 100, (isa, sqnr_db(exact, y))  # float32 rounding only
+        assert sqnr_db(x.double() @ weight.t(), y) > 30  # and int8 activations stay close to float ones
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_w8_matches_the_dequantized_weight_on_every_isa(rows):
+    codes, scales, zeros, weight = w8_case(80, 320)
+    x = inputs(rows, 320)
+    exact = dequantized_x(x) @ weight.t()
+    for isa in levels():
+        y = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa)(x)
+        assert sqnr_db(exact, y) > 100, (isa, sqnr_db(exact, y))
+        assert sqnr_db(x.double() @ weight.t(), y) > 30
+
+
+def test_extreme_codes_do_not_saturate():
+    """All-255 weight codes against +-127 activations: the AVX2 path's int16 pairs would saturate on 255 * 127 * 2."""
+    codes = torch.full((16, 128), 255, dtype=torch.uint8)
+    codes[::2] = 0
+    x = torch.where(torch.arange(128) % 3 == 0, 1.0, -1.0).repeat(2, 1)
+    weight = codes.double() - 7
+    for isa in levels():
+        y = cpu_int.W8A8RowLinear(codes, torch.ones(16, 1), torch.full((16, 1), 7.0), None, isa=isa)(x)
+        torch.testing.assert_close(y.double(), x.double() @ weight.t(), rtol=1e-6, atol=1e-3)
+
+
+def test_several_rows_give_each_rows_own_result():
+    """A 5-row product (speculative verification) equals five 1-row products."""
+    codes, scales, zeros, _ = w4_case(32, 192, 64)
+    x = inputs(5, 192)
+    module = cpu_int.W4A8Linear(codes, scales, zeros, torch.randn(32))
+    together = module(x.reshape(1, 5, 192))
+    apart = torch.stack([module(row[None]) for row in x], dim=1)
+    assert together.shape == (1, 5, 32)
+    torch.testing.assert_close(together, apart, rtol=0, atol=0)
+
+
+def test_compiles_in_one_graph():
+    codes, scales, zeros, _ = w4_case(32, 128, 64)
+    module = cpu_int.W4A8Linear(codes, scales, zeros, None)
+    x = inputs(2, 128)
+    compiled = torch.compile(lambda t: module(t).relu() * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(x), module(x).relu() * 2)
+
+
+def test_a_cpu_without_avx2_warns_and_runs_the_portable_path(monkeypatch):
+    monkeypatch.setattr(cpu_int, "cpu_isa", lambda: 0)
+    cpu_int.host_isa.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no AVX2"):
+            module = cpu_int.W4A8Linear(*w4_case(16, 128, 64)[:3], None)
+        codes, scales, zeros, weight = w4_case(16, 128, 64)
+        x = inputs(1, 128)
+        assert module.isa == 0 and sqnr_db(dequantized_x(x) @ weight.t(), module(x)) > 100
+    finally:
+        cpu_int.host_isa.cache_clear()
+
+
+def test_without_a_compiler_the_runtime_keeps_torchs_kernels(monkeypatch):
+    from lmpress.runtime.kernels.cpu import Int4Linear, cpu_linear
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler")
+
+    layer = QuantizedLinear(128, 32, QuantScheme(bits=4, group_size=64, symmetric=False), bias=False)
+    monkeypatch.setattr(cpu_int, "load_library", no_compiler)
+    cpu_int.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build"):
+            assert isinstance(cpu_linear(layer, torch.float32), Int4Linear)
+    finally:
+        cpu_int.available.cache_clear()
+
+
+def test_rows_split_over_threads_agree_with_one_thread():
+    """Output rows split over 2 threads (the runtime's default here; the autouse fixture runs tests on one):
+    each thread reads the activations the calling thread quantized."""
+    w4 = cpu_int.W4A8Linear(*w4_case(96, 448, 64)[:3], None)
+    w8 = cpu_int.W8A8RowLinear(*w8_case(256, 320)[:3], None)
+    x4, x8 = inputs(3, 448), inputs(3, 320)
+    one = (w4(x4), w8(x8))
+    torch.set_num_threads(2)
+    two = (w4(x4), w8(x8))
+    torch.testing.assert_close(two, one, rtol=0, atol=0)

@@ -1,0 +1,106 @@
+"""bench/runtime.py's bookkeeping: statistics over interleaved repeats, goals against the faster llama.cpp build,
+results filed per host kind (another host's entry is never overwritten), thread counts capped at the cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import runtime_hosts  # noqa: E402
+
+
+def sample(t1: float, tn: float, bw: float = 20.0) -> dict[str, float]:
+    return {"t1": t1, "tn": tn, "bw": bw, "load": 1.0}
+
+
+INFO = {"prompt_tokens": 128, "new_tokens": 65, "bytes_per_token": 100e6, "peak_memory_mb": 500.0}
+
+
+def test_summary_takes_median_and_quartiles_of_the_per_repeat_rates():
+    # decode rates (65 - 1) / (tn - t1): 64, 128, 32, 64, 256 tok/s
+    samples = [sample(0.1, 1.1), sample(0.1, 0.6), sample(0.1, 2.1), sample(0.2, 1.2), sample(0.1, 0.35)]
+    row = runtime_hosts.summarize(samples, 65, INFO)
+    assert row["decode_tok_s"] == pytest.approx(64)
+    assert (row["decode_tok_s_q1"], row["decode_tok_s_q3"]) == pytest.approx((64, 128))
+    assert row["bandwidth_pct"] == pytest.approx(100 * 64 * 100e6 / 1e9 / 20.0)
+    assert row["ttft_s"] == pytest.approx(0.1)
+
+
+def test_goals_compare_with_the_faster_llama_cpp_build():
+    def row(rate: float, q1: float | None = None) -> dict:
+        return {
+            "decode_tok_s": rate,
+            "decode_tok_s_q1": q1 or rate,
+            "bytes_per_token": 90e6,
+            "bandwidth_gb_s": 20.0,
+            "bandwidth_pct": 100 * rate * 0.09 / 20,
+        }
+
+    rows = {"lmpress-w4-head8-compile": row(150, 140), "llama.cpp-q4_1": row(100), "llama.cpp-q4_1-native": row(90)}
+    labels = {name: name for name in rows}
+    found = runtime_hosts.goals(rows, labels)
+    assert found[0].startswith("lmpress-w4-head8-compile / llama.cpp-q4_1 (the faster llama.cpp build): 1.50x")
+    assert "1.40x at its slower quartile" in found[0]
+    rows["llama.cpp-q4_1"] = row(float("nan"))  # a build whose repeats all failed to time is not the reference
+    assert "/ llama.cpp-q4_1-native (the faster llama.cpp build): 1.67x" in runtime_hosts.goals(rows, labels)[0]
+
+
+def test_a_host_files_its_own_entry_and_keeps_the_others(tmp_path):
+    path = tmp_path / "runtime.json"
+    labels = {"llama.cpp-q4_1": "llama.cpp Q4_1"}
+    rows = {"llama.cpp-q4_1": runtime_hosts.summarize([sample(0.1, 1.1)] * 5, 65, INFO)}
+    entry = {"meta": {"threads": 2, "repeats": 5}, "rows": rows, "goals": []}
+    runtime_hosts.record(path, {"key": "CPU A [AVX2]"}, entry, labels)
+    runtime_hosts.record(path, {"key": "CPU B [AVX2, AVX-512]"}, entry, labels)
+    runtime_hosts.record(path, {"key": "CPU A [AVX2]"}, {**entry, "goals": ["rerun"]}, labels)
+    hosts = json.loads(path.read_text())
+    assert list(hosts) == ["CPU A [AVX2]", "CPU B [AVX2, AVX-512]"] and hosts["CPU A [AVX2]"]["goals"] == ["rerun"]
+    page = path.with_suffix(".md").read_text()
+    assert "## CPU A [AVX2]" in page and "## CPU B [AVX2, AVX-512]" in page and "| llama.cpp Q4_1 | 64.0 [" in page
+
+
+def test_the_first_page_form_is_kept_as_its_own_host(tmp_path):
+    path = tmp_path / "runtime.json"
+    path.write_text(json.dumps({"meta": {"threads": 2}, "rows": {}, "goals": ["old"]}))
+    runtime_hosts.record(path, {"key": "CPU A [AVX2]"}, {"meta": {}, "rows": {}, "goals": []}, {})
+    hosts = json.loads(path.read_text())
+    assert len(hosts) == 2 and any(entry["goals"] == ["old"] for entry in hosts.values())
+
+
+def test_host_key_names_the_cpu_and_its_instruction_sets():
+    host = runtime_hosts.cpu_identity()
+    assert host["cpu_model"] and host["key"].startswith(host["cpu_model"]) and host["cores"] == os.cpu_count()
+
+
+def test_threads_above_the_cores_warn_and_are_capped():
+    import runtime
+
+    with pytest.warns(UserWarning, match="more than this machine's"):
+        assert runtime.capped_threads(os.cpu_count() + 3) == os.cpu_count()
+    assert runtime.capped_threads(1) == 1
+
+
+def test_workers_wait_passively_with_the_repository_first(tmp_path):
+    env = runtime_hosts.worker_environment(
+        {"PYTHONPATH": "/elsewhere", "OMP_WAIT_POLICY": "ACTIVE", "X": "1"}, tmp_path
+    )
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # idle rows' OpenMP threads must not spin while another is timed
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"] and env["X"] == "1"
+    assert runtime_hosts.worker_environment({}, tmp_path)["PYTHONPATH"] == str(tmp_path)
+    spinning = runtime_hosts.worker_environment({"OMP_WAIT_POLICY": "ACTIVE"}, tmp_path, "default")
+    assert "OMP_WAIT_POLICY" not in spinning  # libgomp's own policy, whatever the caller's environment said
+
+
+def test_warm_up_rounds_are_run_first_and_not_counted():
+    rounds = runtime_hosts.round_orders(["a", "b", "c"], repeats=4, warmup=1)
+    assert [counted for _, counted in rounds] == [False, True, True, True, True]
+    assert [order[0] for order, _ in rounds] == ["a", "b", "c", "a", "b"]  # the first row rotates
+    assert all(sorted(order) == ["a", "b", "c"] for order, _ in rounds)  # every row once per round
+    assert [counted for _, counted in runtime_hosts.round_orders(["a"], repeats=2, warmup=0)] == [True, True]
