@@ -80,3 +80,40 @@ def test_peak_rss_scenario_in_a_fresh_process(scenario):
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]]()
+
+
+FREED_IN_THE_HEAP = """
+import sys, torch
+from lmpress.memory import large_frees_unmapped
+
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+def freed_mb():
+    first = torch.ones(2 << 20)  # 8 MiB, mapped; freeing it raises glibc's threshold to 8 MiB
+    del first
+    blocks, pins = [], []
+    for _ in range(8):  # 64 MiB of 8 MiB blocks, each followed by a small long-lived tensor
+        blocks.append(torch.ones(2 << 20))
+        pins.append(torch.ones(1000))
+    before = rss_mb()
+    del blocks
+    return before - rss_mb()
+
+if sys.argv[1] == "unmapped":
+    with large_frees_unmapped():
+        print(freed_mb())
+else:
+    print(freed_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_frees_unmapped_hands_freed_blocks_back_where_glibc_keeps_them():
+    def freed(mode: str) -> float:
+        done = subprocess.run([sys.executable, "-c", FREED_IN_THE_HEAP, mode], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return float(done.stdout)
+
+    assert freed("default") < 16  # glibc keeps the freed blocks between the pins resident
+    assert freed("unmapped") > 56  # all eight blocks handed back

@@ -39,6 +39,7 @@ from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
 from lmpress.errors import LmpressInputError
+from lmpress.memory import large_frees_unmapped
 from lmpress.placement import naming_out_of_memory
 from lmpress.registry import StageContext
 
@@ -224,38 +225,42 @@ def run_calibration(
                 prefix = f"{method.name}."
                 method.restore_carried({k.removeprefix(prefix): v for k, v in carried.items() if k.startswith(prefix)})
 
-    kinds = layer_kinds(model)
-    for index in ctx.bars.track(range(done, len(layers)), f"{name}: layers", total=len(layers) - done):
-        layer = layers[index]
-        if kinds is not None:
-            inputs.kwargs = inputs.by_kind[kinds[index]]
-        prefix = f"{anatomy.layers}.{index}."
-        targets = {}
-        for linear in layer_linears(layer):
-            target = target_for(prefix + linear)
-            if target is not None:
-                targets[linear] = target
-        groups = expand_groups(anatomy, targets)
-        if not true_sequential and groups:
-            groups = [[n for g in groups for n in g]]
-        with naming_out_of_memory(f"layer {index} ({prefix.rstrip('.')})", device):
-            layer.to(device)
-            blocks = tuple(b for b in anatomy.blocks if has_submodule(layer, b))
-            fed_only_by = tuple((c, p) for c, p in anatomy.fed_only_by if all(has_submodule(layer, n) for n in (c, *p)))
-            attention = anatomy.attention if anatomy.attention and has_submodule(layer, anatomy.attention) else None
-            session = LayerSession(
-                index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
-                fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention,
-            )  # fmt: skip
-            process_layer(session, methods)
-            observer = _output_observer(session, methods)
-            inputs = session.outputs(observer) if observer else session.outputs()
-            session.finish()
-            layer.to("cpu")
-            quantized += len(session.quantized)
-            rewritten += len(session.rewritten - set(session.quantized))
-        state.save_layer(session, inputs, {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()})
-        state.map_layer(index, layer)  # the finished layer's packed weights leave RAM for its state file
+    # each layer's transient buffers (Hessians, float copies) go back to the OS when freed, not kept as heap
+    with large_frees_unmapped():
+        kinds = layer_kinds(model)
+        for index in ctx.bars.track(range(done, len(layers)), f"{name}: layers", total=len(layers) - done):
+            layer = layers[index]
+            if kinds is not None:
+                inputs.kwargs = inputs.by_kind[kinds[index]]
+            prefix = f"{anatomy.layers}.{index}."
+            targets = {}
+            for linear in layer_linears(layer):
+                target = target_for(prefix + linear)
+                if target is not None:
+                    targets[linear] = target
+            groups = expand_groups(anatomy, targets)
+            if not true_sequential and groups:
+                groups = [[n for g in groups for n in g]]
+            with naming_out_of_memory(f"layer {index} ({prefix.rstrip('.')})", device):
+                layer.to(device)
+                blocks = tuple(b for b in anatomy.blocks if has_submodule(layer, b))
+                fed_only_by = tuple(
+                    (c, p) for c, p in anatomy.fed_only_by if all(has_submodule(layer, n) for n in (c, *p))
+                )
+                attention = anatomy.attention if anatomy.attention and has_submodule(layer, anatomy.attention) else None
+                session = LayerSession(
+                    index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
+                    fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention,
+                )  # fmt: skip
+                process_layer(session, methods)
+                observer = _output_observer(session, methods)
+                inputs = session.outputs(observer) if observer else session.outputs()
+                session.finish()
+                layer.to("cpu")
+                quantized += len(session.quantized)
+                rewritten += len(session.rewritten - set(session.quantized))
+            state.save_layer(session, inputs, {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()})
+            state.map_layer(index, layer)  # the finished layer's packed weights leave RAM for its state file
 
     return {
         "layers": len(layers),
