@@ -530,7 +530,7 @@ def main() -> None:
         "--activations",
         choices=["int8", "bf16"],
         default="int8",
-        help="lmpress rows: weight-only layers' CPU activations (int8 per 16 values: lmpress's kernels; bf16: torch's)",
+        help="lmpress rows: weight-only layers' CPU activations (int8 per 4 values: lmpress's kernels; bf16: torch's)",
     )
     parser.add_argument("--warmup-rounds", type=int, default=1, help="timed rounds run first and discarded")
     parser.add_argument(

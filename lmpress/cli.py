@@ -56,7 +56,7 @@ def add_activations_argument(parser: argparse.ArgumentParser) -> None:
         "--activations",
         default="int8",
         metavar="{int8,bf16}",
-        help="on the CPU, weight-only quantized layers take their activations as int8 per 16 values (lmpress's "
+        help="on the CPU, weight-only quantized layers take their activations as int8 per 4 values (lmpress's "
         "kernels, where they hold the layer; default) or bf16 (torch's packed kernels)",
     )
 

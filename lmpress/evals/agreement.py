@@ -105,7 +105,7 @@ def execution_unit(model: nn.Module, runtime: bool, cpu_activations: str = DEFAU
     W8A8 layers quantize activations to int8 codes, FP8 layers to E4M3, bitsandbytes' ``Linear8bitLt`` to
     int8 and ``Linear4bit`` computes in bfloat16; weight-only ``QuantizedLinear`` layers run float32 in the
     evaluator and, in lmpress's runtime (``runtime``) built with ``cpu_activations`` (``load_runtime``'s), int8
-    activations per 16 columns where that is "int8" and its CPU int8 kernels hold them, bfloat16 activations
+    activations per 4 columns where that is "int8" and its CPU int8 kernels hold them, bfloat16 activations
     otherwise (torch's CPU kernels, the Triton kernels)."""
     unit = FLOAT32_UNIT
     for module in model.modules():
@@ -124,7 +124,7 @@ def execution_unit(model: nn.Module, runtime: bool, cpu_activations: str = DEFAU
 
 def runtime_quantizes_activations(layer: nn.Module, cpu_activations: str = DEFAULT_CPU_ACTIVATIONS) -> bool:
     """Whether lmpress's CPU runtime, built with ``cpu_activations``, runs ``layer`` (a weight-only
-    ``QuantizedLinear``) on its int8-activation kernels (``runtime/kernels/cpu_int.py``: int8 per 16 columns)."""
+    ``QuantizedLinear``) on its int8-activation kernels (``runtime/kernels/cpu_int.py``: int8 per 4 columns)."""
     from lmpress.runtime.kernels.cpu import int8_activation_kernel_fits
 
     return int8_activation_kernel_fits(layer, cpu_activations)

@@ -79,7 +79,7 @@ def load_runtime(
 
     ``dtype`` defaults to float32 on the CPU and bfloat16 on CUDA, where the Triton kernels take half-precision
     activations. On the CPU, weight-only quantized layers take their activations as ``cpu_activations``: "int8"
-    (per 16 values, lmpress's kernels, where they hold the layer) or "bf16" (torch's packed kernels). A checkpoint
+    (per 4 values, lmpress's kernels, where they hold the layer) or "bf16" (torch's packed kernels). A checkpoint
     directory (dense, GPTQ, AWQ, compressed-tensors; a .gguf or pypkg: source once converted) is
     read straight into the runtime (``checkpoint.py``: memory-mapped, no transformers model); other
     exports (GGUF and ONNX directories, bitsandbytes) go through ``lmpress.loader.load_model``.
