@@ -227,7 +227,7 @@ def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bo
 def product_ratio(model: Any, rows: int, repeats: int = 7) -> float:
     """Time of one pass over every linear layer of ``model`` with ``rows`` input rows over that with one (medians,
     interleaved): what a speculative verification of ``rows`` tokens costs in matmuls against one decode step."""
-    from lmpress.runtime.model import FusedLinear
+    from lmpress.runtime.linears import FusedLinear
 
     linears = [m for m in model.modules() if isinstance(m, FusedLinear)] + [model.output]
     inputs = {n: torch.randn(n, model.args.dim * 8) for n in (1, rows)}
