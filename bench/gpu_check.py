@@ -415,7 +415,7 @@ def learned_w4(dry_run: bool) -> None:
             )
         return numbers
 
-    run_step("model.learned-w4-gpu", 175, run)
+    run_step("model.learned-w4-gpu", 280, run)
 
 
 def distill_speed(dry_run: bool) -> None:

@@ -203,9 +203,10 @@ class KernelBench:
         case = self.layer_case(layer)
         if self.dry_run:
             return select_kernel(case, self.device_case())
+        from lmpress.runtime.kernels import build_kernel
         from lmpress.runtime.kernels.cuda import cuda_kernel_name
 
-        return cuda_kernel_name(layer, case, self.torch.bfloat16)
+        return cuda_kernel_name(layer, case, self.torch.bfloat16, build_kernel)
 
     def fp8(self, role: str, n: int, k: int, rows: int) -> None:
         torch = self.torch

@@ -329,7 +329,9 @@ def run_recipe(
         fmt = recipe.export.formats[0]
         bars.log(f"running {fmt}/ in lmpress's runtime and checking it against the evaluator")
         window = first_eval_window(recipe, shipped.tokenizer)
-        agreement = check_runtime_agreement(fmt, partial / fmt, shipped.model, window, recipe.model.dtype)
+        agreement = check_runtime_agreement(
+            fmt, partial / fmt, shipped.model, window, recipe.model.dtype, device=device
+        )
         if not agreement.passed:
             bars.log(
                 f"[red]lmpress's runtime disagrees with the evaluator on {fmt}/:[/] {agreement.as_gate()['detail']}"

@@ -268,17 +268,21 @@ def check_runtime_agreement(
     window: torch.Tensor,
     dtype: str = "float32",
     cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
+    device: torch.device | str = "cpu",
 ) -> RuntimeAgreement:
-    """Load ``export_dir`` into lmpress's runtime in ``dtype`` (the run's) with ``cpu_activations`` and compare
+    """Load ``export_dir`` into lmpress's runtime on ``device`` (the run's) with ``cpu_activations`` and compare
     its logits on ``window`` ``(1, T)`` with those of ``evaluator`` (the export as lmpress's evaluator loaded it,
-    in the same dtype), within the unit of what the runtime runs."""
+    in ``dtype``), within the unit of what the runtime runs. On the CPU the runtime computes in ``dtype``; on
+    CUDA in bfloat16, as its kernels there do (``load_runtime``), so the CPU's kernels are never built there."""
     from lmpress.errors import LmpressInputError
     from lmpress.runtime.text import load_runtime
 
     want = hf_side("evaluator", evaluator, execution_unit(evaluator, runtime=False)).logits(window).double()
     scale = float(want.abs().max())
+    if torch.device(device).type != "cpu":
+        dtype, cpu_activations = "bfloat16", "bf16"  # the unit of bf16 activations; no CPU kernel runs there
     try:
-        model, _ = load_runtime(str(export_dir), dtype=dtype, cpu_activations=cpu_activations)
+        model, _ = load_runtime(str(export_dir), device=device, dtype=dtype, cpu_activations=cpu_activations)
     except LmpressInputError as e:
         return RuntimeAgreement(fmt, math.inf, math.nan, math.nan, scale, 0.0, error=f"the runtime refused: {e}")
     unit = max(

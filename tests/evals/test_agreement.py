@@ -135,6 +135,33 @@ def test_run_whose_runtime_cannot_run_its_export_fails_its_gate(tiny_llama_wide_
     assert failed[0]["value"] > failed[0]["threshold"] and "top-1 agreement" in failed[0]["detail"]
 
 
+def test_a_cuda_run_checks_its_runtime_on_the_gpu_in_bf16(tiny_llama_wide_dir, calibration, tmp_path, monkeypatch):
+    """An H200 run of recipes/learned-w4-gpu.yaml spent 175 s building the CPU int8 kernels for this check:
+    the runtime must load on the run's device, in the bf16 its CUDA kernels take, with no CPU kernel."""
+    from lmpress.evals.agreement import check_runtime_agreement
+    from lmpress.export.formats import load_quantized_model
+    from lmpress.registry import exporter
+    from lmpress.runtime import text
+    from lmpress.runtime.kernels import cpu_int
+
+    candidate = build_candidate(tiny_llama_wide_dir, scheme_named("W4 g32 sym"), calibration, tmp_path / "state")
+    out = tmp_path / "gptq"
+    out.mkdir()
+    exporter("gptq")(candidate, AutoTokenizer.from_pretrained(tiny_llama_wide_dir), out)
+    loads, real_load = [], text.load_runtime
+
+    def load_on_the_cpu(source, device="cpu", dtype=None, cpu_activations="int8"):
+        loads.append((str(device), dtype, cpu_activations))  # a CPU machine has no cuda to load onto
+        return real_load(source, device="cpu", dtype=dtype, cpu_activations=cpu_activations)
+
+    monkeypatch.setattr(text, "load_runtime", load_on_the_cpu)
+    monkeypatch.setattr(cpu_int, "load_library", lambda: pytest.fail("the CPU kernels were built on a CUDA run"))
+    window = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5, 60, 61]])
+    agreement = check_runtime_agreement("gptq", out, load_quantized_model(out), window, "float32", device="cuda")
+    assert loads == [("cuda", "bfloat16", "bf16")]
+    assert agreement.passed and agreement.top1_agreement == 1.0
+
+
 def test_reference_is_independent_of_the_export(tiny_llama_wide_dir, calibration, tmp_path):
     """The float reference runs the candidate's own weights in float64, not anything the writer produced."""
     from lmpress.evals.agreement_matrix import reference_model

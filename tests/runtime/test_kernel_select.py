@@ -129,6 +129,30 @@ def test_tinygemm_conversion_matches_the_dequantized_weight(group, symmetric, ac
     torch.testing.assert_close(sz[..., 1], offset.to(torch.bfloat16).float())
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_tinygemm_prefill_dequantizes_and_matches_the_kernel(act_order, monkeypatch):
+    """From ``DEQUANT_MIN_ROWS`` rows on the layer multiplies its dequantized codes (an H200 ran tinygemm at
+    2048 rows 26x slower than bf16 cuBLAS); the product is the kernel's, to bf16 rounding."""
+    from lmpress.runtime.kernels import tinygemm
+
+    layer = w4_layer(96, 512, 64, False, act_order, bias=True)
+    module = tinygemm_linear(layer)
+    x = torch.randn(tinygemm.DEQUANT_MIN_ROWS, 512)
+    reference = x.double() @ layer.dequantized_weight(torch.float64).T + layer.bias.double()
+    kernel_calls = []
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: kernel_calls.append(1) or real(*a))
+    prefill = module(x)
+    assert kernel_calls == [] and sqnr_db(reference, prefill) >= TINYGEMM_MIN_DB
+    decode = torch.cat([module(x[i : i + 8]) for i in range(0, len(x), 8)])  # below the threshold: the kernel
+    assert len(kernel_calls) == len(x) // 8
+    assert float((prefill - decode).abs().max()) <= 0.02 * float(decode.abs().max())
+    # the dequantized weight is the layer's, in the codes' order (act-order sorted by group)
+    perm = module.perm if act_order else torch.arange(512)
+    want = layer.dequantized_weight(torch.float32)[:, perm].to(torch.bfloat16)
+    torch.testing.assert_close(module.dequantized_weight(torch.bfloat16), want, atol=0.02, rtol=0.01)
+
+
 def test_tinygemm_repeats_wide_groups_and_per_channel_scales():
     for group, kernel_group in ((256, 256), (-1, 256), (192, 64)):
         layer = w4_layer(32, 768 if group == 192 else 1024, group, False)
@@ -262,6 +286,34 @@ def test_the_key_holds_gpu_kernel_shape_candidates_and_versions(tune_file, monke
     again = FakeTuner({'"tinygemm"': 1.0, '"gemlite"': 2.0, '"triton"': 3.0})
     assert tuning.tuned_choice(*args, again) == "tinygemm"  # tuned afresh, not read from the other entry
     assert again.calls
+
+
+def test_a_launch_looks_its_tuned_config_up_once(tune_file, monkeypatch):
+    """An H200 visit timed the Triton GEMV at 1.4-2.4 ms a call, whatever the shape: each launch built
+    ``tune_key``'s JSON of every candidate and read four package versions (about 2 ms here), so eager
+    decode and the kernel selection's timing saw that, not the kernel. A launch must cost a dict lookup."""
+    pytest.importorskip("triton")
+    from lmpress.runtime.kernels import triton as triton_kernels
+
+    keyed, timed = [], []
+    real_key = tuning.tune_key
+    monkeypatch.setattr(tuning, "tune_key", lambda *a: keyed.append(a) or real_key(*a))
+    monkeypatch.setattr(triton_kernels, "_device_name", lambda device: "NVIDIA H200")
+
+    class Kernel:  # times each config by its tile width
+        def __getitem__(self, grid):
+            return lambda *args, BN, **config: timed.append(BN)
+
+    monkeypatch.setattr("triton.testing.do_bench", lambda launch, **kw: launch() or 1.0 / timed[-1])
+    shape = {"N": 4096, "KW": 512, "G": 64, "BM": 1, "C": 2, "BITS": 4}
+    grid = lambda config: (1, 1)  # noqa: E731
+    first = triton_kernels._tuned_config("gemv_row", Kernel(), grid, (), {}, shape, torch.device("cpu"))
+    assert first["BN"] == max(c["BN"] for c in triton_kernels.configs_for("gemv_row", 4096, 64))
+    for _ in range(50):
+        assert triton_kernels._tuned_config("gemv_row", Kernel(), grid, (), {}, shape, torch.device("cpu")) == first
+    assert len(keyed) == 1
+    versions = tuning.versions()
+    assert tuning.versions() is versions  # read once per process
 
 
 def test_an_unreadable_cache_is_tuned_over_and_a_single_candidate_never_timed(tune_file):

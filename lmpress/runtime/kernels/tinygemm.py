@@ -8,6 +8,11 @@ one bf16 ``(K / group, N, 2)`` tensor of ``[scale, (8 - zero) * scale]``
 (``qlinear.int4pack_scale_and_zero``; both kernels compute ``(q - 8) * scale + offset``).
 Act-order layers keep their codes sorted by group and permute the activations.
 
+tinygemm is a decode kernel: its time grows with the rows (an H200, 28672 x 4096: 39 us for 1-2 rows,
+82 us for 8, 16.4 ms for 2048, 26x bf16 cuBLAS; ``bench/results/gpu_visit_h200``). From ``DEQUANT_MIN_ROWS``
+rows on (prefill), the layer dequantizes its nibble pairs, kept beside the GPU layout, and multiplies with
+the library's GEMM instead: twice the codes' memory on a GPU, for a prefill at cuBLAS speed.
+
 On the CPU (tests, or a module never moved) the same codes and the same scale-and-zero tensor run
 through ``_weight_int4pack_mm_for_cpu``, which is how the conversion is verified without a GPU.
 tinygemm's limits (``select._tinygemm_holds``): bf16 activations, N % 8 == 0, K % 32 == 0, groups
@@ -21,6 +26,10 @@ from torch import nn
 
 from lmpress.runtime.kernels.select import TINYGEMM_GROUPS
 from lmpress.weights.qlinear import QuantizedLinear, int4pack_scale_and_zero, trivial_g_idx
+
+# From this many rows on, dequantize + the library's GEMM: at 8 rows tinygemm already takes 0.86-0.96x the
+# time of a bf16 GEMM over the whole weight, and it grows about linearly from there (an H200's kernel table).
+DEQUANT_MIN_ROWS = 32
 
 
 def kernel_group(width: int) -> int:
@@ -66,7 +75,8 @@ class TinyGemmLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = pairs.shape[0], pairs.shape[1] * 2
         self.group, self.inner_k_tiles = group, inner_k_tiles(self.in_features)
-        self.register_buffer("weight", pairs)  # nibble pairs; the tensor-core layout once on a GPU
+        self.register_buffer("pairs", pairs)  # nibble pairs, on every device: prefill dequantizes them
+        self.register_buffer("weight", pairs)  # the same tensor; the tensor-core layout once on a GPU
         self.register_buffer("scale_and_zero", scale_and_zero)
         self.register_buffer("perm", perm)
         self.register_buffer("bias", bias)
@@ -79,15 +89,17 @@ class TinyGemmLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # The codes and their bf16 scale-and-zero are the quantized weight: only their device follows
         # the module (a cast to float16 would round the offsets), and a GPU gets its own packing.
-        weight, scale_and_zero = self.weight, self.scale_and_zero
+        weight, pairs, scale_and_zero = self.weight, self.pairs, self.scale_and_zero
         result = super()._apply(fn, recurse)
-        device = self.weight.device
-        if weight.dim() == 4 and device.type != "cuda":
-            raise RuntimeError("a TinyGemmLinear packed for a GPU cannot move off it; rebuild it from the layer")
-        self.weight = weight.to(device=device)
+        device = self.pairs.device
+        self.pairs = pairs.to(device=device)
         self.scale_and_zero = scale_and_zero.to(device=device)
-        if device.type == "cuda" and self.weight.dim() == 2:
-            self.weight = torch.ops.aten._convert_weight_to_int4pack(self.weight.contiguous(), self.inner_k_tiles)
+        if device.type == "cuda":
+            same = weight.dim() == 4 and weight.device == device
+            packed = weight if same else torch.ops.aten._convert_weight_to_int4pack(self.pairs, self.inner_k_tiles)
+            self.weight = packed.to(device=device)
+        else:
+            self.weight = self.pairs
         self._cpu_packed = None
         return result
 
@@ -96,7 +108,9 @@ class TinyGemmLinear(nn.Module):
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
         flat = flat.contiguous()
-        if self.packed_for_gpu:
+        if flat.shape[0] >= DEQUANT_MIN_ROWS:
+            y = flat @ self.dequantized_weight(torch.bfloat16).T
+        elif self.packed_for_gpu:
             y = torch.ops.aten._weight_int4pack_mm(flat, self.weight, self.group, self.scale_and_zero)
         else:
             if self._cpu_packed is None:
@@ -106,6 +120,13 @@ class TinyGemmLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``(N, K)`` in ``dtype``, its columns in the codes' (act-order sorted) order: ``(q - 8) * scale +
+        offset`` per group, as both kernels compute it."""
+        codes = unpaired(self.pairs).to(dtype).view(self.out_features, -1, self.group)
+        scale, offset = self.scale_and_zero.to(dtype).permute(2, 1, 0).unsqueeze(-1)  # (N, K / group, 1) each
+        return ((codes - 8) * scale + offset).view(self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         act = ", act-order" if self.perm is not None else ""

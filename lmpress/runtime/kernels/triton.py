@@ -23,7 +23,7 @@ from lmpress.runtime.kernels.triton_pack import (
     prepare_w4a16,
     prepare_w8a16,
 )
-from lmpress.runtime.kernels.tuning import tune_space, tuned_choice
+from lmpress.runtime.kernels.tuning import remembered, tune_space, tuned_choice
 
 __all__ = ["PackedWeight", "dequantize", "matmul_path", "prepare_w4a16", "prepare_w8a16", "rms_norm"]
 __all__ += ["w4a16_matmul", "w8a16_matmul"]
@@ -213,6 +213,11 @@ def _device_name(device: torch.device) -> str:
 
 def _tuned_config(kind: str, kernel, grid, args: tuple, flags: dict, shape: dict, device: torch.device) -> dict:
     """The fastest of ``configs_for(kind)`` at this shape (``tuning.tuned_choice``: timed once, kept on disk)."""
+    key = (kind, str(device), tune_space(), *sorted(shape.items()))
+    return remembered(key, lambda: _timed_config(kind, kernel, grid, args, flags, shape, device))
+
+
+def _timed_config(kind: str, kernel, grid, args: tuple, flags: dict, shape: dict, device: torch.device) -> dict:
     import triton.testing
 
     candidates = configs_for(kind, shape["N"], shape["G"], shape.get("BM", 1))

@@ -14,6 +14,7 @@ dict answers after the first lookup, so a launch pays one dict lookup.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -55,6 +56,7 @@ def _version(package: str) -> str | None:
         return None
 
 
+@functools.cache  # a metadata lookup scans sys.path: milliseconds, and a kernel launch may ask
 def versions() -> dict[str, str | None]:
     """The versions a tuned choice depends on."""
     return {name: _version(name) for name in ("torch", "triton", "gemlite", "lmpress")}
@@ -97,6 +99,7 @@ class TuneCache:
 
 _CACHES: dict[Path, TuneCache] = {}
 _CHOSEN: dict[str, Any] = {}
+_REMEMBERED: dict[tuple, Any] = {}
 
 
 def default_cache() -> TuneCache:
@@ -143,7 +146,16 @@ def tuned_choice(
     return candidates[best]
 
 
+def remembered(key: tuple, choose: Callable[[], Any]) -> Any:
+    """``choose()`` once per hashable ``key`` in this process: a kernel launch's lookup of its tuned choice
+    costs a dict lookup, not ``tune_key``'s JSON of every candidate (about a millisecond)."""
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = choose()
+    return _REMEMBERED[key]
+
+
 def forget_in_memory() -> None:
     """Drop the in-process answers (the on-disk cache stays): what a new process starts with."""
     _CHOSEN.clear()
+    _REMEMBERED.clear()
     _CACHES.clear()
