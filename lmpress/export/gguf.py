@@ -19,10 +19,13 @@ Quantized layers keep lmpress's integer codes; each maps onto a GGML block type 
   and 16 bytes of nibbles, ``w = (q - 8) * d``);
 - W8, groups of 32, symmetric (zero point 128): ``Q8_0`` (``d`` and 32 int8 ``q - 128``).
 
+Groups of a multiple of 32 columns (64, 128, or one per row) land on these blocks as they are: each group's
+scale is written to each of its 32-column blocks, so the file holds the same codes and scales.
+
 The scales are stored as float16, so the file dequantizes to the candidate's weights with
 its scales rounded to float16 (what GPTQ and AWQ checkpoints store too), bit for bit; k-quant
 scales are float16 products ``d * sc_j`` already. Other schemes have no exact GGML block
-(groups of 64 or 128, act-order ``g_idx`` that permutes columns across blocks, asymmetric
+(groups not a multiple of 32, act-order ``g_idx`` that permutes columns across blocks, asymmetric
 zero points, 2 or 3 bits) and are refused from the recipe alone, before any weight is
 loaded, naming what would work. Every other tensor is written in the model's float type
 (F32, F16 or BF16), norms as F32.
@@ -109,12 +112,16 @@ TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "l
 def gguf_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     """Why a layer quantized with ``scheme`` has no exact GGML block type, or None (Q4_K / Q4_0 / Q8_0)."""
     what = (
-        "W4 g32 sym -> Q4_0, or Q4_K with k_quant_scales: true; W8 g32 sym -> Q8_0; or export gptq / compressed-tensors"
+        "W4 sym, groups of a multiple of 32 -> Q4_0, or Q4_K with k_quant_scales: true; W8 sym likewise -> Q8_0; "
+        "or export gptq / compressed-tensors"
     )
     if scheme.bits not in (4, 8):
         return f"{scheme.bits}-bit weights have no exact GGUF block type (GGUF here holds {what})"
-    if scheme.group_size != BLOCK:
-        return f"group_size {scheme.group_size} does not land on GGUF's 32-column blocks: use group_size: 32 ({what})"
+    if scheme.group_size != -1 and scheme.group_size % BLOCK:
+        return (
+            f"group_size {scheme.group_size} does not land on GGUF's 32-column blocks: "
+            f"use group_size: 32 or a multiple of it ({what})"
+        )
     if not scheme.symmetric:
         return f"asymmetric zero points do not fit Q4_0 / Q4_K / Q8_0 exactly: use symmetric: true ({what})"
     if act_order:
@@ -201,6 +208,16 @@ def _rope_heads(name: str, config: Any) -> int | None:
     return None
 
 
+def widest_groups(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Per-block scales ``(N, K / 32)`` as the widest groups whose blocks all share one scale, and that group
+    size (-1: one per row): a layer written with groups of 64 reads back as it was quantized."""
+    rows, blocks = scales.shape
+    for runs in range(blocks, 1, -1):
+        if blocks % runs == 0 and bool((scales.view(rows, -1, runs) == scales.view(rows, -1, runs)[..., :1]).all()):
+            return scales[:, ::runs].contiguous(), -1 if runs == blocks else BLOCK * runs
+    return scales, BLOCK
+
+
 def quantized_blocks(name: str, module: QuantizedLinear) -> tuple[np.ndarray, str]:
     """One quantized layer as GGML blocks (rows in GGUF order) and the block type's name.
 
@@ -214,7 +231,8 @@ def quantized_blocks(name: str, module: QuantizedLinear) -> tuple[np.ndarray, st
     expected_zero = 8 if module.scheme.bits == 4 else 128
     if not bool((zeros == expected_zero).all()):
         raise LmpressInputError(f"export gguf: {name} has zero points other than {expected_zero}; it is not symmetric")
-    scales = fp16_scales(module.scales.float(), name, FORMAT)
+    repeats = module.scheme.group_width(module.in_features) // BLOCK  # each group's scale on each of its blocks
+    scales = fp16_scales(module.scales.float(), name, FORMAT).repeat_interleave(repeats, dim=1)
     if module.scheme.bits == 8:
         return pack_q8_0(codes, scales), "Q8_0"
     grid = kquant_grid(scales) if module.in_features % SUPER_BLOCK == 0 else None
@@ -493,7 +511,8 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
         data = np.asarray(tensor.data)
         if kind in ("Q4_0", "Q8_0"):
             codes, scales = (unpack_q4_0 if kind == "Q4_0" else unpack_q8_0)(data, cols)
-            scheme = QuantScheme(4 if kind == "Q4_0" else 8, BLOCK, True)
+            scales, group = widest_groups(scales)
+            scheme = QuantScheme(4 if kind == "Q4_0" else 8, group, True)
             value: torch.Tensor | QuantizedWeight = QuantizedWeight(
                 qweight=codes,
                 scales=scales,
@@ -518,7 +537,8 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
 
 
 def q4_k_weight(data: np.ndarray, cols: int, where: str) -> QuantizedWeight:
-    """A Q4_K tensor as lmpress's W4 g32 symmetric weight: scale ``d * sc_j``, zero point 8.
+    """A Q4_K tensor as lmpress's W4 symmetric weight (groups of 32, or wider where they repeat): scale
+    ``d * sc_j``, zero point 8.
 
     Only Q4_K whose mins are 8 times its scales (``dmin * m_j == 8 * d * sc_j``, what lmpress writes)
     is a symmetric grid; other Q4_K files (llama.cpp's own quantizer) are refused.
@@ -530,13 +550,13 @@ def q4_k_weight(data: np.ndarray, cols: int, where: str) -> QuantizedWeight:
             f"{where} is Q4_K with minimums that are not 8 x its scales: not a symmetric grid lmpress holds "
             "(lmpress reads back the Q4_K it writes)"
         )
-    scales = scales.reshape(scales.shape[0], -1)
+    scales, group = widest_groups(scales.reshape(scales.shape[0], -1))
     half = scales.to(torch.float16)
     return QuantizedWeight(
         qweight=codes,
         scales=half if torch.equal(half.float(), scales) else scales,
         zeros=torch.full(scales.shape, 8.0),
-        scheme=QuantScheme(4, BLOCK, True, k_quant_scales=True),
+        scheme=QuantScheme(4, group, True, k_quant_scales=group == BLOCK),
     )
 
 

@@ -88,9 +88,11 @@ def test_gguf_metadata_and_vocabulary(quantized_tiny, export):
     assert field["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_0)
 
 
+@pytest.mark.parametrize("group", [32, 64, -1])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gguf_reads_back_as_the_candidate(quantized_tiny, export, bits):
-    model, tokenizer = quantized_tiny(bits=bits, group_size=32, symmetric=True)
+def test_gguf_reads_back_as_the_candidate(quantized_tiny, export, bits, group):
+    """Groups of 64 or a whole row land on 32-column blocks, their scale written to each."""
+    model, tokenizer = quantized_tiny(bits=bits, group_size=group, symmetric=True)
     out = export("gguf", model, tokenizer)
     artifact = load_model(str(out), fingerprint=False)
     mismatch, change, how = compare_weights(model, artifact.model)
@@ -123,8 +125,8 @@ def test_dense_model_writes_f16(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize(
     ("scheme", "act_order", "fragment"),
     [
-        (QuantScheme(4, 64, True), False, "group_size 64 does not land on GGUF's 32-column blocks: use group_size: 32"),
-        (QuantScheme(4, 128, True), False, "use group_size: 32"),
+        (QuantScheme(4, 16, True), False, "group_size 16 does not land on GGUF's 32-column blocks: use group_size: 32"),
+        (QuantScheme(4, 48, True), False, "use group_size: 32 or a multiple of it"),
         (QuantScheme(4, 32, False), False, "use symmetric: true"),
         (QuantScheme(3, 32, True), False, "3-bit weights have no exact GGUF block type"),
         (QuantScheme(4, 32, True), True, "set static_groups: true"),
@@ -138,8 +140,11 @@ def test_gguf_holds_w4_and_w8_g32_sym():
     assert gguf_scheme_refusal(QuantScheme(4, 32, True), False) is None
     assert gguf_scheme_refusal(QuantScheme(4, 32, True, k_quant_scales=True), False) is None
     assert gguf_scheme_refusal(QuantScheme(8, 32, True), False) is None
-    assert "W4 g32 sym -> Q4_0, or Q4_K with k_quant_scales: true" in gguf_scheme_refusal(
-        QuantScheme(4, 64, True), False
+    for group in (64, 128, -1):  # each group's scale repeated over its 32-column blocks
+        assert gguf_scheme_refusal(QuantScheme(4, group, True), False) is None
+        assert gguf_scheme_refusal(QuantScheme(8, group, True), False) is None
+    assert "W4 sym, groups of a multiple of 32 -> Q4_0, or Q4_K with k_quant_scales: true" in gguf_scheme_refusal(
+        QuantScheme(4, 16, True), False
     )
 
 
