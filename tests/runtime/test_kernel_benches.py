@@ -94,3 +94,31 @@ def test_bench_flags_are_checked():
             [sys.executable, f"bench/{script}", "--tune", "huge"], cwd=REPO, capture_output=True, text=True
         )
         assert done.returncode == 2 and "--tune" in done.stderr
+
+
+def test_the_gpu_only_selection_call_matches_the_selector(monkeypatch, tmp_path):
+    """The kernel table's GPU branch asks the runtime's selector which kernel a layer gets; the dry run takes
+    another branch, so an H200 visit was the first to find that call stale (a missing argument). Here the
+    GPU branch runs against the selector's real signature."""
+    import inspect
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import triton_kernels
+
+    from lmpress.runtime.kernels import cuda
+
+    real = cuda.cuda_kernel_name
+    calls = []
+
+    def checked(*args, **kwargs):
+        inspect.signature(real).bind(*args, **kwargs)  # raises TypeError where the call is stale
+        calls.append(args)
+        return "tinygemm"
+
+    monkeypatch.setattr(cuda, "cuda_kernel_name", checked)
+    bench = triton_kernels.KernelBench(torch.device("cpu"), tmp_path / "rows.jsonl", dry_run=True)
+    bench.dry_run = False  # as on a GPU: the selector is asked, not the table
+    layer = triton_kernels.quantized_layer(64, 128, 4, 32, torch.device("cpu"))
+    assert bench.selected(layer) == "tinygemm" and len(calls) == 1
