@@ -25,6 +25,10 @@ SOURCE = Path(__file__).with_name("cpu_int.cpp")
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
+# What weight-only quantized layers take their activations as on the CPU: "int8" (per 4 values, these kernels, where
+# they hold the layer and build) or "bf16" (torch's packed kernels, kernels/cpu.py).
+CPU_ACTIVATIONS = ("int8", "bf16")
+DEFAULT_CPU_ACTIVATIONS = "int8"
 
 
 @functools.cache
@@ -106,10 +110,12 @@ def w8_fits(in_features: int, group_width: int, act_order: bool) -> bool:
     return not act_order and in_features % BLOCK == 0 and group_width == in_features
 
 
-class W4A8Linear(nn.Module):
-    """``(q - zero) * scale`` 4-bit weights in groups of 64k columns, times activations quantized to int8 per 4."""
+class Int8ActivationLinear(nn.Module):
+    """``(q - zero) * scale`` weight codes times activations quantized to int8 per 4, through the torch op ``OP``;
+    subclasses lay the weight out for it (``layout``)."""
 
-    KERNEL = "cpu-w4a8"
+    KERNEL = ""
+    OP = ""
 
     def __init__(
         self,
@@ -123,59 +129,66 @@ class W4A8Linear(nn.Module):
         load_library()
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
-        self.register_buffer("codes", repack_w4(codes))
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("zeros", zeros.round().to(torch.uint8).contiguous())
+        codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8))
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
+
+    @staticmethod
+    def layout(
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (codes, float32 scales, uint8 zeros) buffers as the op reads them."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.ops.lmpress_cpu.w4_linear(flat, self.codes, self.scales, self.zeros, self.isa)
-        return _finish(y, x, self.bias, self.out_features)
+        y = getattr(torch.ops.lmpress_cpu, self.OP)(flat, self.codes, self.scales, self.zeros, self.isa)
+        return finish_output(y, x, self.bias, self.out_features)
+
+
+class W4A8Linear(Int8ActivationLinear):
+    """``(q - zero) * scale`` 4-bit weights in groups of 64k columns, times activations quantized to int8 per 4."""
+
+    KERNEL = "cpu-w4a8"
+    OP = "w4_linear"
+
+    @staticmethod
+    def layout(
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return repack_w4(codes), scales.contiguous(), zeros.contiguous()
 
     def extra_repr(self) -> str:
         group = self.in_features // self.scales.shape[1]
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{group}, {ISA_NAMES[self.isa]}"
 
 
-class W8A8RowLinear(nn.Module):
+class W8A8RowLinear(Int8ActivationLinear):
     """Per-row ``(q - zero) * scale`` 8-bit weights times activations quantized to int8 per 4."""
 
     KERNEL = "cpu-w8a8"
+    OP = "w8_linear"
 
-    def __init__(
-        self,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
-        bias: torch.Tensor | None,
-        isa: int | None = None,
-    ) -> None:
-        super().__init__()
-        load_library()
-        self.out_features, self.in_features = codes.shape
-        self.isa = host_isa() if isa is None else isa
-        self.register_buffer("codes", codes.to(torch.uint8).contiguous())
-        self.register_buffer("scales", scales.float().reshape(-1).contiguous())
-        self.register_buffer("zeros", zeros.round().to(torch.uint8).reshape(-1).contiguous())
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.ops.lmpress_cpu.w8_linear(flat, self.codes, self.scales, self.zeros, self.isa)
-        return _finish(y, x, self.bias, self.out_features)
+    @staticmethod
+    def layout(
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return codes.to(torch.uint8).contiguous(), scales.reshape(-1).contiguous(), zeros.reshape(-1).contiguous()
 
     def rows(self, rows: torch.Tensor) -> W8A8RowLinear:
         """A copy computing only output rows ``rows``."""
         bias = None if self.bias is None else self.bias[rows].clone()
-        cut = W8A8RowLinear(self.codes[rows], self.scales[rows], self.zeros[rows].float(), bias, self.isa)
-        return cut
+        return W8A8RowLinear(self.codes[rows], self.scales[rows], self.zeros[rows].float(), bias, self.isa)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}"
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """A CPU kernel's float output ``y`` (rows, out) as the module returns it: ``x``'s dtype, plus ``bias``,
+    ``x``'s leading shape."""
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias.to(x.dtype)
