@@ -324,9 +324,29 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
 
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------------------------
 
+// The lane sums of up to 4 rows' accumulators, each by the same tree whatever the other slots hold (so a row's result
+// does not depend on how many rows share the pass): 128-bit blocks 0+2 and 1+3, their sum, then within the block.
+// 13 operations for 4 rows where one reduction per row takes 8.
+TARGET_AVX512 inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+  _mm512_mask_compressstoreu_ps(out, 0x1111, u);  // lane 0 of each block: rows a, b, c, d
+}
+
+template <int M>
+TARGET_AVX512 inline void reduce_rows(const __m512* acc, float* sums) {
+  const __m512 z = _mm512_setzero_ps();
+  for (int m = 0; m < M; m += 4)
+    reduce4(acc[m], m + 1 < M ? acc[m + 1] : z, m + 2 < M ? acc[m + 2] : z, m + 3 < M ? acc[m + 3] : z, sums + m);
+}
+
 // Two blocks (128 codes, 64 bytes) per step: the low nibbles are codes 0:32 of both, the high ones 32:64, against the
 // activations arranged as Acts::qp; in each product the lanes 0-7 sum block a's 32 codes, 8-15 block b's, each
-// scaled by its activation block's d (Acts::fp).
+// scaled by its activation block's d (Acts::fp). The zero points' term, scale x zero x (the group's d * sum(q)), is
+// subtracted from the lanes 16 groups at a time.
 template <int M>
 TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                   int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
@@ -336,6 +356,7 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
   const int8_t* xq = a.qp.data() + m0 * K;
   const float* xf = a.fp.data() + m0 * std::max<int64_t>(np, 1) * 32;
   const float* xb = a.fb.data() + m0 * nb * 16;
+  const float* zs = zsum + m0 * G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     const float* sc = scales + n * G;
@@ -364,17 +385,22 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
       const __m256i l4 = _mm256_set1_epi8(0x0F);
       const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, l4)),
                                             _mm256_and_si256(_mm256_srli_epi16(w, 4), l4), 1);
+      const __m512 s = _mm512_set1_ps(sc[group_of(b, spg, shift)]);
       for (int m = 0; m < M; ++m) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + m * K + b * BLOCK));
-        const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(xb + (m * nb + b) * 16), _mm512_set1_ps(sc[group_of(b, spg, shift)]));
+        const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(xb + (m * nb + b) * 16), s);
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), f, acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m) {
-      float zs = 0.f;
-      for (int64_t g = 0; g < G; ++g) zs += sc[g] * static_cast<float>(zeros[n * G + g]) * zsum[(m0 + m) * G + g];
-      y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]) - zs;
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, zeros + n * G + g)));
+      const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + g), z);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(k, zs + m * G + g), acc[m]);
     }
+    float sums[(M + 3) / 4 * 4];
+    reduce_rows<M>(acc, sums);
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = sums[m];
   }
 }
 
@@ -387,6 +413,8 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
     xs[m] = 0.f;
     for (int64_t b = 0; b < na; ++b) xs[m] += a.s[(m0 + m) * na + b];
   }
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xf = a.fb.data() + m0 * nb * 16;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * K;
     __m512 acc[M];
@@ -396,13 +424,14 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
       _mm_prefetch(reinterpret_cast<const char*>(ahead + b * BLOCK), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(row + b * BLOCK);
       for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(a.q.data() + (m0 + m) * K + b * BLOCK);
+        const __m512i xv = _mm512_loadu_si512(xq + m * K + b * BLOCK);
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
-        acc[m] = _mm512_fmadd_ps(dot, _mm512_loadu_ps(a.fb.data() + ((m0 + m) * nb + b) * 16), acc[m]);
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_loadu_ps(xf + (m * nb + b) * 16), acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m)
-      y[(m0 + m) * N + n] = scales[n] * (_mm512_reduce_add_ps(acc[m]) - static_cast<float>(zeros[n]) * xs[m]);
+    float sums[(M + 3) / 4 * 4];
+    reduce_rows<M>(acc, sums);
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = scales[n] * (sums[m] - static_cast<float>(zeros[n]) * xs[m]);
   }
 }
 
