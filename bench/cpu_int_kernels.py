@@ -30,18 +30,18 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one 
 LAYERS, VOCAB, DIM = 30, 49152, 576
 
 
-def build() -> tuple[list, list, dict]:
+def build(isa: int | None) -> tuple[list, list, dict]:
     torch.manual_seed(0)
     ours, theirs = [], []
     for _ in range(LAYERS):
         for out, k in SHAPES:
             codes = torch.randint(0, 16, (out, k), dtype=torch.uint8)
             scales, zeros = torch.rand(out, k // 64) * 0.01 + 0.001, torch.randint(0, 16, (out, k // 64)).float()
-            ours.append((cpu_int.W4A8Linear(codes, scales, zeros, None), k))
+            ours.append((cpu_int.W4A8Linear(codes, scales, zeros, None, isa), k))
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             theirs.append(((packed, int4pack_scale_and_zero(scales, zeros, 1)), k))
     codes = torch.randint(0, 256, (VOCAB, DIM), dtype=torch.uint8)
-    head = cpu_int.W8A8RowLinear(codes, torch.rand(VOCAB, 1), torch.full((VOCAB, 1), 128.0), None)
+    head = cpu_int.W8A8RowLinear(codes, torch.rand(VOCAB, 1), torch.full((VOCAB, 1), 128.0), None, isa)
     heads = {"ours": head, "theirs": ((codes ^ 0x80).view(torch.int8), torch.rand(VOCAB).bfloat16())}
     return ours, theirs, heads
 
@@ -77,10 +77,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--isa", type=int, choices=sorted(cpu_int.ISA_NAMES), help="a lower level than the host's")
     parser.add_argument("--against", metavar="REV", help="also time cpu_int.cpp at this git revision")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ours, theirs, heads = build()
+    ours, theirs, heads = build(args.isa)
     xs = {k: torch.randn(8, k) for k in (576, 1536)}
 
     def run_ours(rows: int) -> None:
@@ -93,7 +94,8 @@ def main() -> None:
             torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k][:rows].bfloat16(), packed, 64, scale_zero)
         torch.ops.aten._weight_int8pack_mm(xs[DIM][:rows].bfloat16(), *heads["theirs"])
 
-    kernels = {f"lmpress int8 ({cpu_int.ISA_NAMES[cpu_int.host_isa()]})": run_ours, "torch bf16 packed": run_theirs}
+    isa = cpu_int.host_isa() if args.isa is None else args.isa
+    kernels = {f"lmpress int8 ({cpu_int.ISA_NAMES[isa]})": run_ours, "torch bf16 packed": run_theirs}
     if args.against:
         build_base(args.against)
         base, now = torch.ops.lmpress_cpu_base, torch.ops.lmpress_cpu
