@@ -7,7 +7,7 @@ o, gate/up fused, down) plus the W8 head, as one decode step reads them (streame
 Times are CPU time of the calling thread (``time.thread_time``), the two kernels interleaved, medians and
 quartiles over the repeats, for 1 and 4 input rows. Prints a table; writes nothing. ``--against REV`` adds the
 kernels of ``cpu_int.cpp`` at git revision REV (built once into lmpress's cache under the op namespace
-``lmpress_cpu_base``; the weight layout must be the same), timed interleaved with today's, the W4 layers and the
+``lmpress_cpu_base``; W4 in the natural layout, ``repack_w4``), timed interleaved with today's, the W4 layers and the
 W8 head apart as well.
 """
 
@@ -37,7 +37,9 @@ def build(isa: int | None) -> tuple[list, list, dict]:
         for out, k in SHAPES:
             codes = torch.randint(0, 16, (out, k), dtype=torch.uint8)
             scales, zeros = torch.rand(out, k // 64) * 0.01 + 0.001, torch.randint(0, 16, (out, k // 64)).float()
-            ours.append((cpu_int.W4A8Linear(codes, scales, zeros, None, isa), k))
+            module = cpu_int.W4A8Linear(codes, scales, zeros, None, isa)
+            module.natural = (cpu_int.repack_w4(codes), scales, zeros.to(torch.uint8))  # for --against
+            ours.append((module, k))
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             theirs.append(((packed, int4pack_scale_and_zero(scales, zeros, 1)), k))
     codes = torch.randint(0, 256, (VOCAB, DIM), dtype=torch.uint8)
@@ -103,9 +105,12 @@ def main() -> None:
 
         def pass_of(ops, part: str):  # noqa: ANN001, ANN202
             def run(rows: int) -> None:
-                if part == "w4":
+                if part == "w4" and ops is base:  # the natural layout (cpu_int.repack_w4)
                     for module, k in ours:
-                        ops.w4_linear(flat[k, rows], module.codes, module.scales, module.zeros, module.isa)
+                        ops.w4_linear(flat[k, rows], *module.natural, module.isa)
+                elif part == "w4":
+                    for module, k in ours:
+                        module.product(flat[k, rows])
                 else:
                     head = heads["ours"]
                     ops.w8_linear(flat[DIM, rows], head.codes, head.scales, head.zeros, head.isa)

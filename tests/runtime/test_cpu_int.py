@@ -72,14 +72,16 @@ def test_activations_quantize_as_the_reference():
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 11])
 @pytest.mark.parametrize(("k", "group"), [(384, 64), (448, 64), (640, 128), (576, 192)])
-def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group):
-    """Even and odd numbers of 64-blocks (AVX-512 takes them in pairs); groups spanning pairs, straddling them."""
-    codes, scales, zeros, weight = w4_case(48, k, group)
+@pytest.mark.parametrize("out", [48, 37])
+def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group, out):
+    """Even and odd numbers of 64-blocks; groups of several blocks; output rows filling AVX-512's tiles of 16 and
+    not (the last tile padded)."""
+    codes, scales, zeros, weight = w4_case(out, k, group)
     x = inputs(rows, k)
     exact = dequantized_x(x) @ weight.t()  # the quantized activations times the dequantized weight
     for isa in levels():
         y = cpu_int.W4A8Linear(codes, scales, zeros, None, isa=isa)(x)
-        assert y.shape == (rows, 48) and y.dtype == torch.float32
+        assert y.shape == (rows, out) and y.dtype == torch.float32
         assert sqnr_db(exact, y) > 100, (isa, sqnr_db(exact, y))  # float32 rounding only
         assert sqnr_db(x.double() @ weight.t(), y) > 30  # and int8 activations stay close to float ones
 

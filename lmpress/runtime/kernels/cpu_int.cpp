@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -118,7 +119,8 @@ TARGET_AVX2 void quantize16_avx2(const float* x, int8_t* q, float* d, float* s) 
 }
 #endif
 
-void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs, Acts& a) {
+// lane_scales: build Acts::fb (the SIMD paths of the natural layout); pairs: also Acts::qp and fp (AVX-512's W4).
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool lane_scales, bool pairs, Acts& a) {
   const int64_t na = K / ABLOCK;
   a.M = M, a.K = K;
   a.q.resize(M * K);
@@ -140,7 +142,7 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
         quantize16_portable(xc, qc, d, s);
     }
   }
-  if (isa == 0) return;
+  if (!lane_scales) return;
   const int64_t nb = K / BLOCK;
   a.fb.resize(M * nb * 16);
   for (int64_t m = 0; m < M; ++m)
@@ -466,6 +468,65 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
   }
 }
 
+// W4, outputs in lanes (layout "t16", repack_w4_t16 in cpu_int.py): 16 output rows per tile; per tile, per 64-block,
+// 8 vectors of 64 bytes, vector j's byte 4l + i holding code 4j + i of the tile's row l (low nibble) and code
+// 32 + 4j + i (high nibble). Each nibble half is one step: 4 codes of 16 rows against 4 activations broadcast, one
+// vpdpbusd; the step's int32 lanes scaled by the activation block's d (a broadcast), so a row's 16 outputs build up
+// in one vector: no reductions across lanes, and the group scale (a vector over the 16 rows) is applied once per
+// 64-block rather than per pair of blocks and row of weights. Scales and zeros are stored (tiles, G, 16).
+template <int M>
+TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t t0,
+                                   int64_t t1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
+                                   int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, na = K / ABLOCK, spg = nb / G, shift = log2_or_minus1(spg);
+  const int64_t tile_bytes = nb * 8 * 64;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xd = a.d.data() + m0 * na;
+  const float* zs = zsum + m0 * G;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = codes + t * tile_bytes;
+    const uint8_t* ahead = codes + std::min(t + std::max<int64_t>(1, PREFETCH_BYTES / tile_bytes), t1 - 1) * tile_bytes;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 part[M];
+      for (int m = 0; m < M; ++m) part[m] = _mm512_setzero_ps();
+      const uint8_t* blk = tile + b * 512;
+      for (int64_t j = 0; j < 8; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * 512 + j * 64), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512(blk + j * 64);
+        const __m512i lo = _mm512_and_si512(w, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = xq + m * K + b * BLOCK + 4 * j;
+          const float* d = xd + m * na + b * APER + j;
+          int32_t x0, x1;
+          std::memcpy(&x0, x, 4);
+          std::memcpy(&x1, x + 32, 4);
+          const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi32(x0));
+          const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi32(x1));
+          part[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_set1_ps(d[0]), part[m]);
+          part[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_set1_ps(d[32 / ABLOCK]), part[m]);
+        }
+      }
+      const int64_t g = group_of(b, spg, shift);
+      const __m512 sv = _mm512_loadu_ps(scales + (t * G + g) * 16);
+      const bool last = spg == 1 || (b + 1) % spg == 0;  // the group's zero term once, after its last block
+      const __m512 sz = last ? _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                                       reinterpret_cast<const __m128i*>(zeros + (t * G + g) * 16)))))
+                             : _mm512_setzero_ps();
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm512_fmadd_ps(part[m], sv, acc[m]);
+        if (last) acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(zs[m * G + g]), acc[m]);
+      }
+    }
+    const int64_t valid = std::min<int64_t>(16, N - t * 16);
+    const __mmask16 k = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + t * 16, k, acc[m]);
+  }
+}
+
 #endif  // LMPRESS_X86
 
 // ---- dispatch ----------------------------------------------------------------------------------------------------
@@ -489,6 +550,11 @@ template <int M>
 struct W4Avx512 {
   template <typename... A>
   static void run(const A&... a) { w4_rows_avx512<M>(a...); }
+};
+template <int M>
+struct W4TilesAvx512 {
+  template <typename... A>
+  static void run(const A&... a) { w4_tiles_avx512<M>(a...); }
 };
 template <int M>
 struct W4Avx2 {
@@ -545,7 +611,7 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   static thread_local Acts buffer;
   static thread_local std::vector<float> zsums;
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, isa == 2, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, isa == 2, buffer);
   group_sums(acts, G, zsums);
   const float* zsum = zsums.data();
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -571,6 +637,37 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// W4 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 8, 64), scales (tiles, G, 16) float32, zeros
+// (tiles, G, 16) uint8, rows past out_features padded (scale 0).
+at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t out_features) {
+  check(x, codes, scales, zeros, 2);
+  const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), G = scales.size(1), N = out_features;
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 8 && codes.size(3) == 64,
+              "w4 t16 codes: (tiles, K / 64, 8, 64)");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == T && scales.size(2) == 16 && zeros.sizes() == scales.sizes(),
+              "w4 t16 scales and zeros: (tiles, G, 16)");
+  TORCH_CHECK(G > 0 && (K / BLOCK) % G == 0 && N > (T - 1) * 16 && N <= T * 16, "w4 t16 shapes");
+  at::Tensor y = at::empty({M, N}, x.options());
+  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
+  static thread_local std::vector<float> zsums;
+  const Acts& acts = buffer;
+  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, buffer);
+  group_sums(acts, G, zsums);
+  const float* zsum = zsums.data();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+#ifdef LMPRESS_X86
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+      by_rows<W4TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, G, acts, zsum, m0, N, out);
+  });
+#endif
+  return y;
+}
+
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                      int64_t isa) {
   check(x, codes, scales, zeros, isa);
@@ -579,7 +676,7 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = at::empty({M, N}, x.options());
   static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, false, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -610,7 +707,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int
   TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run instruction set level ", isa);
   const int64_t M = x.size(0), K = x.size(1);
   Acts acts;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, false, acts);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, false, false, acts);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / ABLOCK}, x.options());
   std::copy(acts.q.begin(), acts.q.end(), q.data_ptr<int8_t>());
@@ -625,6 +722,7 @@ int64_t cpu_isa() { return best_isa(); }
 TORCH_LIBRARY(lmpress_cpu, m) {
   m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
+  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor");
   m.def("quantize_activations(Tensor x, int isa) -> (Tensor, Tensor)");
   m.def("cpu_isa", &cpu_isa);
 }
@@ -632,5 +730,6 @@ TORCH_LIBRARY(lmpress_cpu, m) {
 TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) {
   m.impl("w4_linear", &w4_linear);
   m.impl("w8_linear", &w8_linear);
+  m.impl("w4_linear_t16", &w4_linear_t16);
   m.impl("quantize_activations", &quantize_activations);
 }

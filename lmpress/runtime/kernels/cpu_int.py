@@ -71,8 +71,12 @@ def _register_fakes() -> None:
     def fake_linear(x, codes, scales, zeros, isa):  # noqa: ANN001, ANN202 - torch.library's signature
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    def fake_tiled(x, codes, scales, zeros, out_features):  # noqa: ANN001, ANN202 - torch.library's signature
+        return x.new_empty(x.shape[0], out_features)
+
     for op in ("w4_linear", "w8_linear"):
         torch.library.register_fake(f"lmpress_cpu::{op}")(fake_linear)
+    torch.library.register_fake("lmpress_cpu::w4_linear_t16")(fake_tiled)
 
 
 @functools.cache
@@ -102,6 +106,31 @@ def repack_w4(codes: torch.Tensor) -> torch.Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2).contiguous()
 
 
+TILE = 16  # output rows per tile of the AVX-512 W4 layout
+
+
+def repack_w4_t16(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, in)`` 4-bit codes, ``(out, G)`` scales and zeros as AVX-512's outputs-in-lanes kernel reads them
+    (``w4_linear_t16`` in cpu_int.cpp): rows padded to tiles of 16 (scale 0); codes ``(tiles, in / 64, 8, 64)``,
+    vector j of a 64-block holding at byte ``4 l + i`` code ``4 j + i`` of the tile's row l (low nibble) and code
+    ``32 + 4 j + i`` (high nibble); scales and zeros ``(tiles, G, 16)``."""
+    out, k = codes.shape
+    tiles = -(-out // TILE)
+    pad = tiles * TILE - out
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    scales = torch.nn.functional.pad(scales, (0, 0, 0, pad))
+    zeros = torch.nn.functional.pad(zeros, (0, 0, 0, pad))
+    c = codes.reshape(tiles, TILE, k // BLOCK, 2, 8, 4)  # [tile, row, block, half, j, i]: code 32 half + 4 j + i
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 8, 64)
+
+    def by_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+    return packed.contiguous(), by_tile(scales), by_tile(zeros)
+
+
 def w4_fits(in_features: int, group_width: int, act_order: bool) -> bool:
     return not act_order and in_features % BLOCK == 0 and group_width % BLOCK == 0 and in_features % group_width == 0
 
@@ -129,7 +158,7 @@ class Int8ActivationLinear(nn.Module):
         load_library()
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
-        codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8))
+        codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
@@ -137,15 +166,18 @@ class Int8ActivationLinear(nn.Module):
 
     @staticmethod
     def layout(
-        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The (codes, float32 scales, uint8 zeros) buffers as the op reads them."""
+        """The (codes, float32 scales, uint8 zeros) buffers as the op for ``isa`` reads them."""
         raise NotImplementedError
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
+        return getattr(torch.ops.lmpress_cpu, self.OP)(flat, self.codes, self.scales, self.zeros, self.isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = getattr(torch.ops.lmpress_cpu, self.OP)(flat, self.codes, self.scales, self.zeros, self.isa)
-        return finish_output(y, x, self.bias, self.out_features)
+        return finish_output(self.product(flat), x, self.bias, self.out_features)
 
 
 class W4A8Linear(Int8ActivationLinear):
@@ -156,9 +188,16 @@ class W4A8Linear(Int8ActivationLinear):
 
     @staticmethod
     def layout(
-        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if isa == 2:  # outputs in lanes (w4_linear_t16)
+            return repack_w4_t16(codes, scales, zeros)
         return repack_w4(codes), scales.contiguous(), zeros.contiguous()
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.isa == 2:
+            return torch.ops.lmpress_cpu.w4_linear_t16(flat, self.codes, self.scales, self.zeros, self.out_features)
+        return super().product(flat)
 
     def extra_repr(self) -> str:
         group = self.in_features // self.scales.shape[1]
@@ -173,7 +212,7 @@ class W8A8RowLinear(Int8ActivationLinear):
 
     @staticmethod
     def layout(
-        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return codes.to(torch.uint8).contiguous(), scales.reshape(-1).contiguous(), zeros.reshape(-1).contiguous()
 
