@@ -14,8 +14,13 @@
 // caller (isa: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = portable C++); kernels for all three are compiled into one
 // library with per-function target attributes, so one build runs on any x86-64 host.
 //
-// W4 layout (repacked once at load): per row, per superblock of 64 codes, 32 bytes; byte j holds code j in its low
-// nibble and code j + 32 in its high nibble, so one 32-byte load unpacks into codes 0..31 and 32..63 in order.
+// W4 layouts (repacked once at load, cpu_int.py): AVX2 and portable, per row, per superblock of 64 codes, 32 bytes;
+// byte j holds code j in its low nibble and code j + 32 in its high nibble, so one 32-byte load unpacks into codes
+// 0..31 and 32..63 in order. AVX-512 VNNI: outputs in lanes, 16 rows per tile ("t16", w4_tiles_avx512): with 4 rows
+// (speculative verification) the natural layout spent two conversions and three float operations besides its two dot
+// products per 128 codes of a weight row and input row, plus a reduction across lanes per output and input row; in
+// lanes, one dot product, one conversion and one multiply-add per 64 codes (4 codes of 16 weight rows) and input
+// row, the group scale once per 64-block, 16 weight rows and input row.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
