@@ -7,7 +7,8 @@ o, gate/up fused, down) plus the W8 head, as one decode step reads them (streame
 Times are CPU time of the calling thread (``time.thread_time``), the two kernels interleaved, medians and
 quartiles over the repeats, for 1 and 4 input rows. Prints a table; writes nothing. ``--against REV`` adds the
 kernels of ``cpu_int.cpp`` at git revision REV (built once into lmpress's cache under the op namespace
-``lmpress_cpu_base``; W4 in the natural layout, ``repack_w4``), timed interleaved with today's, the W4 layers and the
+``lmpress_cpu_base``; W4 in the natural layout, ``repack_w4``, where that revision has no outputs-in-lanes
+kernel), timed interleaved with today's, the W4 layers and the
 W8 head apart as well.
 """
 
@@ -102,12 +103,16 @@ def main() -> None:
         build_base(args.against)
         base, now = torch.ops.lmpress_cpu_base, torch.ops.lmpress_cpu
         flat = {(k, n): xs[k][:n].contiguous() for k in xs for n in (1, 4)}
+        tiled_base = isa == 2 and hasattr(base, "w4_linear_t16")  # a revision with AVX-512's outputs-in-lanes W4
 
         def pass_of(ops, part: str):  # noqa: ANN001, ANN202
             def run(rows: int) -> None:
-                if part == "w4" and ops is base:  # the natural layout (cpu_int.repack_w4)
+                if part == "w4" and ops is base and not tiled_base:  # the natural layout (cpu_int.repack_w4)
                     for module, k in ours:
                         ops.w4_linear(flat[k, rows], *module.natural, module.isa)
+                elif part == "w4" and ops is base:
+                    for module, k in ours:
+                        ops.w4_linear_t16(flat[k, rows], module.codes, module.scales, module.zeros, module.out_features)
                 elif part == "w4":
                     for module, k in ours:
                         module.product(flat[k, rows])
