@@ -491,7 +491,8 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
   const float* zs = zsum + m0 * G;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = codes + t * tile_bytes;
-    const uint8_t* ahead = codes + std::min(t + std::max<int64_t>(1, PREFETCH_BYTES / tile_bytes), t1 - 1) * tile_bytes;
+    const int64_t t_ahead = std::min(t + std::max<int64_t>(1, PREFETCH_BYTES / tile_bytes), t1 - 1);
+    const uint8_t* ahead = codes + t_ahead * tile_bytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -516,6 +517,8 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
         }
       }
       const int64_t g = group_of(b, spg, shift);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (t_ahead * G + g) * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(zeros + (t_ahead * G + g) * 16), _MM_HINT_T0);
       const __m512 sv = _mm512_loadu_ps(scales + (t * G + g) * 16);
       const bool last = spg == 1 || (b + 1) % spg == 0;  // the group's zero term once, after its last block
       const __m512 sz = last ? _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
