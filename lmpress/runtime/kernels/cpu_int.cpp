@@ -374,11 +374,23 @@ TARGET_AVX512 inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float*
   _mm512_mask_compressstoreu_ps(out, 0x1111, u);  // lane 0 of each block: rows a, b, c, d
 }
 
+// One row's sum by reduce4's tree (IEEE addition commutes, so a2 + a0 is a0 + a2): 8 operations where reduce4 with
+// three empty slots takes 13.
+TARGET_AVX512 inline float reduce1(__m512 a) {
+  __m512 u = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0x4E));  // blocks 0+2, 1+3
+  u = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0xB1));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+  return _mm512_cvtss_f32(u);
+}
+
 template <int M>
 TARGET_AVX512 inline void reduce_rows(const __m512* acc, float* sums) {
   const __m512 z = _mm512_setzero_ps();
-  for (int m = 0; m < M; m += 4)
-    reduce4(acc[m], m + 1 < M ? acc[m + 1] : z, m + 2 < M ? acc[m + 2] : z, m + 3 < M ? acc[m + 3] : z, sums + m);
+  int m = 0;
+  for (; m + 1 < M; m += 4)
+    reduce4(acc[m], acc[m + 1], m + 2 < M ? acc[m + 2] : z, m + 3 < M ? acc[m + 3] : z, sums + m);
+  if (m < M) sums[m] = reduce1(acc[m]);
 }
 
 // Two blocks (128 codes, 64 bytes) per step: the low nibbles are codes 0:32 of both, the high ones 32:64, against the
