@@ -7,9 +7,8 @@ o, gate/up fused, down) plus the W8 head, as one decode step reads them (streame
 Times are CPU time of the calling thread (``time.thread_time``), the two kernels interleaved, medians and
 quartiles over the repeats, for 1 and 4 input rows. Prints a table; writes nothing. ``--against REV`` adds the
 kernels of ``cpu_int.cpp`` at git revision REV (built once into lmpress's cache under the op namespace
-``lmpress_cpu_base``; W4 in the natural layout, ``repack_w4``, where that revision has no outputs-in-lanes
-kernel), timed interleaved with today's, the W4 layers and the
-W8 head apart as well.
+``lmpress_cpu_base``; weights in the natural layout where that revision has no outputs-in-lanes kernel),
+timed interleaved with today's, the W4 layers and the W8 head apart as well (``--isa 1``: the AVX2 path).
 """
 
 from __future__ import annotations
@@ -44,7 +43,9 @@ def build(isa: int | None) -> tuple[list, list, dict]:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             theirs.append(((packed, int4pack_scale_and_zero(scales, zeros, 1)), k))
     codes = torch.randint(0, 256, (VOCAB, DIM), dtype=torch.uint8)
-    head = cpu_int.W8A8RowLinear(codes, torch.rand(VOCAB, 1), torch.full((VOCAB, 1), 128.0), None, isa)
+    scales, zeros = torch.rand(VOCAB, 1), torch.full((VOCAB, 1), 128.0)
+    head = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa)
+    head.natural = (codes, scales.reshape(-1), zeros.reshape(-1).to(torch.uint8))  # for --against
     heads = {"ours": head, "theirs": ((codes ^ 0x80).view(torch.int8), torch.rand(VOCAB).bfloat16())}
     return ours, theirs, heads
 
@@ -104,6 +105,7 @@ def main() -> None:
         base, now = torch.ops.lmpress_cpu_base, torch.ops.lmpress_cpu
         flat = {(k, n): xs[k][:n].contiguous() for k in xs for n in (1, 4)}
         tiled_base = isa == 2 and hasattr(base, "w4_linear_t16")  # a revision with AVX-512's outputs-in-lanes W4
+        tiled_head = isa == 2 and hasattr(base, "w8_linear_t16")
 
         def pass_of(ops, part: str):  # noqa: ANN001, ANN202
             def run(rows: int) -> None:
@@ -116,9 +118,14 @@ def main() -> None:
                 elif part == "w4":
                     for module, k in ours:
                         module.product(flat[k, rows])
-                else:
+                elif ops is base and not tiled_head:
                     head = heads["ours"]
-                    ops.w8_linear(flat[DIM, rows], head.codes, head.scales, head.zeros, head.isa)
+                    ops.w8_linear(flat[DIM, rows], *head.natural, head.isa)
+                elif ops is base:
+                    head = heads["ours"]
+                    ops.w8_linear_t16(flat[DIM, rows], head.codes, head.scales, head.zeros, head.out_features)
+                else:
+                    heads["ours"].product(flat[DIM, rows])
 
             return run
 

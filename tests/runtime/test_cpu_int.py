@@ -87,8 +87,9 @@ def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group, out):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_w8_matches_the_dequantized_weight_on_every_isa(rows):
-    codes, scales, zeros, weight = w8_case(80, 320)
+@pytest.mark.parametrize("out", [80, 37])
+def test_w8_matches_the_dequantized_weight_on_every_isa(rows, out):
+    codes, scales, zeros, weight = w8_case(out, 320)
     x = inputs(rows, 320)
     exact = dequantized_x(x) @ weight.t()
     for isa in levels():
@@ -180,3 +181,15 @@ def test_w8_rows_together_give_each_rows_own_result(rows):
         module = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa)
         apart = torch.cat([module(row[None]) for row in x])
         torch.testing.assert_close(module(x), apart, rtol=0, atol=0)
+
+
+def test_w8_cut_to_some_output_rows_computes_those_rows():
+    """``rows`` (the head cut to part of the vocabulary) from every layout, the outputs-in-lanes one included."""
+    codes, scales, zeros, _ = w8_case(40, 192)
+    keep = torch.tensor([0, 17, 3, 39, 16])
+    x = inputs(2, 192)
+    for isa in levels():
+        module = cpu_int.W8A8RowLinear(codes, scales, zeros, torch.randn(40), isa=isa)
+        cut = module.rows(keep)
+        assert cut.out_features == 5
+        torch.testing.assert_close(cut(x), module(x)[:, keep], rtol=0, atol=0)

@@ -547,6 +547,47 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
   }
 }
 
+// W8 per row, outputs in lanes (layout "t16", repack_w8_t16 in cpu_int.py): 16 output rows per tile; per tile, per
+// 64-block, 16 vectors of 64 bytes, vector j's byte 4l + i holding code 4j + i of the tile's row l. One vpdpbusd per
+// 4 codes of 16 rows, scaled by the activation block's d (a broadcast); no reductions across lanes. Scales and zeros
+// (tiles, 16).
+template <int M>
+TARGET_AVX512 void w8_tiles_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t t0,
+                                   int64_t t1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, na = K / ABLOCK, tile_bytes = nb * 16 * 64;
+  float xs[M];  // sum of d * sum(q) over the row's blocks: the zero point's term
+  for (int m = 0; m < M; ++m) {
+    xs[m] = 0.f;
+    for (int64_t b = 0; b < na; ++b) xs[m] += a.s[(m0 + m) * na + b];
+  }
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xd = a.d.data() + m0 * na;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = codes + t * tile_bytes;
+    const int64_t t_ahead = std::min(t + std::max<int64_t>(1, PREFETCH_BYTES / tile_bytes), t1 - 1);
+    const uint8_t* ahead = codes + t_ahead * tile_bytes;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nb * 16; ++j) {  // 4 codes of the 16 rows per step
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64), _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(tile + j * 64);
+      for (int m = 0; m < M; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xq + m * K + 4 * j, 4);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_set1_epi32(x4));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(xd[m * na + j]), acc[m]);
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(scales + t * 16);
+    const __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + t * 16))));
+    const int64_t valid = std::min<int64_t>(16, N - t * 16);
+    const __mmask16 k = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    for (int m = 0; m < M; ++m)
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + t * 16, k,
+                            _mm512_mul_ps(sv, _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[m]), acc[m])));
+  }
+}
+
 #endif  // LMPRESS_X86
 
 // ---- dispatch ----------------------------------------------------------------------------------------------------
@@ -575,6 +616,11 @@ template <int M>
 struct W4TilesAvx512 {
   template <typename... A>
   static void run(const A&... a) { w4_tiles_avx512<M>(a...); }
+};
+template <int M>
+struct W8TilesAvx512 {
+  template <typename... A>
+  static void run(const A&... a) { w8_tiles_avx512<M>(a...); }
 };
 template <int M>
 struct W4Avx2 {
@@ -720,6 +766,34 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// W8 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 16, 64), scales (tiles, 16) float32, zeros
+// (tiles, 16) uint8, rows past out_features padded.
+at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t out_features) {
+  check(x, codes, scales, zeros, 2);
+  const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), N = out_features;
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 16 && codes.size(3) == 64,
+              "w8 t16 codes: (tiles, K / 64, 16, 64)");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == T && scales.size(1) == 16 && zeros.sizes() == scales.sizes(),
+              "w8 t16 scales and zeros: (tiles, 16)");
+  TORCH_CHECK(N > (T - 1) * 16 && N <= T * 16, "w8 t16 shapes");
+  at::Tensor y = at::empty({M, N}, x.options());
+  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
+  const Acts& acts = buffer;
+  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, buffer);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+#ifdef LMPRESS_X86
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+      by_rows<W8TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, acts, m0, N, out);
+  });
+#endif
+  return y;
+}
+
 // The activations as the kernels see them (for tests): (q as float, d per block).
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % BLOCK == 0,
@@ -743,6 +817,7 @@ TORCH_LIBRARY(lmpress_cpu, m) {
   m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
   m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor");
+  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor");
   m.def("quantize_activations(Tensor x, int isa) -> (Tensor, Tensor)");
   m.def("cpu_isa", &cpu_isa);
 }
@@ -751,5 +826,6 @@ TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) {
   m.impl("w4_linear", &w4_linear);
   m.impl("w8_linear", &w8_linear);
   m.impl("w4_linear_t16", &w4_linear_t16);
+  m.impl("w8_linear_t16", &w8_linear_t16);
   m.impl("quantize_activations", &quantize_activations);
 }

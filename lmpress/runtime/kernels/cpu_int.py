@@ -76,7 +76,8 @@ def _register_fakes() -> None:
 
     for op in ("w4_linear", "w8_linear"):
         torch.library.register_fake(f"lmpress_cpu::{op}")(fake_linear)
-    torch.library.register_fake("lmpress_cpu::w4_linear_t16")(fake_tiled)
+    for op in ("w4_linear_t16", "w8_linear_t16"):
+        torch.library.register_fake(f"lmpress_cpu::{op}")(fake_tiled)
 
 
 @functools.cache
@@ -129,6 +130,28 @@ def repack_w4_t16(
         return t.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
 
     return packed.contiguous(), by_tile(scales), by_tile(zeros)
+
+
+def repack_w8_t16(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, in)`` 8-bit codes and ``(out,)`` scales and zeros as AVX-512's outputs-in-lanes kernel reads them
+    (``w8_linear_t16`` in cpu_int.cpp): rows padded to tiles of 16; codes ``(tiles, in / 64, 16, 64)``, vector j of
+    a 64-block holding at byte ``4 l + i`` code ``4 j + i`` of the tile's row l; scales and zeros ``(tiles, 16)``."""
+    out, k = codes.shape
+    tiles = -(-out // TILE)
+    pad = tiles * TILE - out
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    packed = codes.reshape(tiles, TILE, k // BLOCK, 16, 4).permute(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 16, 64)
+    scales, zeros = (torch.nn.functional.pad(t, (0, pad)).reshape(tiles, TILE) for t in (scales, zeros))
+    return packed.contiguous(), scales.contiguous(), zeros.contiguous()
+
+
+def unpack_w8_t16(codes: torch.Tensor, out: int) -> torch.Tensor:
+    """``repack_w8_t16``'s codes back as ``(out, in)``."""
+    tiles, blocks = codes.shape[:2]
+    rows = codes.reshape(tiles, blocks, 16, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks * BLOCK)
+    return rows[:out]
 
 
 def w4_fits(in_features: int, group_width: int, act_order: bool) -> bool:
@@ -214,12 +237,24 @@ class W8A8RowLinear(Int8ActivationLinear):
     def layout(
         codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return codes.to(torch.uint8).contiguous(), scales.reshape(-1).contiguous(), zeros.reshape(-1).contiguous()
+        scales, zeros = scales.reshape(-1), zeros.reshape(-1)
+        if isa == 2:  # outputs in lanes (w8_linear_t16)
+            return repack_w8_t16(codes, scales, zeros)
+        return codes.to(torch.uint8).contiguous(), scales.contiguous(), zeros.contiguous()
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.isa == 2:
+            return torch.ops.lmpress_cpu.w8_linear_t16(flat, self.codes, self.scales, self.zeros, self.out_features)
+        return super().product(flat)
 
     def rows(self, rows: torch.Tensor) -> W8A8RowLinear:
         """A copy computing only output rows ``rows``."""
         bias = None if self.bias is None else self.bias[rows].clone()
-        return W8A8RowLinear(self.codes[rows], self.scales[rows], self.zeros[rows].float(), bias, self.isa)
+        codes, scales, zeros = self.codes, self.scales, self.zeros
+        if self.isa == 2:
+            codes = unpack_w8_t16(codes, self.out_features)
+            scales, zeros = scales.reshape(-1)[: self.out_features], zeros.reshape(-1)[: self.out_features]
+        return W8A8RowLinear(codes[rows], scales[rows], zeros[rows].float(), bias, self.isa)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}"
