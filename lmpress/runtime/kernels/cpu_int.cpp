@@ -248,25 +248,19 @@ void w8_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* 
 
 // ---- AVX2 + FMA --------------------------------------------------------------------------------------------------
 
-// The lane sums of up to 4 rows' accumulators, each by the same tree ((0+1)+(2+3)) + ((4+5)+(6+7)) whatever the
-// other slots hold (see reduce4 of the AVX-512 path).
-TARGET_AVX2 inline void reduce4_avx2(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+TARGET_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
-template <int M>
-TARGET_AVX2 inline void reduce_rows_avx2(const __m256* acc, float* sums) {
-  const __m256 z = _mm256_setzero_ps();
-  for (int m = 0; m < M; m += 4)
-    reduce4_avx2(acc[m], m + 1 < M ? acc[m + 1] : z, m + 2 < M ? acc[m + 2] : z, m + 3 < M ? acc[m + 3] : z,
-                 sums + m);
-}
-
-// The zero points' term, scale x zero x (the group's d * sum(q)), subtracted from M rows' lanes 8 groups at a time.
+// The zero points' term, scale x zero x (the group's d * sum(q)): subtracted from M rows' lanes 8 groups at a time;
+// what is left of the last 8 (fewer) returned per row in tail[m], to subtract after the lane sum (a scalar loop, as
+// staging it through memory into a vector stalls on the store).
 template <int M>
 TARGET_AVX2 inline void subtract_zero_term_avx2(const float* sc, const uint8_t* zeros, const float* zs, int64_t G,
-                                                __m256* acc) {
+                                                __m256* acc, float* tail) {
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
     const __m256 z =
@@ -274,13 +268,9 @@ TARGET_AVX2 inline void subtract_zero_term_avx2(const float* sc, const uint8_t* 
     const __m256 sz = _mm256_mul_ps(_mm256_loadu_ps(sc + g), z);
     for (int m = 0; m < M; ++m) acc[m] = _mm256_fnmadd_ps(sz, _mm256_loadu_ps(zs + m * G + g), acc[m]);
   }
-  if (g == G) return;
-  alignas(32) float sz[8] = {}, x[8] = {};  // the last groups, padded with zeros
-  for (int64_t i = 0; i < G - g; ++i) sz[i] = sc[g + i] * static_cast<float>(zeros[g + i]);
-  const __m256 szv = _mm256_load_ps(sz);
   for (int m = 0; m < M; ++m) {
-    for (int64_t i = 0; i < G - g; ++i) x[i] = zs[m * G + g + i];
-    acc[m] = _mm256_fnmadd_ps(szv, _mm256_load_ps(x), acc[m]);
+    tail[m] = 0.f;
+    for (int64_t i = g; i < G; ++i) tail[m] += sc[i] * static_cast<float>(zeros[i]) * zs[m * G + i];
   }
 }
 
@@ -313,10 +303,9 @@ TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const u
         acc[m] = _mm256_fmadd_ps(dot, s, acc[m]);
       }
     }
-    subtract_zero_term_avx2<M>(sc, zeros + n * G, zsum + m0 * G, G, acc);
-    float sums[(M + 3) / 4 * 4];
-    reduce_rows_avx2<M>(acc, sums);
-    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = sums[m];
+    float tail[M];
+    subtract_zero_term_avx2<M>(sc, zeros + n * G, zsum + m0 * G, G, acc, tail);
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = hsum256(acc[m]) - tail[m];
   }
 }
 
@@ -353,10 +342,8 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
         acc[m] = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), acc[m]);
       }
     }
-    float sums[(M + 3) / 4 * 4];
-    reduce_rows_avx2<M>(acc, sums);
     for (int m = 0; m < M; ++m)  // sum d * dot(q - 128, x) + 128 * xs = sum d * dot(q, x)
-      y[(m0 + m) * N + n] = scales[n] * (sums[m] + (128.f - static_cast<float>(zeros[n])) * xs[m]);
+      y[(m0 + m) * N + n] = scales[n] * (hsum256(acc[m]) + (128.f - static_cast<float>(zeros[n])) * xs[m]);
   }
 }
 
