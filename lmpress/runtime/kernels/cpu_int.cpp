@@ -491,7 +491,6 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = codes + t * tile_bytes;
     const int64_t t_ahead = std::min(t + std::max<int64_t>(1, PREFETCH_BYTES / tile_bytes), t1 - 1);
-    const uint8_t* ahead = codes + t_ahead * tile_bytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -499,7 +498,7 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
       for (int m = 0; m < M; ++m) part[m] = _mm512_setzero_ps();
       const uint8_t* blk = tile + b * 512;
       for (int64_t j = 0; j < 8; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * 512 + j * 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + j * 64), _MM_HINT_T0);
         const __m512i w = _mm512_loadu_si512(blk + j * 64);
         const __m512i lo = _mm512_and_si512(w, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
