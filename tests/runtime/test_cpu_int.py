@@ -121,11 +121,11 @@ def test_several_rows_give_each_rows_own_result():
 
 
 def test_compiles_in_one_graph():
-    codes, scales, zeros, _ = w4_case(32, 128, 64)
-    module = cpu_int.W4A8Linear(codes, scales, zeros, None)
+    w4 = cpu_int.W4A8Linear(*w4_case(37, 128, 64)[:3], None)
+    w8 = cpu_int.W8A8RowLinear(*w8_case(37, 128)[:3], None)
     x = inputs(2, 128)
-    compiled = torch.compile(lambda t: module(t).relu() * 2, fullgraph=True)
-    torch.testing.assert_close(compiled(x), module(x).relu() * 2)
+    compiled = torch.compile(lambda t: w4(t).relu() * 2 + w8(t), fullgraph=True)
+    torch.testing.assert_close(compiled(x), w4(x).relu() * 2 + w8(x))
 
 
 def test_a_cpu_without_avx2_warns_and_runs_the_portable_path(monkeypatch):
