@@ -193,3 +193,21 @@ def test_w8_cut_to_some_output_rows_computes_those_rows():
         cut = module.rows(keep)
         assert cut.out_features == 5
         torch.testing.assert_close(cut(x), module(x)[:, keep], rtol=0, atol=0)
+
+
+def test_large_weights_go_to_huge_page_memory_and_compute_the_same(monkeypatch):
+    """Weights from HUGE_PAGE_BYTES on are copied into 2 MiB-aligned memory (advised for transparent huge pages):
+    the same values, the same outputs, freed with the module."""
+    t = torch.randint(0, 256, (3, 1000), dtype=torch.uint8)
+    copy = torch.ops.lmpress_cpu.huge_page_copy(t) if cpu_int.load_library() is None else None
+    assert torch.equal(copy, t) and copy.data_ptr() % (2 << 20) == 0 and copy.data_ptr() != t.data_ptr()
+    codes, scales, zeros, _ = w8_case(37, 192)
+    x = inputs(3, 192)
+    for isa in levels():
+        ordinary = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa)
+        monkeypatch.setattr(cpu_int, "HUGE_PAGE_BYTES", 0)
+        huge = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa)
+        monkeypatch.undo()
+        assert huge.codes.data_ptr() % (2 << 20) == 0
+        torch.testing.assert_close(huge(x), ordinary(x), rtol=0, atol=0)
+        del huge

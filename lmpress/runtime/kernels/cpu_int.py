@@ -107,7 +107,19 @@ def repack_w4(codes: torch.Tensor) -> torch.Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2).contiguous()
 
 
-TILE = 16  # output rows per tile of the AVX-512 W4 layout
+TILE = 16  # output rows per tile of the AVX-512 layouts
+# Weights from this size on are copied into memory advised for transparent huge pages (``huge_pages``): SmolLM2's
+# W8 head (28 MiB) streamed 7-8% faster that way on a Xeon with THP "madvise"; the layers' weights (under 2 MiB
+# each) would mostly be padding.
+HUGE_PAGE_BYTES = 16 * 2**20
+
+
+def huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or where it holds ``HUGE_PAGE_BYTES`` or more, a copy in 2 MiB-aligned memory advised for
+    transparent huge pages (fewer TLB misses while a decode step streams it)."""
+    if t.nbytes < HUGE_PAGE_BYTES:
+        return t
+    return torch.ops.lmpress_cpu.huge_page_copy(t.contiguous())
 
 
 def repack_w4_t16(
@@ -182,7 +194,7 @@ class Int8ActivationLinear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
         codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
-        self.register_buffer("codes", codes)
+        self.register_buffer("codes", huge_pages(codes))
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
