@@ -1,19 +1,25 @@
 """lmpress's CPU int8-activation kernels against torch's packed bf16 kernels on SmolLM2's linear shapes.
 
-    python bench/cpu_int_kernels.py [--threads 1] [--repeats 7]
+    python bench/cpu_int_kernels.py [--threads 1] [--repeats 7] [--against REV]
 
 One pass = every linear layer of SmolLM2-135M W4 g64 (30 layers of distinct random weights: q/k/v fused,
 o, gate/up fused, down) plus the W8 head, as one decode step reads them (streamed from memory, not cached).
 Times are CPU time of the calling thread (``time.thread_time``), the two kernels interleaved, medians and
-quartiles over the repeats, for 1 and 4 input rows. Prints a table; writes nothing.
+quartiles over the repeats, for 1 and 4 input rows. Prints a table; writes nothing. ``--against REV`` adds the
+kernels of ``cpu_int.cpp`` at git revision REV (built once into lmpress's cache under the op namespace
+``lmpress_cpu_base``; weights in the natural layout where that revision has no outputs-in-lanes kernel),
+timed interleaved with today's, the W4 layers and the W8 head apart as well (``--isa 1``: the AVX2 path).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,29 +30,62 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one 
 LAYERS, VOCAB, DIM = 30, 49152, 576
 
 
-def build() -> tuple[list, list, dict]:
+def build(isa: int | None) -> tuple[list, list, dict]:
     torch.manual_seed(0)
     ours, theirs = [], []
     for _ in range(LAYERS):
         for out, k in SHAPES:
             codes = torch.randint(0, 16, (out, k), dtype=torch.uint8)
             scales, zeros = torch.rand(out, k // 64) * 0.01 + 0.001, torch.randint(0, 16, (out, k // 64)).float()
-            ours.append((cpu_int.W4A8Linear(codes, scales, zeros, None), k))
+            module = cpu_int.W4A8Linear(codes, scales, zeros, None, isa)
+            module.natural = (cpu_int.repack_w4(codes), scales, zeros.to(torch.uint8))  # for --against
+            ours.append((module, k))
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             theirs.append(((packed, int4pack_scale_and_zero(scales, zeros, 1)), k))
     codes = torch.randint(0, 256, (VOCAB, DIM), dtype=torch.uint8)
-    head = cpu_int.W8A8RowLinear(codes, torch.rand(VOCAB, 1), torch.full((VOCAB, 1), 128.0), None)
+    scales, zeros = torch.rand(VOCAB, 1), torch.full((VOCAB, 1), 128.0)
+    head = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa)
+    head.natural = (codes, scales.reshape(-1), zeros.reshape(-1).to(torch.uint8))  # for --against
     heads = {"ours": head, "theirs": ((codes ^ 0x80).view(torch.int8), torch.rand(VOCAB).bfloat16())}
     return ours, theirs, heads
+
+
+def build_base(rev: str) -> None:
+    """``cpu_int.cpp`` at git revision ``rev``, built and loaded as the ops ``torch.ops.lmpress_cpu_base``."""
+    from torch.utils.cpp_extension import load
+
+    from lmpress.cache import cache_root
+
+    repo = Path(__file__).resolve().parents[1]
+    source = subprocess.run(
+        ["git", "show", f"{rev}:lmpress/runtime/kernels/cpu_int.cpp"], cwd=repo, check=True, capture_output=True
+    ).stdout.decode()
+    source = source.replace("TORCH_LIBRARY(lmpress_cpu,", "TORCH_LIBRARY(lmpress_cpu_base,")
+    source = source.replace("TORCH_LIBRARY_IMPL(lmpress_cpu,", "TORCH_LIBRARY_IMPL(lmpress_cpu_base,")
+    digest = hashlib.sha256(source.encode() + torch.__version__.encode()).hexdigest()[:16]
+    build = cache_root() / "kernels" / f"lmpress_cpu_base_{digest}"
+    build.mkdir(parents=True, exist_ok=True)
+    path = build / "cpu_int_base.cpp"
+    path.write_text(source)
+    load(
+        f"lmpress_cpu_base_{digest}",
+        [str(path)],
+        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--isa", type=int, choices=sorted(cpu_int.ISA_NAMES), help="a lower level than the host's")
+    parser.add_argument("--against", metavar="REV", help="also time cpu_int.cpp at this git revision")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ours, theirs, heads = build()
+    ours, theirs, heads = build(args.isa)
     xs = {k: torch.randn(8, k) for k in (576, 1536)}
 
     def run_ours(rows: int) -> None:
@@ -59,7 +98,40 @@ def main() -> None:
             torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k][:rows].bfloat16(), packed, 64, scale_zero)
         torch.ops.aten._weight_int8pack_mm(xs[DIM][:rows].bfloat16(), *heads["theirs"])
 
-    kernels = {f"lmpress int8 ({cpu_int.ISA_NAMES[cpu_int.host_isa()]})": run_ours, "torch bf16 packed": run_theirs}
+    isa = cpu_int.host_isa() if args.isa is None else args.isa
+    kernels = {f"lmpress int8 ({cpu_int.ISA_NAMES[isa]})": run_ours, "torch bf16 packed": run_theirs}
+    if args.against:
+        build_base(args.against)
+        base, now = torch.ops.lmpress_cpu_base, torch.ops.lmpress_cpu
+        flat = {(k, n): xs[k][:n].contiguous() for k in xs for n in (1, 4)}
+        tiled_base = isa == 2 and hasattr(base, "w4_linear_t16")  # a revision with AVX-512's outputs-in-lanes W4
+        tiled_head = isa == 2 and hasattr(base, "w8_linear_t16")
+
+        def pass_of(ops, part: str):  # noqa: ANN001, ANN202
+            def run(rows: int) -> None:
+                if part == "w4" and ops is base and not tiled_base:  # the natural layout (cpu_int.repack_w4)
+                    for module, k in ours:
+                        ops.w4_linear(flat[k, rows], *module.natural, module.isa)
+                elif part == "w4" and ops is base:
+                    for module, k in ours:
+                        ops.w4_linear_t16(flat[k, rows], module.codes, module.scales, module.zeros, module.out_features)
+                elif part == "w4":
+                    for module, k in ours:
+                        module.product(flat[k, rows])
+                elif ops is base and not tiled_head:
+                    head = heads["ours"]
+                    ops.w8_linear(flat[DIM, rows], *head.natural, head.isa)
+                elif ops is base:
+                    head = heads["ours"]
+                    ops.w8_linear_t16(flat[DIM, rows], head.codes, head.scales, head.zeros, head.out_features)
+                else:
+                    heads["ours"].product(flat[DIM, rows])
+
+            return run
+
+        for part in ("w4", "w8"):
+            kernels[f"{part} pass, {args.against}"] = pass_of(base, part)
+            kernels[f"{part} pass, now"] = pass_of(now, part)
     medians = {}
     print("| kernel | rows | ms per pass: median [quartiles] |\n|---|---|---|")
     for rows in (1, 4):
@@ -77,6 +149,11 @@ def main() -> None:
             print(f"| {name} | {rows} | {q2 * 1e3:.1f} [{q1 * 1e3:.1f}, {q3 * 1e3:.1f}] |")
     for name in kernels:
         print(f"{name}: 4 rows take {medians[name, 4] / medians[name, 1]:.2f}x the time of 1")
+    if args.against:
+        for part in ("w4", "w8"):
+            for rows in (1, 4):
+                ratio = medians[f"{part} pass, now", rows] / medians[f"{part} pass, {args.against}", rows]
+                print(f"{part} pass, {rows} row(s): now / {args.against} = {ratio:.3f}")
     print(f"{args.threads} thread(s), load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -227,16 +227,13 @@ def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bo
 def product_ratio(model: Any, rows: int, repeats: int = 7) -> float:
     """Time of one pass over every linear layer of ``model`` with ``rows`` input rows over that with one (medians,
     interleaved): what a speculative verification of ``rows`` tokens costs in matmuls against one decode step."""
-    from lmpress.runtime.linears import FusedLinear
-
-    linears = [m for m in model.modules() if isinstance(m, FusedLinear)] + [model.output]
-    inputs = {n: torch.randn(n, model.args.dim * 8) for n in (1, rows)}
+    linears = product_layers(model)
+    inputs = {n: product_inputs(linears, n) for n in (1, rows)}
 
     def one_pass(n: int) -> float:
         began = time.perf_counter()
-        for layer in linears:
-            k = getattr(layer, "in_features", None) or layer.parts[0].in_features
-            layer(inputs[n][:, :k])
+        for layer, x in zip(linears, inputs[n], strict=True):
+            layer(x)
         return time.perf_counter() - began
 
     times: dict[int, list[float]] = {1: [], rows: []}
@@ -244,6 +241,20 @@ def product_ratio(model: Any, rows: int, repeats: int = 7) -> float:
         for n in times:
             times[n].append(one_pass(n))
     return statistics.median(times[rows][1:]) / statistics.median(times[1][1:])
+
+
+def product_layers(model: Any) -> list[torch.nn.Module]:
+    """Every linear product of a decode step of ``model``: its fused linears and the output head."""
+    from lmpress.runtime.linears import FusedLinear
+
+    return [m for m in model.modules() if isinstance(m, FusedLinear)] + [model.output]
+
+
+def product_inputs(linears: list[torch.nn.Module], rows: int) -> list[torch.Tensor]:
+    """One contiguous ``(rows, in_features)`` input per layer (a column slice of a wider input would be a strided
+    view for several rows, copied inside the layer, and too narrow for a layer wider than the slice)."""
+    widths = [getattr(layer, "in_features", None) or layer.parts[0].in_features for layer in linears]
+    return [torch.randn(rows, k) for k in widths]
 
 
 def timed_transformers(args: argparse.Namespace) -> tuple[Generate, dict]:

@@ -72,21 +72,24 @@ def test_activations_quantize_as_the_reference():
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 11])
 @pytest.mark.parametrize(("k", "group"), [(384, 64), (448, 64), (640, 128), (576, 192)])
-def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group):
-    """Even and odd numbers of 64-blocks (AVX-512 takes them in pairs); groups spanning pairs, straddling them."""
-    codes, scales, zeros, weight = w4_case(48, k, group)
+@pytest.mark.parametrize("out", [48, 37])
+def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group, out):
+    """Even and odd numbers of 64-blocks; groups of several blocks; output rows filling AVX-512's tiles of 16 and
+    not (the last tile padded)."""
+    codes, scales, zeros, weight = w4_case(out, k, group)
     x = inputs(rows, k)
     exact = dequantized_x(x) @ weight.t()  # the quantized activations times the dequantized weight
     for isa in levels():
         y = cpu_int.W4A8Linear(codes, scales, zeros, None, isa=isa)(x)
-        assert y.shape == (rows, 48) and y.dtype == torch.float32
+        assert y.shape == (rows, out) and y.dtype == torch.float32
         assert sqnr_db(exact, y) > 100, (isa, sqnr_db(exact, y))  # float32 rounding only
         assert sqnr_db(x.double() @ weight.t(), y) > 30  # and int8 activations stay close to float ones
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_w8_matches_the_dequantized_weight_on_every_isa(rows):
-    codes, scales, zeros, weight = w8_case(80, 320)
+@pytest.mark.parametrize("out", [80, 37])
+def test_w8_matches_the_dequantized_weight_on_every_isa(rows, out):
+    codes, scales, zeros, weight = w8_case(out, 320)
     x = inputs(rows, 320)
     exact = dequantized_x(x) @ weight.t()
     for isa in levels():
@@ -118,11 +121,11 @@ def test_several_rows_give_each_rows_own_result():
 
 
 def test_compiles_in_one_graph():
-    codes, scales, zeros, _ = w4_case(32, 128, 64)
-    module = cpu_int.W4A8Linear(codes, scales, zeros, None)
+    w4 = cpu_int.W4A8Linear(*w4_case(37, 128, 64)[:3], None)
+    w8 = cpu_int.W8A8RowLinear(*w8_case(37, 128)[:3], None)
     x = inputs(2, 128)
-    compiled = torch.compile(lambda t: module(t).relu() * 2, fullgraph=True)
-    torch.testing.assert_close(compiled(x), module(x).relu() * 2)
+    compiled = torch.compile(lambda t: w4(t).relu() * 2 + w8(t), fullgraph=True)
+    torch.testing.assert_close(compiled(x), w4(x).relu() * 2 + w8(x))
 
 
 def test_a_cpu_without_avx2_warns_and_runs_the_portable_path(monkeypatch):
@@ -166,3 +169,46 @@ def test_rows_split_over_threads_agree_with_one_thread():
     torch.set_num_threads(2)
     two = (w4(x4), w8(x8))
     torch.testing.assert_close(two, one, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_w8_rows_together_give_each_rows_own_result(rows):
+    """The W8 head in a speculative verification: rows summed 4 at a time and a last one alone give the bits of a
+    one-row product, on every instruction set level."""
+    codes, scales, zeros, _ = w8_case(48, 320)
+    x = inputs(rows, 320)
+    for isa in levels():
+        module = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa)
+        apart = torch.cat([module(row[None]) for row in x])
+        torch.testing.assert_close(module(x), apart, rtol=0, atol=0)
+
+
+def test_w8_cut_to_some_output_rows_computes_those_rows():
+    """``rows`` (the head cut to part of the vocabulary) from every layout, the outputs-in-lanes one included."""
+    codes, scales, zeros, _ = w8_case(40, 192)
+    keep = torch.tensor([0, 17, 3, 39, 16])
+    x = inputs(2, 192)
+    for isa in levels():
+        module = cpu_int.W8A8RowLinear(codes, scales, zeros, torch.randn(40), isa=isa)
+        cut = module.rows(keep)
+        assert cut.out_features == 5
+        torch.testing.assert_close(cut(x), module(x)[:, keep], rtol=0, atol=0)
+
+
+def test_large_weights_go_to_huge_page_memory_and_compute_the_same(monkeypatch):
+    """Weights from HUGE_PAGE_BYTES on are copied into 2 MiB-aligned memory (advised for transparent huge pages):
+    the same values, the same outputs, freed with the module."""
+    t = torch.randint(0, 256, (3, 1000), dtype=torch.uint8)
+    cpu_int.load_library()
+    copy = torch.ops.lmpress_cpu.huge_page_copy(t)
+    assert torch.equal(copy, t) and copy.data_ptr() % (2 << 20) == 0 and copy.data_ptr() != t.data_ptr()
+    codes, scales, zeros, _ = w8_case(37, 192)
+    x = inputs(3, 192)
+    for isa in levels():
+        ordinary = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa)
+        monkeypatch.setattr(cpu_int, "HUGE_PAGE_BYTES", 0)
+        huge = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa)
+        monkeypatch.undo()
+        assert huge.codes.data_ptr() % (2 << 20) == 0
+        torch.testing.assert_close(huge(x), ordinary(x), rtol=0, atol=0)
+        del huge

@@ -104,3 +104,25 @@ def test_warm_up_rounds_are_run_first_and_not_counted():
     assert [order[0] for order, _ in rounds] == ["a", "b", "c", "a", "b"]  # the first row rotates
     assert all(sorted(order) == ["a", "b", "c"] for order, _ in rounds)  # every row once per round
     assert [counted for _, counted in runtime_hosts.round_orders(["a"], repeats=2, warmup=0)] == [True, True]
+
+
+def test_product_ratio_feeds_every_linear_its_own_width(monkeypatch):
+    """bench/runtime.py's 4-row over 1-row product: every fused linear and the head, each with an input of its own
+    in_features, also where the MLP is more than 8x the model's width (the inputs were column slices of one
+    (rows, 8 x dim) tensor, too narrow for such a down projection)."""
+    import runtime
+
+    from lmpress.runtime.model import Transformer
+    from tests.runtime.conftest import tiny_hf_model
+
+    model = Transformer.from_hf(tiny_hf_model("llama", hidden_size=32, intermediate_size=320))
+    linears = runtime.product_layers(model)
+    seen: list[tuple[int, ...]] = []
+    for layer in linears:
+        layer.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    ratio = runtime.product_ratio(model, rows=4, repeats=1)
+    widths = [getattr(la, "in_features", None) or la.parts[0].in_features for la in linears]
+    assert 320 in widths and len(linears) == 2 * 4 + 1  # q/k/v, o, gate/up, down per layer; the head
+    expected = [(n, k) for _ in range(2) for n in (1, 4) for k in widths]
+    assert seen == expected
+    assert 0 < ratio < float("inf")

@@ -15,14 +15,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lmpress.runtime.kernels.cpu_int import CPU_ACTIVATIONS, DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.kernels.dense import dense_linear
 from lmpress.weights.qlinear import QuantizedLinear
 
 FAMILIES = ("cpu", "cuda", "triton", "reference")
-# What weight-only quantized layers take their activations as on the CPU: "int8" (per 4 values, lmpress's C++
-# kernels, cpu_int.py, where they hold the layer and build) or "bf16" (torch's packed kernels).
-CPU_ACTIVATIONS = ("int8", "bf16")
-DEFAULT_CPU_ACTIVATIONS = "int8"
 
 
 def as_is(layer: nn.Module, dtype: torch.dtype) -> nn.Module:

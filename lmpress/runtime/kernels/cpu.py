@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmpress.errors import LmpressInputError
+from lmpress.runtime.kernels import cpu_int
+from lmpress.runtime.kernels.cpu_int import DEFAULT_CPU_ACTIVATIONS, W4A8Linear, W8A8RowLinear, finish_output
 from lmpress.runtime.kernels.dense import dense_linear
 from lmpress.weights.qlinear import QuantizedLinear
 
@@ -112,7 +114,7 @@ class Int4Linear(nn.Module):
         if self.perm is not None:
             flat = flat[:, self.perm]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, self.group, self.scale_offset)
-        return _finish(y, x, self.bias, self.out_features)
+        return finish_output(y, x, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         act = ", act-order" if self.perm is not None else ""
@@ -139,20 +141,13 @@ class Int8Linear(nn.Module):
         if self.offset is not None:
             # (q - zero) * s = (q - 128) * s + (128 - zero) * s: the second term is sum(x) * offset per row.
             y = y + flat.sum(dim=-1, keepdim=True) * self.offset
-        return _finish(y, x, self.bias, self.out_features)
+        return finish_output(y, x, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    y = y.to(x.dtype)
-    if bias is not None:
-        y = y + bias.to(x.dtype)
-    return y.reshape(*x.shape[:-1], out_features)
-
-
-def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = "int8") -> nn.Module:
+def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DEFAULT_CPU_ACTIVATIONS) -> nn.Module:
     """The fastest CPU module for ``layer``: a packed kernel, else its weight dequantized once into ``DenseLinear``.
 
     With ``activations="int8"``, first lmpress's int8-activation kernels (``cpu_int.py``) where they hold the layer
@@ -177,7 +172,6 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = "i
 def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> bool:
     """Whether lmpress's int8-activation kernel runs ``layer`` on the CPU: ``activations`` "int8", a layout it
     holds, built on this host."""
-    from lmpress.runtime.kernels import cpu_int
     from lmpress.weights.qlinear import trivial_g_idx
 
     scheme, k = layer.scheme, layer.in_features
@@ -194,8 +188,6 @@ def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> boo
 def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None, activations: str) -> nn.Module | None:
     """``layer`` on lmpress's int8-activation kernel, or None where it does not hold the layer or ``activations``
     is not "int8"."""
-    from lmpress.runtime.kernels import cpu_int
-
     if not int8_activation_kernel_fits(layer, activations):
         return None
     kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
@@ -211,8 +203,6 @@ def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
         offset = None if layer.offset is None else layer.offset[rows].contiguous()
         prepared = ("int8", layer.weight[rows].contiguous(), layer.scale[rows].contiguous(), offset)
         return Int8Linear(prepared, layer.in_features, len(rows), bias)
-    from lmpress.runtime.kernels.cpu_int import W8A8RowLinear
-
     if isinstance(layer, W8A8RowLinear):
         return layer.rows(rows)
     if isinstance(layer, nn.Linear):
@@ -229,8 +219,6 @@ def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
 
 def kernel_name(module: nn.Module) -> str:
     """ "int4", "int8" or "dense" for a module ``cpu_linear`` returned (or a plain ``nn.Linear``)."""
-    from lmpress.runtime.kernels.cpu_int import W4A8Linear, W8A8RowLinear
-
     if isinstance(module, (Int4Linear, W4A8Linear)):
         return "int4"
     if isinstance(module, (Int8Linear, W8A8RowLinear)):

@@ -14,8 +14,13 @@
 // caller (isa: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = portable C++); kernels for all three are compiled into one
 // library with per-function target attributes, so one build runs on any x86-64 host.
 //
-// W4 layout (repacked once at load): per row, per superblock of 64 codes, 32 bytes; byte j holds code j in its low
-// nibble and code j + 32 in its high nibble, so one 32-byte load unpacks into codes 0..31 and 32..63 in order.
+// W4 layouts (repacked once at load, cpu_int.py): AVX2 and portable, per row, per superblock of 64 codes, 32 bytes;
+// byte j holds code j in its low nibble and code j + 32 in its high nibble, so one 32-byte load unpacks into codes
+// 0..31 and 32..63 in order. AVX-512 VNNI: outputs in lanes, 16 rows per tile ("t16", w4_tiles_avx512): with 4 rows
+// (speculative verification) the natural layout spent two conversions and three float operations besides its two dot
+// products per 128 codes of a weight row and input row, plus a reduction across lanes per output and input row; in
+// lanes, one dot product, one conversion and one multiply-add per 64 codes (4 codes of 16 weight rows) and input
+// row, the group scale once per 64-block, 16 weight rows and input row.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,7 +29,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -118,7 +129,8 @@ TARGET_AVX2 void quantize16_avx2(const float* x, int8_t* q, float* d, float* s) 
 }
 #endif
 
-void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs, Acts& a) {
+// lane_scales: build Acts::fb (the SIMD paths of the natural layout); pairs: also Acts::qp and fp (AVX-512's W4).
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool lane_scales, bool pairs, Acts& a) {
   const int64_t na = K / ABLOCK;
   a.M = M, a.K = K;
   a.q.resize(M * K);
@@ -140,7 +152,7 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool pairs
         quantize16_portable(xc, qc, d, s);
     }
   }
-  if (isa == 0) return;
+  if (!lane_scales) return;
   const int64_t nb = K / BLOCK;
   a.fb.resize(M * nb * 16);
   for (int64_t m = 0; m < M; ++m)
@@ -248,6 +260,25 @@ TARGET_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The zero points' term, scale x zero x (the group's d * sum(q)): subtracted from M rows' lanes 8 groups at a time;
+// what is left of the last 8 (fewer) returned per row in tail[m], to subtract after the lane sum (a scalar loop, as
+// staging it through memory into a vector stalls on the store).
+template <int M>
+TARGET_AVX2 inline void subtract_zero_term_avx2(const float* sc, const uint8_t* zeros, const float* zs, int64_t G,
+                                                __m256* acc, float* tail) {
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) {
+    const __m256 z =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g))));
+    const __m256 sz = _mm256_mul_ps(_mm256_loadu_ps(sc + g), z);
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fnmadd_ps(sz, _mm256_loadu_ps(zs + m * G + g), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    tail[m] = 0.f;
+    for (int64_t i = g; i < G; ++i) tail[m] += sc[i] * static_cast<float>(zeros[i]) * zs[m * G + i];
+  }
+}
+
 template <int M>
 TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
                               int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y) {
@@ -277,11 +308,9 @@ TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const u
         acc[m] = _mm256_fmadd_ps(dot, s, acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m) {
-      float zs = 0.f;
-      for (int64_t g = 0; g < G; ++g) zs += sc[g] * static_cast<float>(zeros[n * G + g]) * zsum[(m0 + m) * G + g];
-      y[(m0 + m) * N + n] = hsum256(acc[m]) - zs;
-    }
+    float tail[M];
+    subtract_zero_term_avx2<M>(sc, zeros + n * G, zsum + m0 * G, G, acc, tail);
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = hsum256(acc[m]) - tail[m];
   }
 }
 
@@ -293,6 +322,11 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
   const int64_t nb = K / BLOCK, na = K / ABLOCK;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
+  float xs[M];  // sum of d * sum(q) over the row's blocks: the zero point's term
+  for (int m = 0; m < M; ++m) {
+    xs[m] = 0.f;
+    for (int64_t b = 0; b < na; ++b) xs[m] += a.s[(m0 + m) * na + b];
+  }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * K;
     __m256 acc[M];
@@ -313,20 +347,48 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
         acc[m] = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m) {
-      float xs = 0.f;
-      for (int64_t b = 0; b < na; ++b) xs += a.s[(m0 + m) * na + b];
-      // sum d * dot(q - 128, x) + 128 * xs = sum d * dot(q, x)
-      y[(m0 + m) * N + n] = scales[n] * (hsum256(acc[m]) + (128.f - static_cast<float>(zeros[n])) * xs);
-    }
+    for (int m = 0; m < M; ++m)  // sum d * dot(q - 128, x) + 128 * xs = sum d * dot(q, x)
+      y[(m0 + m) * N + n] = scales[n] * (hsum256(acc[m]) + (128.f - static_cast<float>(zeros[n])) * xs[m]);
   }
 }
 
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------------------------
 
+// The lane sums of up to 4 rows' accumulators, each by the same tree whatever the other slots hold (so a row's result
+// does not depend on how many rows share the pass): 128-bit blocks 0+2 and 1+3, their sum, then within the block.
+// 13 operations for 4 rows where one reduction per row takes 8.
+TARGET_AVX512 inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+  _mm512_mask_compressstoreu_ps(out, 0x1111, u);  // lane 0 of each block: rows a, b, c, d
+}
+
+// One row's sum by reduce4's tree (IEEE addition commutes, so a2 + a0 is a0 + a2): 8 operations where reduce4 with
+// three empty slots takes 13.
+TARGET_AVX512 inline float reduce1(__m512 a) {
+  __m512 u = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0x4E));  // blocks 0+2, 1+3
+  u = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0xB1));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+  return _mm512_cvtss_f32(u);
+}
+
+template <int M>
+TARGET_AVX512 inline void reduce_rows(const __m512* acc, float* sums) {
+  const __m512 z = _mm512_setzero_ps();
+  int m = 0;
+  for (; m + 1 < M; m += 4)
+    reduce4(acc[m], acc[m + 1], m + 2 < M ? acc[m + 2] : z, m + 3 < M ? acc[m + 3] : z, sums + m);
+  if (m < M) sums[m] = reduce1(acc[m]);
+}
+
 // Two blocks (128 codes, 64 bytes) per step: the low nibbles are codes 0:32 of both, the high ones 32:64, against the
 // activations arranged as Acts::qp; in each product the lanes 0-7 sum block a's 32 codes, 8-15 block b's, each
-// scaled by its activation block's d (Acts::fp).
+// scaled by its activation block's d (Acts::fp). The zero points' term, scale x zero x (the group's d * sum(q)), is
+// subtracted from the lanes 16 groups at a time.
 template <int M>
 TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                   int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
@@ -336,6 +398,7 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
   const int8_t* xq = a.qp.data() + m0 * K;
   const float* xf = a.fp.data() + m0 * std::max<int64_t>(np, 1) * 32;
   const float* xb = a.fb.data() + m0 * nb * 16;
+  const float* zs = zsum + m0 * G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     const float* sc = scales + n * G;
@@ -364,17 +427,22 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
       const __m256i l4 = _mm256_set1_epi8(0x0F);
       const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, l4)),
                                             _mm256_and_si256(_mm256_srli_epi16(w, 4), l4), 1);
+      const __m512 s = _mm512_set1_ps(sc[group_of(b, spg, shift)]);
       for (int m = 0; m < M; ++m) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + m * K + b * BLOCK));
-        const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(xb + (m * nb + b) * 16), _mm512_set1_ps(sc[group_of(b, spg, shift)]));
+        const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(xb + (m * nb + b) * 16), s);
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), f, acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m) {
-      float zs = 0.f;
-      for (int64_t g = 0; g < G; ++g) zs += sc[g] * static_cast<float>(zeros[n * G + g]) * zsum[(m0 + m) * G + g];
-      y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]) - zs;
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, zeros + n * G + g)));
+      const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + g), z);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(k, zs + m * G + g), acc[m]);
     }
+    float sums[(M + 3) / 4 * 4];
+    reduce_rows<M>(acc, sums);
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = sums[m];
   }
 }
 
@@ -387,6 +455,8 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
     xs[m] = 0.f;
     for (int64_t b = 0; b < na; ++b) xs[m] += a.s[(m0 + m) * na + b];
   }
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xf = a.fb.data() + m0 * nb * 16;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * K;
     __m512 acc[M];
@@ -396,13 +466,115 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
       _mm_prefetch(reinterpret_cast<const char*>(ahead + b * BLOCK), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(row + b * BLOCK);
       for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(a.q.data() + (m0 + m) * K + b * BLOCK);
+        const __m512i xv = _mm512_loadu_si512(xq + m * K + b * BLOCK);
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
-        acc[m] = _mm512_fmadd_ps(dot, _mm512_loadu_ps(a.fb.data() + ((m0 + m) * nb + b) * 16), acc[m]);
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_loadu_ps(xf + (m * nb + b) * 16), acc[m]);
       }
     }
+    float sums[(M + 3) / 4 * 4];
+    reduce_rows<M>(acc, sums);
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = scales[n] * (sums[m] - static_cast<float>(zeros[n]) * xs[m]);
+  }
+}
+
+// W4, outputs in lanes (layout "t16", repack_w4_t16 in cpu_int.py): 16 output rows per tile; per tile, per 64-block,
+// 8 vectors of 64 bytes, vector j's byte 4l + i holding code 4j + i of the tile's row l (low nibble) and code
+// 32 + 4j + i (high nibble). Each nibble half is one step: 4 codes of 16 rows against 4 activations broadcast, one
+// vpdpbusd; the step's int32 lanes scaled by the activation block's d (a broadcast), so a row's 16 outputs build up
+// in one vector: no reductions across lanes, and the group scale (a vector over the 16 rows) is applied once per
+// 64-block rather than per pair of blocks and row of weights. Scales and zeros are stored (tiles, G, 16).
+template <int M>
+TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t t0,
+                                   int64_t t1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
+                                   int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, na = K / ABLOCK, spg = nb / G, shift = log2_or_minus1(spg);
+  const int64_t tile_bytes = nb * 8 * 64;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xd = a.d.data() + m0 * na;
+  const float* zs = zsum + m0 * G;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = codes + t * tile_bytes;
+    const int64_t t_ahead = std::min(t + std::max<int64_t>(1, PREFETCH_BYTES / tile_bytes), t1 - 1);
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 part[M];
+      for (int m = 0; m < M; ++m) part[m] = _mm512_setzero_ps();
+      const uint8_t* blk = tile + b * 512;
+      for (int64_t j = 0; j < 8; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + j * 64), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512(blk + j * 64);
+        const __m512i lo = _mm512_and_si512(w, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = xq + m * K + b * BLOCK + 4 * j;
+          const float* d = xd + m * na + b * APER + j;
+          int32_t x0, x1;
+          std::memcpy(&x0, x, 4);
+          std::memcpy(&x1, x + 32, 4);
+          const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi32(x0));
+          const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi32(x1));
+          part[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_set1_ps(d[0]), part[m]);
+          part[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_set1_ps(d[32 / ABLOCK]), part[m]);
+        }
+      }
+      const int64_t g = group_of(b, spg, shift);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (t_ahead * G + g) * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(zeros + (t_ahead * G + g) * 16), _MM_HINT_T0);
+      const __m512 sv = _mm512_loadu_ps(scales + (t * G + g) * 16);
+      const bool last = spg == 1 || (b + 1) % spg == 0;  // the group's zero term once, after its last block
+      const __m512 sz = last ? _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                                       reinterpret_cast<const __m128i*>(zeros + (t * G + g) * 16)))))
+                             : _mm512_setzero_ps();
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm512_fmadd_ps(part[m], sv, acc[m]);
+        if (last) acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(zs[m * G + g]), acc[m]);
+      }
+    }
+    const int64_t valid = std::min<int64_t>(16, N - t * 16);
+    const __mmask16 k = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + t * 16, k, acc[m]);
+  }
+}
+
+// W8 per row, outputs in lanes (layout "t16", repack_w8_t16 in cpu_int.py): 16 output rows per tile; per tile, per
+// 64-block, 16 vectors of 64 bytes, vector j's byte 4l + i holding code 4j + i of the tile's row l. One vpdpbusd per
+// 4 codes of 16 rows, scaled by the activation block's d (a broadcast); no reductions across lanes. Scales and zeros
+// (tiles, 16).
+template <int M>
+TARGET_AVX512 void w8_tiles_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t t0,
+                                   int64_t t1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
+  const int64_t nb = K / BLOCK, na = K / ABLOCK, tile_bytes = nb * 16 * 64;
+  float xs[M];  // sum of d * sum(q) over the row's blocks: the zero point's term
+  for (int m = 0; m < M; ++m) {
+    xs[m] = 0.f;
+    for (int64_t b = 0; b < na; ++b) xs[m] += a.s[(m0 + m) * na + b];
+  }
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xd = a.d.data() + m0 * na;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = codes + t * tile_bytes;
+    const uint8_t* ahead = tile + PREFETCH_BYTES;  // tiles follow each other in memory (a prefetch never faults)
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nb * 16; ++j) {  // 4 codes of the 16 rows per step
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64), _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(tile + j * 64);
+      for (int m = 0; m < M; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xq + m * K + 4 * j, 4);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_set1_epi32(x4));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(xd[m * na + j]), acc[m]);
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(scales + t * 16);
+    const __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + t * 16))));
+    const int64_t valid = std::min<int64_t>(16, N - t * 16);
+    const __mmask16 k = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
     for (int m = 0; m < M; ++m)
-      y[(m0 + m) * N + n] = scales[n] * (_mm512_reduce_add_ps(acc[m]) - static_cast<float>(zeros[n]) * xs[m]);
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + t * 16, k,
+                            _mm512_mul_ps(sv, _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[m]), acc[m])));
   }
 }
 
@@ -429,6 +601,16 @@ template <int M>
 struct W4Avx512 {
   template <typename... A>
   static void run(const A&... a) { w4_rows_avx512<M>(a...); }
+};
+template <int M>
+struct W4TilesAvx512 {
+  template <typename... A>
+  static void run(const A&... a) { w4_tiles_avx512<M>(a...); }
+};
+template <int M>
+struct W8TilesAvx512 {
+  template <typename... A>
+  static void run(const A&... a) { w8_tiles_avx512<M>(a...); }
 };
 template <int M>
 struct W4Avx2 {
@@ -485,7 +667,7 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   static thread_local Acts buffer;
   static thread_local std::vector<float> zsums;
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, isa == 2, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, isa == 2, buffer);
   group_sums(acts, G, zsums);
   const float* zsum = zsums.data();
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -511,6 +693,37 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// W4 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 8, 64), scales (tiles, G, 16) float32, zeros
+// (tiles, G, 16) uint8, rows past out_features padded (scale 0).
+at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t out_features) {
+  check(x, codes, scales, zeros, 2);
+  const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), G = scales.size(1), N = out_features;
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 8 && codes.size(3) == 64,
+              "w4 t16 codes: (tiles, K / 64, 8, 64)");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == T && scales.size(2) == 16 && zeros.sizes() == scales.sizes(),
+              "w4 t16 scales and zeros: (tiles, G, 16)");
+  TORCH_CHECK(G > 0 && (K / BLOCK) % G == 0 && N > (T - 1) * 16 && N <= T * 16, "w4 t16 shapes");
+  at::Tensor y = at::empty({M, N}, x.options());
+  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
+  static thread_local std::vector<float> zsums;
+  const Acts& acts = buffer;
+  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, buffer);
+  group_sums(acts, G, zsums);
+  const float* zsum = zsums.data();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+#ifdef LMPRESS_X86
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+      by_rows<W4TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, G, acts, zsum, m0, N, out);
+  });
+#endif
+  return y;
+}
+
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                      int64_t isa) {
   check(x, codes, scales, zeros, isa);
@@ -519,7 +732,7 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = at::empty({M, N}, x.options());
   static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, false, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -543,6 +756,51 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// W8 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 16, 64), scales (tiles, 16) float32, zeros
+// (tiles, 16) uint8, rows past out_features padded.
+at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t out_features) {
+  check(x, codes, scales, zeros, 2);
+  const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), N = out_features;
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 16 && codes.size(3) == 64,
+              "w8 t16 codes: (tiles, K / 64, 16, 64)");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == T && scales.size(1) == 16 && zeros.sizes() == scales.sizes(),
+              "w8 t16 scales and zeros: (tiles, 16)");
+  TORCH_CHECK(N > (T - 1) * 16 && N <= T * 16, "w8 t16 shapes");
+  at::Tensor y = at::empty({M, N}, x.options());
+  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
+  const Acts& acts = buffer;
+  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, buffer);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+#ifdef LMPRESS_X86
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+      by_rows<W8TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, acts, m0, N, out);
+  });
+#endif
+  return y;
+}
+
+// A copy of contiguous t in memory of its own, aligned to 2 MiB and advised for transparent huge pages (Linux;
+// elsewhere just aligned): a weight streamed once per decode step then crosses a page (and its TLB miss) every 2 MiB
+// rather than every 4 KiB. Hosts where THP is "madvise" (the default of many distributions) give huge pages only to
+// memory so advised, which torch's allocator does not do.
+at::Tensor huge_page_copy(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "huge_page_copy: a contiguous CPU tensor");
+  constexpr size_t HUGE = size_t{2} << 20;
+  const size_t bytes = t.nbytes(), size = std::max<size_t>(HUGE, (bytes + HUGE - 1) / HUGE * HUGE);
+  void* p = std::aligned_alloc(HUGE, size);
+  TORCH_CHECK(p != nullptr, "huge_page_copy: out of memory for ", size, " bytes");
+#ifdef __linux__
+  madvise(p, size, MADV_HUGEPAGE);  // advice: where the kernel declines, the memory is still ordinary memory
+#endif
+  std::memcpy(p, t.data_ptr(), bytes);
+  return at::from_blob(p, t.sizes(), t.strides(), [](void* q) { std::free(q); }, t.options());
+}
+
 // The activations as the kernels see them (for tests): (q as float, d per block).
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % BLOCK == 0,
@@ -550,7 +808,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int
   TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run instruction set level ", isa);
   const int64_t M = x.size(0), K = x.size(1);
   Acts acts;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, false, acts);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, false, false, acts);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / ABLOCK}, x.options());
   std::copy(acts.q.begin(), acts.q.end(), q.data_ptr<int8_t>());
@@ -565,12 +823,18 @@ int64_t cpu_isa() { return best_isa(); }
 TORCH_LIBRARY(lmpress_cpu, m) {
   m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
+  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor");
+  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor");
   m.def("quantize_activations(Tensor x, int isa) -> (Tensor, Tensor)");
+  m.def("huge_page_copy(Tensor t) -> Tensor");
   m.def("cpu_isa", &cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) {
   m.impl("w4_linear", &w4_linear);
   m.impl("w8_linear", &w8_linear);
+  m.impl("w4_linear_t16", &w4_linear_t16);
+  m.impl("w8_linear_t16", &w8_linear_t16);
   m.impl("quantize_activations", &quantize_activations);
+  m.impl("huge_page_copy", &huge_page_copy);
 }

@@ -25,6 +25,10 @@ SOURCE = Path(__file__).with_name("cpu_int.cpp")
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
+# What weight-only quantized layers take their activations as on the CPU: "int8" (per 4 values, these kernels, where
+# they hold the layer and build) or "bf16" (torch's packed kernels, kernels/cpu.py).
+CPU_ACTIVATIONS = ("int8", "bf16")
+DEFAULT_CPU_ACTIVATIONS = "int8"
 
 
 @functools.cache
@@ -67,8 +71,13 @@ def _register_fakes() -> None:
     def fake_linear(x, codes, scales, zeros, isa):  # noqa: ANN001, ANN202 - torch.library's signature
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    def fake_tiled(x, codes, scales, zeros, out_features):  # noqa: ANN001, ANN202 - torch.library's signature
+        return x.new_empty(x.shape[0], out_features)
+
     for op in ("w4_linear", "w8_linear"):
         torch.library.register_fake(f"lmpress_cpu::{op}")(fake_linear)
+    for op in ("w4_linear_t16", "w8_linear_t16"):
+        torch.library.register_fake(f"lmpress_cpu::{op}")(fake_tiled)
 
 
 @functools.cache
@@ -98,6 +107,65 @@ def repack_w4(codes: torch.Tensor) -> torch.Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2).contiguous()
 
 
+TILE = 16  # output rows per tile of the AVX-512 layouts
+# Weights from this size on are copied into memory advised for transparent huge pages (``huge_pages``): SmolLM2's
+# W8 head (28 MiB) streamed 7-8% faster that way on a Xeon with THP "madvise"; the layers' weights (under 2 MiB
+# each) would mostly be padding.
+HUGE_PAGE_BYTES = 16 * 2**20
+
+
+def huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or where it holds ``HUGE_PAGE_BYTES`` or more, a copy in 2 MiB-aligned memory advised for
+    transparent huge pages (fewer TLB misses while a decode step streams it)."""
+    if t.nbytes < HUGE_PAGE_BYTES:
+        return t
+    return torch.ops.lmpress_cpu.huge_page_copy(t.contiguous())
+
+
+def repack_w4_t16(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, in)`` 4-bit codes, ``(out, G)`` scales and zeros as AVX-512's outputs-in-lanes kernel reads them
+    (``w4_linear_t16`` in cpu_int.cpp): rows padded to tiles of 16 (scale 0); codes ``(tiles, in / 64, 8, 64)``,
+    vector j of a 64-block holding at byte ``4 l + i`` code ``4 j + i`` of the tile's row l (low nibble) and code
+    ``32 + 4 j + i`` (high nibble); scales and zeros ``(tiles, G, 16)``."""
+    out, k = codes.shape
+    tiles = -(-out // TILE)
+    pad = tiles * TILE - out
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    scales = torch.nn.functional.pad(scales, (0, 0, 0, pad))
+    zeros = torch.nn.functional.pad(zeros, (0, 0, 0, pad))
+    c = codes.reshape(tiles, TILE, k // BLOCK, 2, 8, 4)  # [tile, row, block, half, j, i]: code 32 half + 4 j + i
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 8, 64)
+
+    def by_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+    return packed.contiguous(), by_tile(scales), by_tile(zeros)
+
+
+def repack_w8_t16(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, in)`` 8-bit codes and ``(out,)`` scales and zeros as AVX-512's outputs-in-lanes kernel reads them
+    (``w8_linear_t16`` in cpu_int.cpp): rows padded to tiles of 16; codes ``(tiles, in / 64, 16, 64)``, vector j of
+    a 64-block holding at byte ``4 l + i`` code ``4 j + i`` of the tile's row l; scales and zeros ``(tiles, 16)``."""
+    out, k = codes.shape
+    tiles = -(-out // TILE)
+    pad = tiles * TILE - out
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    packed = codes.reshape(tiles, TILE, k // BLOCK, 16, 4).permute(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 16, 64)
+    scales, zeros = (torch.nn.functional.pad(t, (0, pad)).reshape(tiles, TILE) for t in (scales, zeros))
+    return packed.contiguous(), scales.contiguous(), zeros.contiguous()
+
+
+def unpack_w8_t16(codes: torch.Tensor, out: int) -> torch.Tensor:
+    """``repack_w8_t16``'s codes back as ``(out, in)``."""
+    tiles, blocks = codes.shape[:2]
+    rows = codes.reshape(tiles, blocks, 16, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks * BLOCK)
+    return rows[:out]
+
+
 def w4_fits(in_features: int, group_width: int, act_order: bool) -> bool:
     return not act_order and in_features % BLOCK == 0 and group_width % BLOCK == 0 and in_features % group_width == 0
 
@@ -106,10 +174,12 @@ def w8_fits(in_features: int, group_width: int, act_order: bool) -> bool:
     return not act_order and in_features % BLOCK == 0 and group_width == in_features
 
 
-class W4A8Linear(nn.Module):
-    """``(q - zero) * scale`` 4-bit weights in groups of 64k columns, times activations quantized to int8 per 4."""
+class Int8ActivationLinear(nn.Module):
+    """``(q - zero) * scale`` weight codes times activations quantized to int8 per 4, through the torch op ``OP``;
+    subclasses lay the weight out for it (``layout``)."""
 
-    KERNEL = "cpu-w4a8"
+    KERNEL = ""
+    OP = ""
 
     def __init__(
         self,
@@ -123,59 +193,88 @@ class W4A8Linear(nn.Module):
         load_library()
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
-        self.register_buffer("codes", repack_w4(codes))
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("zeros", zeros.round().to(torch.uint8).contiguous())
+        codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
+        self.register_buffer("codes", huge_pages(codes))
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
+
+    @staticmethod
+    def layout(
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (codes, float32 scales, uint8 zeros) buffers as the op for ``isa`` reads them."""
+        raise NotImplementedError
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
+        return getattr(torch.ops.lmpress_cpu, self.OP)(flat, self.codes, self.scales, self.zeros, self.isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.ops.lmpress_cpu.w4_linear(flat, self.codes, self.scales, self.zeros, self.isa)
-        return _finish(y, x, self.bias, self.out_features)
+        return finish_output(self.product(flat), x, self.bias, self.out_features)
+
+
+class W4A8Linear(Int8ActivationLinear):
+    """``(q - zero) * scale`` 4-bit weights in groups of 64k columns, times activations quantized to int8 per 4."""
+
+    KERNEL = "cpu-w4a8"
+    OP = "w4_linear"
+
+    @staticmethod
+    def layout(
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if isa == 2:  # outputs in lanes (w4_linear_t16)
+            return repack_w4_t16(codes, scales, zeros)
+        return repack_w4(codes), scales.contiguous(), zeros.contiguous()
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.isa == 2:
+            return torch.ops.lmpress_cpu.w4_linear_t16(flat, self.codes, self.scales, self.zeros, self.out_features)
+        return super().product(flat)
 
     def extra_repr(self) -> str:
         group = self.in_features // self.scales.shape[1]
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{group}, {ISA_NAMES[self.isa]}"
 
 
-class W8A8RowLinear(nn.Module):
+class W8A8RowLinear(Int8ActivationLinear):
     """Per-row ``(q - zero) * scale`` 8-bit weights times activations quantized to int8 per 4."""
 
     KERNEL = "cpu-w8a8"
+    OP = "w8_linear"
 
-    def __init__(
-        self,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
-        bias: torch.Tensor | None,
-        isa: int | None = None,
-    ) -> None:
-        super().__init__()
-        load_library()
-        self.out_features, self.in_features = codes.shape
-        self.isa = host_isa() if isa is None else isa
-        self.register_buffer("codes", codes.to(torch.uint8).contiguous())
-        self.register_buffer("scales", scales.float().reshape(-1).contiguous())
-        self.register_buffer("zeros", zeros.round().to(torch.uint8).reshape(-1).contiguous())
-        self.register_buffer("bias", bias)
+    @staticmethod
+    def layout(
+        codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, isa: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scales, zeros = scales.reshape(-1), zeros.reshape(-1)
+        if isa == 2:  # outputs in lanes (w8_linear_t16)
+            return repack_w8_t16(codes, scales, zeros)
+        return codes.to(torch.uint8).contiguous(), scales.contiguous(), zeros.contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.ops.lmpress_cpu.w8_linear(flat, self.codes, self.scales, self.zeros, self.isa)
-        return _finish(y, x, self.bias, self.out_features)
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.isa == 2:
+            return torch.ops.lmpress_cpu.w8_linear_t16(flat, self.codes, self.scales, self.zeros, self.out_features)
+        return super().product(flat)
 
     def rows(self, rows: torch.Tensor) -> W8A8RowLinear:
         """A copy computing only output rows ``rows``."""
         bias = None if self.bias is None else self.bias[rows].clone()
-        cut = W8A8RowLinear(self.codes[rows], self.scales[rows], self.zeros[rows].float(), bias, self.isa)
-        return cut
+        codes, scales, zeros = self.codes, self.scales, self.zeros
+        if self.isa == 2:
+            codes = unpack_w8_t16(codes, self.out_features)
+            scales, zeros = scales.reshape(-1)[: self.out_features], zeros.reshape(-1)[: self.out_features]
+        return W8A8RowLinear(codes[rows], scales[rows], zeros[rows].float(), bias, self.isa)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}"
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """A CPU kernel's float output ``y`` (rows, out) as the module returns it: ``x``'s dtype, plus ``bias``,
+    ``x``'s leading shape."""
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias.to(x.dtype)
