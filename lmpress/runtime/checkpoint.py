@@ -23,7 +23,7 @@ from torch import nn
 
 from lmpress.checkpoint_files import MappedSafetensors, quantized_format, read_config
 from lmpress.errors import LmpressInputError
-from lmpress.memory import return_freed_memory
+from lmpress.memory import trim_c_heap
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.linears import Build
 from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, ModelArgs, Transformer
@@ -149,7 +149,7 @@ class CheckpointModel:
                 setattr(layer, block, SimpleNamespace(**modules))
             yield layer
             self.files.release(prefix)
-            return_freed_memory()  # the layer's transient unpacked codes, before the next layer's
+            trim_c_heap()  # the layer's transient unpacked codes, before the next layer's (no gc: no cycles)
 
 
 def _reader_for(path: Path) -> tuple[dict, Any] | None:
