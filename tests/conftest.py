@@ -15,23 +15,6 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run benchmarks marked slow")
 
 
-def pytest_collection_finish(session):
-    """Everything imported and collected so far (torch, transformers, every test module: ~1M objects) moves to
-    the garbage collector's permanent generation. lmpress calls ``gc.collect()`` after loading each layer
-    (``lmpress.memory.return_freed_memory``), and each call traversed all of it: 0.3 s a call, 9 s of one
-    SmolLM2 runtime load. Objects the tests make are collected as before."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
-def pytest_unconfigure(config):
-    import gc
-
-    gc.unfreeze()  # frozen objects left at exit make nanobind (triton's bindings) report them as leaked
-
-
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--runslow"):
         return
