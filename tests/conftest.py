@@ -24,10 +24,50 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def small_matmul_probe():
+    """The CPU runtime's one-off probe of two matmul forms per float32 weight shape and thread count
+    (``lmpress.runtime.kernels.cpu.weight_left_is_faster``) streams copies of the weight totalling 128 MiB: for a
+    tiny model's 1 x 128 gate that is 262,144 copies timed 24 times, 36 s of Qwen2-MoE's quirk test. Here it
+    streams 1 MiB, as bench/gpu_check.py's dry run does: which form wins is a timing either way, and
+    tests/runtime/test_model.py checks both forms against ``F.linear``."""
+    import lmpress.runtime.kernels.cpu as cpu_kernels
+
+    streamed = cpu_kernels.STREAMED_BYTES
+    cpu_kernels.STREAMED_BYTES = 2**20
+    yield
+    cpu_kernels.STREAMED_BYTES = streamed
+
+
+@pytest.fixture(scope="session")
+def compiled_kernels() -> Path:
+    """Where lmpress's C++ CPU kernels are compiled: ``kernels/`` of the cache the session started with.
+
+    lmpress/runtime/kernels/cpu_int.py builds its library into ``<cache>/kernels/<name>``, the name keyed by the
+    source's digest and torch's version. Every test's private cache links to this one folder, so that each
+    ``lmpress run`` a test starts in a subprocess on a fresh cache does not compile the library again (15 s of
+    the 2 cores each time); baselines, tunings and everything else stay private.
+    """
+    from lmpress.cache import cache_root
+
+    path = cache_root() / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @pytest.fixture
-def private_cache(tmp_path, monkeypatch):
+def cache_dir(tmp_path, compiled_kernels) -> Path:
+    """A fresh lmpress cache in the test's own folder (``tmp_path / "cache"``), compiled kernels shared."""
+    path = tmp_path / "cache"
+    path.mkdir()
+    (path / "kernels").symlink_to(compiled_kernels, target_is_directory=True)
+    return path
+
+
+@pytest.fixture
+def private_cache(cache_dir, monkeypatch):
     """lmpress's cache (baselines, compiled kernels' tunings) in the test's own folder."""
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LMPRESS_CACHE", str(cache_dir))
 
 
 @pytest.fixture

@@ -49,8 +49,8 @@ EXPECTED = {
 }
 
 
-def test_the_dry_run_passes_every_step(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "LMPRESS_CACHE": str(tmp_path / "cache")}
+def test_the_dry_run_passes_every_step(tmp_path, cache_dir):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "LMPRESS_CACHE": str(cache_dir)}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
     run = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"],

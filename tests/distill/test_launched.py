@@ -63,7 +63,7 @@ def test_two_launched_processes_take_the_steps_of_one_and_only_the_main_one_writ
 
 
 def test_a_killed_launch_resumes_to_the_weights_of_an_unbroken_one(tiny_llama_dir, tmp_path, training_text):
-    stages = [RTN_W2, distill_stage(text=training_text, steps=200, checkpoint_every=30, eval_every=0)]
+    stages = [RTN_W2, distill_stage(text=training_text, steps=100, checkpoint_every=20, eval_every=0)]
     recipe = write_recipe(tmp_path, tiny_llama_dir, stages)
     out = tmp_path / "killed"
     process = launch(tmp_path, recipe, "--out", str(out))
@@ -77,7 +77,7 @@ def test_a_killed_launch_resumes_to_the_weights_of_an_unbroken_one(tiny_llama_di
         worker.send_signal(signal.SIGKILL)
     process.communicate()
     killed_at = json.loads(trainer.read_text())["log"]["step"]
-    assert 0 < killed_at < 200
+    assert 0 < killed_at < 100
     assert (tmp_path / ".killed.partial-rank1").is_dir()  # the second process's stage state, kept for --resume
 
     # one process cannot continue what two started (each saved its own random state)
@@ -88,7 +88,7 @@ def test_a_killed_launch_resumes_to_the_weights_of_an_unbroken_one(tiny_llama_di
     assert resumed.keys() == unbroken.keys()
     for name in unbroken:
         assert torch.equal(resumed[name], unbroken[name]), name
-    assert summary(out)["steps"] == 200
+    assert summary(out)["steps"] == 100
     assert not (tmp_path / ".killed.partial-rank1").exists()
 
 

@@ -120,7 +120,7 @@ def exported_weights(out: Path) -> dict:
 
 
 def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llama_dir, tmp_path, training_text):
-    stages = [RTN_W2, distill_stage(text=training_text, steps=300, checkpoint_every=40, eval_every=0)]
+    stages = [RTN_W2, distill_stage(text=training_text, steps=100, checkpoint_every=20, eval_every=0)]
     recipe = write_recipe(tmp_path, tiny_llama_dir, stages)
     out = tmp_path / "killed"
     env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache")}
@@ -134,7 +134,7 @@ def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llam
     process.send_signal(signal.SIGKILL)
     process.wait()
     killed_at = json.loads(trainer.read_text())["log"]["step"]
-    assert 0 < killed_at < 300
+    assert 0 < killed_at < 100
     assert main(["run", recipe, "--out", str(out), "--resume", "--quiet"]) == 0
     assert main(["run", recipe, "--out", str(tmp_path / "straight"), "--quiet"]) == 0
     resumed, straight = exported_weights(out), exported_weights(tmp_path / "straight")
@@ -142,7 +142,7 @@ def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llam
     for name in straight:
         assert (resumed[name] == straight[name]).all(), name
     report = json.loads((out / "report.json").read_text())
-    assert report["stages"][1]["summary"]["steps"] == 300
+    assert report["stages"][1]["summary"]["steps"] == 100
 
 
 @pytest.mark.parametrize(
