@@ -218,3 +218,20 @@ def test_unknown_cpu_activations_are_an_input_error():
     lmpress.quantize_model(hf, method="rtn", bits=4, group_size=64)
     with pytest.raises(LmpressInputError, match="activations 'fp4': choose int8 or bf16"):
         Transformer.from_hf(hf, cpu_activations="fp4")
+
+
+def test_small_weights_run_f_linear_untimed(monkeypatch):
+    """A MoE router's 1 x 128 gate took 58 s of timing (262,144 copies streamed per pass); below
+    ``PROBED_MIN_BYTES`` no product is timed, and from it on the shape is timed as before."""
+    from lmpress.runtime.kernels import cpu as cpu_kernels
+
+    timed = []
+    real = cpu_kernels.time.perf_counter
+    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: timed.append(1) or real())
+    monkeypatch.setattr(cpu_kernels, "STREAMED_BYTES", 2**20)
+    cpu_kernels.weight_left_is_faster.cache_clear()
+    assert cpu_kernels.weight_left_is_faster(1, 128, 1) == (False, False) and timed == []
+    side = int((cpu_kernels.PROBED_MIN_BYTES // 4) ** 0.5) + 1
+    cpu_kernels.weight_left_is_faster(side, side, 1)
+    assert timed
+    cpu_kernels.weight_left_is_faster.cache_clear()

@@ -64,6 +64,9 @@ class DenseLinear(nn.Linear):
 
 
 STREAMED_BYTES = 128 * 2**20  # well past a server CPU's last-level cache per core complex (32 MiB on EPYC)
+# Smaller weights are not timed and run F.linear: a product of one costs microseconds either way, while
+# streaming 128 MiB of its copies meant hundreds of thousands of timed calls (a MoE router's 1 x 128 gate: 58 s).
+PROBED_MIN_BYTES = 256 * 2**10
 
 
 @functools.cache
@@ -75,6 +78,8 @@ def weight_left_is_faster(out_features: int, in_features: int, threads: int) -> 
     (a single cache-resident copy favoured ``F.linear`` where it loses by 2-3x in the model,
     bench/dense_matmul.py); the two forms alternate, medians of 5 passes.
     """
+    if out_features * in_features * 4 < PROBED_MIN_BYTES:
+        return False, False
     copies = max(1, -(-STREAMED_BYTES // (out_features * in_features * 4)))
     weights = [torch.full((out_features, in_features), 0.01) for _ in range(copies)]
     one, four = torch.full((1, in_features), 0.01), torch.full((4, in_features), 0.01)
