@@ -208,6 +208,9 @@ class Int8ActivationLinear(nn.Module):
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
+        if self.isa == 2:  # outputs in lanes: OP's "_t16" twin, which takes the output count instead of the ISA
+            tiled = getattr(torch.ops.lmpress_cpu, f"{self.OP}_t16")
+            return tiled(flat, self.codes, self.scales, self.zeros, self.out_features)
         return getattr(torch.ops.lmpress_cpu, self.OP)(flat, self.codes, self.scales, self.zeros, self.isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,11 +232,6 @@ class W4A8Linear(Int8ActivationLinear):
             return repack_w4_t16(codes, scales, zeros)
         return repack_w4(codes), scales.contiguous(), zeros.contiguous()
 
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.isa == 2:
-            return torch.ops.lmpress_cpu.w4_linear_t16(flat, self.codes, self.scales, self.zeros, self.out_features)
-        return super().product(flat)
-
     def extra_repr(self) -> str:
         group = self.in_features // self.scales.shape[1]
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{group}, {ISA_NAMES[self.isa]}"
@@ -253,11 +251,6 @@ class W8A8RowLinear(Int8ActivationLinear):
         if isa == 2:  # outputs in lanes (w8_linear_t16)
             return repack_w8_t16(codes, scales, zeros)
         return codes.to(torch.uint8).contiguous(), scales.contiguous(), zeros.contiguous()
-
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.isa == 2:
-            return torch.ops.lmpress_cpu.w8_linear_t16(flat, self.codes, self.scales, self.zeros, self.out_features)
-        return super().product(flat)
 
     def rows(self, rows: torch.Tensor) -> W8A8RowLinear:
         """A copy computing only output rows ``rows``."""
