@@ -27,8 +27,9 @@ from torch import nn
 from lmpress.runtime.kernels.select import TINYGEMM_GROUPS
 from lmpress.weights.qlinear import QuantizedLinear, int4pack_scale_and_zero, trivial_g_idx
 
-# From this many rows on, dequantize + the library's GEMM: at 8 rows tinygemm already takes 0.86-0.96x the
-# time of a bf16 GEMM over the whole weight, and it grows about linearly from there (an H200's kernel table).
+# From this many rows on, dequantize + the library's GEMM: at 8 rows tinygemm already runs at only 0.83-1.10x
+# the speed of a bf16 GEMM over the whole weight, and its time grows with the rows (an H200's kernel table); 32 is
+# an estimate of the crossover with the dequantization's cost added, not yet measured on a GPU.
 DEQUANT_MIN_ROWS = 32
 
 
