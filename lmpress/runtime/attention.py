@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lmpress.runtime.kernels import cpu_attention
 from lmpress.runtime.kv_cache import KVCache, StaticSlots
 from lmpress.runtime.linears import Build, copy_norm, fuse_linears
 
@@ -116,16 +117,26 @@ def attend(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    slots_kernel: bool = False,
 ) -> torch.Tensor:
     """Queries ``(batch, heads, n, head_dim)`` attending over the cache's keys and values, by the function that
-    fits: pointwise in the compiled static step, two matmuls for a few queries or where SDPA lacks the model's
-    softmax (soft-capping, sinks), SDPA otherwise."""
+    fits: in the compiled static step lmpress's CPU op over the filled slots where ``slots_kernel`` (the layer's
+    ``cpu_attention.fits``) and the softmax is plain, else pointwise; two matmuls for a few queries or where SDPA
+    lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
     if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
+        if slots_kernel and softcap is None and sinks is None and mask is not None and q.device.type == "cpu":
+            out = cpu_attention.slots_attention(q, keys, values, mask, scale or q.shape[-1] ** -0.5)
+            return out.to(q.dtype)
         return pointwise_attention(q, keys, values, mask, scale, softcap, sinks)
     if q.shape[2] <= FEW_QUERIES or softcap is not None or sinks is not None:
         return few_query_attention(q, keys, values, mask, scale, softcap, sinks)
     gqa = q.shape[1] != keys.shape[1]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
+
+
+def slots_kernel_fits(build: Build, head_dim: int, value_dim: int) -> bool:
+    """Whether a layer built by ``build`` attends by ``cpu_attention``'s op in the compiled step."""
+    return build.kernels == "cpu" and cpu_attention.fits(head_dim, value_dim, build.dtype)
 
 
 class Attention(nn.Module):
@@ -144,6 +155,7 @@ class Attention(nn.Module):
         self.k_norm = copy_norm(hf_attn.k_norm, args.norm_eps, build, offset) if args.qk_norm else None
         sinks = getattr(hf_attn, "sinks", None)  # gpt-oss
         self.sinks = None if sinks is None else nn.Parameter(sinks.detach().float().clone(), requires_grad=False)
+        self.slots_kernel = slots_kernel_fits(build, self.head_dim, self.head_dim)
 
     def forward(
         self,
@@ -164,7 +176,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), cos, sin)  # queries and keys rotated in one go
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         keys, values = cache.update(layer, k, v.transpose(1, 2))
-        out = attend(q, keys, values, mask, cache, self.scale, self.softcap, self.sinks)
+        out = attend(q, keys, values, mask, cache, self.scale, self.softcap, self.sinks, self.slots_kernel)
         return self.wo(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
 
 
@@ -209,6 +221,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = copy_norm(hf_attn.kv_a_layernorm, args.norm_eps, build)
         self.wkv_b = fuse_linears([hf_attn.kv_b_proj], build)
         self.wo = fuse_linears([hf_attn.o_proj], build)
+        self.slots_kernel = slots_kernel_fits(build, self.nope + self.rope, self.v_dim)
 
     def forward(
         self,
@@ -234,5 +247,5 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
         k_rot = apply_rope(k_rot, cos, sin).expand(batch, heads, n_new, self.rope)
         keys, values = cache.update(layer, torch.cat((k_nope, k_rot), dim=-1), v)
-        out = attend(q, keys, values, mask, cache, self.scale)
+        out = attend(q, keys, values, mask, cache, self.scale, slots_kernel=self.slots_kernel)
         return self.wo(out.transpose(1, 2).reshape(batch, n_new, heads * self.v_dim))

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
+# The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py)
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cpp"))
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
@@ -51,14 +53,14 @@ def load_library() -> None:
 
     from lmpress.cache import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode()).hexdigest()[:16]
     name = f"lmpress_cpu_int_{digest}"
     build = cache_root() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-fopenmp", "-std=c++17"]
     load(
         name,
-        [str(SOURCE)],
+        [str(s) for s in SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
@@ -78,6 +80,11 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"lmpress_cpu::{op}")(fake_linear)
     for op in ("w4_linear_t16", "w8_linear_t16"):
         torch.library.register_fake(f"lmpress_cpu::{op}")(fake_tiled)
+    if hasattr(torch.ops.lmpress_cpu, "slots_attention"):  # x86-64 builds only
+
+        @torch.library.register_fake("lmpress_cpu::slots_attention")
+        def fake_attention(q, keys, values, mask, scale):  # noqa: ANN001, ANN202 - torch.library's signature
+            return q.new_empty(*q.shape[:3], values.shape[-1])
 
 
 @functools.cache
