@@ -40,9 +40,56 @@ ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_scalef_ps(visible, p, n);
 }
 
-// One query row: q (D), keys and values of its KV head (L, D) and (L, Dv), mask (L), out (Dv); scores scratch (L).
+// The softmax's weights in place of the visible scores in [first, end) (masked ones -inf), less their maximum top;
+// returns their sum.
+ATTN_AVX512 float softmax_weights(float* scores, int64_t first, int64_t end, float top) {
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t s = first; s < end; s += 16) {
+    const __mmask16 k = end - s >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (end - s)) - 1);
+    const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + s), _mm512_set1_ps(top)));
+    _mm512_mask_storeu_ps(scores + s, k, p);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, p));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// One query row: q (16 NV), keys and values of its KV head (L, 16 NV), mask (L), out (16 NV); scores scratch (L).
+// The query and the output stay in registers across the slots.
+template <int NV>
 ATTN_AVX512 void attend_row(const float* q, const float* keys, const float* values, const bool* mask, int64_t L,
-                            int64_t D, int64_t Dv, float scale, float* scores, float* out) {
+                            float scale, float* scores, float* out) {
+  constexpr int64_t D = 16 * NV;
+  int64_t first = 0, end = L;
+  while (end > 0 && !mask[end - 1]) --end;
+  while (first < end && !mask[first]) ++first;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 qv[NV], acc[NV];
+  for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j), acc[j] = _mm512_setzero_ps();
+  float top = neg_inf;
+  for (int64_t s = first; s < end; ++s) {
+    if (!mask[s]) {
+      scores[s] = neg_inf;
+      continue;
+    }
+    __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys + s * D));
+    for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(keys + s * D + 16 * j), dot);
+    scores[s] = _mm512_reduce_add_ps(dot) * scale;
+    top = std::max(top, scores[s]);
+  }
+  if (top != neg_inf) {  // some slot visible (always, for a cache's query: its own slot is)
+    const float total = softmax_weights(scores, first, end, top);
+    for (int64_t s = first; s < end; ++s) {
+      const __m512 p = _mm512_set1_ps(scores[s]);
+      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + s * D + 16 * j), acc[j]);
+    }
+    for (int j = 0; j < NV; ++j) acc[j] = _mm512_mul_ps(acc[j], _mm512_set1_ps(1.f / total));
+  }
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
+}
+
+// The same for any dims (multiples of 16; values' Dv apart from the keys' D), through memory.
+ATTN_AVX512 void attend_row_any(const float* q, const float* keys, const float* values, const bool* mask, int64_t L,
+                                int64_t D, int64_t Dv, float scale, float* scores, float* out) {
   int64_t first = 0, end = L;
   while (end > 0 && !mask[end - 1]) --end;
   while (first < end && !mask[first]) ++first;
@@ -53,36 +100,35 @@ ATTN_AVX512 void attend_row(const float* q, const float* keys, const float* valu
       scores[s] = neg_inf;
       continue;
     }
-    const float* key = keys + s * D;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(key + d), acc);
-    scores[s] = _mm512_reduce_add_ps(acc) * scale;
+    __m512 dot = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys + s * D + d), dot);
+    scores[s] = _mm512_reduce_add_ps(dot) * scale;
     top = std::max(top, scores[s]);
   }
   for (int64_t d = 0; d < Dv; d += 16) _mm512_storeu_ps(out + d, _mm512_setzero_ps());
-  if (top == neg_inf) return;  // no slot visible (never for a cache's query, whose own slot is)
-  __m512 total = _mm512_setzero_ps();
-  int64_t s = first;
-  for (; s + 16 <= end; s += 16) {
-    const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + s), _mm512_set1_ps(top)));
-    _mm512_storeu_ps(scores + s, p);
-    total = _mm512_add_ps(total, p);
-  }
-  if (s < end) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (end - s)) - 1);
-    const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + s), _mm512_set1_ps(top)));
-    _mm512_mask_storeu_ps(scores + s, k, p);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, p));
-  }
-  for (int64_t t = first; t < end; ++t) {
-    if (scores[t] == 0.f) continue;
-    const __m512 p = _mm512_set1_ps(scores[t]);
-    const float* value = values + t * Dv;
+  if (top == neg_inf) return;
+  const __m512 inv = _mm512_set1_ps(1.f / softmax_weights(scores, first, end, top));
+  for (int64_t s = first; s < end; ++s) {
+    const __m512 p = _mm512_set1_ps(scores[s]);
     for (int64_t d = 0; d < Dv; d += 16)
-      _mm512_storeu_ps(out + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(value + d), _mm512_loadu_ps(out + d)));
+      _mm512_storeu_ps(out + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(values + s * Dv + d), _mm512_loadu_ps(out + d)));
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
   for (int64_t d = 0; d < Dv; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(out + d), inv));
+}
+
+using Row = void (*)(const float*, const float*, const float*, const bool*, int64_t, float, float*, float*);
+
+Row row_kernel(int64_t D, int64_t Dv) {
+  if (D != Dv) return nullptr;
+  switch (D / 16) {
+    case 1: return attend_row<1>;
+    case 2: return attend_row<2>;
+    case 3: return attend_row<3>;
+    case 4: return attend_row<4>;
+    case 6: return attend_row<6>;
+    case 8: return attend_row<8>;
+    default: return nullptr;
+  }
 }
 
 // q (B, H, n, D), keys (B, KV, L, D), values (B, KV, L, Dv), mask (B, 1, n, L) bool, all contiguous float32 but the
@@ -108,12 +154,18 @@ at::Tensor slots_attention(const at::Tensor& q, const at::Tensor& keys, const at
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const int64_t group = H / KV;
+  const Row fixed = row_kernel(D, Dv);
+  const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * H * n, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(L);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (H * n), h = i / n % H, query = i % n, kv = b * KV + h / group;
-      attend_row(qp + i * D, kp + kv * L * D, vp + kv * L * Dv, mp + (b * n + query) * L, L, D, Dv,
-                 static_cast<float>(scale), scores.data(), op + i * Dv);
+      const float *keys_of = kp + kv * L * D, *values_of = vp + kv * L * Dv;
+      const bool* mask_of = mp + (b * n + query) * L;
+      if (fixed != nullptr)
+        fixed(qp + i * D, keys_of, values_of, mask_of, L, sc, scores.data(), op + i * Dv);
+      else
+        attend_row_any(qp + i * D, keys_of, values_of, mask_of, L, D, Dv, sc, scores.data(), op + i * Dv);
     }
   });
   return out;
