@@ -27,7 +27,8 @@ namespace {
 ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: exact product, then rest
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.f / 720.f);
@@ -101,7 +102,8 @@ ATTN_AVX512 void attend_row_any(const float* q, const float* keys, const float* 
       continue;
     }
     __m512 dot = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys + s * D + d), dot);
+    for (int64_t d = 0; d < D; d += 16)
+      dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys + s * D + d), dot);
     scores[s] = _mm512_reduce_add_ps(dot) * scale;
     top = std::max(top, scores[s]);
   }
