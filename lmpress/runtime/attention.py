@@ -125,8 +125,7 @@ def attend(
     lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
     if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
         if slots_kernel and softcap is None and sinks is None and mask is not None and q.device.type == "cpu":
-            out = cpu_attention.slots_attention(q, keys, values, mask, scale or q.shape[-1] ** -0.5)
-            return out.to(q.dtype)
+            return cpu_attention.slots_attention(q, keys, values, mask, scale or q.shape[-1] ** -0.5)
         return pointwise_attention(q, keys, values, mask, scale, softcap, sinks)
     if q.shape[2] <= FEW_QUERIES or softcap is not None or sinks is not None:
         return few_query_attention(q, keys, values, mask, scale, softcap, sinks)

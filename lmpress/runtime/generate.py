@@ -259,9 +259,10 @@ def wrapper_options(device: torch.device) -> dict[str, bool]:
 
     On the CPU that code is C++ (``cpp_wrapper``): Python's wrapper spends some microseconds per kernel call, and a
     decode step calls ~120 (the linears of SmolLM2's 30 layers and its head) while the other thread waits; W4 decode
-    ran 1.42x faster with it (bench/decode_wrapper.py). The entry and the kernels are built apart
-    (``cpp_wrapper_build_separate``): built together, the first graph of SmolLM2 took 105 s to compile where the
-    Python wrapper's takes 58 s; apart, 64 s. On a GPU, CUDA graphs already take the per-call cost away.
+    ran 1.19x faster with it (bench/decode_wrapper.py, both in one process, alternating). The entry and the kernels
+    are built apart (``cpp_wrapper_build_separate``): built together, the first graph of SmolLM2 took 105 s to
+    compile where the Python wrapper's takes 58 s; apart, 64 s. On a GPU, CUDA graphs already take the per-call
+    cost away.
     """
     if device.type != "cpu":
         return {}

@@ -94,3 +94,22 @@ def test_the_compiled_step_attends_through_it_and_matches_eager(monkeypatch):
     expected = generate(model, prompts, max_new_tokens=6)
     assert generate(model, prompts, max_new_tokens=6, decode=static_decode()) == expected
     assert len(calls) == 5 * len(model.layers)
+
+
+def test_only_a_cpu_model_compiles_its_step_with_the_cpp_wrapper(monkeypatch):
+    """A CPU model's compiled step gets Inductor's C++ wrapper; a CUDA model's (CUDA graphs) keeps Python's."""
+    from lmpress.runtime import generate as gen
+    from lmpress.runtime.model import Transformer
+    from tests.runtime.conftest import tiny_hf_model
+
+    seen = []
+
+    def fake_compile(fn, fullgraph, options):  # noqa: ANN001, ANN202 - torch.compile's signature, as the step calls it
+        seen.append(options)
+        return lambda model, tokens, *rest: torch.zeros(tokens.shape[0], tokens.shape[1], 256)
+
+    monkeypatch.setattr(gen.torch, "compile", fake_compile)
+    model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
+    gen.compiled_forward()(model, torch.tensor([[5]]), model.new_cache(1, 8))
+    assert len(seen) == 2 and all(o["cpp_wrapper"] and o["cpp_wrapper_build_separate"] for o in seen)
+    assert gen.wrapper_options(torch.device("cuda")) == {}
