@@ -28,12 +28,7 @@ def available() -> bool:
 
 def fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a layer with float ``weight`` in a ``dtype`` build on the CPU keeps it bfloat16 for the op."""
-    return (
-        dtype == torch.float32
-        and weight.dtype == torch.bfloat16
-        and weight.shape[-1] % COLUMNS == 0
-        and available()
-    )
+    return dtype == torch.float32 and weight.dtype == torch.bfloat16 and weight.shape[-1] % COLUMNS == 0 and available()
 
 
 class Bf16WeightLinear(nn.Module):
