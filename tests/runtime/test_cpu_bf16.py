@@ -102,3 +102,17 @@ def test_a_draft_head_cut_to_part_of_the_vocabulary_keeps_bfloat16():
     x = torch.randn(1, 64, generator=g)
     assert isinstance(cut, Bf16WeightLinear)
     torch.testing.assert_close(cut(x), layer(x)[:, rows])
+
+
+def test_only_float32_cpu_builds_keep_bfloat16_weights():
+    """GPU builds (their own kernels), the reference kernels and bfloat16 or float16 builds widen or cast as before;
+    a width the op cannot take (not a multiple of 32) is widened too."""
+    from lmpress.runtime.linears import Build
+
+    weight = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert Build(torch.float32, "cpu").dense_dtype(weight) == torch.bfloat16
+    assert Build(torch.float32, "cuda").dense_dtype(weight) == torch.float32
+    assert Build(torch.float32, "reference").dense_dtype(weight) == torch.float32
+    assert Build(torch.float16, "cpu").dense_dtype(weight) == torch.float16
+    assert Build(torch.float32, "cpu").dense_dtype(torch.zeros(8, 48, dtype=torch.bfloat16)) == torch.float32
+    assert Build(torch.float32, "cpu").dense_dtype(weight.half()) == torch.float32

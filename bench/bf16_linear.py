@@ -1,0 +1,95 @@
+"""One decode row through SmolLM2's head (49152 x 576) three ways, the weight streamed from memory (docs/runtime.md).
+
+    python bench/bf16_linear.py                      # bench/results/bf16_linear.{json,md}
+    python bench/bf16_linear.py --copies 2 --rounds 3  # quicker (the copies then partly fit the last-level cache)
+
+- ``bf16_linear``: lmpress's op (kernels/cpu_bf16.cpp), float32 row times the bfloat16 weight, float32 products;
+  what a float32 build runs on a bfloat16 checkpoint's float layers.
+- ``F.linear bf16``: torch's (oneDNN) bfloat16 row times the bfloat16 weight; what a bfloat16 build runs.
+- ``F.linear fp32``: the float32 row times the weight widened to float32 (twice the bytes); what a float32 build
+  ran before it kept bfloat16 weights.
+
+Each way multiplies by ``--copies`` copies of the weight in turn (8 x 57 MB by default, past this Xeon's 300 MiB
+L3), so each product reads its weight from memory; the ways alternate within each of ``--rounds`` rounds, and a
+round's time is the median over its passes. GB/s = the weight's bytes / time per product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_hosts import cpu_identity, quartiles  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    from lmpress.runtime.kernels import cpu_bf16, cpu_int
+
+    if not cpu_bf16.available():
+        sys.exit("bf16_linear needs lmpress's C++ library and an AVX-512 CPU")
+    torch.set_num_threads(args.threads)
+    out_features, in_features = 49152, 576
+    weights = [cpu_int.huge_pages(torch.randn(out_features, in_features).bfloat16()) for _ in range(args.copies)]
+    wide = [w.float() for w in weights]
+    x = torch.randn(1, in_features)
+    ways = {
+        "bf16_linear": lambda i: torch.ops.lmpress_cpu.bf16_linear(x, weights[i]),
+        "F.linear bf16": lambda i: F.linear(x.bfloat16(), weights[i]),
+        "F.linear fp32": lambda i: F.linear(x, wide[i]),
+    }
+    nbytes = {"bf16_linear": weights[0].nbytes, "F.linear bf16": weights[0].nbytes, "F.linear fp32": wide[0].nbytes}
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for round_ in range(args.rounds + 1):  # the first round warms up
+        for name, product in ways.items():
+            passes = []
+            for _ in range(3):
+                began = time.perf_counter()
+                for i in range(args.copies):
+                    product(i)
+                passes.append((time.perf_counter() - began) / args.copies)
+            if round_:
+                seconds[name].append(statistics.median(passes))
+    rows = {}
+    for name, times in seconds.items():
+        low, median, high = quartiles([nbytes[name] / t / 1e9 for t in times])
+        rows[name] = {"ms": 1e3 * statistics.median(times), "gb_s": median, "gb_s_q1": low, "gb_s_q3": high}
+    host = cpu_identity()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = [
+        f"SmolLM2's head, 1 row, {args.copies} copies streamed, {args.rounds} rounds, {args.threads} threads; "
+        f"{host['key']}, {when}.",
+        "",
+        "| way | weight MB | ms per product | GB/s, median [quartiles] |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, row in rows.items():
+        lines.append(
+            f"| {name} | {nbytes[name] / 1e6:.1f} | {row['ms']:.2f} | "
+            f"{row['gb_s']:.1f} [{row['gb_s_q1']:.1f}, {row['gb_s_q3']:.1f}] |"
+        )
+    table = "\n".join(lines) + "\n"
+    print(table)
+    args.results.mkdir(parents=True, exist_ok=True)
+    meta = {"host": host, "when": when, "copies": args.copies, "rounds": args.rounds, "threads": args.threads}
+    (args.results / "bf16_linear.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (args.results / "bf16_linear.md").write_text(f"Measured by `python bench/bf16_linear.py`.\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
