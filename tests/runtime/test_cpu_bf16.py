@@ -43,8 +43,10 @@ def test_refuses_shapes_it_cannot_compute():
 
 
 @pytest.mark.parametrize("rows", [1, 4, Bf16WeightLinear.FEW_ROWS + 1])
-def test_layer_adds_its_bias_for_any_row_count(rows):
-    """Few rows run the op, more (a prefill) the weight widened; both add the float32 bias."""
+def test_layer_adds_its_bias_for_any_row_count(rows, monkeypatch):
+    """Few rows run the op, more (a prefill) the weight widened 16 of its rows at a time here (3 blocks, the last
+    short); both add the float32 bias."""
+    monkeypatch.setattr(Bf16WeightLinear, "WIDENED_BYTES", 16 * 64 * 4)
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, generator=g)
     layer = Bf16WeightLinear(weight, bias)

@@ -4,7 +4,8 @@ A bfloat16 weight widens to float32 exactly, so a float32 CPU build upcasting it
 precision and reads twice the bytes per decode step: SmolLM2's tied head is 113 MB a token in float32, 57 MB in
 bfloat16. ``Bf16WeightLinear`` keeps the weight as stored and multiplies up to ``FEW_ROWS`` float32 input rows by it
 with ``torch.ops.lmpress_cpu.bf16_linear`` (float32 products and sums, AVX-512); more rows (a prefill) run
-``F.linear`` on the weight upcast for the call. The activations stay float32 throughout, unlike a bfloat16 build.
+``F.linear`` on the weight widened for the call, a block of rows at a time. The activations stay float32
+throughout, unlike a bfloat16 build.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
 class Bf16WeightLinear(nn.Module):
     """``x @ weight.T + bias`` for float32 ``x``, the weight kept bfloat16 and the bias float32."""
 
-    FEW_ROWS = 16  # up to this many rows run the op (one pass over the weight per 4 rows); more upcast the weight
+    FEW_ROWS = 16  # up to this many rows run the op (one pass over the weight per 4 rows); more widen the weight
+    WIDENED_BYTES = 64 * 2**20  # ... a block of its rows at a time, this large at most (an 8B head widened whole: 2 GB)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -47,8 +49,10 @@ class Bf16WeightLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.FEW_ROWS or x.device.type != "cpu":
-            return F.linear(x, self.weight.float(), self.bias)
-        y = torch.ops.lmpress_cpu.bf16_linear(flat.contiguous(), self.weight)
+            block = max(1, self.WIDENED_BYTES // (4 * self.in_features))
+            y = torch.cat([F.linear(flat, rows.float()) for rows in self.weight.split(block)], dim=-1)
+        else:
+            y = torch.ops.lmpress_cpu.bf16_linear(flat.contiguous(), self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
