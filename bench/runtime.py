@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_hosts import cpu_identity, goals, record, render, round_orders, summarize, worker_environment  # noqa: E402
+from worker_process import WorkerProcess, reply  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -393,8 +394,6 @@ LABELS = {name: label for name, (label, _) in {**TIMED, **SPECULATIVE}.items()}
 
 # Worker: one timed row in its own process, driven over stdin/stdout ------------------------------------------------
 
-REPLY = "@@bench "  # marks the worker's replies among whatever else the libraries print
-
 
 def worker(name: str, args: argparse.Namespace) -> None:
     from lmpress.runtime.throughput import copy_bandwidth_gbs, running_peak_mb
@@ -416,39 +415,11 @@ def worker(name: str, args: argparse.Namespace) -> None:
             return
 
 
-def reply(message: dict) -> None:
-    print(REPLY + json.dumps(message), flush=True)
-
-
-class Worker:
-    """The driver's handle on one row's worker process."""
-
-    def __init__(self, name: str, args: argparse.Namespace) -> None:
-        argv = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
-        argv += ["--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
-        argv += ["--activations", args.activations]
-        env = worker_environment(dict(os.environ), REPO, args.omp_wait_policy)
-        self.name, self.log = name, tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
-
-    def ask(self, command: str | None) -> dict:
-        if command is not None:
-            self.process.stdin.write(command + "\n")
-            self.process.stdin.flush()
-        for line in self.process.stdout:
-            if line.startswith(REPLY):
-                return json.loads(line[len(REPLY) :])
-        code = self.process.wait()
-        self.log.seek(0)
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"  # SIGKILL (9): out of memory?
-        raise RuntimeError(f"{self.name}: the worker exited ({how})\n{self.log.read()[-3000:]}")
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+def start_worker(name: str, args: argparse.Namespace) -> WorkerProcess:
+    argv = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
+    argv += ["--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    argv += ["--activations", args.activations]
+    return WorkerProcess(name, argv, worker_environment(dict(os.environ), REPO, args.omp_wait_policy))
 
 
 def run_interleaved(names: list[str], args: argparse.Namespace) -> tuple[dict[str, dict], list[str]]:
@@ -456,7 +427,7 @@ def run_interleaved(names: list[str], args: argparse.Namespace) -> tuple[dict[st
     workers, failed = {}, []
     for name in names:  # started one at a time: loading and compiling do not overlap anyone's timing
         print(f"{name}: loading, warming up ...", file=sys.stderr, flush=True)
-        worker_ = Worker(name, args)
+        worker_ = start_worker(name, args)
         try:
             worker_.ask(None)
             workers[name] = worker_

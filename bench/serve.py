@@ -37,7 +37,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_hosts import quartiles, round_orders  # noqa: E402 - standard library only, as vLLM's venv needs
+from worker_process import WorkerProcess, reply  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -169,11 +169,6 @@ def engine_vllm(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[
 
 
 ENGINES = {"lmpress": engine_lmpress, "llama.cpp": engine_llama_cpp, "vllm": engine_vllm}
-REPLY = "@@serve "  # marks the worker's replies among whatever else the engines print
-
-
-def reply(message: dict) -> None:
-    print(REPLY + json.dumps(message), flush=True)
 
 
 def serve_engine(args: argparse.Namespace) -> None:
@@ -201,63 +196,40 @@ def vllm_python() -> str | None:
     return str(path) if path.is_file() else None
 
 
-class Worker:
-    """The driver's handle on one engine's worker process."""
-
-    def __init__(self, engine: str, batches: list[int], args: argparse.Namespace, prompt_file: str) -> None:
-        python = vllm_python() if engine == "vllm" else sys.executable
-        if python is None:
-            raise RuntimeError("vLLM's venv not found (docs/serving.md; LMPRESS_VLLM_PYTHON)")
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        if engine == "vllm":
-            env |= {
-                "PYTHONPATH": "",
-                "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            }
-        else:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        argv = [python, "-P", __file__, "--engine", engine, "--prompt-file", prompt_file]
-        argv += ["--batches", *map(str, batches), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
-        argv += ["--head", args.head, "--group", str(args.group), "--lmpress-dtype", args.lmpress_dtype]
-        argv += ["--float-dtype", args.float_dtype]
-        argv += ["--vllm-eager"] * args.vllm_eager + ["--lmpress-eager"] * args.lmpress_eager
-        self.engine, self.log = engine, tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
-
-    def ask(self, command: str | None) -> dict:
-        if command is not None:
-            self.process.stdin.write(command + "\n")
-            self.process.stdin.flush()
-        for line in self.process.stdout:
-            if line.startswith(REPLY):
-                return json.loads(line[len(REPLY) :])
-        code = self.process.wait()
-        self.log.seek(0)
-        tail = " | ".join(self.log.read().strip().splitlines()[-3:])[-600:]
-        raise RuntimeError(f"{self.engine}: the worker exited (code {code}): {tail}")
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+def start_worker(engine: str, batches: list[int], args: argparse.Namespace, prompt_file: str) -> WorkerProcess:
+    python = vllm_python() if engine == "vllm" else sys.executable
+    if python is None:
+        raise RuntimeError("vLLM's venv not found (docs/serving.md; LMPRESS_VLLM_PYTHON)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if engine == "vllm":
+        env |= {
+            "PYTHONPATH": "",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    argv = [python, "-P", __file__, "--engine", engine, "--prompt-file", prompt_file]
+    argv += ["--batches", *map(str, batches), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
+    argv += ["--head", args.head, "--group", str(args.group), "--lmpress-dtype", args.lmpress_dtype]
+    argv += ["--float-dtype", args.float_dtype]
+    argv += ["--vllm-eager"] * args.vllm_eager + ["--lmpress-eager"] * args.lmpress_eager
+    return WorkerProcess(engine, argv, env)
 
 
 def run_interleaved(names: list[str], args: argparse.Namespace, prompt_file: str) -> dict[str, dict[str, Any]]:
     """Every row timed ``--repeats`` times, one repeat of each per round (the first row rotating), after a discarded
     warm-up round; each engine's worker started (loaded, compiled, warmed up) one at a time before any timing."""
     results: dict[str, dict[str, Any]] = {}
-    workers: dict[str, Worker] = {}
+    workers: dict[str, WorkerProcess] = {}
     try:
         for engine in dict.fromkeys(ROWS[name][2] for name in names):
             batches = [ROWS[name][1] for name in names if ROWS[name][2] == engine]
             print(f"{engine}: loading, warming up batches {batches} ...", file=sys.stderr, flush=True)
             began = time.perf_counter()
             try:
-                worker = Worker(engine, batches, args, prompt_file)
+                worker = start_worker(engine, batches, args, prompt_file)
                 workers[engine] = worker
                 info = worker.ask(None)
             except RuntimeError as error:
