@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_bf16, linear_kernel
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_half, linear_kernel
 from lmpress.weights.float8 import Fp8Linear
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
@@ -42,17 +42,17 @@ class Build:
         return nn.Linear
 
     def dense_dtype(self, weight: torch.Tensor) -> torch.dtype:
-        """The dtype float ``weight`` is kept in: as stored where it is bfloat16 in a float32 CPU build that
-        lmpress's bfloat16-weight op runs (``kernels/cpu_bf16.py``: the same float32 products from half the
+        """The dtype float ``weight`` is kept in: as stored where it is bfloat16 or float16 in a float32 CPU build
+        that lmpress's half-weight op runs (``kernels/cpu_half.py``: the same float32 products from half the
         bytes), else the build's."""
-        if self.kernels == "cpu" and cpu_bf16.fits(weight, self.dtype):
+        if self.kernels == "cpu" and cpu_half.fits(weight, self.dtype):
             return weight.dtype
         return self.dtype
 
     def dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         """A float layer over ``weight`` (used as it is) and ``bias``, in ``dense_dtype(weight)``."""
         if self.dense_dtype(weight) != self.dtype:
-            return cpu_bf16.Bf16WeightLinear(weight, bias)
+            return cpu_half.HalfWeightLinear(weight, bias)
         layer = self.dense_linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=self.dtype)
         layer.weight = nn.Parameter(weight.to(self.dtype), requires_grad=False)
         if bias is not None:

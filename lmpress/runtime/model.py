@@ -200,7 +200,7 @@ class Transformer(nn.Module):
         dtype, base = build.dtype, hf_model.model
         # Copied unless sharing or mapped: a view into a transformers model would keep its whole loaded
         # checkpoint (mmapped) resident; lmpress's own mapping (checkpoint.py) drops what it has read.
-        stored = base.embed_tokens.weight.detach()  # kept bfloat16 where the build keeps such weights (dense_dtype)
+        stored = base.embed_tokens.weight.detach()  # kept half precision where the build keeps it (dense_dtype)
         embedding = stored.to(build.dense_dtype(stored), copy=not (build.shares_layers or build.map_embedding))
         self.tok_embeddings = nn.Embedding.from_pretrained(embedding, freeze=True)
         self.layers = nn.ModuleList(
@@ -310,7 +310,7 @@ class Transformer(nn.Module):
             )
             for suffix in [""] + [f"_{i}" for i in range(1, len(self.rope_of_kind))]
         ]
-        x = self.tok_embeddings(tokens).to(self.dtype)  # a bfloat16 table's rows widened (exactly) to float32
+        x = self.tok_embeddings(tokens).to(self.dtype)  # a half-precision table's rows widened (exactly) to float32
         if self.args.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype, as transformers
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         for i, block in enumerate(self.layers):
@@ -330,7 +330,7 @@ class Transformer(nn.Module):
 def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -> nn.Module:
     head = hf_model.get_output_embeddings()
     if type(head) is nn.Linear and head.weight is hf_model.model.embed_tokens.weight:
-        if embeddings.weight.dtype != build.dtype:  # a bfloat16 table in a float32 build (Build.dense_dtype)
+        if embeddings.weight.dtype != build.dtype:  # a half-precision table in a float32 build (Build.dense_dtype)
             head = build.dense(embeddings.weight, None)
             embeddings.weight = head.weight  # the head's copy: one tensor, read by both
             return head

@@ -20,7 +20,7 @@ from torch import nn
 
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.kernels import cpu_int
-from lmpress.runtime.kernels.cpu_bf16 import Bf16WeightLinear
+from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
 from lmpress.runtime.kernels.cpu_int import DEFAULT_CPU_ACTIVATIONS, W4A8Linear, W8A8RowLinear, finish_output
 from lmpress.runtime.kernels.dense import dense_linear
 from lmpress.weights.qlinear import QuantizedLinear
@@ -211,8 +211,8 @@ def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
         return Int8Linear(prepared, layer.in_features, len(rows), bias)
     if isinstance(layer, W8A8RowLinear):
         return layer.rows(rows)
-    if isinstance(layer, Bf16WeightLinear):
-        return Bf16WeightLinear(layer.weight[rows].contiguous(), bias)
+    if isinstance(layer, HalfWeightLinear):
+        return HalfWeightLinear(layer.weight[rows].contiguous(), bias)
     if isinstance(layer, nn.Linear):
         dtype = layer.weight.dtype
         cut = DenseLinear(layer.in_features, len(rows), bias=bias is not None, dtype=dtype)

@@ -23,8 +23,8 @@ from torch import nn
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py) and
-# cpu_bf16.cpp (float32 rows times bfloat16 weights, cpu_bf16.py)
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cpp"), Path(__file__).with_name("cpu_bf16.cpp"))
+# cpu_half.cpp (float32 rows times bfloat16 or float16 weights, cpu_half.py)
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cpp"), Path(__file__).with_name("cpu_half.cpp"))
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
@@ -87,8 +87,8 @@ def _register_fakes() -> None:
         def fake_attention(q, keys, values, mask, scale):  # noqa: ANN001, ANN202 - torch.library's signature
             return q.new_empty(*q.shape[:3], values.shape[-1])
 
-        @torch.library.register_fake("lmpress_cpu::bf16_linear")
-        def fake_bf16_linear(x, weight):  # noqa: ANN001, ANN202 - torch.library's signature
+        @torch.library.register_fake("lmpress_cpu::half_linear")
+        def fake_half_linear(x, weight):  # noqa: ANN001, ANN202 - torch.library's signature
             return x.new_empty(x.shape[0], weight.shape[0])
 
 

@@ -1,9 +1,9 @@
-"""Float32 layers whose weights stay bfloat16, as a checkpoint stores them (``cpu_bf16.cpp``).
+"""Float32 layers whose weights stay bfloat16 or float16, as a checkpoint stores them (``cpu_half.cpp``).
 
-A bfloat16 weight widens to float32 exactly, so a float32 CPU build upcasting it (as the runtime did) gains no
+A half-precision weight widens to float32 exactly, so a float32 CPU build widening it (as the runtime did) gains no
 precision and reads twice the bytes per decode step: SmolLM2's tied head is 113 MB a token in float32, 57 MB in
-bfloat16. ``Bf16WeightLinear`` keeps the weight as stored and multiplies up to ``FEW_ROWS`` float32 input rows by it
-with ``torch.ops.lmpress_cpu.bf16_linear`` (float32 products and sums, AVX-512); more rows (a prefill) run
+bfloat16. ``HalfWeightLinear`` keeps the weight as stored and multiplies up to ``FEW_ROWS`` float32 input rows by
+it with ``torch.ops.lmpress_cpu.half_linear`` (float32 products and sums, AVX-512); more rows (a prefill) run
 ``F.linear`` on the weight widened for the call, a block of rows at a time. The activations stay float32
 throughout, unlike a bfloat16 build.
 """
@@ -18,22 +18,23 @@ from torch import nn
 
 from lmpress.runtime.kernels import cpu_int
 
-COLUMNS = 32  # in_features must be a multiple of it (fixed in cpu_bf16.cpp)
+COLUMNS = 32  # in_features must be a multiple of it (fixed in cpu_half.cpp)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def available() -> bool:
     """Whether the op is built and this CPU runs it (AVX-512 hosts: ``cpu_int.host_isa() == 2``)."""
-    return cpu_int.available() and cpu_int.host_isa() == 2 and hasattr(torch.ops.lmpress_cpu, "bf16_linear")
+    return cpu_int.available() and cpu_int.host_isa() == 2 and hasattr(torch.ops.lmpress_cpu, "half_linear")
 
 
 def fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a layer with float ``weight`` in a ``dtype`` build on the CPU keeps it bfloat16 for the op."""
-    return dtype == torch.float32 and weight.dtype == torch.bfloat16 and weight.shape[-1] % COLUMNS == 0 and available()
+    """Whether a layer with float ``weight`` in a ``dtype`` build on the CPU keeps it as stored, for the op."""
+    return dtype == torch.float32 and weight.dtype in HALF_DTYPES and weight.shape[-1] % COLUMNS == 0 and available()
 
 
-class Bf16WeightLinear(nn.Module):
-    """``x @ weight.T + bias`` for float32 ``x``, the weight kept bfloat16 and the bias float32."""
+class HalfWeightLinear(nn.Module):
+    """``x @ weight.T + bias`` for float32 ``x``, the weight kept bfloat16 or float16 and the bias float32."""
 
     FEW_ROWS = 16  # up to this many rows run the op (one pass over the weight per 4 rows); more widen the weight
     WIDENED_BYTES = 64 * 2**20  # ... a block of its rows at a time, this large at most (an 8B head widened whole: 2 GB)
@@ -41,8 +42,8 @@ class Bf16WeightLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # Large weights are copied into huge pages (cpu_int.huge_pages), as the int8 kernels' are: SmolLM2's tied head
-        # read from its checkpoint's mapping (4 KiB pages) made a decode step about 3 ms slower (ad-hoc check).
+        # A copy, never a view of a checkpoint's mapping; large weights into huge pages, as the int8 kernels' are
+        # (cpu_int.huge_pages: fewer TLB misses while a step streams them).
         self.weight = nn.Parameter(cpu_int.huge_pages(weight.detach()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
@@ -52,7 +53,7 @@ class Bf16WeightLinear(nn.Module):
             block = max(1, self.WIDENED_BYTES // (4 * self.in_features))
             y = torch.cat([F.linear(flat, rows.float()) for rows in self.weight.split(block)], dim=-1)
         else:
-            y = torch.ops.lmpress_cpu.bf16_linear(flat.contiguous(), self.weight)
+            y = torch.ops.lmpress_cpu.half_linear(flat.contiguous(), self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

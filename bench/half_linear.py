@@ -1,10 +1,10 @@
-"""One decode row through SmolLM2's head (49152 x 576) three ways, the weight streamed from memory (docs/runtime.md).
+"""One decode row through SmolLM2's head (49152 x 576) four ways, the weight streamed from memory (docs/runtime.md).
 
-    python bench/bf16_linear.py                      # bench/results/bf16_linear.{json,md}
-    python bench/bf16_linear.py --copies 2 --rounds 3  # quicker (the copies then partly fit the last-level cache)
+    python bench/half_linear.py                      # bench/results/half_linear.{json,md}
+    python bench/half_linear.py --copies 2 --rounds 3  # quicker (the copies then partly fit the last-level cache)
 
-- ``bf16_linear``: lmpress's op (kernels/cpu_bf16.cpp), float32 row times the bfloat16 weight, float32 products;
-  what a float32 build runs on a bfloat16 checkpoint's float layers.
+- ``half_linear bf16`` / ``fp16``: lmpress's op (kernels/cpu_half.cpp), float32 row times the bfloat16 (float16)
+  weight, float32 products; what a float32 build runs on a bfloat16 (float16) checkpoint's float layers.
 - ``F.linear bf16``: torch's (oneDNN) bfloat16 row times the bfloat16 weight; what a bfloat16 build runs.
 - ``F.linear fp32``: the float32 row times the weight widened to float32 (twice the bytes); what a float32 build
   ran before it kept bfloat16 weights.
@@ -39,21 +39,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from lmpress.runtime.kernels import cpu_bf16, cpu_int
+    from lmpress.runtime.kernels import cpu_half, cpu_int
 
-    if not cpu_bf16.available():
-        sys.exit("bf16_linear needs lmpress's C++ library and an AVX-512 CPU")
+    if not cpu_half.available():
+        sys.exit("half_linear needs lmpress's C++ library and an AVX-512 CPU")
     torch.set_num_threads(args.threads)
     out_features, in_features = 49152, 576
     weights = [cpu_int.huge_pages(torch.randn(out_features, in_features).bfloat16()) for _ in range(args.copies)]
+    halves = [cpu_int.huge_pages(w.half()) for w in weights]
     wide = [w.float() for w in weights]
     x = torch.randn(1, in_features)
     ways = {
-        "bf16_linear": lambda i: torch.ops.lmpress_cpu.bf16_linear(x, weights[i]),
+        "half_linear bf16": lambda i: torch.ops.lmpress_cpu.half_linear(x, weights[i]),
+        "half_linear fp16": lambda i: torch.ops.lmpress_cpu.half_linear(x, halves[i]),
         "F.linear bf16": lambda i: F.linear(x.bfloat16(), weights[i]),
         "F.linear fp32": lambda i: F.linear(x, wide[i]),
     }
-    nbytes = {"bf16_linear": weights[0].nbytes, "F.linear bf16": weights[0].nbytes, "F.linear fp32": wide[0].nbytes}
+    nbytes = {name: weights[0].nbytes for name in ways} | {"F.linear fp32": wide[0].nbytes}
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for round_ in range(args.rounds + 1):  # the first round warms up
         for name, product in ways.items():
@@ -87,8 +89,8 @@ def main() -> None:
     print(table)
     args.results.mkdir(parents=True, exist_ok=True)
     meta = {"host": host, "when": when, "copies": args.copies, "rounds": args.rounds, "threads": args.threads}
-    (args.results / "bf16_linear.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (args.results / "bf16_linear.md").write_text(f"Measured by `python bench/bf16_linear.py`.\n\n{table}")
+    (args.results / "half_linear.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (args.results / "half_linear.md").write_text(f"Measured by `python bench/half_linear.py`.\n\n{table}")
 
 
 if __name__ == "__main__":
