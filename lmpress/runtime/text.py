@@ -78,11 +78,13 @@ def load_runtime(
     """The runtime model and tokenizer of any model or export lmpress reads (the manifest is checked).
 
     ``dtype`` defaults to float32 on the CPU and bfloat16 on CUDA, where the Triton kernels take half-precision
-    activations. On the CPU, weight-only quantized layers take their activations as ``cpu_activations``: "int8"
-    (per 4 values, lmpress's kernels, where they hold the layer) or "bf16" (torch's packed kernels). A checkpoint
-    directory (dense, GPTQ, AWQ, compressed-tensors; a .gguf or pypkg: source once converted) is
-    read straight into the runtime (``checkpoint.py``: memory-mapped, no transformers model); other
-    exports (GGUF and ONNX directories, bitsandbytes) go through ``lmpress.loader.load_model``.
+    activations; a float32 CPU build keeps a checkpoint's bfloat16 or float16 float weights as stored
+    (``Build.dense_dtype``: float32 products, half the bytes). On the CPU, weight-only quantized layers take their
+    activations as ``cpu_activations``: "int8" (per 4 values, lmpress's kernels, where they hold the layer) or
+    "bf16" (torch's packed kernels). A checkpoint directory (dense, GPTQ, AWQ, compressed-tensors; a .gguf or
+    pypkg: source once converted) is read straight into the runtime (``checkpoint.py``: memory-mapped, no
+    transformers model); other exports (GGUF and ONNX directories, bitsandbytes) go through
+    ``lmpress.loader.load_model``.
     """
     check_cpu_activations(cpu_activations)
     device = torch.device(device)
