@@ -130,7 +130,6 @@ def runs_itself(layer: nn.Module) -> bool:
 def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Module:
     """One float layer of ``layers``' rows, its weight a copy (never a view into a checkpoint's mapped file)."""
     weight = torch.cat([layer.weight.detach() for layer in layers])
-    weight = weight.to(build.dense_dtype(weight))
     biased = any(layer.bias is not None for layer in layers)
     return build.dense(weight, torch.cat([_bias_or_zeros(layer) for layer in layers]) if biased else None)
 

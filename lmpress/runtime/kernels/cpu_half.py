@@ -42,8 +42,8 @@ class HalfWeightLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # A copy, never a view of a checkpoint's mapping; large weights into huge pages, as the int8 kernels' are
-        # (cpu_int.huge_pages: fewer TLB misses while a step streams them).
+        # Large weights are copied into huge pages, as the int8 kernels' are (cpu_int.huge_pages: fewer TLB misses
+        # while a step streams them); smaller ones are used as given.
         self.weight = nn.Parameter(cpu_int.huge_pages(weight.detach()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
