@@ -21,10 +21,13 @@ from torch import nn
 from lmpress.errors import LmpressInputError
 from lmpress.registry import LayerPatterns, PatternKeyed, StageConfig, StrictConfig
 from lmpress.weights.kquant import SUPER_BLOCK
-from lmpress.weights.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
+from lmpress.weights.scheme import FP4_GROUP_SIZES, SUPPORTED_GROUP_SIZES, QuantScheme
 
 Bits = Literal[2, 3, 4, 8]
-GroupSize = Literal[-1, 32, 64, 128]
+GroupSize = Literal[-1, 16, 32, 64, 128]  # 16: NVFP4's blocks only
+Fp4Grid = Literal["nvfp4", "mxfp4"]
+# An override's ``fp4: int`` puts layers back on the integer grid under an FP4 stage.
+Fp4Override = Literal["nvfp4", "mxfp4", "int"]
 
 
 class SchemeOverride(StrictConfig):
@@ -32,6 +35,17 @@ class SchemeOverride(StrictConfig):
     group_size: GroupSize | None = None
     symmetric: bool | None = None
     k_quant_scales: bool | None = None
+    fp4: Fp4Override | None = None
+    activations: Literal["fp4"] | None = None
+
+
+def _fp4_defaults(settings: dict[str, object], group_given: bool) -> dict[str, object]:
+    """``fp4: int`` -> the integer grid; an FP4 grid without a group size of its own takes its format's block."""
+    if settings.get("fp4") == "int":
+        settings = settings | {"fp4": None, "activations": None}
+    if settings.get("fp4") and not group_given:
+        settings = settings | {"group_size": FP4_GROUP_SIZES[settings["fp4"]]}
+    return settings
 
 
 class WeightQuantConfig(StageConfig):
@@ -41,6 +55,8 @@ class WeightQuantConfig(StageConfig):
     group_size: GroupSize = 128
     symmetric: bool = True
     k_quant_scales: bool = Field(False, description="group scales on llama.cpp's k-quant grid (GGUF Q4_K)")
+    fp4: Fp4Grid | None = Field(None, description="4-bit floats: nvfp4 (blocks of 16) or mxfp4 (blocks of 32)")
+    activations: Literal["fp4"] | None = Field(None, description="fp4: W4A4, activations quantized per block")
     ignore: LayerPatterns = ["lm_head"]
     overrides: PatternKeyed[SchemeOverride] = {}
 
@@ -54,31 +70,35 @@ class WeightQuantConfig(StageConfig):
         return self
 
     def _base_settings(self) -> dict[str, object]:
-        return {
+        settings = {
             "bits": self.bits,
             "group_size": self.group_size,
             "symmetric": self.symmetric,
             "k_quant_scales": self.k_quant_scales,
+            "fp4": self.fp4,
+            "activations": self.activations,
         }
+        return _fp4_defaults(settings, "group_size" in self.model_fields_set)
+
+    def _override_settings(self, override: SchemeOverride) -> dict[str, object]:
+        given = override.model_dump(exclude_none=True)
+        return _fp4_defaults(self._base_settings() | given, "group_size" in given)
 
     def _scheme_settings(self) -> list[tuple[str, dict[str, object]]]:
         """The stage's scheme settings and each override's, with the YAML path (relative to the stage)."""
-        base = self._base_settings()
-        settings = [("", base)]
+        settings = [("", self._base_settings())]
         for pattern, override in self.overrides.items():
-            settings.append((f".overrides[{pattern!r}]", base | override.model_dump(exclude_none=True)))
+            settings.append((f".overrides[{pattern!r}]", self._override_settings(override)))
         return settings
 
     def scheme_for(self, name: str) -> QuantScheme | None:
         """The scheme for module ``name``, or None when it is ignored. The first matching override wins."""
         if any(re.fullmatch(p, name) for p in self.ignore):
             return None
-        scheme = self._base_settings()
         for pattern, override in self.overrides.items():
             if re.fullmatch(pattern, name):
-                scheme.update(override.model_dump(exclude_none=True))
-                break
-        return QuantScheme(**scheme)
+                return QuantScheme(**self._override_settings(override))
+        return QuantScheme(**self._base_settings())
 
     def planned_schemes(self) -> list[tuple[str, QuantScheme]]:
         """The stage's scheme and each override's, with the YAML path (relative to the stage) that sets it."""

@@ -27,7 +27,10 @@ SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 # Activation schemes a quantized linear can run with (None: weight-only, float activations).
 # "int8": dynamic symmetric per-token int8 activations, int8 matrix multiplication (``int8_linear.py``).
 # "fp8": dynamic per-token E4M3 activations with E4M3 weights (``fp8.py``, its own module ``Fp8Linear``).
-ACTIVATION_SCHEMES = ("int8", "fp8")
+# "fp4": per-block FP4 activations with FP4 weights of the same format (``fp4.py``, ``Fp4Linear``).
+ACTIVATION_SCHEMES = ("int8", "fp8", "fp4")
+# 4-bit float weight grids (``fp4.py``) and the block (group) size each format defines.
+FP4_GROUP_SIZES = {"nvfp4": 16, "mxfp4": 32}
 
 
 @dataclass(frozen=True)
@@ -37,14 +40,32 @@ class QuantScheme:
     symmetric: bool = True
     activations: str | None = None  # one of ACTIVATION_SCHEMES, or None for weight-only quantization
     k_quant_scales: bool = False  # group scales on llama.cpp's k-quant grid (Q4_K): W4 g32 sym only
+    fp4: str | None = None  # "nvfp4" or "mxfp4": E2M1 values with block scales (fp4.py) instead of integers
 
     def __post_init__(self) -> None:
+        if self.fp4 is not None:
+            self._check_fp4()
+        elif self.activations == "fp4":
+            raise ValueError("fp4 activations need FP4 weights (fp4: nvfp4 or mxfp4)")
         if self.k_quant_scales and (self.bits, self.group_size, self.symmetric) != (4, GROUP, True):
             raise ValueError(
                 f"k_quant_scales (Q4_K's 6-bit group scales per {SUPER_BLOCK} columns) need bits: 4, "
                 f"group_size: {GROUP}, symmetric: true; got bits: {self.bits}, group_size: {self.group_size}, "
                 f"symmetric: {str(self.symmetric).lower()}"
             )
+
+    def _check_fp4(self) -> None:
+        if self.fp4 not in FP4_GROUP_SIZES:
+            raise ValueError(f"unknown FP4 format {self.fp4!r}; known: {sorted(FP4_GROUP_SIZES)}")
+        block = FP4_GROUP_SIZES[self.fp4]
+        if self.group_size != block:
+            raise ValueError(
+                f"{self.fp4} defines blocks of {block} (group_size: {block}), not group_size {self.group_size}"
+            )
+        if self.bits != 4 or not self.symmetric or self.k_quant_scales:
+            raise ValueError(f"{self.fp4} weights are 4-bit, symmetric, without k-quant scales")
+        if self.activations not in (None, "fp4"):
+            raise ValueError(f"{self.fp4} weights run with fp4 or float activations, not {self.activations}")
 
     @property
     def maxq(self) -> int:
@@ -65,6 +86,8 @@ class QuantScheme:
         return self.misfit(in_features) is None
 
     def describe(self) -> str:
+        if self.fp4 is not None:
+            return f"{self.fp4.upper()}{'' if self.activations == 'fp4' else 'A16'} (E2M1, blocks of {self.group_size})"
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         weights = f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
         if self.k_quant_scales:

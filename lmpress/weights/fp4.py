@@ -1,0 +1,338 @@
+"""4-bit floats: NVFP4 and MXFP4 weights (and activations), the grids current GPUs multiply natively.
+
+Both store E2M1 values (1 sign, 2 exponent, 1 mantissa bit: 0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) in blocks
+along the input axis, each block with its own scale (OCP Microscaling spec v1.0; NVIDIA's NVFP4):
+
+- **NVFP4**: blocks of 16, an E4M3 scale per block and one float32 ``global_scale`` per tensor;
+  ``w = e2m1 * (scale_e4m3 / global_scale)``, ``global_scale = 448 * 6 / max|W|`` so the block scales use
+  E4M3's whole range.
+- **MXFP4**: blocks of 32, a power-of-two scale per block stored as E8M0 (a biased exponent byte):
+  ``w = e2m1 * 2**(e - 127)``.
+
+The encodings are compressed-tensors' (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``), which vLLM reads:
+a code is ``sign << 3 | index`` of the magnitude in ``E2M1_VALUES``, two codes a byte, the lower column in the
+low nibble; zero is always code 0 (what their packer writes for the zeros of a dequantized weight). Rounding to
+E2M1 is to the nearest value, ties to the even mantissa (their ``cast_to_fp4`` thresholds).
+
+Activations (``activations: "fp4"``, W4A4) are quantized per call, per block of 16 (NVFP4: E4M3 scales under a
+static per-layer ``input_global_scale`` from calibration) or 32 (MXFP4: E8M0 scales), as the presets define.
+
+Tensors in, tensors out: no calibration code (the contract quantize, export and runtime share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lmpress.weights.float8 import FP8_MAX, require_float8
+from lmpress.weights.scheme import FP4_GROUP_SIZES, QuantScheme
+
+Fp4Format = Literal["nvfp4", "mxfp4"]
+FP4_BLOCK = FP4_GROUP_SIZES  # block size of each format
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# |x| at or past each threshold (or strictly past, for the "low" ties) moves one magnitude index up: ties go to the
+# even mantissa, so 0.25, 1.25, 2.5 and 5 round down and 0.75, 1.75 and 3.5 round up.
+_ROUND_UP_AT = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+E8M0_BIAS = 127
+E8M0_NAN = 255
+# MX blocks scale so that the block's largest power of two lands on E2M1's (2**2 = 4): OCP MX spec §6.3.
+_MX_ELEMENT_EMAX = 2
+# NVFP4 block-scale candidates: the scale that maps the block's max to 6, times these factors, rounded to E4M3.
+_NVFP4_SEARCH = torch.linspace(0.70, 1.10, 41).tolist()
+
+
+def fp4_format_of(scheme: QuantScheme) -> Fp4Format:
+    if scheme.fp4 is None:
+        raise ValueError(f"{scheme.describe()} is not an FP4 scheme")
+    return scheme.fp4  # type: ignore[return-value]
+
+
+# E2M1 ------------------------------------------------------------------------------------------
+
+
+def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 value of each of the 16 codes (codes 8-15 are the negatives of 0-7; code 8, never written, is -0.0)."""
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([magnitudes, -magnitudes])
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """uint8 code (``sign << 3 | magnitude index``) of the nearest E2M1 value of each element of ``x`` (already
+    divided by its scale; clamped to ±6)."""
+    x = x.float()
+    a = x.abs()
+    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for threshold, inclusive in _ROUND_UP_AT:
+        index += (a >= threshold if inclusive else a > threshold).to(torch.uint8)
+    return index | (((x < 0) & (index > 0)).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes."""
+    return e2m1_table(codes.device)[codes.long()]
+
+
+def fake_quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """The nearest E2M1 value of each element (float32)."""
+    return e2m1_values(round_to_e2m1(x))
+
+
+# Block scales ---------------------------------------------------------------------------------
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to the nearest finite E4M3 value (saturating at ±448)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(require_float8("nvfp4")).float()
+
+
+def encode_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """uint8 biased exponents of power-of-two scales (``2**(e - 127)``)."""
+    exponent = torch.log2(scale.float()).round().to(torch.int32) + E8M0_BIAS
+    return exponent.clamp(0, E8M0_NAN - 1).to(torch.uint8)
+
+
+def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
+    """float32 scales ``2**(e - 127)`` of E8M0 bytes (255, E8M0's NaN, decodes to NaN)."""
+    scale = torch.exp2(codes.to(torch.float32) - E8M0_BIAS)
+    return torch.where(codes == E8M0_NAN, torch.full_like(scale, float("nan")), scale)
+
+
+def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """``448 * 6 / max|w|`` as float32 ``(1,)`` (1 for an all-zero tensor), as compressed-tensors computes it."""
+    amax = w.detach().float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = FP8_MAX * E2M1_MAX / amax
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+
+
+def _blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+    if w.shape[-1] % block:
+        raise ValueError(f"FP4 blocks of {block} do not divide the last dimension {w.shape[-1]}")
+    return w.float().reshape(*w.shape[:-1], w.shape[-1] // block, block)
+
+
+def _nvfp4_minmax_scales(amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    scale = round_to_e4m3(amax / E2M1_MAX * global_scale)
+    # compressed-tensors' observer replaces a zero E4M3 scale by E4M3's eps (0.125)
+    return torch.where(scale > 0, scale, torch.full_like(scale, 0.125))
+
+
+def _mxfp4_minmax_scales(amax: torch.Tensor) -> torch.Tensor:
+    """``2**(floor(log2(amax)) - 2)``, the block max's exponent rounded up when its mantissa is 1.75 or more
+    (compressed-tensors' ``generate_mx_scales``: a max of 1.75 * 2**e would clip at 6 * 2**(e - 2) by more than
+    it gains)."""
+    exponent = torch.floor(torch.log2(amax.clamp(min=2.0**-126)))
+    exponent = exponent + (amax / torch.exp2(exponent) >= 1.75).float() - _MX_ELEMENT_EMAX
+    exponent = torch.where(amax > 0, exponent, torch.zeros_like(exponent))
+    return torch.exp2(exponent.clamp(-E8M0_BIAS, E8M0_BIAS))
+
+
+def _block_error(blocks: torch.Tensor, effective: torch.Tensor) -> torch.Tensor:
+    """Σ (w - fake_quant(w))² of each block for scales ``effective`` (broadcast against ``blocks[..., 0]``)."""
+    q = fake_quantize_e2m1((blocks / effective[..., None]).clamp_(-E2M1_MAX, E2M1_MAX))
+    return (q.mul_(effective[..., None]) - blocks).pow_(2).sum(-1)
+
+
+def fp4_block_scales(
+    blocks: torch.Tensor, fmt: Fp4Format, global_scale: torch.Tensor | None = None, mse: bool = False
+) -> torch.Tensor:
+    """The stored scale of each block of ``blocks`` ``(..., n_blocks, block)``: E4M3 values (NVFP4, under
+    ``global_scale``) or powers of two (MXFP4), as float32 ``(..., n_blocks)``.
+
+    Without ``mse`` the scale maps the block's max to 6 (rounded to the encoding), as compressed-tensors'
+    observers do; with ``mse`` each block takes, of the encoding's values near that, the one with the least
+    squared error (NVFP4: every E4M3 value from 0.7x to 1.1x; MXFP4: the power of two below and above too).
+    """
+    amax = blocks.abs().amax(-1)
+    if fmt == "nvfp4":
+        if global_scale is None:
+            raise ValueError("NVFP4 block scales need the tensor's global scale")
+        gs = global_scale.float().to(blocks.device)
+        best = _nvfp4_minmax_scales(amax, gs)
+        if not mse:
+            return best
+        candidates = [round_to_e4m3(amax / E2M1_MAX * gs * f) for f in _NVFP4_SEARCH]
+    else:
+        best = _mxfp4_minmax_scales(amax)
+        if not mse:
+            return best
+        candidates = [best * 0.5, best * 2.0]
+    gs = global_scale.float().to(blocks.device) if fmt == "nvfp4" else torch.ones(1, device=blocks.device)
+    best_error = _block_error(blocks, best / gs)
+    for candidate in candidates:
+        candidate = torch.where(candidate > 0, candidate, best)
+        error = _block_error(blocks, candidate / gs)
+        better = error < best_error
+        best = torch.where(better, candidate, best)
+        best_error = torch.where(better, error, best_error)
+    return best
+
+
+# The packed weight --------------------------------------------------------------------------------
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """``(rows, cols)`` codes -> uint8 ``(rows, cols / 2)``, column ``2j`` in the low nibble of byte ``j``."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"FP4 packing needs an even number of columns, got {codes.shape[-1]}")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_fp4``: uint8 codes ``(rows, 2 * cols)``."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed FP4 weights are uint8, got {packed.dtype}")
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+@dataclass
+class Fp4Weight:
+    """One linear layer's weight in FP4: the counterpart of ``QuantizedWeight``.
+
+    ``codes``: uint8 ``(out, in)`` E2M1 codes; ``scales``: float32 ``(out, in / block)``, each block's stored
+    scale as a value (an E4M3 value for NVFP4, a power of two for MXFP4); ``global_scale``: NVFP4's float32
+    ``(1,)`` (None for MXFP4); ``input_global_scale``: NVFP4 W4A4's static activation scale (None otherwise).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scheme: QuantScheme
+    global_scale: torch.Tensor | None = None
+    input_global_scale: torch.Tensor | None = None
+    g_idx: None = None
+
+    def effective_scales(self) -> torch.Tensor:
+        """The per-block multiplier of the E2M1 values (``scale / global_scale`` for NVFP4)."""
+        return self.scales if self.global_scale is None else self.scales / self.global_scale.float()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out_features, in_features = self.codes.shape
+        blocks = e2m1_values(self.codes).reshape(out_features, self.scales.shape[1], -1)
+        return (blocks * self.effective_scales()[..., None]).reshape(out_features, in_features).to(dtype)
+
+
+def quantize_weight_fp4(w: torch.Tensor, scheme: QuantScheme, mse: bool = False) -> Fp4Weight:
+    """Round-to-nearest FP4 of a ``(out, in)`` weight: block scales by min/max or by the MSE search
+    (``fp4_block_scales``), then each value to its nearest E2M1 code."""
+    fmt = fp4_format_of(scheme)
+    out_features, in_features = w.shape
+    if not scheme.fits(in_features):
+        raise ValueError(scheme.misfit(in_features))
+    blocks = _blocks(w, FP4_BLOCK[fmt])
+    global_scale = nvfp4_global_scale(w) if fmt == "nvfp4" else None
+    scales = fp4_block_scales(blocks, fmt, global_scale, mse=mse)
+    effective = scales if global_scale is None else scales / global_scale
+    codes = round_to_e2m1((blocks / effective[..., None]).clamp(-E2M1_MAX, E2M1_MAX))
+    return Fp4Weight(codes.reshape(out_features, in_features), scales, scheme, global_scale)
+
+
+# Activations -------------------------------------------------------------------------------------
+
+
+def fake_quantize_fp4_activations(
+    x: torch.Tensor, fmt: Fp4Format, input_global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What per-block FP4 quantization (blocks of the last dimension, min/max scales computed per call) leaves
+    of ``x``, in ``x``'s dtype. NVFP4 uses the layer's static ``input_global_scale`` (per call from ``x`` when
+    None)."""
+    blocks = _blocks(x, FP4_BLOCK[fmt])
+    if fmt == "nvfp4":
+        gs = nvfp4_global_scale(x) if input_global_scale is None else input_global_scale.float().to(x.device)
+        effective = _nvfp4_minmax_scales(blocks.abs().amax(-1), gs) / gs
+    else:
+        effective = _mxfp4_minmax_scales(blocks.abs().amax(-1))
+    q = fake_quantize_e2m1((blocks / effective[..., None]).clamp(-E2M1_MAX, E2M1_MAX)) * effective[..., None]
+    return q.reshape(x.shape).to(x.dtype)
+
+
+# The layer ----------------------------------------------------------------------------------------
+
+
+class Fp4Linear(nn.Module):
+    """``y = A(x) Wᵀ + b`` with ``W`` stored as packed E2M1 codes and block scales, in compressed-tensors'
+    names and encodings (``weight_packed``, ``weight_scale`` as E4M3 or E8M0 bytes, ``weight_global_scale``,
+    ``input_global_scale``); ``A`` is FP4 activation quantization for W4A4 schemes, the identity for A16."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False) -> None:
+        super().__init__()
+        fmt = fp4_format_of(scheme)
+        if not scheme.fits(in_features):
+            raise ValueError(scheme.misfit(in_features))
+        self.in_features, self.out_features, self.scheme, self.fmt = in_features, out_features, scheme, fmt
+        n_blocks = in_features // FP4_BLOCK[fmt]
+        scale_dtype = require_float8("nvfp4") if fmt == "nvfp4" else torch.uint8
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.zeros(out_features, n_blocks, dtype=scale_dtype))
+        nv = fmt == "nvfp4"
+        self.register_buffer("weight_global_scale", torch.ones(1) if nv else None)
+        self.register_buffer("input_global_scale", torch.ones(1) if nv and scheme.activations == "fp4" else None)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self._dequantized: torch.Tensor | None = None
+
+    @classmethod
+    def from_weight(cls, fp4: Fp4Weight, bias: torch.Tensor | None = None) -> Fp4Linear:
+        out_features, in_features = fp4.codes.shape
+        module = cls(in_features, out_features, fp4.scheme, bias=bias is not None)
+        module.weight_packed.copy_(pack_fp4(fp4.codes))
+        if module.fmt == "nvfp4":
+            module.weight_scale.copy_(fp4.scales.to(module.weight_scale.dtype))
+            module.weight_global_scale.copy_(fp4.global_scale)
+        else:
+            module.weight_scale.copy_(encode_e8m0(fp4.scales))
+        if module.input_global_scale is not None:
+            if fp4.input_global_scale is None:
+                raise ValueError(f"{fp4.scheme.describe()} needs a calibrated input_global_scale")
+            module.input_global_scale.copy_(fp4.input_global_scale)
+        if bias is not None:
+            module.bias = nn.Parameter(bias.detach().clone().float(), requires_grad=False)
+        return module.to(fp4.codes.device)
+
+    def block_scales(self) -> torch.Tensor:
+        """Each block's stored scale as a float32 value."""
+        if self.fmt == "nvfp4":
+            return self.weight_scale.float()
+        return decode_e8m0(self.weight_scale)
+
+    def unpack(self) -> Fp4Weight:
+        nv = self.fmt == "nvfp4"
+        return Fp4Weight(
+            codes=unpack_fp4(self.weight_packed),
+            scales=self.block_scales(),
+            scheme=self.scheme,
+            global_scale=self.weight_global_scale.clone() if nv else None,
+            input_global_scale=None if self.input_global_scale is None else self.input_global_scale.clone(),
+        )
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.unpack().dequantize(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) would round the codes' scales; like QuantizedLinear's, they only follow the device
+        kept = {name: getattr(self, name) for name in ("weight_scale", "weight_global_scale", "input_global_scale")}
+        self._dequantized = None
+        result = super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            if tensor is not None:
+                setattr(self, name, tensor.to(device=self.weight_packed.device))
+        return result
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.activations == "fp4":
+            x = fake_quantize_fp4_activations(x, self.fmt, self.input_global_scale)
+        weight = self._dequantized
+        if weight is None or weight.device != x.device or weight.dtype != x.dtype:
+            weight = self._dequantized = self.dequantized_weight(x.dtype).to(x.device)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, weight, bias)
+
+
+def fp4_layers(model: nn.Module) -> dict[str, Fp4Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Fp4Linear)}
