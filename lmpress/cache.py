@@ -43,12 +43,32 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
     os.close(fd)
+    # mkstemp creates the file 0600; what appears at ``path`` gets the mode any other new file would (a server
+    # running as another user reads the weights and reports like every other file of the export)
+    os.chmod(tmp, 0o666 & ~current_umask())
     try:
         yield Path(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask_modes(root: str | os.PathLike) -> None:
+    """Give ``root`` and everything under it the modes new files and folders get (``0o666`` / ``0o777`` less the
+    umask): writers that go through a private temporary file (safetensors' own atomic save: 0600) otherwise leave
+    files another user, or a server's container, cannot read."""
+    mask = current_umask()
+    for path in [Path(root), *Path(root).rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

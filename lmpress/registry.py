@@ -28,6 +28,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
+from lmpress.cache import apply_umask_modes
 from lmpress.data import Text
 from lmpress.progress import QUIET, Bars
 
@@ -235,8 +236,14 @@ def export_format(name: str) -> ExportFormat:
 
 
 def exporter(fmt: str) -> Callable[..., None]:
-    """The writer of export format ``fmt`` (KeyError when unknown)."""
-    return export_format(fmt).write
+    """The writer of export format ``fmt`` (KeyError when unknown); what it writes gets the umask's modes."""
+    write = export_format(fmt).write
+
+    def write_with_modes(model: Any, tokenizer: Any, out_dir: Path, *args: Any, **kwargs: Any) -> None:
+        write(model, tokenizer, out_dir, *args, **kwargs)
+        apply_umask_modes(out_dir)
+
+    return write_with_modes
 
 
 def reading_format(quant_method: str) -> ExportFormat | None:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -44,7 +45,15 @@ def test_run_writes_model_reports_manifest_and_passes(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
-    assert main(["run", write_recipe(tmp_path, tiny_llama_dir), "--out", str(out), "--quiet"]) == 0
+    umask = os.umask(0o027)
+    try:
+        assert main(["run", write_recipe(tmp_path, tiny_llama_dir), "--out", str(out), "--quiet"]) == 0
+    finally:
+        os.umask(umask)
+    # every file and folder a server reads is written with the user's umask, like any other new file
+    modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert modes and {m for p, m in modes.items() if (out / p).is_file()} == {0o640}, modes
+    assert {m for p, m in modes.items() if (out / p).is_dir()} == {0o750}, modes
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] and [g["passed"] for g in report["gates"]] == [True, True]
     assert "| ppl |" in (out / "report.md").read_text()
