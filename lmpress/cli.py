@@ -16,6 +16,8 @@ traceback), 3 unexpected error (with traceback).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import platform
 import sys
 import traceback
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from lmpress import __version__
 from lmpress.errors import EXIT_BAD_INPUT, EXIT_RUNTIME_ERROR, LmpressInputError
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -63,6 +66,10 @@ def add_activations_argument(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmpress", description="Compress LLMs and gate them on quality.")
+    versions = (
+        f"lmpress {__version__} (torch {importlib.metadata.version('torch')}, Python {platform.python_version()})"
+    )
+    parser.add_argument("--version", action="version", version=versions)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a recipe: stages, export, eval, gates")
