@@ -1,7 +1,13 @@
-"""Progress bars with ETA for long work (loading, each stage, each eval)."""
+"""Progress bars with ETA for long work (loading, each stage, each eval).
+
+In a terminal: rich's live bars. Anywhere else (a log file, CI, a pipe), where live bars would only print once the
+run ends: one plain line per step at a bounded rate (every 10% of a task, or at least every 30 s while it moves),
+with the elapsed time and the ETA, written as it happens.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -16,13 +22,59 @@ from rich.progress import (
 )
 
 T = TypeVar("T")
+PLAIN_STEPS = 10  # a line every tenth of a task
+PLAIN_EVERY_SECONDS = 30.0
+
+
+def clock_text(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class PlainTask:
+    """One task's progress as plain lines: ``description: 3/10 (30%) elapsed 0:00:12 eta 0:00:28``."""
+
+    def __init__(self, console: Console, description: str, total: int | None, completed: int = 0) -> None:
+        self.console, self.description, self.total = console, description, total
+        self.done = self.start_done = completed
+        self.began = self.last_time = time.monotonic()
+        self.last_step = self.step()
+
+    def advance(self, description: str | None = None) -> None:
+        self.done += 1
+        if description is not None:
+            self.description = description
+        now, step = time.monotonic(), self.step()
+        if step > self.last_step or now - self.last_time >= PLAIN_EVERY_SECONDS:
+            self.last_time, self.last_step = now, step
+            self.console.print(self.line(now), highlight=False, soft_wrap=True)
+            self.console.file.flush()
+
+    def step(self) -> int:
+        """How many tenths of the task are done (the last step: all of it)."""
+        return self.done * PLAIN_STEPS // self.total if self.total else 0
+
+    def line(self, now: float) -> str:
+        elapsed = now - self.began
+        if not self.total:
+            return f"{self.description}: {self.done} elapsed {clock_text(elapsed)}"
+        steps = self.done - self.start_done
+        eta = elapsed / steps * (self.total - self.done) if steps else 0.0
+        percent = 100 * self.done / self.total
+        return (
+            f"{self.description}: {self.done}/{self.total} ({percent:.0f}%) "
+            f"elapsed {clock_text(elapsed)} eta {clock_text(eta)}"
+        )
 
 
 class Bars:
-    """One rich Progress shared by a run; ``enabled=False`` for quiet library use and tests."""
+    """One rich Progress shared by a run; ``enabled=False`` for quiet library use and tests. Where its console is
+    not a terminal, each task prints plain lines instead (``PlainTask``)."""
 
     def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
         self.enabled = enabled
+        console = console or Console(stderr=True)
+        self.plain = enabled and not console.is_terminal
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -30,8 +82,8 @@ class Bars:
             TimeElapsedColumn(),
             TextColumn("eta"),
             TimeRemainingColumn(),
-            console=console or Console(stderr=True),
-            disable=not enabled,
+            console=console,
+            disable=not enabled or self.plain,
         )
 
     def __enter__(self) -> Bars:
@@ -44,6 +96,12 @@ class Bars:
     def track(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
+        if self.plain:
+            plain = PlainTask(self._progress.console, description, total)
+            for item in items:
+                yield item
+                plain.advance()
+            return
         task = self._progress.add_task(description, total=total)
         for item in items:
             yield item
@@ -53,6 +111,8 @@ class Bars:
     def counter(self, description: str, total: int, completed: int = 0) -> Callable[[str], None]:
         """A bar advanced by hand: each call moves it one step and replaces its description
         (e.g. with the latest loss and tokens/s)."""
+        if self.plain:
+            return PlainTask(self._progress.console, description, total, completed).advance
         task = self._progress.add_task(description, total=total, completed=completed)
 
         def advance(new_description: str) -> None:

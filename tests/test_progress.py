@@ -1,0 +1,50 @@
+"""Progress where no terminal is: plain lines with elapsed time and ETA, written while the work runs."""
+
+import io
+
+from rich.console import Console
+
+from lmpress import progress
+from lmpress.progress import Bars
+
+
+def log_console() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, force_terminal=False, width=200), out
+
+
+def test_plain_lines_every_tenth_while_the_work_runs():
+    console, out = log_console()
+    seen_midway = None
+    with Bars(console=console) as bars:
+        assert bars.plain
+        for i in bars.track(range(100), "gptq: layers"):
+            if i == 55:
+                seen_midway = out.getvalue()
+    lines = out.getvalue().splitlines()
+    assert (
+        "gptq: layers: 50/100 (50%) elapsed 0:00:00 eta 0:00:00" in seen_midway and "60/100" not in seen_midway
+    )  # printed as it happened
+    assert len(lines) == 10 and lines[-1].startswith("gptq: layers: 100/100 (100%)")
+
+
+def test_plain_lines_at_least_every_30_seconds(monkeypatch):
+    console, out = log_console()
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    with Bars(console=console) as bars:
+        advance = bars.counter("distill: steps", total=1000)
+        for _ in range(3):
+            now[0] += 31
+            advance("distill: loss 2.1")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[1] == "distill: loss 2.1: 2/1000 (0%) elapsed 0:01:02 eta 8:35:38"
+
+
+def test_terminal_keeps_live_bars_and_quiet_prints_nothing():
+    console, out = log_console()
+    with Bars(enabled=False, console=console) as bars:
+        list(bars.track(range(10), "x"))
+    assert out.getvalue() == ""
+    assert not Bars(console=Console(file=io.StringIO(), force_terminal=True)).plain
