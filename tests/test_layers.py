@@ -42,6 +42,7 @@ LAYER_ORDER = [
     "pipeline",
     "api",
     "cli",
+    "__main__",  # python -m lmpress: the command
 ]
 PACKAGE = Path(lmpress.__file__).parent
 

@@ -13,7 +13,8 @@ running the same stored codes: ``K * u * M``. ``M`` is the largest reference log
 prompt set (the scale of the numbers compared), ``u`` the coarsest unit roundoff either side applies
 beyond the artifact (:class:`Side`'s ``unit``: float32 ``2**-24`` (floored at ``2**-20`` for
 reordered sums), float16-stored scales ``2**-11``, bfloat16 kernel activations ``2**-8``, one step of
-dynamic int8 activation codes ``2**-7``, of E4M3 activation codes ``2**-4``), and ``K = 16`` a
+dynamic int8 activation codes ``2**-7``, of E4M3 activation codes ``2**-4``, of E2M1 (FP4) activation codes
+``2**-2``), and ``K = 16`` a
 safety factor for the rounding errors accumulated over the layers. ``K`` was measured, not guessed:
 over every pair of the agreement matrix on the tiny random model and SmolLM2-135M, the largest
 ``max |a - b| / (u * M)`` seen is recorded in docs/agreement.md; a side that runs something else (the
@@ -42,6 +43,7 @@ FLOAT16_UNIT = 2.0**-11
 BFLOAT16_UNIT = 2.0**-8
 INT8_ACTIVATION_UNIT = 2.0**-7
 FP8_ACTIVATION_UNIT = 2.0**-4
+FP4_ACTIVATION_UNIT = 2.0**-2  # E2M1: one mantissa bit
 DTYPE_UNIT = {"float32": FLOAT32_UNIT, "float16": FLOAT16_UNIT, "bfloat16": BFLOAT16_UNIT}  # a run's model.dtype
 SAFETY = 16.0
 TIE_FACTOR = 2.0  # a greedy split is a near tie when the reference's two logits lie within 2x the tolerance
@@ -102,8 +104,9 @@ def runtime_side(model: nn.Module, unit: float) -> Side:
 
 def execution_unit(model: nn.Module, runtime: bool, cpu_activations: str = DEFAULT_CPU_ACTIVATIONS) -> float:
     """The unit roundoff of running ``model``'s layers (a model as ``load_model`` or a writer holds them):
-    W8A8 layers quantize activations to int8 codes, FP8 layers to E4M3, bitsandbytes' ``Linear8bitLt`` to
-    int8 and ``Linear4bit`` computes in bfloat16; weight-only ``QuantizedLinear`` layers run float32 in the
+    W8A8 layers quantize activations to int8 codes, FP8 layers to E4M3, W4A4 FP4 layers to E2M1 per block,
+    bitsandbytes' ``Linear8bitLt`` to int8 and ``Linear4bit`` computes in bfloat16; FP4 weight-only layers run
+    their dequantized weight in float32 everywhere; weight-only ``QuantizedLinear`` layers run float32 in the
     evaluator and, in lmpress's runtime (``runtime``) built with ``cpu_activations`` (``load_runtime``'s), int8
     activations per 4 columns where that is "int8" and its CPU int8 kernels hold them, bfloat16 activations
     otherwise (torch's CPU kernels, the Triton kernels)."""
@@ -111,7 +114,9 @@ def execution_unit(model: nn.Module, runtime: bool, cpu_activations: str = DEFAU
     for module in model.modules():
         kind = type(module).__name__
         activations = getattr(getattr(module, "scheme", None), "activations", None)
-        if activations == "int8" or kind == "Linear8bitLt":
+        if activations == "fp4":
+            unit = max(unit, FP4_ACTIVATION_UNIT)
+        elif activations == "int8" or kind == "Linear8bitLt":
             unit = max(unit, INT8_ACTIVATION_UNIT)
         elif kind == "Fp8Linear" or activations == "fp8":
             unit = max(unit, FP8_ACTIVATION_UNIT)

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
 from lmpress.evals.agreement import (
+    BFLOAT16_UNIT,
     FLOAT16_UNIT,
     FLOAT32_UNIT,
     INT8_ACTIVATION_UNIT,
@@ -69,6 +70,10 @@ SCHEMES = (
     SchemeSpec("bitsandbytes LLM.int8", ({"method": "llm_int8"},)),
     SchemeSpec("bitsandbytes NF4", ({"method": "bnb_4bit"},)),
     SchemeSpec("W4 k-quant (Q4_K)", ({"method": "rtn", "bits": 4, "group_size": 32, "k_quant_scales": True},)),
+    SchemeSpec("NVFP4A16 (RTN, MSE scales)", ({"method": "rtn", "fp4": "nvfp4", "mse": True},)),
+    SchemeSpec("MXFP4A16 (RTN)", ({"method": "rtn", "fp4": "mxfp4"},)),
+    # NVFP4 W4A4 needs a calibrated input_global_scale, which rtn refuses to guess; MXFP4 activations scale per call
+    SchemeSpec("MXFP4 W4A4 (RTN)", ({"method": "rtn", "fp4": "mxfp4", "activations": "fp4"},)),
 )
 
 
@@ -121,11 +126,19 @@ def build_candidate(model_dir: Path, spec: SchemeSpec, calibration: torch.Tensor
 class ReferenceLinear(nn.Module):
     """``y = A(x) W^T + b`` in float64: W the layer's dequantized weight, A the scheme's activation quantization."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activations: str | None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        activations: str | None,
+        fp4: str | None = None,
+        input_global_scale: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.register_buffer("weight", weight.double())
         self.register_buffer("bias", None if bias is None else bias.detach().double())
-        self.activations = activations
+        self.register_buffer("input_global_scale", input_global_scale)
+        self.activations, self.fp4 = activations, fp4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.double()
@@ -137,6 +150,10 @@ class ReferenceLinear(nn.Module):
             from lmpress.weights.float8 import fake_quantize_fp8_per_token
 
             x = fake_quantize_fp8_per_token(x.float()).double()
+        elif self.activations == "fp4":  # per block of the FP4 grid's width, E2M1 codes (weights/fp4.py)
+            from lmpress.weights.fp4 import fake_quantize_fp4_activations
+
+            x = fake_quantize_fp4_activations(x.float(), self.fp4, self.input_global_scale).double()
         return F.linear(x, self.weight, self.bias)
 
 
@@ -147,6 +164,9 @@ def dequantized_layer(module: nn.Module) -> ReferenceLinear | None:
         return ReferenceLinear(module.dequantized_weight(torch.float32), module.bias, module.scheme.activations)
     if kind == "Fp8Linear":
         return ReferenceLinear(module.dequantized_weight(torch.float32), module.bias, "fp8")
+    if kind == "Fp4Linear":
+        weight = module.dequantized_weight(torch.float32)
+        return ReferenceLinear(weight, module.bias, module.scheme.activations, module.fmt, module.input_global_scale)
     if kind == "Linear8bitLt":
         state = module.state
         codes = module.weight.data if state.CB is None else state.CB
@@ -196,6 +216,18 @@ def consumer_sides(fmt: str, export_dir: Path, evaluator: nn.Module) -> Consumer
     return found
 
 
+def fp4_formats(fmt: str, export_dir: Path) -> set[str]:
+    """The FP4 formats (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``) of a compressed-tensors export's
+    config groups; empty for anything else."""
+    if fmt != "compressed-tensors":
+        return set()
+    from lmpress.checkpoint_files import read_config
+
+    qc = read_config(export_dir).get("quantization_config") or {}
+    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
+    return formats & {"nvfp4-pack-quantized", "mxfp4-pack-quantized"}
+
+
 def _add_transformers(found: Consumers, fmt: str, export_dir: Path, evaluator: nn.Module) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -206,12 +238,17 @@ def _add_transformers(found: Consumers, fmt: str, export_dir: Path, evaluator: n
             found.skipped["transformers"] = f"{fmt} needs {what}" + ("" if package is None else ", not installed")
             return
     kwargs: dict[str, Any] = {"gguf_file": "model.gguf"} if fmt == "gguf" else {}
+    # compressed-tensors decompresses FP4 weights into bfloat16 (a float32 model then fails in its first matmul):
+    # FP4 checkpoints run in bfloat16 there, as they are served
+    fp4 = bool(fp4_formats(fmt, export_dir))
+    unit = max(execution_unit(evaluator, runtime=False), BFLOAT16_UNIT if fp4 else FLOAT32_UNIT)
     try:
-        model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32, **kwargs).eval()
+        dtype = torch.bfloat16 if fp4 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype, **kwargs).eval()
     except (OSError, ValueError, ImportError) as e:
         found.skipped["transformers"] = f"load failed: {str(e).splitlines()[0][:160]}"
         return
-    found.sides.append(hf_side("transformers", model, execution_unit(evaluator, runtime=False)))
+    found.sides.append(hf_side("transformers", model, unit))
 
 
 def _add_compressed_tensors(found: Consumers, export_dir: Path, evaluator: nn.Module) -> None:
@@ -255,7 +292,10 @@ def _add_compressed_tensors(found: Consumers, export_dir: Path, evaluator: nn.Mo
                 return (fake_quantize(inputs[0], scale, zero, args),)
 
             module.register_forward_pre_hook(quantize_input)
-    found.sides.append(hf_side("compressed-tensors", model, execution_unit(evaluator, runtime=False)))
+    # its dequantize computes NVFP4 weights in bfloat16 (MXFP4's power-of-two scales keep them exact there)
+    nvfp4 = "nvfp4-pack-quantized" in fp4_formats("compressed-tensors", export_dir)
+    unit = max(execution_unit(evaluator, runtime=False), BFLOAT16_UNIT if nvfp4 else FLOAT32_UNIT)
+    found.sides.append(hf_side("compressed-tensors", model, unit))
 
 
 def _add_onnxruntime(found: Consumers, export_dir: Path, evaluator: nn.Module) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from lmpress.errors import LmpressInputError
+from lmpress.export.formats import refuse_fp4_layers
 from lmpress.quantize.bnb import bnb_layers
 from lmpress.registry import ExportFormat, register_format
 
@@ -25,6 +26,7 @@ FORMAT = "bitsandbytes"
 
 
 def export_bitsandbytes(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
+    refuse_fp4_layers(model, FORMAT)
     if not bnb_layers(model) or not getattr(model.config, "quantization_config", None):
         raise LmpressInputError(
             f"export {FORMAT}: the model has no bitsandbytes layers; add a llm_int8 or bnb_4bit stage before it"

@@ -29,8 +29,9 @@ and the config group's ``input_activations`` saying int8, symmetric, per token,
 dynamic. FP8 layers (``Fp8Linear``, from the ``fp8`` stage) are written in the
 ``float-quantized`` format: ``L.weight`` float8_e4m3fn, ``L.weight_scale`` float32
 ``(out, 1)`` (channel strategy) or ``(1,)`` (tensor), input activations float8
-per token, dynamic. A checkpoint mixing formats has format ``mixed-precision``
-(each config group names its own).
+per token, dynamic. FP4 layers (``Fp4Linear``: NVFP4, MXFP4) are written as
+``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` (``fp4_tensors.py``). A checkpoint
+mixing formats has format ``mixed-precision`` (each config group names its own).
 """
 
 from __future__ import annotations
@@ -54,8 +55,17 @@ from lmpress.export.formats import (
     unquantized_linears,
     write_checkpoint,
 )
+from lmpress.export.fp4_tensors import (
+    FP4_CT_FORMATS,
+    FP4_SUFFIXES,
+    fp4_group_args,
+    fp4_tensors,
+    is_fp4_args,
+    read_fp4,
+)
 from lmpress.registry import ExportFormat, register_format
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
+from lmpress.weights.fp4 import Fp4Linear, Fp4Weight, fp4_layers
 from lmpress.weights.int8_linear import int8_weight
 from lmpress.weights.pack import (
     PACKABLE_BITS,
@@ -73,7 +83,7 @@ INT_QUANTIZED = "int-quantized"
 FLOAT_QUANTIZED = "float-quantized"
 MIXED = "mixed-precision"
 # "weight": an int-quantized layer's int8 weight (only a quantized layer's own tensors are looked up by suffix)
-SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight", *FP4_SUFFIXES[2:])
 # The version of compressed-tensors whose config layout this writer follows.
 CT_CONFIG_VERSION = "0.20.0"
 
@@ -128,6 +138,8 @@ def activation_args(activations: str | None) -> dict[str, Any] | None:
 
 
 def layer_format(scheme: QuantScheme) -> str:
+    if scheme.fp4 is not None:
+        return FP4_CT_FORMATS[scheme.fp4]
     return PACK_QUANTIZED if scheme.activations is None else INT_QUANTIZED
 
 
@@ -180,16 +192,21 @@ def _check_layer(name: str, module: QuantizedLinear) -> None:
 
 def _group_args(key: QuantScheme | str) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     """(weights, input_activations, format) of a config group: a QuantScheme, or an FP8 layer's strategy."""
+    if isinstance(key, QuantScheme) and key.fp4 is not None:
+        return fp4_group_args(key)
     if isinstance(key, QuantScheme):
         return weight_args(key), activation_args(key.activations), layer_format(key)
     return fp8_weight_args(key), activation_args("fp8"), FLOAT_QUANTIZED
 
 
 def ct_quantization_config(
-    model: nn.Module, layers: dict[str, QuantizedLinear], fp8: dict[str, Fp8Linear] | None = None
+    model: nn.Module,
+    layers: dict[str, QuantizedLinear],
+    fp8: dict[str, Fp8Linear] | None = None,
+    fp4: dict[str, Fp4Linear] | None = None,
 ) -> dict[str, Any]:
     by_scheme: dict[QuantScheme | str, list[str]] = {}
-    for name, module in layers.items():
+    for name, module in (layers | (fp4 or {})).items():
         by_scheme.setdefault(module.scheme, []).append(name)
     for name, module in (fp8 or {}).items():
         by_scheme.setdefault(module.strategy, []).append(name)
@@ -225,14 +242,17 @@ def ct_quantization_config(
 
 def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     fp8 = fp8_layers(model)  # their buffers already carry the float-quantized names (weight, weight_scale)
-    layers = quantized_layers(model) if fp8 else require_quantized_layers(model, FORMAT)
+    fp4 = fp4_layers(model)  # and theirs the nvfp4/mxfp4-pack-quantized names (weight_packed, weight_scale, ...)
+    layers = quantized_layers(model) if fp8 or fp4 else require_quantized_layers(model, FORMAT)
     check_ct_plan(model, plan_of(layers))
     for name, module in layers.items():
         _check_layer(name, module)
     tensors = dense_tensors(model)
     for name, module in layers.items():
         tensors.update(ct_tensors(name, module))
-    write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers, fp8))
+    for name, module in fp4.items():
+        tensors.update(fp4_tensors(name, module))
+    write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers, fp8, fp4))
 
 
 def _matches(name: str, target: str) -> bool:
@@ -333,9 +353,11 @@ def _scheme_of(args: dict[str, Any], name: str) -> QuantScheme:
     return QuantScheme(int(args["num_bits"]), group_size, bool(args.get("symmetric", True)))
 
 
-def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+def read_compressed_tensors(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> dict[str, QuantizedWeight | Fp8Weight | Fp4Weight]:
     qc = config["quantization_config"]
-    readable = (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED)
+    readable = (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED, *FP4_CT_FORMATS.values())
     if qc.get("format") not in (*readable, MIXED):
         raise LmpressInputError(
             f"{FORMAT} checkpoint: format {qc.get('format')!r}; lmpress reads {' and '.join(readable)}"
@@ -361,7 +383,11 @@ def read_compressed_tensors(config: dict[str, Any], tensors: dict[str, torch.Ten
         layers[name] = _read_int_quantized(name, tensors, scheme)
     for key in sorted(k for k in tensors if k.endswith(".weight_packed")):
         name = key.removesuffix(".weight_packed")
-        scheme = _scheme_of(layer_weight_args(qc, name), name)
+        group = layer_group(qc, name)
+        if is_fp4_args(group.get("weights")):
+            layers[name] = read_fp4(name, tensors, group)
+            continue
+        scheme = _scheme_of(group["weights"], name)
         packed = require_tensor(tensors, key, torch.int32)
         shape = require_tensor(tensors, f"{name}.weight_shape").tolist()
         if len(shape) != 2:

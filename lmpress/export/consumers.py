@@ -45,6 +45,19 @@ def vllm_refusal(info: dict[str, Any]) -> str | None:
     return None
 
 
+def vllm_fp4_note(info: dict[str, Any]) -> str | None:
+    """What vLLM does with the FP4 layers of a compressed-tensors artifact ``info`` describes (None without any):
+    its compressed-tensors NVFP4 / MXFP4 schemes load them on CUDA GPUs; the CPU build was not measured on them."""
+    grids = _values(info.get("fp4"))
+    if info.get("format") != "compressed-tensors" or not grids:
+        return None
+    names = " / ".join(sorted(g.upper() for g in grids))
+    return (
+        f"loads on CUDA GPUs (vLLM's compressed-tensors {names} schemes: FP4 Marlin W4A16 from sm80, native FP4 "
+        f"on Blackwell); not measured here ({VLLM_VERSION} was measured without FP4 layers)"
+    )
+
+
 def _values(value: Any) -> set[Any]:
     """``inspect``'s single-or-list fields as a set."""
     if value is None:

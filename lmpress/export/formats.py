@@ -29,8 +29,19 @@ from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
-# a quantized layer's own buffers: QuantizedLinear's packed form; Fp8Linear's E4M3 weight and its scale
-QUANTIZED_BUFFERS = ("qweight", "scales", "zeros", "g_idx", "weight", "weight_scale")
+# a quantized layer's own buffers: QuantizedLinear's packed form; Fp8Linear's E4M3 weight and its scale;
+# Fp4Linear's packed E2M1 codes, block scales and global scales
+QUANTIZED_BUFFERS = (
+    "qweight",
+    "scales",
+    "zeros",
+    "g_idx",
+    "weight",
+    "weight_scale",
+    "weight_packed",
+    "weight_global_scale",
+    "input_global_scale",
+)
 
 # Planning: what a format can hold, checked before any quantization runs ----------------------
 
@@ -51,15 +62,30 @@ ACTIVATION_FORMATS = ("compressed-tensors",)
 def activation_refusal(fmt: str, scheme: QuantScheme) -> str | None:
     if scheme.activations is None or fmt in ACTIVATION_FORMATS:
         return None
+    kind = "W4A4" if scheme.activations == "fp4" else "W8A8"
     return (
-        f"{scheme.activations} activations (W8A8), which {fmt} cannot describe (it would run the weights "
+        f"{scheme.activations} activations ({kind}), which {fmt} cannot describe (it would run the weights "
         f"with float activations); export {' or '.join(ACTIVATION_FORMATS)}"
+    )
+
+
+# formats that hold 4-bit float (NVFP4, MXFP4) weights; each one's refuse_scheme says which grids
+FP4_FORMATS = ("compressed-tensors", "hf", "gguf")
+
+
+def fp4_refusal(fmt: str, scheme: QuantScheme) -> str | None:
+    """Why ``fmt`` cannot hold FP4 weights at all (None for integer schemes and for the FP4 formats)."""
+    if scheme.fp4 is None or fmt in FP4_FORMATS:
+        return None
+    return (
+        f"{scheme.fp4.upper()} weights (E2M1 in blocks of {scheme.group_size}), which {fmt} cannot hold (it stores "
+        "integer codes); export compressed-tensors (nvfp4/mxfp4-pack-quantized), hf (dequantized), or gguf for MXFP4"
     )
 
 
 def scheme_refusal(fmt: str, scheme: QuantScheme, act_order: bool) -> str | None:
     """Why ``fmt`` cannot hold a layer quantized with ``scheme`` (act-order ``g_idx`` when ``act_order``)."""
-    refusal = activation_refusal(fmt, scheme)
+    refusal = activation_refusal(fmt, scheme) or fp4_refusal(fmt, scheme)
     if refusal:
         return refusal
     check = export_format(fmt).refuse_scheme
@@ -144,7 +170,19 @@ def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
+def refuse_fp4_layers(model: nn.Module, fmt: str) -> None:
+    """Refuse writing ``model`` as ``fmt`` when it holds FP4 layers the format cannot hold (a writer that looks at
+    integer layers only would write their buffers as dense tensors, or drop them)."""
+    from lmpress.weights.fp4 import fp4_layers
+
+    for name, module in fp4_layers(model).items():
+        refusal = scheme_refusal(fmt, module.scheme, act_order=False)
+        if refusal:
+            raise LmpressInputError(f"export {fmt}: {name}: {refusal}")
+
+
 def require_quantized_layers(model: nn.Module, fmt: str) -> dict[str, QuantizedLinear]:
+    refuse_fp4_layers(model, fmt)
     layers = quantized_layers(model)
     if not layers:
         raise LmpressInputError(

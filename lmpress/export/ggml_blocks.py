@@ -1,7 +1,7 @@
-"""GGML's block layouts lmpress writes and reads: Q4_0, Q8_0 and Q4_K, as pure array functions.
+"""GGML's block layouts lmpress writes and reads: Q4_0, Q8_0, Q4_K and MXFP4, as pure array functions.
 
 Byte for byte what llama.cpp's ``ggml-quants.c`` (``block_q4_0``, ``block_q8_0``,
-``block_q4_K``) and the ``gguf`` package's ``quants.py`` read; which lmpress weights map onto
+``block_q4_K``, ``block_mxfp4``) and the ``gguf`` package's ``quants.py`` read; which lmpress weights map onto
 which block is ``gguf.py``'s business.
 """
 
@@ -17,6 +17,7 @@ Q4_0_BYTES = 2 + BLOCK // 2
 Q8_0_BYTES = 2 + BLOCK
 K_SCALE_BYTES = 12  # eight 6-bit scales and eight 6-bit mins
 Q4_K_BYTES = 2 + 2 + K_SCALE_BYTES + SUPER_BLOCK // 2
+MXFP4_BYTES = 1 + BLOCK // 2  # one E8M0 exponent, 32 E2M1 codes
 
 
 def pack_q4_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
@@ -112,3 +113,27 @@ def unpack_q4_k(
         torch.from_numpy(sc.reshape(*shape, GROUPS_PER_SUPER_BLOCK).copy()),
         torch.from_numpy(m.reshape(*shape, GROUPS_PER_SUPER_BLOCK).copy()),
     )
+
+
+def pack_mxfp4(codes: torch.Tensor, exponents: torch.Tensor) -> np.ndarray:
+    """MXFP4 blocks of E2M1 ``codes`` (uint8 ``(rows, cols)``, ``sign << 3 | magnitude index``) with E8M0
+    ``exponents`` (uint8 ``(rows, cols/32)``, scale ``2**(e - 127)``). Returns uint8 ``(rows, cols/32*17)``.
+
+    Each block: the exponent byte, then byte ``j`` holds code ``j`` in its low nibble and code ``j + 16`` in
+    its high nibble (Q4_0's order). ggml's table ``kvalues_mxfp4`` holds the E2M1 values doubled (0, 1, 2, 3, 4,
+    6, 8, 12 and their negatives, by the same code) and halves the scale (``ggml_e8m0_to_fp32_half``), so a
+    block means exactly ``e2m1(code) * 2**(e - 127)``, what compressed-tensors' ``mxfp4-pack-quantized`` means.
+    """
+    rows, cols = codes.shape
+    q = codes.to(torch.uint8).reshape(rows, cols // BLOCK, BLOCK).numpy()
+    nibbles = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << np.uint8(4))
+    e = exponents.to(torch.uint8).reshape(rows, cols // BLOCK, 1).numpy()
+    return np.concatenate([e, nibbles], axis=-1).reshape(rows, -1)
+
+
+def unpack_mxfp4(blocks: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 codes uint8 ``(rows, cols)``, E8M0 exponents uint8 ``(rows, cols/32)``) of MXFP4 ``blocks``."""
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, cols // BLOCK, MXFP4_BYTES)
+    nibbles = b[..., 1:]
+    q = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)
+    return torch.from_numpy(q.reshape(-1, cols).copy()), torch.from_numpy(b[..., 0].copy())

@@ -17,7 +17,10 @@ Quantized layers keep lmpress's integer codes; each maps onto a GGML block type 
   back qualifies too;
 - other W4, groups of 32, symmetric: ``Q4_0`` (per block of 32 columns a float16 scale ``d``
   and 16 bytes of nibbles, ``w = (q - 8) * d``);
-- W8, groups of 32, symmetric (zero point 128): ``Q8_0`` (``d`` and 32 int8 ``q - 128``).
+- W8, groups of 32, symmetric (zero point 128): ``Q8_0`` (``d`` and 32 int8 ``q - 128``);
+- MXFP4 (``Fp4Linear``: E2M1 codes in blocks of 32, E8M0 scales): ``MXFP4`` (per block the exponent byte and
+  16 bytes of nibbles, ``ggml_blocks.pack_mxfp4``), codes and exponents as they are. NVFP4 is refused: gguf's
+  ``NVFP4`` blocks (64 columns, unsigned E4M3 scales) have no per-tensor global scale to divide by.
 
 Groups of a multiple of 32 columns (64, 128, or one per row) land on these blocks as they are: each group's
 scale is written to each of its 32-column blocks, so the file holds the same codes and scales.
@@ -38,8 +41,6 @@ reading back. Its ``qwen2`` and ``qwen3`` rotate halves (NEOX), as transformers 
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,18 @@ from lmpress.export.formats import (
 )
 from lmpress.export.ggml_blocks import (
     BLOCK,
+    pack_mxfp4,
     pack_q4_0,
     pack_q4_k,
     pack_q8_0,
+    unpack_mxfp4,
     unpack_q4_0,
     unpack_q4_k,
     unpack_q8_0,
 )
+from lmpress.export.gguf_metadata import add_metadata
 from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.fp4 import Fp4Linear, Fp4Weight, decode_e8m0, fp4_layers
 from lmpress.weights.kquant import SUPER_BLOCK, kquant_grid
 from lmpress.weights.qlinear import QuantizedLinear
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme
@@ -75,17 +80,6 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 PERMUTED_ROPE = ("llama",)  # GGUF architectures whose q/k rows llama.cpp's converter permutes
 # GGUF architecture -> the linears whose biases it holds (as ``<name>.bias``, F32)
 BIASES = {"qwen2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
-# tokenizer.json pre_tokenizer -> the llama.cpp pre-tokenizer with the same splits
-GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True}
-DIGITS_SPLIT = {"type": "Digits", "individual_digits": True}
-# Qwen2 / Qwen2.5 / Qwen3's split (single digits, case-insensitive contractions), then bytes: llama.cpp's "qwen2"
-QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2_SPLIT = {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": False}
-BYTES_ONLY = {"type": "ByteLevel", "use_regex": False}
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
-
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -113,8 +107,16 @@ def gguf_scheme_refusal(scheme: QuantScheme, act_order: bool) -> str | None:
     """Why a layer quantized with ``scheme`` has no exact GGML block type, or None (Q4_K / Q4_0 / Q8_0)."""
     what = (
         "W4 sym, groups of a multiple of 32 -> Q4_0, or Q4_K with k_quant_scales: true; W8 sym likewise -> Q8_0; "
-        "or export gptq / compressed-tensors"
+        "fp4: mxfp4 -> MXFP4; or export gptq / compressed-tensors"
     )
+    if scheme.fp4 == "mxfp4":
+        return None
+    if scheme.fp4 is not None:
+        return (
+            f"{scheme.fp4.upper()}: gguf's NVFP4 blocks (64 columns, unsigned E4M3 scales) have no per-tensor "
+            "global scale to hold it; use fp4: mxfp4 for GGUF (GGML type MXFP4), or export compressed-tensors "
+            "(nvfp4-pack-quantized) or hf"
+        )
     if scheme.bits not in (4, 8):
         return f"{scheme.bits}-bit weights have no exact GGUF block type (GGUF here holds {what})"
     if scheme.group_size != -1 and scheme.group_size % BLOCK:
@@ -218,12 +220,21 @@ def widest_groups(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
     return scales, BLOCK
 
 
-def quantized_blocks(name: str, module: QuantizedLinear) -> tuple[np.ndarray, str]:
+def quantized_blocks(name: str, module: QuantizedLinear | Fp4Linear) -> tuple[np.ndarray, str]:
     """One quantized layer as GGML blocks (rows in GGUF order) and the block type's name.
 
     W4 layers whose scales are on the k-quant grid are written as Q4_K, other W4 layers as Q4_0;
-    a layer quantized with ``k_quant_scales`` whose scales have left the grid is refused.
+    a layer quantized with ``k_quant_scales`` whose scales have left the grid is refused. MXFP4 layers are
+    written as MXFP4.
     """
+    if isinstance(module, Fp4Linear):
+        reason = gguf_scheme_refusal(module.scheme, False)
+        if reason or module.scheme.activations is not None:
+            raise LmpressInputError(
+                f"export gguf: {name} ({module.scheme.describe()}): "
+                f"{reason or 'FP4 activations, which GGUF cannot describe; export compressed-tensors'}"
+            )
+        return pack_mxfp4(module.unpack().codes.cpu(), module.weight_scale.cpu()), "MXFP4"
     reason = gguf_scheme_refusal(module.scheme, act_order_g_idx(module) is not None)
     if reason:
         raise LmpressInputError(f"export gguf: {name} ({module.scheme.describe()}): {reason}")
@@ -262,11 +273,11 @@ def model_tensors(model: nn.Module, float_dtype: torch.dtype) -> list[tuple[str,
     arch = gguf_architecture(config)
     biased = BIASES.get(arch, ())
     tensors: list[tuple[str, np.ndarray, str]] = []
-    quantized = quantized_layers(model)
+    quantized = quantized_layers(model) | fp4_layers(model)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     for name, module in model.named_modules():
         target = gguf_tensor_name(name, arch)
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, Fp4Linear)):
             if target is None:
                 raise LmpressInputError(f"export gguf: quantized layer {name} has no place in a GGUF {arch} model")
             data, kind = quantized_blocks(name, module)
@@ -293,111 +304,6 @@ def model_tensors(model: nn.Module, float_dtype: torch.dtype) -> list[tuple[str,
     return tensors
 
 
-def tokenizer_pre(tokenizer_json: dict[str, Any]) -> str:
-    """The llama.cpp pre-tokenizer that splits text as ``tokenizer.json``'s pre_tokenizer does."""
-
-    def matches(step: dict[str, Any], want: dict[str, Any]) -> bool:
-        return all(step.get(k) == v for k, v in want.items())
-
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    if len(steps) == 1 and matches(steps[0], GPT2_SPLIT):
-        return "gpt-2"
-    if len(steps) == 2 and matches(steps[0], DIGITS_SPLIT) and matches(steps[1], GPT2_SPLIT):
-        return "smollm"
-    if len(steps) == 2 and matches(steps[0], QWEN2_SPLIT) and matches(steps[1], BYTES_ONLY):
-        return "qwen2"
-    raise LmpressInputError(
-        f"export gguf: the tokenizer's pre-tokenizer ({json.dumps(pre)[:120]}) has no llama.cpp equivalent "
-        "lmpress knows (byte-level GPT-2 splits, optionally with single digits; Qwen2's split)"
-    )
-
-
-def vocabulary(tokenizer: Any, n_vocab: int) -> dict[str, Any]:
-    """Tokens, token types, merges and the pre-tokenizer of a byte-level BPE tokenizer, for ``n_vocab`` rows."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise LmpressInputError("export gguf: the tokenizer is not a fast (tokenizers) tokenizer; GGUF needs its BPE")
-    spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise LmpressInputError(
-            f"export gguf: only byte-level BPE tokenizers are written (this one is {model.get('type')!r} "
-            f"with decoder {(spec.get('decoder') or {}).get('type')!r})"
-        )
-    vocab = tokenizer.get_vocab()
-    if len(vocab) > n_vocab or max(vocab.values()) >= n_vocab:
-        raise LmpressInputError(f"export gguf: the tokenizer has {len(vocab)} tokens, the model's embedding {n_vocab}")
-    added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
-    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
-    types = [TOKEN_UNUSED] * n_vocab
-    for text, index in vocab.items():
-        tokens[index] = text
-        types[index] = TOKEN_NORMAL if text not in added else (TOKEN_CONTROL if added[text] else TOKEN_USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return {"tokens": tokens, "types": types, "merges": merges, "pre": tokenizer_pre(spec)}
-
-
-def _adds(tokenizer: Any, token_id: int | None, first: bool) -> bool:
-    if token_id is None:
-        return False
-    ids = tokenizer.encode("a", add_special_tokens=True)
-    return bool(ids) and (ids[0] if first else ids[-1]) == token_id
-
-
-def model_name(config: Any, tokenizer: Any) -> str:
-    """general.name: the checkpoint's last path component. llama.cpp looks up ``</s>`` in the vocabulary of a model
-    whose name contains "phi3" or "phi-3" (Phi-3's SentencePiece tokens) and fails to load one without it (Phi-4's
-    byte-level BPE), so such a name loses that part."""
-    name = Path(str(getattr(config, "_name_or_path", "") or config.model_type)).name or config.model_type
-    if re.search(r"phi-?3", name, re.IGNORECASE) and "</s>" not in tokenizer.get_vocab():
-        name = re.sub(r"phi-?3", "phi", name, flags=re.IGNORECASE)
-    return name
-
-
-def add_metadata(writer: Any, model: nn.Module, tokenizer: Any, file_type: int) -> None:
-    """General, architecture and tokenizer keys llama.cpp reads."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    writer.add_name(model_name(config, tokenizer))
-    writer.add_context_length(int(config.max_position_embeddings))
-    writer.add_embedding_length(int(config.hidden_size))
-    writer.add_block_count(int(config.num_hidden_layers))
-    writer.add_feed_forward_length(int(config.intermediate_size))
-    writer.add_head_count(int(config.num_attention_heads))
-    writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_rope_dimension_count(int(head_dim))
-    if head_dim * config.num_attention_heads != config.hidden_size:
-        writer.add_key_length(int(head_dim))
-        writer.add_value_length(int(head_dim))
-    writer.add_vocab_size(int(config.vocab_size))
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(2)
-
-    vocab = vocabulary(tokenizer, int(config.vocab_size))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(vocab["pre"])
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_types(vocab["types"])
-    writer.add_token_merges(vocab["merges"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id)):
-        token_id = getattr(tokenizer, f"{key}_token_id", None)
-        if token_id is not None:
-            add(int(token_id))
-    if tokenizer.unk_token_id is not None:
-        writer.add_unk_token_id(int(tokenizer.unk_token_id))
-    if tokenizer.pad_token_id is not None:
-        writer.add_pad_token_id(int(tokenizer.pad_token_id))
-    writer.add_add_bos_token(_adds(tokenizer, tokenizer.bos_token_id, first=True))
-    writer.add_add_eos_token(_adds(tokenizer, tokenizer.eos_token_id, first=False))
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and template:
-        writer.add_chat_template(template)
-
-
 def file_type(kinds: list[str]) -> int:
     """general.file_type: the type most of the 2-D weights are stored in (llama.cpp's LLAMA_FTYPE)."""
     from gguf import LlamaFileType
@@ -408,6 +314,7 @@ def file_type(kinds: list[str]) -> int:
         "BF16": LlamaFileType.MOSTLY_BF16,
         "Q4_0": LlamaFileType.MOSTLY_Q4_0,
         "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+        "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,  # llama.cpp's one MXFP4 label (its converter's for gpt-oss)
         # the label closest to all-Q4_K layers (llama.cpp's Q4_K_M raises attn_v and ffn_down to Q6_K)
         "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
     }
@@ -485,8 +392,9 @@ def gguf_config(reader: Any) -> Any:
     )
 
 
-def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | QuantizedWeight]]:
-    """(config, {HF module name: QuantizedWeight, or HF tensor name: float tensor}) of a GGUF file lmpress wrote."""
+def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | QuantizedWeight | Fp4Weight]]:
+    """(config, {HF module name: QuantizedWeight or Fp4Weight, or HF tensor name: float tensor}) of a GGUF file
+    lmpress wrote."""
     import gguf
 
     try:
@@ -501,7 +409,7 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
         for kind in ("weight", "bias")
     }
     hf_names = {f"{v}.weight": (k, "weight") for k, v in TOP_NAMES.items()} | per_layer
-    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    out: dict[str, torch.Tensor | QuantizedWeight | Fp4Weight] = {}
     for tensor in reader.tensors:
         module, kind_of = hf_names.get(tensor.name, (None, None))
         if module is None:
@@ -513,7 +421,7 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
             codes, scales = (unpack_q4_0 if kind == "Q4_0" else unpack_q8_0)(data, cols)
             scales, group = widest_groups(scales)
             scheme = QuantScheme(4 if kind == "Q4_0" else 8, group, True)
-            value: torch.Tensor | QuantizedWeight = QuantizedWeight(
+            value: torch.Tensor | QuantizedWeight | Fp4Weight = QuantizedWeight(
                 qweight=codes,
                 scales=scales,
                 zeros=torch.full(scales.shape, float(8 if kind == "Q4_0" else 128)),
@@ -521,18 +429,22 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
             )
         elif kind == "Q4_K":
             value = q4_k_weight(data, cols, f"{path}: {tensor.name}")
+        elif kind == "MXFP4":
+            value = mxfp4_weight(data, cols, f"{path}: {tensor.name}")
         elif kind in ("F32", "F16", "BF16"):
             array = data.view(np.int16) if kind == "BF16" else data
             value = torch.from_numpy(array.copy())
             value = value.view(torch.bfloat16) if kind == "BF16" else value
             value = value.reshape([int(s) for s in reversed(tensor.shape)])
         else:
-            raise LmpressInputError(f"{path}: {tensor.name} is {kind}; lmpress reads back F32/F16/BF16/Q4_0/Q4_K/Q8_0")
+            raise LmpressInputError(
+                f"{path}: {tensor.name} is {kind}; lmpress reads back F32/F16/BF16/Q4_0/Q4_K/Q8_0/MXFP4"
+            )
         heads = _rope_heads(module, config)
         if heads is not None:
             inverse = torch.argsort(rope_row_order(int(tensor.shape[1]), heads))
             value = _take_rows(value, inverse)
-        out[module if isinstance(value, QuantizedWeight) else f"{module}.{kind_of}"] = value
+        out[module if isinstance(value, (QuantizedWeight, Fp4Weight)) else f"{module}.{kind_of}"] = value
     return config, out
 
 
@@ -560,14 +472,29 @@ def q4_k_weight(data: np.ndarray, cols: int, where: str) -> QuantizedWeight:
     )
 
 
-def _take_rows(value: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+def mxfp4_weight(data: np.ndarray, cols: int, where: str) -> Fp4Weight:
+    """An MXFP4 tensor as lmpress's MXFP4 weight (E2M1 codes, power-of-two block scales); an exponent byte of 255
+    (E8M0's NaN, which ggml reads as 2**127) is refused."""
+    codes, exponents = unpack_mxfp4(data, cols)
+    if bool((exponents == 255).any()):
+        raise LmpressInputError(f"{where} is MXFP4 with an E8M0 exponent byte 255 (NaN); lmpress holds 0..254")
+    codes[codes == 8] = 0  # -0: the same value, the code compressed-tensors writes for it
+    return Fp4Weight(codes, decode_e8m0(exponents), QuantScheme(4, BLOCK, True, fp4="mxfp4"))
+
+
+def _take_rows(
+    value: torch.Tensor | QuantizedWeight | Fp4Weight, rows: torch.Tensor
+) -> torch.Tensor | QuantizedWeight | Fp4Weight:
+    if isinstance(value, Fp4Weight):
+        return Fp4Weight(value.codes[rows], value.scales[rows], value.scheme)
     if isinstance(value, QuantizedWeight):
         return QuantizedWeight(value.qweight[rows], value.scales[rows], value.zeros[rows], value.scheme)
     return value[rows]
 
 
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The GGUF export in directory ``path`` as a transformers model; Q4_K / Q4_0 / Q8_0 layers as QuantizedLinear.
+    """The GGUF export in directory ``path`` as a transformers model; Q4_K / Q4_0 / Q8_0 layers as QuantizedLinear,
+    MXFP4 layers as Fp4Linear.
 
     Float tensors take ``dtype``; quantized layers keep their float16 scales.
     """
@@ -583,7 +510,7 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         model.tie_weights()
     dense = {}
     for name, value in tensors.items():
-        if isinstance(value, QuantizedWeight):
+        if isinstance(value, (QuantizedWeight, Fp4Weight)):
             apply_quantized_weight(model, name, value)
         else:
             dense[name] = value.to(dtype)

@@ -1,7 +1,7 @@
 """The modified model as an ordinary Hugging Face checkpoint (dense float weights, safetensors).
 
-Quantized layers are written as the float weights they stand for, under the
-original ``<layer>.weight`` names, so any transformers install loads the result;
+Quantized layers (integer ``QuantizedLinear`` and FP4 ``Fp4Linear``) are written as the float weights they
+stand for, under the original ``<layer>.weight`` names, so any transformers install loads the result;
 gpt-oss's per-expert linears are fused back into its experts' 3-D tensors.
 """
 
@@ -14,17 +14,31 @@ from torch import nn
 
 from lmpress.calib.moe import fuse_gpt_oss_state, is_gpt_oss_experts
 from lmpress.registry import ExportFormat, register_format
+from lmpress.weights.fp4 import Fp4Linear
 from lmpress.weights.qlinear import QuantizedLinear
+
+# the buffers of the layers written dequantized (QuantizedLinear's and Fp4Linear's), dropped for ``weight``
+PACKED_BUFFERS = (
+    "qweight",
+    "scales",
+    "zeros",
+    "g_idx",
+    "weight_packed",
+    "weight_scale",
+    "weight_global_scale",
+    "input_global_scale",
+)
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every QuantizedLinear's packed buffers replaced by its dequantized weight."""
+    """``model.state_dict()`` with every QuantizedLinear's and Fp4Linear's packed buffers replaced by its
+    dequantized weight."""
     state = model.state_dict()
     for name, module in model.named_modules():
-        if not isinstance(module, QuantizedLinear):
+        if not isinstance(module, (QuantizedLinear, Fp4Linear)):
             continue
         prefix = f"{name}." if name else ""
-        for buffer in ("qweight", "scales", "zeros", "g_idx"):
+        for buffer in PACKED_BUFFERS:
             state.pop(prefix + buffer, None)
         dtype = module.bias.dtype if module.bias is not None else _float_dtype(model)
         state[prefix + "weight"] = module.dequantized_weight(dtype)
@@ -46,7 +60,7 @@ def export_hf(model: nn.Module, tokenizer, out_dir: Path) -> None:
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     # A quantized lm_head no longer equals the embedding: write it untied so loaders keep it.
-    untie = tied and isinstance(model.get_output_embeddings(), QuantizedLinear)
+    untie = tied and isinstance(model.get_output_embeddings(), (QuantizedLinear, Fp4Linear))
     if untie:
         config.tie_word_embeddings = False
     try:

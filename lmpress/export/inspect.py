@@ -28,7 +28,7 @@ from lmpress.checkpoint_files import (
     read_tensors,
 )
 from lmpress.errors import LmpressInputError
-from lmpress.export.consumers import VLLM_VERSION, vllm_refusal
+from lmpress.export.consumers import VLLM_VERSION, vllm_fp4_note, vllm_refusal
 from lmpress.prune.masks import nm_pattern
 
 MANIFEST = "manifest.json"
@@ -71,7 +71,8 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
     layers = fmt.read(config, tensors)
     rows = []
     for name, qw in layers.items():
-        out_features, in_features = qw.qweight.shape
+        codes = getattr(qw, "qweight", None)
+        out_features, in_features = (codes if codes is not None else qw.codes).shape
         weight = qw.dequantize(torch.float32)
         stored = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.rpartition(".")[0] == name)
         rows.append(
@@ -88,6 +89,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
                 "sparsity": float((weight == 0).float().mean()),
                 "pattern": nm_pattern(weight),
             }
+            | _fp4_fields(qw.scheme)
         )
     quantized_bytes = sum(r["bytes"] for r in rows)
     quantized_weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
@@ -99,6 +101,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         "sym": _single_or_list([r["sym"] for r in rows]) if rows else None,
         "activations": _single_or_list([r["activations"] for r in rows]) if rows else None,
         "act_order": any(r["act_order"] for r in rows),
+        "fp4": _single_or_list([r["fp4"] for r in rows if "fp4" in r]) if any("fp4" in r for r in rows) else None,
         "quantized_weights": quantized_weights,
         "quantized_bytes": quantized_bytes,
         "other_bytes": sum(t.numel() * t.element_size() for t in tensors.values()) - quantized_bytes,
@@ -113,6 +116,17 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
     if method == "compressed-tensors":
         info["ct_format"] = qc.get("format")
     return info
+
+
+# How each FP4 grid stores its block scales (lmpress.weights.fp4)
+SCALE_ENCODINGS = {"nvfp4": "E4M3 / global float32", "mxfp4": "E8M0"}
+
+
+def _fp4_fields(scheme: Any) -> dict[str, Any]:
+    """An FP4 layer's format and block-scale encoding (nothing for integer layers)."""
+    if getattr(scheme, "fp4", None) is None:
+        return {}
+    return {"fp4": scheme.fp4, "scale_encoding": SCALE_ENCODINGS[scheme.fp4]}
 
 
 def _dense_layer_sparsity(path: Path, config: dict[str, Any], headers: dict) -> list[dict[str, Any]]:
@@ -159,13 +173,28 @@ def _single_file_export(path: Path) -> dict[str, Any] | None:
         "size_bytes": path.stat().st_size,
         "layers": [],
     }
+    if info["format"] == "gguf":
+        info |= _gguf_tensor_types(path)
     return _with_consumers(info)
+
+
+def _gguf_tensor_types(path: Path) -> dict[str, Any]:
+    """How many tensors of each GGML type a GGUF file holds (its header only); MXFP4 ones as ``fp4``."""
+    try:
+        import gguf
+
+        types = [t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors]
+    except (ImportError, ValueError, OSError, IndexError):
+        return {}
+    counts = {name: types.count(name) for name in sorted(set(types))}
+    return {"tensor_types": counts} | ({"fp4": "mxfp4", "scale_encoding": "E8M0"} if "MXFP4" in counts else {})
 
 
 def _with_consumers(info: dict[str, Any]) -> dict[str, Any]:
     """``info`` with whether vLLM loads the artifact (``lmpress.export.consumers``)."""
     refusal = vllm_refusal(info)
-    info["vllm"] = f"refuses: {refusal}" if refusal else f"loads ({VLLM_VERSION}, measured)"
+    fp4 = vllm_fp4_note(info)
+    info["vllm"] = f"refuses: {refusal}" if refusal else fp4 or f"loads ({VLLM_VERSION}, measured)"
     return info
 
 
@@ -221,10 +250,13 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "sym",
         "activations",
         "act_order",
+        "fp4",
         "quantized_layers",
         "parameters",
         "sparsity",
         "dtypes",
+        "tensor_types",
+        "scale_encoding",
         "vllm",
     )
     for key in keys:
@@ -239,12 +271,16 @@ def _summary_table(info: dict[str, Any]) -> Table:
 
 
 def _layer_table(rows: list[dict[str, Any]]) -> Table:
-    """One row per quantized layer; the activations column only when some layer quantizes its activations."""
+    """One row per quantized layer; the activations column only when some layer quantizes its activations, the
+    FP4 columns (grid, block-scale encoding) only when some layer is FP4."""
     table = Table(title="quantized layers")
     activations = any(r.get("activations", "float") != "float" for r in rows)
+    fp4 = any("fp4" in r for r in rows)
     columns = ["layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "sparsity"]
     if activations:
         columns.insert(5, "activations")
+    if fp4:
+        columns[2:2] = ["fp4", "scales"]
     for column in columns:
         table.add_column(column, justify="left" if column == "layer" else "right")
     for r in rows:
@@ -261,11 +297,15 @@ def _layer_table(rows: list[dict[str, Any]]) -> Table:
         ]
         if activations:
             cells.insert(5, _activation_text(r["activations"]))
+        if fp4:
+            cells[2:2] = [r.get("fp4", "int").upper(), r.get("scale_encoding", "")]
         table.add_row(*cells)
     return table
 
 
 def _activation_text(activations: str) -> str:
+    if activations == "fp4":
+        return "fp4 per-block"
     return "float" if activations == "float" else f"{activations} per-token"
 
 

@@ -37,6 +37,7 @@ from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
     quantized_layers,
+    refuse_fp4_layers,
 )
 from lmpress.registry import ExportFormat, register_format
 from lmpress.weights.qlinear import QuantizedLinear
@@ -350,6 +351,7 @@ def write_onnx(model: nn.Module, path: Path) -> None:
 
 def export_onnx(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
     """``OUT/onnx/model.onnx`` + ``model.onnx.data`` and the transformers tokenizer files."""
+    refuse_fp4_layers(model, FORMAT)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_onnx(model, out_dir / FILE_NAME)

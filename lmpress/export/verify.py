@@ -25,7 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmpress.weights.fp4 import Fp4Linear
 from lmpress.weights.qlinear import QuantizedLinear
+
+FP4_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "bias")
 
 # Float16 scales move each weight by at most half a float16 step of its scale times the code's distance
 # from the zero point. On SmolLM2 (GPTQ W4 g64, bench/export_readback.py) that moved the reference
@@ -72,8 +75,8 @@ class ExportCheck:
 
 def compare_weights(candidate: nn.Module, artifact: nn.Module) -> tuple[str | None, float, str]:
     """(first mismatch or None, largest dequantized-weight change, how the quantized layers' scales were stored)."""
-    quantized = {name: m for name, m in candidate.named_modules() if isinstance(m, QuantizedLinear)}
-    packed = {f"{name}.{b}" for name in quantized for b in ("qweight", "scales", "zeros", "g_idx", "bias")}
+    quantized = {name: m for name, m in candidate.named_modules() if isinstance(m, (QuantizedLinear, Fp4Linear))}
+    packed = {f"{name}.{b}" for name in quantized for b in ("qweight", "scales", "zeros", "g_idx", *FP4_BUFFERS)}
     art_state = artifact.state_dict()
     for key, value in candidate.state_dict().items():
         if key in packed:
@@ -93,8 +96,23 @@ def compare_weights(candidate: nn.Module, artifact: nn.Module) -> tuple[str | No
     return None, largest, how
 
 
-def _compare_layer(name: str, cand: QuantizedLinear, art: nn.Module) -> tuple[str | None, float, str]:
-    if isinstance(art, QuantizedLinear):
+def _compare_fp4(name: str, cand: Fp4Linear, art: Fp4Linear) -> tuple[str | None, float, str]:
+    """An FP4 layer read back: the same format, codes, block scales and global scales, bit for bit."""
+    if art.scheme != cand.scheme:
+        return f"{name}: stored as {art.scheme.describe()}, the candidate is {cand.scheme.describe()}", 0.0, ""
+    for buffer in FP4_BUFFERS[:-1]:
+        a, c = getattr(art, buffer), getattr(cand, buffer)
+        if (a is None) != (c is None) or (a is not None and not torch.equal(a.view(torch.uint8), c.view(torch.uint8))):
+            return f"{name}: {buffer} differs from the candidate's", 0.0, ""
+    if (art.bias is None) != (cand.bias is None) or (art.bias is not None and not torch.equal(art.bias, cand.bias)):
+        return f"{name}: bias differs from the candidate's", 0.0, ""
+    return None, 0.0, f"{cand.fmt.upper()}, scales as {'E4M3' if cand.fmt == 'nvfp4' else 'E8M0'}"
+
+
+def _compare_layer(name: str, cand: QuantizedLinear | Fp4Linear, art: nn.Module) -> tuple[str | None, float, str]:
+    if isinstance(cand, Fp4Linear) and isinstance(art, Fp4Linear):
+        return _compare_fp4(name, cand, art)
+    if isinstance(art, QuantizedLinear) and isinstance(cand, QuantizedLinear):
         if art.scheme.bits != cand.scheme.bits or art.scales.shape != cand.scales.shape:
             return f"{name}: stored as {art.scheme.describe()}, the candidate is {cand.scheme.describe()}", 0.0, ""
         if not torch.equal(art.codes(), cand.codes()) or not torch.equal(art.zeros, cand.zeros):

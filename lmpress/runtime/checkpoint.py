@@ -2,10 +2,10 @@
 
 ``load_checkpoint(path)`` builds a ``Transformer`` from ``config.json`` and the safetensors
 files of a dense checkpoint or of a GPTQ / AWQ / compressed-tensors export (lmpress's own
-readers). The files are memory-mapped: one decoder layer at a time is read, fused and
-repacked into the device's kernels, and its pages of the file are then dropped from the
-process (``madvise(MADV_DONTNEED)``), so the peak memory is the runtime model plus one
-layer, never the file beside the model. An embedding table that only serves lookups (not
+readers; FP8 and FP4 compressed-tensors layers too). The files are memory-mapped: one decoder
+layer at a time is read, fused and repacked into the device's kernels, and its pages of the file
+are then dropped from the process (``madvise(MADV_DONTNEED)``), so the peak memory is the runtime
+model plus one layer, never the file beside the model. An embedding table that only serves lookups (not
 tied to the output layer) stays mapped: a decode step pages in one row per token, not the
 table. Nothing here imports transformers, unless the config asks for a RoPE scaling that
 only transformers' formulas compute.
@@ -28,6 +28,7 @@ from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.linears import Build
 from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, ModelArgs, Transformer
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight
+from lmpress.weights.fp4 import Fp4Linear, Fp4Weight
 from lmpress.weights.qlinear import QuantizedLinear
 
 FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")  # safetensors dtypes of a dense (unquantized) weight
@@ -116,6 +117,8 @@ class CheckpointModel:
             raise LmpressInputError(f"{self.path}: checkpoint lacks the weights of {name!r}")
         if isinstance(found[name], Fp8Weight):
             return Fp8Linear.from_weight(found[name], bias)
+        if isinstance(found[name], Fp4Weight):
+            return Fp4Linear.from_weight(found[name], bias)
         if not hasattr(found[name], "zeros"):
             raise LmpressInputError(f"{self.path}: the runtime cannot run {name}'s {type(found[name]).__name__} layer")
         return QuantizedLinear.from_quantized_weight(found[name], bias)

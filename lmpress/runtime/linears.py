@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_half, linear_kernel
 from lmpress.weights.float8 import Fp8Linear
+from lmpress.weights.fp4 import Fp4Linear
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
 
@@ -101,13 +102,15 @@ def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
         return FusedLinear([runtime_linear(layer, build) for layer in layers], sizes)
     if all(type(layer) is nn.Linear for layer in layers):
         return FusedLinear([_concat_dense(layers, build)], sizes)
+    if all(isinstance(layer, Fp4Linear) and layer.scheme.activations is None for layer in layers):
+        return FusedLinear([_dequantized_dense(layers, build)], sizes)  # FP4 A16: no FP4 kernel yet (select.py)
     if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
         return FusedLinear([build.quantized_linear(_concat_quantized(layers), build.dtype)], sizes)
     return FusedLinear([runtime_linear(layer, build) for layer in layers], sizes)
 
 
 def runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
-    if isinstance(layer, (QuantizedLinear, Fp8Linear)):
+    if isinstance(layer, (QuantizedLinear, Fp8Linear, Fp4Linear)):
         return build.quantized_linear(layer, build.dtype)
     if type(layer) is nn.Linear:
         if build.shares_layers and layer.weight.dtype == build.dtype:
@@ -116,7 +119,7 @@ def runtime_linear(layer: nn.Module, build: Build) -> nn.Module:
     if runs_itself(layer):
         return layer
     raise LmpressInputError(
-        f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear, QuantizedLinear or Fp8Linear)"
+        f"the runtime cannot run a {type(layer).__name__} layer (nn.Linear, QuantizedLinear, Fp8Linear or Fp4Linear)"
     )
 
 
@@ -130,6 +133,13 @@ def runs_itself(layer: nn.Module) -> bool:
 def _concat_dense(layers: list[nn.Linear], build: Build) -> nn.Module:
     """One float layer of ``layers``' rows, its weight a copy (never a view into a checkpoint's mapped file)."""
     weight = torch.cat([layer.weight.detach() for layer in layers])
+    biased = any(layer.bias is not None for layer in layers)
+    return build.dense(weight, torch.cat([_bias_or_zeros(layer) for layer in layers]) if biased else None)
+
+
+def _dequantized_dense(layers: list[Fp4Linear], build: Build) -> nn.Module:
+    """One float layer of ``layers``' dequantized weights (rows concatenated), in the build's dtype."""
+    weight = torch.cat([layer.dequantized_weight(torch.float32) for layer in layers]).to(build.dtype)
     biased = any(layer.bias is not None for layer in layers)
     return build.dense(weight, torch.cat([_bias_or_zeros(layer) for layer in layers]) if biased else None)
 

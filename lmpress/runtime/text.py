@@ -95,7 +95,8 @@ def load_runtime(
         from lmpress.placement import require_capability
         from lmpress.weights.float8 import FP8_CAPABILITY
 
-        if device.type == "cuda" and any(d.startswith("F8") for d in stored_dtypes(checkpoint)):
+        # FP8 weights need FP8 tensor cores; NVFP4's E4M3 block scales (``weight_scale``) are only widened to float
+        if device.type == "cuda" and any(d.startswith("F8") for d in stored_dtypes(checkpoint, ".weight")):
             require_capability(device, FP8_CAPABILITY, f"{source} (FP8 layers)")
         from lmpress.runtime.checkpoint import load_checkpoint
         from lmpress.runtime.tokenizer import RuntimeTokenizer
@@ -117,14 +118,14 @@ def load_runtime(
     return model, tokenizer
 
 
-def stored_dtypes(checkpoint: Path) -> set[str]:
-    """The safetensors dtype names (F32, BF16, F8_E4M3...) of the tensors in ``checkpoint``'s files, from their
-    headers alone."""
+def stored_dtypes(checkpoint: Path, suffix: str = "") -> set[str]:
+    """The safetensors dtype names (F32, BF16, F8_E4M3...) of the tensors in ``checkpoint``'s files whose names end
+    with ``suffix``, from their headers alone."""
     dtypes = set()
     for file in checkpoint.glob("*.safetensors"):
         with open(file, "rb") as handle:
             header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        dtypes |= {entry["dtype"] for key, entry in header.items() if key != "__metadata__"}
+        dtypes |= {entry["dtype"] for key, entry in header.items() if key != "__metadata__" and key.endswith(suffix)}
     return dtypes
 
 

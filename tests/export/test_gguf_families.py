@@ -131,7 +131,7 @@ def qwen2_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from lmpress.export.gguf import QWEN2_REGEX
+    from lmpress.export.gguf_metadata import QWEN2_REGEX
 
     tok = Tokenizer(models.BPE(unk_token=None))
     split = pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False)

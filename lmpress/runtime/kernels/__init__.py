@@ -1,7 +1,7 @@
 """Matmul and norm kernels for quantized weights (``select.py`` decides which runs each layer).
 
 ``linear_kernel(family)`` returns the function turning a ``QuantizedLinear`` (or an FP8
-``Fp8Linear``) into the module that runs it: ``"cpu"`` (torch's packed CPU kernels), ``"cuda"``
+``Fp8Linear``, or an FP4 ``Fp4Linear``) into the module that runs it: ``"cpu"`` (torch's packed CPU kernels), ``"cuda"``
 (per layer, the fastest that holds it: tinygemm, gemlite, lmpress's Triton kernels, ``_int_mm``,
 ``_scaled_mm``), ``"triton"`` (lmpress's Triton kernels wherever they hold the layer: tests under
 the interpreter, benches) or ``"reference"`` (the layer itself). ``kernel_of(module)`` names the
@@ -39,6 +39,10 @@ def kernel_of(module: nn.Module) -> str:
 
     if isinstance(module, Fp8Linear):
         return "fp8-simulated"
+    from lmpress.weights.fp4 import Fp4Linear
+
+    if isinstance(module, Fp4Linear):
+        return "fp4-simulated" if module.scheme.activations == "fp4" else "reference"
     return type(module).__name__
 
 
@@ -64,7 +68,7 @@ def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
         from lmpress.runtime.kernels.fp8 import ScaledMMLinear
 
         return ScaledMMLinear(layer)
-    if name in ("fp8-simulated", "reference"):
+    if name in ("fp8-simulated", "fp4-simulated", "reference"):
         return layer
     if name in ("cpu-w4a8", "cpu-w8a8", "cpu-int4", "cpu-int8"):
         from lmpress.runtime.kernels.cpu import cpu_linear
@@ -83,7 +87,7 @@ def linear_kernel(
 
     W8A8 layers (int8 activations) run ``torch._int_mm`` in every family but "reference" (``kernels/int8.py``),
     and FP8 layers ``_scaled_mm`` where the GPU has FP8 tensor cores: a weight-only kernel would silently
-    drop their activation quantization."""
+    drop their activation quantization. FP4 layers run dequantized (``select.kernel_candidates``)."""
     if family == "reference":
         return as_is
     if family not in FAMILIES:
@@ -97,7 +101,11 @@ def linear_kernel(
             from lmpress.runtime.kernels.cuda import cuda_kernel_name
 
             return build_kernel(cuda_kernel_name(layer, case, dtype, build_kernel), layer, dtype)
-        if case.activations is not None:
+        if case.fp4 is not None and case.activations is None and family == "cpu":
+            from lmpress.runtime.kernels.cpu import DenseLinear
+
+            return dense_linear(layer, dtype, DenseLinear)  # FP4 A16: dequantized once, as select names it
+        if case.activations is not None or case.fp4 is not None:
             return build_kernel(kernel_candidates(case, DeviceCase("cpu", dtype))[0], layer, dtype)
         if family == "triton":
             return build_kernel("triton", layer, dtype)

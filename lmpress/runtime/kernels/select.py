@@ -28,7 +28,8 @@ KERNELS = {
     "cpu-w8a8": "lmpress C++ int8 x int8 dot per-row weights (AVX-512 VNNI / AVX2), activations int8 per 64",
     "cpu-int4": "torch _weight_int4pack_mm_for_cpu",
     "cpu-int8": "torch _weight_int8pack_mm",
-    "dense": "weight dequantized once, dense matmul",
+    "fp4-simulated": "FP4 W4A4 simulated in float (activations fake-quantized per block, weight dequantized once)",
+    "dense": "weight dequantized once, dense matmul (FP4 A16 layers too)",
     "reference": "lmpress QuantizedLinear (dequantize per call)",
 }
 # Group widths tinygemm holds natively; a wider group that is a multiple of one repeats its scales.
@@ -48,13 +49,19 @@ class LayerCase:
     out_features: int
     act_order: bool = False  # a non-trivial g_idx
     equal_groups: bool = True  # act-order groups all hold group_width columns (GPTQ's do)
-    activations: str | None = None  # None (weight-only), "int8" (W8A8) or "fp8"
+    activations: str | None = None  # None (weight-only), "int8" (W8A8), "fp8" or "fp4" (W4A4)
+    fp4: str | None = None  # "nvfp4" or "mxfp4": E2M1 weights with block scales (Fp4Linear)
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> LayerCase:
-        """The case of a ``QuantizedLinear`` or an ``Fp8Linear``."""
+        """The case of a ``QuantizedLinear``, an ``Fp8Linear`` or an ``Fp4Linear``."""
+        from lmpress.weights.fp4 import Fp4Linear
         from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
+        if isinstance(layer, Fp4Linear):
+            scheme = layer.scheme
+            k, n = layer.in_features, layer.out_features
+            return cls(4, scheme.group_size, k, n, activations=scheme.activations, fp4=layer.fmt)
         if not isinstance(layer, QuantizedLinear):  # Fp8Linear: E4M3 weights, per-token E4M3 activations
             return cls(8, layer.in_features, layer.in_features, layer.out_features, activations="fp8")
         scheme, k = layer.scheme, layer.in_features
@@ -149,7 +156,12 @@ def _cpu_packed(layer: LayerCase) -> str | None:
 
 
 def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
-    """Every kernel that runs ``layer`` on ``device``, expected-fastest first; the last always applies."""
+    """Every kernel that runs ``layer`` on ``device``, expected-fastest first; the last always applies.
+
+    FP4 layers have no packed kernel yet on either device: an A16 layer runs its weight dequantized once (the
+    library's dense matmul), a W4A4 layer itself (its activations quantized per block, as it was scored)."""
+    if layer.fp4 is not None:
+        return ("fp4-simulated",) if layer.activations == "fp4" else ("dense",)
     if layer.activations == "int8":
         return ("int8-mm",)  # a weight-only kernel would drop the activation quantization the layer was scored with
     if layer.activations == "fp8":

@@ -1,0 +1,82 @@
+"""FP4 exports in lmpress's runtime: a compressed-tensors NVFP4/MXFP4 checkpoint read straight into the runtime,
+a GGUF MXFP4 file through the loader, the kernel each FP4 layer runs (named per layer, as ``lmpress bench``
+prints it), and the evaluator's loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.registry import exporter
+from lmpress.runtime.kernels.select import DeviceCase, LayerCase, kernel_candidates
+from lmpress.weights.fp4 import Fp4Linear, fp4_layers
+from lmpress.weights.scheme import QuantScheme
+from tests.export.conftest import rtn_quantizer
+
+IDS = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5]])
+
+
+def export_fp4(tiny_llama_dir, tmp_path, fmt: str, **rtn):
+    model, tokenizer = rtn_quantizer(tiny_llama_dir, tmp_path)(**({"fp4": "nvfp4"} | rtn))
+    out = tmp_path / fmt
+    out.mkdir()
+    exporter(fmt)(model, tokenizer, out)
+    return model, out
+
+
+def runtime_logits(runtime) -> torch.Tensor:
+    with torch.no_grad():
+        return runtime(IDS, runtime.new_cache(1, IDS.shape[1]))
+
+
+def reference_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("rtn", [{"fp4": "nvfp4"}, {"fp4": "mxfp4"}, {"fp4": "mxfp4", "activations": "fp4"}])
+def test_runtime_reads_a_compressed_tensors_fp4_checkpoint(tiny_llama_dir, tmp_path, rtn):
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from lmpress.runtime.throughput import layer_kernels
+
+    model, out = export_fp4(tiny_llama_dir, tmp_path, "compressed-tensors", **rtn)
+    runtime = load_checkpoint(out)
+    kernels = layer_kernels(runtime)
+    if rtn.get("activations"):  # W4A4: each layer runs itself, activations quantized per block
+        assert kernels["layers.0.attention.wqkv.0"] == "fp4-simulated" == kernels["layers.1.feed_forward.w2"]
+    else:  # A16: dequantized once, q/k/v (and gate/up) fused into one dense matmul
+        assert kernels["layers.0.attention.wqkv"] == "dense" == kernels["layers.1.feed_forward.w13"]
+    assert kernels["output"] == "dense"  # lm_head: ignored, float
+    torch.testing.assert_close(runtime_logits(runtime), reference_logits(model), atol=1e-4, rtol=1e-4)
+
+
+def test_runtime_and_evaluator_read_a_gguf_mxfp4_export(tiny_llama_dir, tmp_path):
+    from lmpress.loader import load_model
+    from lmpress.runtime.text import load_runtime
+
+    model, out = export_fp4(tiny_llama_dir, tmp_path, "gguf", fp4="mxfp4")
+    evaluator = load_model(str(out), "float32", fingerprint=False).model
+    assert len(fp4_layers(evaluator)) == 14
+    torch.testing.assert_close(reference_logits(evaluator), reference_logits(model), atol=1e-5, rtol=0)
+    runtime, _ = load_runtime(str(out))
+    torch.testing.assert_close(runtime_logits(runtime), reference_logits(model), atol=1e-4, rtol=1e-4)
+
+
+def test_runtime_built_from_a_transformers_model_with_fp4_layers(tiny_llama_dir, tmp_path):
+    """``Transformer.from_hf`` (what the evaluator's model becomes in the runtime): FP4 layers accepted like FP8."""
+    from lmpress.runtime.model import Transformer
+
+    model, _ = rtn_quantizer(tiny_llama_dir, tmp_path)(fp4="mxfp4", overrides={".*o_proj": {"activations": "fp4"}})
+    runtime = Transformer.from_hf(model)
+    assert isinstance(runtime.layers[0].attention.wo.parts[0], Fp4Linear)  # W4A4: runs itself
+    torch.testing.assert_close(runtime_logits(runtime), reference_logits(model), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", [DeviceCase("cpu", torch.float32), DeviceCase("cuda", torch.bfloat16, (9, 0))])
+def test_fp4_layers_never_take_an_integer_kernel(device):
+    layer = Fp4Linear(64, 32, QuantScheme(4, 16, True, fp4="nvfp4"))
+    case = LayerCase.of(layer)
+    assert (case.fp4, case.group_width, case.activations) == ("nvfp4", 16, None)
+    assert kernel_candidates(case, device) == ("dense",)
+    w4a4 = LayerCase(4, 32, 64, 32, activations="fp4", fp4="mxfp4")
+    assert kernel_candidates(w4a4, device) == ("fp4-simulated",)
