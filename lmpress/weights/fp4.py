@@ -35,15 +35,14 @@ Fp4Format = Literal["nvfp4", "mxfp4"]
 FP4_BLOCK = FP4_GROUP_SIZES  # block size of each format
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# |x| at or past each threshold (or strictly past, for the "low" ties) moves one magnitude index up: ties go to the
-# even mantissa, so 0.25, 1.25, 2.5 and 5 round down and 0.75, 1.75 and 3.5 round up.
-_ROUND_UP_AT = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+E4M3_MAX_CODE = 0x7E  # 448; 0x7F is E4M3's NaN
 E8M0_BIAS = 127
 E8M0_NAN = 255
 # MX blocks scale so that the block's largest power of two lands on E2M1's (2**2 = 4): OCP MX spec §6.3.
 _MX_ELEMENT_EMAX = 2
-# NVFP4 block-scale candidates: the scale that maps the block's max to 6, times these factors, rounded to E4M3.
-_NVFP4_SEARCH = torch.linspace(0.70, 1.10, 41).tolist()
+# NVFP4 block-scale candidates: E4M3 values this many steps (1/8 of an octave each) from the one that maps the block's
+# max to 6: from about 0.7x to 1.1x of it.
+_NVFP4_STEPS = (-4, -3, -2, -1, 1)
 
 
 def fp4_format_of(scheme: QuantScheme) -> Fp4Format:
@@ -61,14 +60,20 @@ def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
     return torch.cat([magnitudes, -magnitudes])
 
 
+def _e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """The nearest E2M1 magnitude of ``a >= 0`` (float32): E2M1's steps are 0.5 below 2, 1 below 4 and 2 up to 6,
+    and ``torch.round`` rounds half to even, which on each step's grid is the even mantissa."""
+    return torch.where(
+        a < 2, torch.round(a * 2) * 0.5, torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2)
+    ).clamp_(max=E2M1_MAX)
+
+
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """uint8 code (``sign << 3 | magnitude index``) of the nearest E2M1 value of each element of ``x`` (already
     divided by its scale; clamped to ±6)."""
     x = x.float()
-    a = x.abs()
-    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for threshold, inclusive in _ROUND_UP_AT:
-        index += (a >= threshold if inclusive else a > threshold).to(torch.uint8)
+    m = _e2m1_magnitude(x.abs())
+    index = torch.where(m <= 2, m * 2, torch.where(m <= 4, m + 2, 7.0)).to(torch.uint8)  # 3 -> 5, 4 -> 6, 6 -> 7
     return index | (((x < 0) & (index > 0)).to(torch.uint8) << 3)
 
 
@@ -79,7 +84,8 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 
 def fake_quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
     """The nearest E2M1 value of each element (float32)."""
-    return e2m1_values(round_to_e2m1(x))
+    x = x.float()
+    return torch.copysign(_e2m1_magnitude(x.abs()), x)
 
 
 # Block scales ---------------------------------------------------------------------------------
@@ -145,7 +151,7 @@ def fp4_block_scales(
 
     Without ``mse`` the scale maps the block's max to 6 (rounded to the encoding), as compressed-tensors'
     observers do; with ``mse`` each block takes, of the encoding's values near that, the one with the least
-    squared error (NVFP4: every E4M3 value from 0.7x to 1.1x; MXFP4: the power of two below and above too).
+    squared error (NVFP4: the E4M3 values from about 0.7x to 1.1x; MXFP4: the power of two below and above too).
     """
     amax = blocks.abs().amax(-1)
     if fmt == "nvfp4":
@@ -155,7 +161,12 @@ def fp4_block_scales(
         best = _nvfp4_minmax_scales(amax, gs)
         if not mse:
             return best
-        candidates = [round_to_e4m3(amax / E2M1_MAX * gs * f) for f in _NVFP4_SEARCH]
+        # a positive E4M3 value's bits count up with it: the neighbours of ``best`` are its code plus or minus k
+        codes = best.to(require_float8("nvfp4")).view(torch.uint8).to(torch.int16)
+        candidates = [
+            (codes + k).clamp(1, E4M3_MAX_CODE).to(torch.uint8).view(require_float8("nvfp4")).float()
+            for k in _NVFP4_STEPS
+        ]
     else:
         best = _mxfp4_minmax_scales(amax)
         if not mse:
