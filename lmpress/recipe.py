@@ -168,6 +168,10 @@ def parse_recipe(raw: Any, origin: str = "recipe") -> Recipe:
     top = {k: v for k, v in raw.items() if k not in ("stages", "eval", "gates")}
     fields = _validate(_TopLevel, top, origin, ())
     stages = [_stage(s, i, origin) for i, s in enumerate(_as_list(raw.get("stages"), "stages", origin))]
+    for i, stage in enumerate(stages):  # a stage that must come before others (rotate) says why it cannot follow
+        order_refusal = getattr(stage, "order_refusal", None)
+        if order_refusal is not None and (reason := order_refusal(stages[:i])):
+            raise LmpressInputError(f"{origin}: stages[{i}]: {reason}")
     evals = _eval_spec(raw.get("eval") or {}, origin)
     metrics = available_metrics(evals.evals)
     gates = []

@@ -18,6 +18,7 @@ known names imports nothing. A new technique, eval or format is its module plus 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
@@ -114,6 +115,7 @@ STAGE_MODULES: dict[str, str] = {
     "learned": "lmpress.quantize.learned_rounding",
     "smoothquant": "lmpress.quantize.smoothquant",
     "fp8": "lmpress.quantize.fp8",
+    "rotate": "lmpress.quantize.rotate",
     "llm_int8": "lmpress.quantize.bnb",
     "bnb_4bit": "lmpress.quantize.bnb",
     "magnitude": "lmpress.prune.magnitude",
@@ -239,6 +241,7 @@ def exporter(fmt: str) -> Callable[..., None]:
     """The writer of export format ``fmt`` (KeyError when unknown); what it writes gets the umask's modes."""
     write = export_format(fmt).write
 
+    @functools.wraps(write)
     def write_with_modes(model: Any, tokenizer: Any, out_dir: Path, *args: Any, **kwargs: Any) -> None:
         write(model, tokenizer, out_dir, *args, **kwargs)
         apply_umask_modes(out_dir)
