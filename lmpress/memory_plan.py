@@ -155,7 +155,8 @@ def forecast_memory(
     shape = ModelShape.of(model)
     size = DTYPE_BYTES[dtype]
     training = any(s.trains_across_processes for s in stages)
-    streams = stored_dtype(checkpoint) == dtype and not logit_tokens and not training
+    whole = any(s.reads_whole_model for s in stages)
+    streams = stored_dtype(checkpoint) == dtype and not logit_tokens and not training and not whole
     float_model = shape.parameters * size
     quantizers = [s for s in stages if isinstance(s, WeightQuantConfig)]
     planned = quantized_linears(model, quantizers)

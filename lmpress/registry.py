@@ -67,6 +67,8 @@ class StageConfig(StrictConfig):
     # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan); such a
     # stage has a batch_size field (calibration samples per forward pass)
     calibrates_layerwise: ClassVar[bool] = False
+    # rewrites every weight of the model at once (rotate): the whole float model is resident, nothing streams
+    reads_whole_model: ClassVar[bool] = False
 
     @property
     def hessian_copies(self) -> int:

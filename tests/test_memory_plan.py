@@ -132,6 +132,21 @@ def test_forecast_streams_a_mapped_checkpoint_without_eval(tiny_llama_dir):
     assert scored.parts["weights"] + scored.parts["baseline eval"] > whole  # the model and the eval's logits
 
 
+def test_a_rotation_holds_the_whole_float_model(tiny_llama_dir):
+    """rotate rewrites every weight at once: a rotate + GPTQ run without eval cannot stream the layers."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    gptq = stage_config("gptq")(method="gptq", bits=4, group_size=32)
+    rotate = stage_config("rotate")(method="rotate")
+    streamed = forecast_memory(skeleton, tiny_llama_dir, "float32", [gptq], 4, 32, torch.device("cpu"))
+    rotated = forecast_memory(skeleton, tiny_llama_dir, "float32", [rotate, gptq], 4, 32, torch.device("cpu"))
+    whole = sum(p.numel() for p in skeleton.parameters()) * 4
+    assert streamed.parts["weights"] < whole
+    # what is not quantized stays float, and every layer's codes are held (not one streamed layer's)
+    assert rotated.parts["weights"] > streamed.parts["weights"]
+    assert rotated.parts["quantized"] > streamed.parts["quantized"]
+    assert rotated.ram_bytes > streamed.ram_bytes
+
+
 def test_run_prints_and_reports_its_forecast(tiny_llama_dir, tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -68,6 +68,7 @@ ROW_CHUNK = 8192
 
 class RotateConfig(StageConfig):
     method: Literal["rotate"] = "rotate"
+    reads_whole_model: ClassVar[bool] = True
     seed: int = Field(0, ge=0, description="seed of the random signs (random: true)")
     random: bool = Field(True, description="randomized Hadamard matrices (QuaRot) rather than plain ones")
     rotate_heads: bool = Field(True, description="R2: a Hadamard matrix per head between v_proj and o_proj")
