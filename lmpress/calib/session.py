@@ -7,8 +7,8 @@ input) and declares what it modifies:
 - a float weight, optionally with the mask of its pruned entries
   (:meth:`LayerSession.set_weight`; the mask stays readable to later methods of the
   same pass, which keep those entries zero);
-- a quantized weight, which replaces the linear by a ``QuantizedLinear``
-  (:meth:`LayerSession.apply`).
+- a quantized weight, which replaces the linear by a ``QuantizedLinear`` (an ``Fp8Linear``,
+  an ``Fp4Linear``) (:meth:`LayerSession.apply`).
 
 The engine marks each group of linears finished once every method of the pass has
 processed it (:meth:`LayerSession.finish_group`). A block (``anatomy.blocks``:
@@ -47,6 +47,7 @@ from lmpress.calib.moe import set_calibrate_all
 from lmpress.calib.pages import drop_file_pages, trim_heap
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.float8 import Fp8Weight
+from lmpress.weights.fp4 import Fp4Weight
 from lmpress.weights.scheme import QuantizedWeight
 
 InputHook = Callable[[str, int, tuple, dict], None]
@@ -64,7 +65,8 @@ class LayerSession:
     groups: list[list[str]]  # targets in dependency order (one group when not true-sequential)
     inputs: LayerInputs
     device: torch.device
-    quantized: dict[str, QuantizedWeight | Fp8Weight] = field(default_factory=dict)  # by QuantizedLinear / Fp8Linear
+    # by QuantizedLinear / Fp8Linear / Fp4Linear
+    quantized: dict[str, QuantizedWeight | Fp8Weight | Fp4Weight] = field(default_factory=dict)
     biases: dict[str, torch.Tensor] = field(default_factory=dict)  # of the quantized linears
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # linear -> bool mask of its pruned weights
     rewritten: set[str] = field(default_factory=set)  # linears whose float weight a method replaced
@@ -247,7 +249,7 @@ class LayerSession:
             for module in replaced:
                 del module.forward
 
-    def apply(self, name: str, qweight: QuantizedWeight | Fp8Weight) -> None:
+    def apply(self, name: str, qweight: QuantizedWeight | Fp8Weight | Fp4Weight) -> None:
         """Put ``qweight`` in place of linear ``name`` (relative to the layer) and record it for resume.
 
         Until :meth:`finish`, a plain float linear holding the quantized layer's

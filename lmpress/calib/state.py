@@ -9,10 +9,10 @@ interrupted run resumes from the last finished layer and ends bit-identical. The
 state carries a fingerprint of the model, calibration data and stage config; a
 resume against a different one is refused.
 
-A finished layer's ``QuantizedLinear`` buffers (packed codes, scales, zero points)
-are then read from its state file as a private file mapping (:meth:`LayerState.map_layer`):
-they leave RAM, and a later reader (an export, an eval) faults them in from the file,
-so a whole model's packed weights do not pile up in the process while its layers stream.
+A finished layer's ``QuantizedLinear`` and ``Fp4Linear`` buffers (packed codes, scales, zero points;
+FP4's block and global scales) are then read from its state file as a private file mapping
+(:meth:`LayerState.map_layer`): they leave RAM, and a later reader (an export, an eval) faults them in
+from the file, so a whole model's packed weights do not pile up in the process while its layers stream.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.errors import LmpressInputError
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.float8 import Fp8Weight
+from lmpress.weights.fp4 import Fp4Linear, Fp4Weight
 from lmpress.weights.pack import ct_unpack_weight
 from lmpress.weights.qlinear import QuantizedLinear
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from lmpress.calib.session import LayerSession
 
 STATE_VERSION = 2  # 2: quantized linears as QuantizedLinear's packed buffers ("k." keys), mapped back
+PACKED = (QuantizedLinear, Fp4Linear)  # saved as their own buffers and mapped back from the state file
 
 
 class LayerState:
@@ -78,7 +80,7 @@ class LayerState:
         tensors, meta = {}, {}
         for name, q in session.quantized.items():
             module = session.layer.get_submodule(name)
-            if isinstance(module, QuantizedLinear):  # its own packed buffers, which map_layer points back at
+            if isinstance(module, PACKED):  # its own packed buffers, which map_layer points back at
                 for buffer, value in module.named_buffers(recurse=False):
                     if value is not None:
                         tensors[f"k.{name}.{buffer}"] = value
@@ -92,6 +94,7 @@ class LayerState:
             scheme = q.scheme
             meta[name] = json.dumps(
                 [scheme.bits, scheme.group_size, scheme.symmetric, scheme.activations, scheme.k_quant_scales]
+                + ([scheme.fp4] if scheme.fp4 else [])
             )
         for name, bias in session.biases.items():
             tensors[f"b.{name}"] = bias
@@ -137,6 +140,9 @@ class LayerState:
                 fp8 = Fp8Weight(tensors[f"q.{name}.qweight"], tensors[f"q.{name}.scales"], "channel")
                 apply_quantized_weight(layer, name, fp8)
                 continue
+            if scheme.fp4 is not None:
+                apply_quantized_weight(layer, name, _fp4_weight(tensors, name, layer.get_submodule(name), scheme))
+                continue
             if f"k.{name}.qweight" in tensors:
                 codes = ct_unpack_weight(
                     tensors[f"k.{name}.qweight"], scheme.bits, layer.get_submodule(name).in_features
@@ -162,9 +168,9 @@ class LayerState:
         return len(meta)
 
     def map_layer(self, index: int, layer: nn.Module) -> int:
-        """Point finished layer ``index``'s ``QuantizedLinear`` buffers at their copies in its state file, read as a
-        private file mapping (pages come from the file when read and can be dropped); returns how many it mapped.
-        The in-memory buffers they replace are freed."""
+        """Point finished layer ``index``'s ``QuantizedLinear`` and ``Fp4Linear`` buffers at their copies in its
+        state file, read as a private file mapping (pages come from the file when read and can be dropped); returns
+        how many it mapped. The in-memory buffers they replace are freed."""
         from safetensors import safe_open
 
         mapped = 0
@@ -174,14 +180,17 @@ class LayerState:
                     continue
                 name, _, buffer = key.removeprefix("k.").rpartition(".")
                 module = layer.get_submodule(name)
-                current = module._buffers.get(buffer) if isinstance(module, QuantizedLinear) else None
+                current = module._buffers.get(buffer) if isinstance(module, PACKED) else None
                 if current is None or current.device.type != "cpu":
                     continue
                 value = f.get_tensor(key)
                 if value.shape != current.shape or value.dtype != current.dtype:
                     continue
                 module._buffers[buffer] = value
-                module._kernel_cache = None
+                if isinstance(module, Fp4Linear):
+                    module._dequantized = None
+                else:
+                    module._kernel_cache = None
                 mapped += 1
         return mapped
 
@@ -191,6 +200,16 @@ class LayerState:
         hidden = [tensors[f"h.{i}"] for i in range(sum(k.startswith("h.") for k in tensors))]
         carried = {k.removeprefix("m."): v for k, v in tensors.items() if k.startswith("m.")}
         return LayerInputs(BatchStore.of(hidden), kwargs), carried
+
+
+def _fp4_weight(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, scheme: QuantScheme) -> Fp4Weight:
+    """The ``Fp4Weight`` whose ``Fp4Linear`` buffers layer ``name``'s state holds, read back through the module
+    itself (its E4M3 / E8M0 scales decoded as it decodes them)."""
+    module = Fp4Linear(linear.in_features, linear.out_features, scheme)
+    for buffer, value in module.named_buffers(recurse=False):
+        if value is not None:
+            value.copy_(tensors[f"k.{name}.{buffer}"])
+    return module.unpack()
 
 
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -5,9 +5,11 @@
   Alistarh 2023, §3), and :func:`inverse_hessian_factor`, the upper Cholesky factor
   of its damped inverse, which GPTQ's and SparseGPT's column loops both read;
 - :class:`InputNormAccumulator`: the squared L2 norm of each input feature over
-  every token, ||X_j||² (Wanda's activation term, Sun et al. 2023, Eq. 1).
+  every token, ||X_j||² (Wanda's activation term, Sun et al. 2023, Eq. 1);
+- :class:`InputAmaxAccumulator`: max |X| over every token (NVFP4 activations' static
+  global scale; the Hessian accumulator keeps it too).
 
-:func:`group_hessians` / :func:`group_input_norms` gather them for one group of
+:func:`group_hessians` / :func:`group_input_norms` / :func:`group_input_amax` gather them for one group of
 linears in one pass over the calibration batches; linears fed the very same input
 tensor (q/k/v; gate/up; the experts of a MoE block) share one accumulator, and a
 group's statistics are cached on the session until the group is finished, so
@@ -31,7 +33,8 @@ SOLVE_ROWS = 512  # rows of the triangular inverse computed at once: n x 512 tem
 
 
 class HessianAccumulator:
-    """Running mean of 2 x xᵀ over every token seen: H = 2/n Σ x xᵀ (float32).
+    """Running mean of 2 x xᵀ over every token seen: H = 2/n Σ x xᵀ (float32), and ``amax``, max |x| over every
+    element seen (reduced by max; NVFP4 W4A4's static activation scale reads it).
 
     Only the blocks on and above the diagonal are accumulated (xᵀx is symmetric);
     reading ``H`` mirrors them below.
@@ -39,6 +42,7 @@ class HessianAccumulator:
 
     def __init__(self, columns: int, device: torch.device | str = "cpu", block: int = GRAM_BLOCK) -> None:
         self._H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.amax = torch.zeros((), dtype=torch.float32, device=device)
         self.n = 0
         self.block = block
 
@@ -47,6 +51,7 @@ class HessianAccumulator:
         m = x.shape[0]
         if m == 0:
             return
+        _track_amax(self.amax, x)
         keep, self.n = self.n / (self.n + m), self.n + m
         cols = x.shape[1]
         for i in range(0, cols, self.block):
@@ -72,6 +77,22 @@ class HessianAccumulator:
         return H
 
 
+def _track_amax(amax: torch.Tensor, x: torch.Tensor) -> None:
+    low, high = torch.aminmax(x)  # no |x| copy of the batch
+    torch.maximum(amax, torch.maximum(-low, high).float(), out=amax)
+
+
+class InputAmaxAccumulator:
+    """max |x| over every element seen (float32 scalar), reduced by max: NVFP4 W4A4's static activation range."""
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
+        self.amax = torch.zeros((), dtype=torch.float32, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        if x.numel():
+            _track_amax(self.amax, x.detach())
+
+
 class InputNormAccumulator:
     """Σ x_j² over every token seen, per input feature j (float32): ||X_j||² (Wanda, Eq. 1)."""
 
@@ -90,7 +111,7 @@ class InputNormAccumulator:
         return self.sq.sqrt()
 
 
-Accumulator = HessianAccumulator | InputNormAccumulator
+Accumulator = HessianAccumulator | InputNormAccumulator | InputAmaxAccumulator
 
 
 def inverse_hessian_factor(working_hessian: Callable[[], torch.Tensor], damp: float) -> tuple[torch.Tensor, float]:
@@ -204,6 +225,11 @@ def group_hessians(session: LayerSession, names: list[str]) -> dict[str, Hessian
 def group_input_norms(session: LayerSession, names: list[str]) -> dict[str, InputNormAccumulator]:
     """||X_j||² of each of ``names`` (one group), computed once per group and shared by the pass's methods."""
     return _cached(session, "input_norm", names, InputNormAccumulator)
+
+
+def group_input_amax(session: LayerSession, names: list[str]) -> dict[str, InputAmaxAccumulator]:
+    """max |X| of each of ``names`` (one group) over every calibration token, computed once per group."""
+    return _cached(session, "input_amax", names, InputAmaxAccumulator)
 
 
 @contextmanager

@@ -22,6 +22,19 @@ unchanged); pairs whose channels cannot fold (v_proj -> o_proj under grouped-que
 attention) are skipped. Then each linear's clipping range is searched (not for
 q/k, whose errors the attention softmax amplifies, as in the reference), and
 the layer is quantized by RTN or by GPTQ on all calibration samples.
+
+FP4 (``fp4: nvfp4`` or ``mxfp4``): the scale and clipping searches quantize on the FP4 grid, and the weights
+are rounded by RTN-FP4 (min/max block scales) or, with ``rounding: gptq``, by GPTQ-FP4:
+
+    - method: awq
+      fp4: nvfp4
+      activations: fp4       # W4A4: input_global_scale = 448 * 6 / max|X| over the calibration inputs
+      rounding: gptq
+      ignore: [lm_head]
+
+An NVFP4 W4A4 layer's ``input_global_scale`` comes from its inputs on all calibration samples after the
+scales are folded (with ``rounding: rtn``, through the float layer, scaled and clipped; with ``rounding: gptq``,
+where GPTQ gathers its Hessian). The searches quantize the weights only, not the activations.
 """
 
 from __future__ import annotations
@@ -37,11 +50,13 @@ from lmpress.anatomy import get_anatomy
 from lmpress.calib.engine import CalibrationMethod
 from lmpress.calib.recorded import RecordedInputs, common_parent
 from lmpress.calib.session import LayerSession
+from lmpress.calib.statistics import group_input_amax
 from lmpress.quantize.awq_search import apply_clip, fold_scales, search_clip, search_scales
+from lmpress.quantize.rtn import quantize_weight
 from lmpress.quantize.scaling_pairs import foldable_pairs, run_scaling_stage
-from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding
+from lmpress.quantize.targets import GPTQ_ONLY_KEYS, GPTQRounding, needs_input_scale
 from lmpress.registry import StageContext, register_stage
-from lmpress.weights.scheme import quantize_weight_rtn
+from lmpress.weights.fp4 import nvfp4_global_scale
 
 NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
 
@@ -121,9 +136,15 @@ class AWQMethod(CalibrationMethod):
         self.scale_and_clip(session)
 
     def process_group(self, session: LayerSession, group: list[str]) -> None:
-        if self.rounds and self.config.rounding == "rtn":
-            for name in group:
-                session.apply(name, quantize_weight_rtn(session.linear(name).weight.data, session.targets[name]))
+        if not (self.rounds and self.config.rounding == "rtn"):
+            return
+        calibrated = [name for name in group if needs_input_scale(session.targets[name])]
+        amax = group_input_amax(session, calibrated) if calibrated else {}
+        for name in group:
+            quantized = quantize_weight(session.linear(name).weight.data, session.targets[name], mse=False)
+            if name in amax:
+                quantized.input_global_scale = nvfp4_global_scale(amax[name].amax).cpu()
+            session.apply(name, quantized)
 
 
 def calibration_method(config: AWQConfig) -> AWQMethod:

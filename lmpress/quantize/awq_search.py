@@ -12,6 +12,11 @@ AWQ searches s = s_X^α with s_X the mean |X| per channel over a grid of α in
 [0, 1) (Eq. 5), keeping the α whose quantized block output is closest to the
 float one on the calibration inputs; then, per output row and group, a clipping
 range max|w| · (1 - i/grid) that minimises the linear's output error.
+
+FP4 schemes (NVFP4, MXFP4) search the same way with the FP4 grid as the quantizer: a trial's weights are
+round-to-nearest E2M1 values under min/max block scales (``quantize_weight_fp4``), and a clipping trial is
+the clamped block quantized so (its block scale follows the clipped range; NVFP4's global scale stays the
+unclipped weight's).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lmpress.weights.fp4 import E2M1_MAX, fake_quantize_e2m1, fp4_block_scales, nvfp4_global_scale, quantize_weight_fp4
 from lmpress.weights.kquant import live_groups, snap_to_kquant_grid
 from lmpress.weights.scheme import QuantScheme, compute_qparams, fake_quantize
 
@@ -29,7 +35,9 @@ SCALE_FLOOR = 1e-4
 
 def fake_quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Round-to-nearest fake quantization of a ``(out, in)`` weight with min/max group scales (on the
-    k-quant grid when the scheme asks for it, as RTN rounds)."""
+    k-quant grid when the scheme asks for it, as RTN rounds; on the FP4 grid for an FP4 scheme)."""
+    if scheme.fp4 is not None:
+        return quantize_weight_fp4(w, scheme).dequantize(w.dtype)
     out_features, in_features = w.shape
     width = scheme.group_width(in_features)
     grouped = w.float().reshape(out_features, in_features // width, width)
@@ -150,6 +158,7 @@ def search_clip(
     width = scheme.group_width(in_features)
     n_groups = in_features // width
     xg = x.float().reshape(-1, n_groups, width)  # tokens, groups, width
+    global_scale = nvfp4_global_scale(w) if scheme.fp4 == "nvfp4" else None
     best_shrink = torch.ones(out_features, n_groups, device=w.device)
     for r0 in range(0, out_features, rows_per_chunk):
         wg = w[r0 : r0 + rows_per_chunk].float().reshape(-1, n_groups, width)  # rows, groups, width
@@ -157,13 +166,26 @@ def search_clip(
         best_err = torch.full(wg.shape[:2], float("inf"), device=w.device)
         for i in range(int(max_shrink * grid)):
             shrink = 1 - i / grid
-            scale, zero = compute_qparams(wg, scheme, shrink)
-            q = fake_quantize(wg, scale[..., None], zero[..., None], scheme.maxq)
+            if scheme.fp4 is not None:
+                q = _fp4_clipped(wg, shrink, scheme.fp4, global_scale)
+            else:
+                scale, zero = compute_qparams(wg, scheme, shrink)
+                q = fake_quantize(wg, scale[..., None], zero[..., None], scheme.maxq)
             err = (torch.einsum("tgw,rgw->rgt", xg, q) - reference).pow(2).mean(-1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_shrink[r0 : r0 + rows_per_chunk][better] = shrink
     return best_shrink
+
+
+def _fp4_clipped(blocks: torch.Tensor, shrink: float, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """What ``apply_clip`` then round-to-nearest FP4 leave of ``blocks`` (rows, blocks, width): each block clamped
+    to ``±max|w| · shrink``, then quantized under the min/max scale of the clamped block."""
+    bound = blocks.abs().amax(-1, keepdim=True) * shrink
+    clipped = torch.maximum(torch.minimum(blocks, bound), -bound)
+    scale = fp4_block_scales(clipped, fmt, global_scale)
+    effective = (scale if global_scale is None else scale / global_scale)[..., None]
+    return fake_quantize_e2m1((clipped / effective).clamp_(-E2M1_MAX, E2M1_MAX)) * effective
 
 
 @torch.no_grad()

@@ -16,6 +16,20 @@ Sample recipe stage:
       overrides:
         ".*down_proj": {bits: 8}
 
+FP4 (``fp4: nvfp4`` or ``mxfp4``; ``act_order`` with ``static_groups`` only, as FP4 blocks are contiguous):
+
+    - method: gptq
+      fp4: nvfp4
+      activations: fp4       # W4A4: each layer's input_global_scale = 448 * 6 / max|X| over the calibration inputs
+      mse: true              # block scales searched for the least squared error
+      ignore: [lm_head]
+      overrides:
+        ".*down_proj": {fp4: int, bits: 8, group_size: 64}
+
+An NVFP4 W4A4 layer's static ``input_global_scale`` comes from the max |X| of its inputs, gathered with its
+Hessian; that Hessian is of the inputs as they arrive, in float: the activations' own FP4 rounding is not in it
+(nor in the inputs the calibration passes feed the next layers).
+
 The math lives in ``gptq_quantize.py``; this module only reads each group's
 Hessian from the calibration engine (``lmpress.calib``) and writes the result into
 the model.
@@ -33,8 +47,9 @@ from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator, collect_inputs, group_hessians
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.targets import GPTQRounding
+from lmpress.quantize.targets import GPTQRounding, needs_input_scale
 from lmpress.registry import StageContext, register_stage
+from lmpress.weights.fp4 import Fp4Weight, nvfp4_global_scale
 from lmpress.weights.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -62,6 +77,8 @@ def gptq_group(
 
     Entries an earlier method of the pass pruned (``session.masks``) stay zero. ``last_reader``: no later method
     of the pass reads the group's Hessians, so each is handed to its last linear, which factors in its storage.
+    An NVFP4 W4A4 linear takes ``input_global_scale = 448 * 6 / max|X|`` (compressed-tensors' ``generate_gparam``)
+    from the max its Hessian accumulator kept.
     """
     hessians = group_hessians(session, names)
     for i, name in enumerate(names):
@@ -85,6 +102,8 @@ def gptq_group(
             message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"
             log.warning(message)
             warnings.append(message)
+        if isinstance(quantized, Fp4Weight) and needs_input_scale(quantized.scheme):
+            quantized.input_global_scale = nvfp4_global_scale(accumulator.amax).cpu()
         session.apply(name, quantized)
 
 

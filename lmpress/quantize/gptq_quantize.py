@@ -25,56 +25,25 @@ from collections.abc import Callable
 import torch
 
 from lmpress.calib.statistics import column_loop_threads, inverse_hessian_factor
+from lmpress.quantize.fp4_rounding import e2m1_rounder
+from lmpress.quantize.mse_scales import search_qparams_mse
 from lmpress.weights.float8 import Fp8Weight, fp8_channel_qparams, require_float8, round_to_e4m3_
+from lmpress.weights.fp4 import Fp4Weight, fp4_block_scales, nvfp4_global_scale, round_to_e2m1
 from lmpress.weights.kquant import GROUPS_PER_SUPER_BLOCK, SUPER_BLOCK, live_groups, snap_scales, snap_to_kquant_grid
 from lmpress.weights.kquant import super_scale as kquant_super_scale
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme, compute_qparams
 
 log = logging.getLogger(__name__)
 
-MSE_GRID = 100
-MSE_MAX_SHRINK = 0.8
-MSE_NORM = 2.4
-MSE_CHUNK_ELEMENTS = 2**19
 
-
-def search_qparams_mse(
-    w: torch.Tensor,
-    scheme: QuantScheme,
-    grid: int = MSE_GRID,
-    max_shrink: float = MSE_MAX_SHRINK,
-    norm: float = MSE_NORM,
+def group_qparams(
+    w: torch.Tensor, scheme: QuantScheme, mse: bool, global_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero per row of ``w`` minimising Σ|w - fake_quant(w)|^norm over shrunk min/max ranges.
-
-    The grid of range shrink factors 1, 1 - 1/grid, ... down to 1 - max_shrink and
-    the norm 2.4 follow the reference GPTQ implementation's ``mse`` option; the
-    first minimum wins a tie.
-    """
-    w = w.float()
-    shrinks = 1 - torch.arange(int(max_shrink * grid), device=w.device, dtype=torch.float32) / grid
-    scales, zeros = compute_qparams(w, scheme, shrinks.reshape(-1, *([1] * (w.dim() - 1))))
-    # A few candidates at a time bound the (candidates, *w.shape) buffer.
-    chunk = max(1, MSE_CHUNK_ELEMENTS // w.numel())
-    errors = []
-    for scale, zero in zip(scales.split(chunk), zeros.split(chunk), strict=True):
-        scale = scale[..., None]
-        # fake_quantize(w) - w in place on one buffer; a symmetric grid's zero is a constant
-        q = torch.div(w[None], scale).round_()
-        if scheme.symmetric:
-            mid = (scheme.maxq + 1) // 2
-            q.clamp_(-mid, scheme.maxq - mid)
-        else:
-            zero = zero[..., None]
-            q.add_(zero).clamp_(0, scheme.maxq).sub_(zero)
-        err = q.mul_(scale).sub_(w[None]).abs_()
-        # |err|^norm as exp(norm log|err|): half the time of pow with a fractional exponent on CPU
-        errors.append(err.log_().mul_(norm).exp_().sum(-1))
-    best = torch.cat(errors).argmin(dim=0, keepdim=True)
-    return scales.gather(0, best)[0], zeros.gather(0, best)[0]
-
-
-def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero of each row of ``w`` (one group per row). FP4: the block's stored scale (an E4M3 value under
+    NVFP4's ``global_scale``, or a power of two) and a zero of 0, the E2M1 grid being symmetric about 0."""
+    if scheme.fp4 is not None:
+        scale = fp4_block_scales(w.float(), scheme.fp4, global_scale, mse)
+        return scale, torch.zeros_like(scale)
     if scheme.activations == "fp8":
         return fp8_channel_qparams(w)
     return search_qparams_mse(w, scheme) if mse else compute_qparams(w, scheme)
@@ -118,7 +87,7 @@ def gptq_quantize_layer(
     mse: bool = False,
     pruned: torch.Tensor | None = None,
     hessian_again: Callable[[], torch.Tensor] | None = None,
-) -> tuple[QuantizedWeight | Fp8Weight, dict]:
+) -> tuple[QuantizedWeight | Fp8Weight | Fp4Weight, dict]:
     """Quantize ``W`` (out, in) given ``H`` (in, in) = 2 X Xᵀ; returns the weight and ``{"damp", "dead_columns"}``.
 
     ``act_order`` takes columns by decreasing diag(H) (quantizing the columns with
@@ -132,6 +101,10 @@ def gptq_quantize_layer(
     A scheme with FP8 activations (``activations: "fp8"``, per-channel) rounds each column to the
     nearest E4M3 value of ``w / s_row`` instead of an integer: GPTQ's update (Eq. 2) holds for any
     rounding grid; the result is an ``Fp8Weight``.
+    An FP4 scheme (``scheme.fp4``) rounds each column to the nearest E2M1 value of ``w / s_block`` in the same
+    way; NVFP4's per-tensor global scale is fixed up front from ``W``, each block's scale (``fp4_block_scales``,
+    searched with ``mse``) is taken like an integer group's; the result is an ``Fp4Weight``. FP4 blocks are
+    contiguous columns, so act-order needs ``static_groups`` there.
 
     With ``scheme.k_quant_scales`` each group's scale is snapped to ``d * round(s / d)``
     (``kquant.py``), ``d`` of each 256-column super-block taken when the loop reaches its first
@@ -159,6 +132,7 @@ def gptq_quantize_layer(
     if fp8 and width != cols:
         raise ValueError(f"FP8 weights take one scale per output channel (group_size -1), not groups of {width}")
     kquant = scheme.k_quant_scales
+    fp4 = scheme.fp4 is not None
 
     # Inputs that were always zero carry no information: fix their weights at 0 and
     # give H a unit diagonal there so it stays invertible.
@@ -177,9 +151,12 @@ def gptq_quantize_layer(
     static = static_groups or width == cols  # group parameters fixed up front, from the original weights
     if kquant and act_order and not static:
         raise ValueError("k-quant scales need contiguous groups: act_order needs static_groups")
+    if fp4 and act_order and not static:
+        raise ValueError("FP4 blocks are contiguous columns: act_order needs static_groups")
+    global_scale = nvfp4_global_scale(W) if scheme.fp4 == "nvfp4" else None
     if static:
         for g in range(n_groups):
-            scales[:, g], zeros[:, g] = group_qparams(W[:, g * width : (g + 1) * width], scheme, mse)
+            scales[:, g], zeros[:, g] = group_qparams(W[:, g * width : (g + 1) * width], scheme, mse, global_scale)
         if kquant:
             scales = snap_to_kquant_grid(scales, live_groups(W.reshape(rows, n_groups, width)))
 
@@ -208,15 +185,16 @@ def gptq_quantize_layer(
     Hinv, used_damp = inverse_hessian_factor(working_hessian, damp)
     Wt = W.T.contiguous()  # Wt itself unless act-order permuted W
     del W
-    # Codes as they are found: integers as uint8, FP8 values in bfloat16 (exact for E4M3); a float32 row is the
-    # loop's workspace (an 8B model's down_proj: 59 MB of codes where float32 took 235 MB).
-    codes_t = torch.zeros(cols, rows, dtype=torch.bfloat16 if fp8 else torch.uint8, device=Wt.device)
+    # Codes as they are found: integers as uint8, FP8 and FP4 values in bfloat16 (exact for E4M3 and E2M1); a
+    # float32 row is the loop's workspace (an 8B model's down_proj: 59 MB of codes where float32 took 235 MB).
+    codes_t = torch.zeros(cols, rows, dtype=torch.bfloat16 if fp8 or fp4 else torch.uint8, device=Wt.device)
     q = torch.empty(rows, device=Wt.device)
     keep_t = None if keep is None else keep.T.contiguous()
     column_group = (perm // width).tolist() if static else None
     scale_g = zero_g = super_d = None
     current_group = -1
     threads = torch.get_num_threads()
+    round_e2m1_ = e2m1_rounder(Wt.device) if fp4 else None
     with column_loop_threads(1):
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
@@ -240,14 +218,18 @@ def gptq_quantize_layer(
                                 block_scales, _ = group_qparams(grouped, scheme, mse)
                                 live = live_groups(grouped)
                                 super_d = kquant_super_scale(torch.where(live, block_scales, 0.0))
-                            scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse)
+                            scales[:, g], zeros[:, g] = group_qparams(current.T, scheme, mse, global_scale)
                             if kquant:
                                 scales[:, g] = snap_scales(scales[:, g], super_d)
                 if g != current_group:
                     scale_g, zero_g, current_group = scales[:, g].contiguous(), zeros[:, g].contiguous(), g
+                    if global_scale is not None:
+                        scale_g = scale_g / global_scale  # NVFP4: w = e2m1 * scale / global_scale
                 torch.div(w, scale_g, out=q)
                 if fp8:
                     round_to_e4m3_(q)  # zero is 0: the code is the E4M3 value itself
+                elif fp4:
+                    round_e2m1_(q)  # zero is 0: the E2M1 value is the code
                 else:
                     q.round_().add_(zero_g).clamp_(0, maxq)
                 if keep_t is not None:
@@ -269,6 +251,10 @@ def gptq_quantize_layer(
     info = {"damp": used_damp, "dead_columns": int(dead.sum())}
     if fp8:
         return Fp8Weight(codes.to(require_float8("gptq")).contiguous().cpu(), scales.cpu(), "channel"), info
+    if fp4:
+        codes = round_to_e2m1(codes.float())  # the E2M1 values found, as codes (exact: they are on the grid)
+        gs = None if global_scale is None else global_scale.cpu()
+        return Fp4Weight(codes.contiguous().cpu(), scales.cpu(), scheme, gs), info
     quantized = QuantizedWeight(
         qweight=codes.to(torch.uint8).contiguous().cpu(),
         scales=scales.cpu(),

@@ -58,6 +58,14 @@ scales, zeros). This is the only lmpress method that takes gradients: it turns
 them on locally (``torch.enable_grad``) inside its own step; the engine, the
 evals and the exporters stay inference-only.
 
+FP4 (``fp4: nvfp4`` or ``mxfp4``; ``activations: fp4`` for W4A4): each block's scale is the format's min/max
+scale of its range clipped by α (an E4M3 value under NVFP4's per-tensor global scale, or a power of two; α's
+gradient passes straight through that rounding), and each weight takes the E2M1 value just below or just above
+w/s, the one above where ⌊t + V⌉ = 1, t being w/s's position between the two (V = 0 is round-to-nearest;
+straight-through, ∂W~/∂V is the gap between the two values; ``fp4_rounding.py``); β is unused. NVFP4 W4A4 layers
+take ``input_global_scale = 448 · 6 / max|X|`` over their float inputs on every calibration sample; the loss
+quantizes the weights only, not the activations. ``full_range`` is an integer grid: FP4 refuses it.
+
 ``init: awq`` runs AWQ's scale search (no clipping: α, β learn the range) as the
 first method of the same pass, so the learned rounding starts from the
 rescaled weights; ``init: gptq`` starts from GPTQ's rounding (act-order within static
@@ -80,12 +88,14 @@ from torch.func import functional_call
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.hooks import first_input, move_to
 from lmpress.calib.session import LayerSession
-from lmpress.calib.statistics import HessianAccumulator
+from lmpress.calib.statistics import HessianAccumulator, group_input_amax
 from lmpress.errors import LmpressInputError
+from lmpress.quantize.fp4_rounding import block_scales_ste, offsets_towards, round_between_neighbours
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
-from lmpress.quantize.targets import WeightQuantConfig
+from lmpress.quantize.targets import WeightQuantConfig, needs_input_scale
 from lmpress.registry import StageContext, register_stage, stage_config
 from lmpress.registry import calibration_method as method_by_name
+from lmpress.weights.fp4 import E2M1_MAX, Fp4Weight, nvfp4_global_scale, round_to_e2m1
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme, round_ste
 
 MAX_ITERATIONS = 10_000
@@ -122,6 +132,8 @@ class LearnedRoundingConfig(WeightQuantConfig):
     def _full_range_is_symmetric(self) -> LearnedRoundingConfig:
         if self.full_range and not all(scheme.symmetric for _, scheme in self.planned_schemes()):
             raise ValueError("full_range is a symmetric grid: set symmetric: true (or full_range: false)")
+        if self.full_range and any(scheme.fp4 for _, scheme in self.planned_schemes()):
+            raise ValueError("full_range is an integer grid (Q4_0's); FP4 layers take their format's block scales")
         return self
 
     @property
@@ -160,14 +172,21 @@ def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def init_rounding(
     w: torch.Tensor,
     scheme: QuantScheme,
-    start: QuantizedWeight | None = None,
+    start: QuantizedWeight | Fp4Weight | None = None,
     requires_grad: bool = True,
     full_range: bool = False,
 ) -> Rounding:
     """V = 0, α = β = 1 (round-to-nearest with min/max scales); or as near ``start`` (e.g. GPTQ's codes with
     MSE-searched scales) as the grid allows: α = β = the ratio of its step to the unclipped grid's (a uniform
     shrink of the range, as the scale search makes; clamped into [0.5, 1]) and ``V = ⌊Ŵ/s⌉ − W/s`` with Ŵ its
-    dequantized weight, clamped into [−0.5, 0.5] (on ``start``'s own grid: V = q − zp − W/s)."""
+    dequantized weight, clamped into [−0.5, 0.5] (on ``start``'s own grid: V = q − zp − W/s).
+    FP4: α from ``start``'s block scales, V towards its E2M1 values in units of the gap (:func:`fp4_start`)."""
+    if scheme.fp4 is not None:
+        v, alpha = fp4_start(w, scheme, start)
+        rounding = Rounding(v.reshape(w.shape).contiguous(), alpha, alpha.clone(), full_range)
+        for t in rounding.tensors():
+            t.requires_grad_(requires_grad)
+        return rounding
     grouped = _grouped(w, scheme)
     alpha = torch.ones(grouped.shape[:2], device=w.device)
     v = torch.zeros_like(grouped)
@@ -209,6 +228,9 @@ def learned_qparams(
 
 def learned_fake_quantize(w: torch.Tensor, scheme: QuantScheme, rounding: Rounding) -> torch.Tensor:
     """W~ of ``w`` (out, in) in float32, differentiable in V, α and β (straight-through rounding)."""
+    if scheme.fp4 is not None:
+        q, effective, _ = _fp4_learned(w, scheme, rounding)
+        return (q * effective[..., None]).reshape(w.shape)
     grouped = _grouped(w, scheme)
     scale, zero = learned_qparams(grouped, scheme, rounding.alpha, rounding.beta, rounding.full_range)
     scale, zero = scale[..., None], zero[..., None]
@@ -216,10 +238,48 @@ def learned_fake_quantize(w: torch.Tensor, scheme: QuantScheme, rounding: Roundi
     return ((q - zero) * scale).reshape(w.shape)  # W~
 
 
+# FP4: each block's scale from its max clipped by α (E4M3 under NVFP4's global scale, or a power of two; a
+# straight-through gradient for α) and each weight to the E2M1 value below or above it, the one above where
+# ⌊t + V⌉ = 1 with t its position between the two (V = 0: round-to-nearest); β is unused (the grid is symmetric).
+
+
+def _fp4_learned(
+    w: torch.Tensor, scheme: QuantScheme, rounding: Rounding
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E2M1 values (out, n_blocks, block), effective block scales, stored block scales) of the learned rounding."""
+    grouped = _grouped(w, scheme)
+    global_scale = nvfp4_global_scale(w) if scheme.fp4 == "nvfp4" else None
+    stored, effective = block_scales_ste(grouped.abs().amax(-1), rounding.alpha, scheme.fp4, global_scale)
+    x = (grouped / effective[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    return round_between_neighbours(x, rounding.v.reshape(grouped.shape)), effective, stored  # W~
+
+
 @torch.no_grad()
-def freeze(w: torch.Tensor, scheme: QuantScheme, rounding: Rounding) -> QuantizedWeight:
+def fp4_start(w: torch.Tensor, scheme: QuantScheme, start: Fp4Weight | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V, α) of round-to-nearest with min/max block scales, or as near ``start``'s values as the offsets reach:
+    α = its block scale / the unclipped one (clamped into [0.5, 1]), V towards its E2M1 values (in [−0.5, 0.5])."""
+    grouped = _grouped(w, scheme)
+    alpha = torch.ones(grouped.shape[:2], device=w.device)
+    if start is None:
+        return torch.zeros_like(grouped), alpha
+    global_scale = nvfp4_global_scale(w) if scheme.fp4 == "nvfp4" else None
+    amax = grouped.abs().amax(-1)
+    unrounded = amax / E2M1_MAX * (1.0 if global_scale is None else global_scale)  # the scale α = 1 rounds
+    alpha = (start.scales.to(w.device).float() / unrounded).nan_to_num(1.0).clamp(*CLIP_RANGE)
+    _, effective = block_scales_ste(amax, alpha, scheme.fp4, global_scale)
+    x = (grouped / effective[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    target = _grouped(start.dequantize().to(w.device), scheme) / effective[..., None]
+    return offsets_towards(x, target).clamp(*V_RANGE), alpha
+
+
+@torch.no_grad()
+def freeze(w: torch.Tensor, scheme: QuantScheme, rounding: Rounding) -> QuantizedWeight | Fp4Weight:
     """The learned rounding of ``w`` in the packed form: its dequantized weight is exactly
     :func:`learned_fake_quantize`'s value."""
+    if scheme.fp4 is not None:
+        q, _, stored = _fp4_learned(w, scheme, rounding)
+        global_scale = nvfp4_global_scale(w).cpu() if scheme.fp4 == "nvfp4" else None
+        return Fp4Weight(round_to_e2m1(q).reshape(w.shape), stored, scheme, global_scale)
     grouped = _grouped(w, scheme)
     alpha, beta = rounding.alpha.detach(), rounding.beta.detach()
     scale, zero = learned_qparams(grouped, scheme, alpha, beta, rounding.full_range)
@@ -392,6 +452,9 @@ class LearnedRoundingMethod(CalibrationMethod):
                 # lmpress's GPTQ recipe: act-order within static groups (no g_idx), MSE-searched scales
                 codes, _ = gptq_quantize_layer(w, hessians[name], scheme, act_order=True, static_groups=True, mse=True)
                 start[name] = init_rounding(w, scheme, codes, full_range=config.full_range)
+        # NVFP4 W4A4: each linear's static activation scale from its float inputs on every calibration sample
+        calibrated = [name for name in names if needs_input_scale(session.targets[name])]
+        amax = group_input_amax(session, calibrated) if calibrated else {}
         best, info = learn_block_rounding(
             session.layer, weights, batch, targets, config.iterations, config.step_size,
             seed=config.seed * 100_003 + session.index, start=start, full_range=config.full_range,
@@ -399,7 +462,10 @@ class LearnedRoundingMethod(CalibrationMethod):
         del targets
         self.losses.append((info["start_loss"], info["best_relative_loss"]))
         for name, (w, scheme) in weights.items():
-            session.apply(name, freeze(w, scheme, best[name]))
+            quantized = freeze(w, scheme, best[name])
+            if name in amax:
+                quantized.input_global_scale = nvfp4_global_scale(amax[name].amax).cpu()
+            session.apply(name, quantized)
 
     def _reference_input(self, session: LayerSession, i: int, quantized_input: torch.Tensor) -> torch.Tensor:
         """The unquantized model's input to this layer for training batch ``i`` (layer 0: the same as the engine's)."""
@@ -420,10 +486,9 @@ def calibration_method(config: LearnedRoundingConfig) -> LearnedRoundingMethod:
 def awq_scales_method(config: LearnedRoundingConfig) -> CalibrationMethod:
     """AWQ's scale search and folding (no clipping: α and β learn the range; no rounding) as the pass's first
     method, built by name so this module does not import AWQ's."""
+    scheme_keys = ("bits", "group_size", "symmetric", "fp4", "activations")
     awq = stage_config("awq")(
-        bits=config.bits,
-        group_size=config.group_size,
-        symmetric=config.symmetric,
+        **{key: getattr(config, key) for key in scheme_keys if key in config.model_fields_set},
         ignore=config.ignore,
         overrides={k: v.model_dump(exclude_none=True) for k, v in config.overrides.items()},
         clip=False,

@@ -30,7 +30,7 @@ from pydantic import model_validator
 from torch import nn
 
 from lmpress.calib.moe import unfuse_experts
-from lmpress.quantize.gptq_quantize import search_qparams_mse
+from lmpress.quantize.mse_scales import search_qparams_mse
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.registry import StageContext, register_stage
 from lmpress.weights.apply import apply_quantized_weight

@@ -148,6 +148,11 @@ def kquant_width_refusal(narrow: list[str], targets: dict[str, tuple[nn.Linear, 
     return message
 
 
+def needs_input_scale(scheme: QuantScheme) -> bool:
+    """NVFP4 W4A4: the activations' static per-layer global scale comes from calibration."""
+    return scheme.fp4 == "nvfp4" and scheme.activations == "fp4"
+
+
 # The keys of GPTQRounding that only mean something with GPTQ rounding (``rounding: gptq``).
 GPTQ_ONLY_KEYS = ("damp_percent", "block_size", "act_order", "static_groups", "mse", "true_sequential")
 
@@ -167,6 +172,11 @@ class GPTQRounding(WeightQuantConfig):
 
     @model_validator(mode="after")
     def _kquant_needs_contiguous_groups(self) -> GPTQRounding:
+        if self.act_order and not self.static_groups and any(s.fp4 for _, s in self.planned_schemes()):
+            raise ValueError(
+                "fp4 with act_order: true needs static_groups: true (FP4 blocks are contiguous columns), "
+                "or act_order: false"
+            )
         kquant = any(scheme.k_quant_scales for _, scheme in self.planned_schemes())
         if kquant and self.act_order and not self.static_groups:
             raise ValueError(

@@ -79,7 +79,7 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes."""
-    return e2m1_table(codes.device)[codes.long()]
+    return torch.take(e2m1_table(codes.device), codes.long())  # a 16-entry lookup: take, not advanced indexing
 
 
 def fake_quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
