@@ -106,7 +106,8 @@ def execution_unit(model: nn.Module, runtime: bool, cpu_activations: str = DEFAU
     """The unit roundoff of running ``model``'s layers (a model as ``load_model`` or a writer holds them):
     W8A8 layers quantize activations to int8 codes, FP8 layers to E4M3, W4A4 FP4 layers to E2M1 per block,
     bitsandbytes' ``Linear8bitLt`` to int8 and ``Linear4bit`` computes in bfloat16; FP4 weight-only layers run
-    their dequantized weight in float32 everywhere; weight-only ``QuantizedLinear`` layers run float32 in the
+    their dequantized weight in float32, except in the runtime's CPU int8 build (int8 activations per 4);
+    weight-only ``QuantizedLinear`` layers run float32 in the
     evaluator and, in lmpress's runtime (``runtime``) built with ``cpu_activations`` (``load_runtime``'s), int8
     activations per 4 columns where that is "int8" and its CPU int8 kernels hold them, bfloat16 activations
     otherwise (torch's CPU kernels, the Triton kernels)."""
@@ -122,6 +123,11 @@ def execution_unit(model: nn.Module, runtime: bool, cpu_activations: str = DEFAU
             unit = max(unit, FP8_ACTIVATION_UNIT)
         elif runtime and kind == "QuantizedLinear" and runtime_quantizes_activations(module, cpu_activations):
             unit = max(unit, INT8_ACTIVATION_UNIT)
+        elif runtime and kind == "Fp4Linear" and activations is None and cpu_activations == "int8":
+            from lmpress.runtime.kernels.cpu_fp4 import refusal
+
+            if refusal(module) is None:  # lmpress's FP4 x int8 CPU kernel runs it
+                unit = max(unit, INT8_ACTIVATION_UNIT)
         elif kind == "Linear4bit" or (runtime and kind == "QuantizedLinear"):
             unit = max(unit, BFLOAT16_UNIT)
     return unit

@@ -103,7 +103,12 @@ def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
     if all(type(layer) is nn.Linear for layer in layers):
         return FusedLinear([_concat_dense(layers, build)], sizes)
     if all(isinstance(layer, Fp4Linear) and layer.scheme.activations is None for layer in layers):
-        return FusedLinear([_dequantized_dense(layers, build)], sizes)  # FP4 A16: no FP4 kernel yet (select.py)
+        fused = None
+        if build.kernels == "cpu" and build.cpu_activations == "int8":
+            from lmpress.runtime.kernels.cpu_fp4 import fp4_cpu_fused
+
+            fused = fp4_cpu_fused(layers)  # lmpress's FP4 x int8 kernel, where it holds the layers
+        return FusedLinear([fused if fused is not None else _dequantized_dense(layers, build)], sizes)
     if all(isinstance(layer, QuantizedLinear) for layer in layers) and _quantized_fusable(layers):
         return FusedLinear([build.quantized_linear(_concat_quantized(layers), build.dtype)], sizes)
     return FusedLinear([runtime_linear(layer, build) for layer in layers], sizes)

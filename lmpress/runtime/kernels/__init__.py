@@ -74,6 +74,10 @@ def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
         from lmpress.runtime.kernels.cpu import cpu_linear
 
         return cpu_linear(layer, dtype, "int8" if name in ("cpu-w4a8", "cpu-w8a8") else "bf16")
+    if name == "cpu-fp4a8":
+        from lmpress.runtime.kernels.cpu_fp4 import fp4_cpu_module
+
+        return fp4_cpu_module(layer) or dense_linear(layer, dtype)
     if name == "dense":
         return dense_linear(layer, dtype)
     raise ValueError(f"unknown kernel {name!r}")
@@ -102,9 +106,15 @@ def linear_kernel(
 
             return build_kernel(cuda_kernel_name(layer, case, dtype, build_kernel), layer, dtype)
         if case.fp4 is not None and case.activations is None and family == "cpu":
+            if cpu_activations == "int8":  # lmpress's FP4 x int8 kernel (cpu_fp4.cpp) where it holds the layer
+                from lmpress.runtime.kernels.cpu_fp4 import fp4_cpu_module
+
+                module = fp4_cpu_module(layer)
+                if module is not None:
+                    return module
             from lmpress.runtime.kernels.cpu import DenseLinear
 
-            return dense_linear(layer, dtype, DenseLinear)  # FP4 A16: dequantized once, as select names it
+            return dense_linear(layer, dtype, DenseLinear)  # FP4 A16 elsewhere: dequantized once
         if case.activations is not None or case.fp4 is not None:
             return build_kernel(kernel_candidates(case, DeviceCase("cpu", dtype))[0], layer, dtype)
         if family == "triton":

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
-# The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py) and
-# cpu_half.cpp (float32 rows times bfloat16 or float16 weights, cpu_half.py)
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cpp"), Path(__file__).with_name("cpu_half.cpp"))
+# The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py),
+# cpu_half.cpp (float32 rows times bfloat16 or float16 weights, cpu_half.py) and cpu_fp4.cpp (NVFP4 and MXFP4
+# weights times int8 activations, cpu_fp4.py)
+SOURCES = (SOURCE, *(Path(__file__).with_name(f"{name}.cpp") for name in ("cpu_attention", "cpu_half", "cpu_fp4")))
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
@@ -81,6 +82,15 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"lmpress_cpu::{op}")(fake_linear)
     for op in ("w4_linear_t16", "w8_linear_t16"):
         torch.library.register_fake(f"lmpress_cpu::{op}")(fake_tiled)
+
+    @torch.library.register_fake("lmpress_cpu::fp4_linear")
+    def fake_fp4(x, codes, scales, row_scale, block, isa):  # noqa: ANN001, ANN202 - torch.library's signature
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("lmpress_cpu::fp4_linear_t16")
+    def fake_fp4_tiled(x, codes, scales, row_scale, block, out_features):  # noqa: ANN001, ANN202 - torch.library's
+        return x.new_empty(x.shape[0], out_features)
+
     if hasattr(torch.ops.lmpress_cpu, "slots_attention"):  # x86-64 builds only
 
         @torch.library.register_fake("lmpress_cpu::slots_attention")

@@ -30,6 +30,7 @@ KERNELS = {
     "cpu-int8": "torch _weight_int8pack_mm",
     "fp4-simulated": "FP4 W4A4 simulated in float (activations fake-quantized per block, weight dequantized once)",
     "dense": "weight dequantized once, dense matmul (FP4 A16 layers too)",
+    "cpu-fp4a8": "lmpress C++ NVFP4/MXFP4 x int8 activations per 4 (AVX-512 VNNI / AVX2, cpu_fp4.cpp)",
     "reference": "lmpress QuantizedLinear (dequantize per call)",
 }
 # Group widths tinygemm holds natively; a wider group that is a multiple of one repeats its scales.
@@ -158,10 +159,13 @@ def _cpu_packed(layer: LayerCase) -> str | None:
 def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
     """Every kernel that runs ``layer`` on ``device``, expected-fastest first; the last always applies.
 
-    FP4 layers have no packed kernel yet on either device: an A16 layer runs its weight dequantized once (the
-    library's dense matmul), a W4A4 layer itself (its activations quantized per block, as it was scored)."""
+    An FP4 A16 layer runs lmpress's FP4 x int8 kernel on the CPU (cpu_fp4.cpp, where it holds the layer) and its
+    weight dequantized once (the library's dense matmul) elsewhere; a W4A4 layer runs itself (its activations
+    quantized per block, as it was scored)."""
     if layer.fp4 is not None:
-        return ("fp4-simulated",) if layer.activations == "fp4" else ("dense",)
+        if layer.activations == "fp4":
+            return ("fp4-simulated",)
+        return ("cpu-fp4a8", "dense") if device.type == "cpu" and layer.in_features % 64 == 0 else ("dense",)
     if layer.activations == "int8":
         return ("int8-mm",)  # a weight-only kernel would drop the activation quantization the layer was scored with
     if layer.activations == "fp8":
