@@ -1,0 +1,283 @@
+"""FP4 (NVFP4, MXFP4) and rotation quality table on SmolLM2-135M, lmpress beside llm-compressor (issue 49, "Numbers").
+
+    python bench/fp4_table.py --llmc-python PEER/bin/python     # every row, then bench/results/fp4_table.md
+    python bench/fp4_table.py --rows gptq-nvfp4a16              # re-measure one row; the table keeps the others
+    python bench/fp4_table.py --reuse --llmc-python ...         # measure only rows not measured with these stages
+
+Protocol: bench/quant_table.py's (calibration 128 x 512 tokens of wiki.valid.tokens, seed 0; perplexity on the
+first 20 windows of 2048 tokens of wiki.test.raw, CRLF->LF, no BOS). Each lmpress row runs in its own process:
+its stages run on the FP32 model, the result is exported (compressed-tensors), read back from disk by lmpress and
+that artifact is scored. llm-compressor's rows run in its own virtual environment (installed from the package
+index: `python -m venv PEER && PEER/bin/pip install TORCH_CPU_WHEEL llmcompressor==0.14.0.1`) through
+bench/llmc_fp4.py on the same tokens (written once into runs/bench-fp4/); their recipes are its own examples.
+lm_head (tied to the embeddings) stays float in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from table_rows import copy_fp32_row, kept_rows, measure_in_child, publish, wanted_rows  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmpress, before an installed one
+from quant_table import CALIBRATION, EVAL, REPO, SMOLLM2, WIKITEXT, cpu_description  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+ROW_DIR = RESULTS / "fp4_rows"
+QUANT_TABLE_FP32 = RESULTS / "rows" / "fp32.json"
+PEER_DATA = REPO / "runs" / "bench-fp4"
+THREADS = 2
+
+ROTATE = {"method": "rotate"}
+NVFP4A16 = {"fp4": "nvfp4"}
+MXFP4A16 = {"fp4": "mxfp4"}
+NVFP4 = {"fp4": "nvfp4", "activations": "fp4"}
+MXFP4 = {"fp4": "mxfp4", "activations": "fp4"}
+
+
+def gptq(scheme: dict) -> dict:
+    return {"method": "gptq", **scheme, "mse": True}
+
+
+def rtn(scheme: dict, mse: bool = False) -> dict:
+    return {"method": "rtn", **scheme, "mse": mse}
+
+
+# name -> (label, lmpress stages or None for the baseline / a peer row)
+ROWS: dict[str, tuple[str, list[dict] | None]] = {
+    "fp32": ("FP32 (baseline)", None),
+    "llmc-fp32": ("llm-compressor: FP32 through its evaluation (protocol check)", None),
+    # weight-only NVFP4
+    "llmc-nvfp4a16": ("llm-compressor NVFP4A16 (its preset, min/max observer)", None),
+    "llmc-nvfp4a16-gptq": ("llm-compressor NVFP4A16, GPTQ + MSE observer (its MR-GPTQ example)", None),
+    "llmc-quip-nvfp4a16-gptq": ("llm-compressor QuIP (Hadamard v, u) + GPTQ NVFP4A16 (its example)", None),
+    "rtn-nvfp4a16": ("lmpress RTN NVFP4A16 (min/max scales)", [rtn(NVFP4A16)]),
+    "rtn-nvfp4a16-mse": ("lmpress RTN NVFP4A16, MSE scale search", [rtn(NVFP4A16, mse=True)]),
+    "gptq-nvfp4a16": ("lmpress GPTQ NVFP4A16, MSE scale search", [gptq(NVFP4A16)]),
+    "rotate-gptq-nvfp4a16": ("lmpress rotate + GPTQ NVFP4A16, MSE scale search", [ROTATE, gptq(NVFP4A16)]),
+    # weight-only MXFP4
+    "llmc-mxfp4a16": ("llm-compressor MXFP4A16 (its preset)", None),
+    "rtn-mxfp4a16": ("lmpress RTN MXFP4A16 (min/max scales)", [rtn(MXFP4A16)]),
+    "rtn-mxfp4a16-mse": ("lmpress RTN MXFP4A16, scale search", [rtn(MXFP4A16, mse=True)]),
+    "gptq-mxfp4a16": ("lmpress GPTQ MXFP4A16, scale search", [gptq(MXFP4A16)]),
+    "rotate-gptq-mxfp4a16": ("lmpress rotate + GPTQ MXFP4A16, scale search", [ROTATE, gptq(MXFP4A16)]),
+    # W4A4
+    "llmc-nvfp4": ("llm-compressor NVFP4 W4A4 (its preset, calibrated)", None),
+    "llmc-quip-nvfp4": ("llm-compressor QuIP (random Hadamard v, u) + NVFP4 W4A4", None),
+    "llmc-spinquant-nvfp4": ("llm-compressor SpinQuant R1 R2 R4 (Hadamard) + NVFP4 W4A4", None),
+    "gptq-nvfp4": ("lmpress GPTQ NVFP4 W4A4, MSE scale search", [gptq(NVFP4)]),
+    "rotate-gptq-nvfp4": ("lmpress rotate + GPTQ NVFP4 W4A4, MSE scale search", [ROTATE, gptq(NVFP4)]),
+    "rtn-mxfp4": ("lmpress RTN MXFP4 W4A4, scale search", [rtn(MXFP4, mse=True)]),
+    "rotate-rtn-mxfp4": ("lmpress rotate + RTN MXFP4 W4A4, scale search", [ROTATE, rtn(MXFP4, mse=True)]),
+}
+PEER_ROWS = [name for name in ROWS if name.startswith("llmc-")]
+
+# (row, goal text, how the goal is measured: a function of the kept rows' deltas -> (bound, met) or None)
+GOALS: list[tuple[str, str, Any]] = [
+    ("gptq-nvfp4a16", "delta <= 0.7x llm-compressor NVFP4A16's", lambda d: _ratio(d, "gptq-nvfp4a16", "llmc-nvfp4a16")),
+    ("gptq-mxfp4a16", "delta <= 0.7x RTN MXFP4's", lambda d: _ratio(d, "gptq-mxfp4a16", "rtn-mxfp4a16")),
+    (
+        "rotate-gptq-nvfp4",
+        "delta <= 0.5x without rotation",
+        lambda d: _ratio(d, "rotate-gptq-nvfp4", "gptq-nvfp4", 0.5),
+    ),
+    (
+        "rotate-gptq-nvfp4",
+        "delta <= llm-compressor's best W4A4",
+        lambda d: _at_most_best(d, "rotate-gptq-nvfp4", ["llmc-nvfp4", "llmc-quip-nvfp4", "llmc-spinquant-nvfp4"]),
+    ),
+]
+
+
+def _ratio(deltas: dict[str, float], row: str, against: str, factor: float = 0.7) -> tuple[str, bool] | None:
+    if row not in deltas or against not in deltas:
+        return None
+    ratio = deltas[row] / deltas[against]
+    return f"{ratio:.2f}x", ratio <= factor
+
+
+def _at_most_best(deltas: dict[str, float], row: str, peers: list[str]) -> tuple[str, bool] | None:
+    measured = [deltas[p] for p in peers if p in deltas]
+    if row not in deltas or not measured:
+        return None
+    return f"{deltas[row]:+.2f} vs {min(measured):+.2f}", deltas[row] <= min(measured)
+
+
+def measure_row(name: str) -> dict:
+    """Load SmolLM2, run row ``name``'s stages, export compressed-tensors, read it back and score it."""
+    import torch
+
+    from lmpress.data import calibration_samples, load_text, token_windows, tokenize
+    from lmpress.evals.perplexity import PerplexityConfig, perplexity
+    from lmpress.loader import load_model
+    from lmpress.registry import StageContext, exporter, stage_config, stage_handler_for
+
+    torch.manual_seed(0)
+    torch.set_num_threads(THREADS)
+    label, stages = ROWS[name]
+    loaded = load_model(SMOLLM2)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    windows = token_windows(tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw"))), **_window_args())
+    calibration = calibration_samples(
+        tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens"))), **CALIBRATION
+    )
+    summaries, seconds = [], 0.0
+    with tempfile.TemporaryDirectory() as work:
+        for i, stage in enumerate(stages):
+            config = stage_config(stage["method"])(**stage)
+            ctx = StageContext(
+                calibration=lambda: calibration, state_dir=Path(work) / f"state{i}", resume=False, fingerprint=name
+            )
+            began = time.perf_counter()
+            summaries.append(stage_handler_for(config)(model, config, ctx))
+            seconds += time.perf_counter() - began
+        out = Path(work) / "artifact"
+        out.mkdir()
+        exporter("compressed-tensors")(model, tokenizer, out)
+        size = sum(p.stat().st_size for p in out.rglob("*.safetensors"))
+        del model, loaded
+        model = load_model(str(out), fingerprint=False).model
+        load_average = os.getloadavg()[0]
+        result = perplexity(model, windows, PerplexityConfig(**EVAL, batch_size=1))
+    return {
+        "row": name,
+        "label": label,
+        "stages": stages,
+        "ppl": result["ppl"],
+        "seconds": seconds,
+        "safetensors_bytes": size,
+        "summary": summaries,
+        "load_average": load_average,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_description(),
+    }
+
+
+def _window_args() -> dict:
+    return {"seq_len": EVAL["seq_len"], "n_windows": EVAL["windows"]}
+
+
+def write_peer_data() -> tuple[Path, Path]:
+    """SmolLM2 as a float32 HF checkpoint and the calibration samples + eval windows, for llm-compressor's rows."""
+    import torch
+
+    from lmpress.data import calibration_samples, load_text, token_windows, tokenize
+    from lmpress.loader import gguf_to_checkpoint, package_file
+
+    model_dir = gguf_to_checkpoint(package_file(SMOLLM2))
+    data = PEER_DATA / "tokens.pt"
+    if not data.exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        windows = token_windows(tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.test.raw"))), **_window_args())
+        calib = calibration_samples(tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens"))), **CALIBRATION)
+        PEER_DATA.mkdir(parents=True, exist_ok=True)
+        torch.save({"calibration": calib.cpu(), "windows": windows.cpu()}, data)
+    return model_dir, data
+
+
+def measure_peer_row(name: str, python: str) -> dict:
+    model_dir, data = write_peer_data()
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    began = time.perf_counter()
+    done = subprocess.run(
+        [python, str(REPO / "bench" / "llmc_fp4.py"), name, str(model_dir), str(data)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(done.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(done.returncode)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        **result,
+        "label": ROWS[name][0],
+        "stages": None,
+        "wall_seconds": time.perf_counter() - began,
+        "load_average": os.getloadavg()[0],
+        "cpu": cpu_description(),
+    }
+
+
+def render(rows: list[dict]) -> str:
+    measured = {r["row"]: r for r in rows}
+    base = measured.get("fp32", {}).get("ppl")
+    deltas = {name: r["ppl"] - base for name, r in measured.items() if base is not None}
+    lines = ["| row | ppl | delta vs FP32 | seconds | weights on disk (MB) |", "| --- | --- | --- | --- | --- |"]
+    for name, (label, _) in ROWS.items():
+        r = measured.get(name)
+        if r is None:
+            lines.append(f"| {label} | not measured | | | |")
+            continue
+        delta = "" if name == "fp32" or base is None else f"{deltas[name]:+.2f}"
+        secs = "" if r.get("seconds") is None else f"{r['seconds']:.0f}"
+        size = "" if not r.get("safetensors_bytes") else f"{r['safetensors_bytes'] / 1e6:.0f}"
+        lines.append(f"| {label} | {r['ppl']:.2f} | {delta} | {secs} | {size} |")
+    lines += ["", "| goal | row | measured | met |", "| --- | --- | --- | --- |"]
+    for row, text, check in GOALS:
+        outcome = check(deltas)
+        measured_text, met = ("not measured", "") if outcome is None else (outcome[0], "yes" if outcome[1] else "NO")
+        lines.append(f"| {text} | {ROWS[row][0]} | {measured_text} | {met} |")
+    versions = sorted({json.dumps(r["versions"], sort_keys=True) for r in rows if r.get("versions")})
+    notes = [
+        "",
+        f"SmolLM2-135M-Instruct (FP32), calibration {CALIBRATION['n_samples']} x {CALIBRATION['seq_len']} tokens of "
+        f"wiki.valid.tokens (seed {CALIBRATION['seed']}), perplexity on the first {EVAL['windows']} windows of "
+        f"{EVAL['seq_len']} tokens of wiki.test.raw (`python bench/fp4_table.py`). lmpress rows: the "
+        "compressed-tensors export read back from disk; llm-compressor rows: its model as it leaves it in memory "
+        "(fake-quantized forward), scored on the same tokens by bench/llmc_fp4.py. Seconds: the stages' wall time "
+        f"({THREADS} threads; llm-compressor: its oneshot call).",
+    ]
+    if versions:
+        notes.append(f"Peer versions: {'; '.join(versions)}.")
+    cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
+    if cpus:
+        notes.append(f"CPU: {'; '.join(cpus)}, {os.cpu_count()} cores.")
+    loads = [f"{r['row']}: {r['load_average']:.1f}" for r in rows if r.get("load_average") is not None]
+    if loads:
+        notes.append(f"1-minute load average before each eval ({'; '.join(loads)}).")
+    return "\n".join(lines + notes) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--reuse", action="store_true", help="keep rows measured before with the same stages")
+    parser.add_argument("--llmc-python", help="python of llm-compressor's virtual environment (its rows need it)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_row(args.one)))
+        return 0
+    for name in copy_fp32_row(wanted_rows(parser, args.rows, ROWS), ROW_DIR, QUANT_TABLE_FP32):
+        path = ROW_DIR / f"{name}.json"
+        if args.reuse and path.exists() and json.loads(path.read_text()).get("stages") == ROWS[name][1]:
+            continue
+        peer = name in PEER_ROWS
+        if peer and not args.llmc_python:
+            print(f"skipping {name}: give --llmc-python", file=sys.stderr)
+            continue
+        print(f"measuring {name} ...", file=sys.stderr, flush=True)
+        result = measure_peer_row(name, args.llmc_python) if peer else measure_in_child(__file__, "--one", name)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  {name}: ppl {result['ppl']:.3f}  seconds {result['seconds']:.0f}", file=sys.stderr, flush=True)
+    table = render(list(kept_rows(ROW_DIR, ROWS).values()))
+    publish(table, RESULTS / "fp4_table.md", ("fp4-table", "FP4 and rotations"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
