@@ -35,7 +35,7 @@ from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.registry import StageContext, register_stage
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.fp4 import Fp4Weight, quantize_weight_fp4
-from lmpress.weights.scheme import QuantizedWeight, QuantScheme, quantize_to_int, quantize_weight_rtn
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme, compute_qparams, quantize_weight_rtn
 
 
 class RTNConfig(WeightQuantConfig):
@@ -59,16 +59,7 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme, mse: bool) -> Quantize
     """Round-to-nearest on the scheme's grid; ``mse`` searches the scales (FP4 block scales, integer ranges)."""
     if scheme.fp4 is not None:
         return quantize_weight_fp4(w, scheme, mse=mse)
-    if not mse:
-        return quantize_weight_rtn(w, scheme)
-    out_features, in_features = w.shape
-    if not scheme.fits(in_features):
-        raise ValueError(scheme.misfit(in_features))
-    width = scheme.group_width(in_features)
-    grouped = w.float().reshape(out_features, in_features // width, width)
-    scale, zero = search_qparams_mse(grouped, scheme)
-    q = quantize_to_int(grouped, scale[..., None], zero[..., None], scheme.maxq)
-    return QuantizedWeight(q.reshape(out_features, in_features).to(torch.uint8), scale, zero, scheme)
+    return quantize_weight_rtn(w, scheme, search_qparams_mse if mse else compute_qparams)
 
 
 @register_stage("rtn", RTNConfig)

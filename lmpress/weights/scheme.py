@@ -16,6 +16,7 @@ tensors out, no calibration code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,15 +168,19 @@ class QuantizedWeight:
         return dequantize_int(self.qweight, scale, zero).to(dtype)
 
 
-def quantize_weight_rtn(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+def quantize_weight_rtn(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    qparams: Callable[[torch.Tensor, QuantScheme], tuple[torch.Tensor, torch.Tensor]] = compute_qparams,
+) -> QuantizedWeight:
     """Round-to-nearest quantization of a ``(out, in)`` weight with min/max scales (on the k-quant grid
-    when the scheme asks for ``k_quant_scales``)."""
+    when the scheme asks for ``k_quant_scales``), or the scales ``qparams`` picks for each group (a search)."""
     out_features, in_features = w.shape
     if not scheme.fits(in_features):
         raise ValueError(scheme.misfit(in_features))
     width = scheme.group_width(in_features)
     grouped = w.float().reshape(out_features, in_features // width, width)
-    scale, zero = compute_qparams(grouped, scheme)
+    scale, zero = qparams(grouped, scheme)
     if scheme.k_quant_scales:
         scale = snap_to_kquant_grid(scale, live_groups(grouped))
     q = quantize_to_int(grouped, scale[..., None], zero[..., None], scheme.maxq)

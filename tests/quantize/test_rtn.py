@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.loader import load_model
@@ -39,3 +40,18 @@ def test_group_size_that_does_not_divide_names_layers_and_working_sizes(tmp_path
         LmpressInputError, match=r"group_size 64 does not divide .* group sizes that fit them: \[-1, 32\]"
     ):
         run_rtn(model, RTNConfig(bits=4, group_size=64), context(tmp_path))
+
+
+def test_rtn_mse_searches_integer_ranges_like_gptq_does():
+    """``mse: true`` on an integer grid: each group's range from the search GPTQ's ``mse`` runs; never worse."""
+    from lmpress.quantize.mse_scales import search_qparams_mse
+    from lmpress.quantize.rtn import quantize_weight
+
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(0))
+    w[:, ::29] *= 6  # outliers that min/max ranges spend their levels on
+    scheme = QuantScheme(4, 32, True)
+    searched, plain = quantize_weight(w, scheme, mse=True), quantize_weight(w, scheme, mse=False)
+    scale, _ = search_qparams_mse(w.reshape(16, 4, 32), scheme)
+    assert torch.equal(searched.scales, scale)
+    assert torch.equal(plain.qweight, quantize_weight_rtn(w, scheme).qweight)
+    assert (searched.dequantize() - w).pow(2).sum() < (plain.dequantize() - w).pow(2).sum()
