@@ -78,6 +78,22 @@ def test_quantized_gguf_logits_match_lmpress(quantized_tiny, tmp_path, bits):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
+def test_mxfp4_gguf_logits_match_lmpress(quantized_tiny, tmp_path):
+    """llama.cpp runs lmpress's MXFP4 layers (GGML type MXFP4: an E8M0 byte and 16 bytes of nibbles per 32)."""
+    import gguf
+
+    model, tokenizer = quantized_tiny(fp4="mxfp4")
+    write_gguf(model, tokenizer, tmp_path / "m.gguf")
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors if len(t.shape) == 2}
+    assert "MXFP4" in kinds
+    ids = tokenizer(TEXTS[0] + TEXTS[1]).input_ids
+    got, want = llama_cpp_logits(tmp_path / "m.gguf", ids), lmpress_logits(model, ids)
+    # llama.cpp multiplies MXFP4 weights with activations rounded to Q8_0, as for Q4_0 (~1% RMS); a wrong nibble
+    # order, exponent bias or E2M1 table moves the logits by tens of percent
+    assert relative_rms(got, want) < 0.02
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
 def test_q4_k_gguf_logits_match_lmpress(quantized_wide, tmp_path):
     import gguf
 
