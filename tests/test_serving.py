@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from lmpress.evals.agreement_matrix import PROMPTS, build_candidate, scheme_named
 from lmpress.evals.vllm_consumer import vllm_python
+from lmpress.export.consumers import vllm_cpu_runs_wna16
 from lmpress.registry import exporter
 from lmpress.runtime.text import generate_text
 from tests.quantize.test_awq import calibration_for
@@ -120,9 +121,25 @@ def vllm_env() -> Path:
     return python
 
 
-def test_vllm_serve_answers_as_lmpress_generates(vllm_env, exports, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_export(vllm_env, exports, tiny_llama_wide_dir, tmp_path_factory) -> Path:
+    """The W4 compressed-tensors export; on an AVX2-only CPU, where vLLM's CPU build has no 4-bit weight-only
+    kernel (lmpress.export.consumers.vllm_cpu_runs_wna16), the same model as W8A8 int8, which it runs."""
+    if vllm_cpu_runs_wna16():
+        return exports["compressed-tensors"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_wide_dir)
+    root = tmp_path_factory.mktemp("serving-w8a8")
+    scheme = scheme_named("W8A8 int8 (SmoothQuant)")
+    candidate = build_candidate(tiny_llama_wide_dir, scheme, calibration_for(tokenizer), root / "state")
+    out = root / "compressed-tensors"
+    out.mkdir()
+    exporter("compressed-tensors")(candidate, tokenizer, out)
+    return out
+
+
+def test_vllm_serve_answers_as_lmpress_generates(vllm_env, vllm_export, tmp_path):
     python = vllm_env
-    export = exports["compressed-tensors"]
+    export = vllm_export
     port = free_port()
     command = command_line(VLLM_SERVE, export, port)
     command[0] = str(python)

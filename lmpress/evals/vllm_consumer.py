@@ -55,16 +55,30 @@ def _load(model: str, tokenizer: str | None, max_model_len: int) -> Any:
 
 def run_job(job: dict[str, Any], prompts: list[list[int]], new_tokens: int, out: Path) -> dict[str, Any]:
     """One export through vLLM: logits over each prompt and greedy tokens, written to ``out`` (safetensors)."""
-    import torch
-    from safetensors.torch import save_file
-    from vllm import SamplingParams, TokensPrompt
-
     began = time.perf_counter()
     try:
         llm = _load(job["model"], job.get("tokenizer"), job.get("max_model_len", 256))
     except Exception as e:  # vLLM's refusal, whatever its type: the check reports it, one line
         return {"model": job["model"], "error": _first_line(e), "load_s": time.perf_counter() - began}
     loaded = time.perf_counter()
+    try:
+        return _score(llm, job, prompts, new_tokens, out, began, loaded)
+    except Exception as e:  # loaded, then failed to run (a kernel this host's build lacks): one line too
+        return {"model": job["model"], "error": "running: " + _first_line(e), "load_s": loaded - began}
+    finally:
+        del llm
+        import gc
+
+        gc.collect()
+
+
+def _score(
+    llm: Any, job: dict[str, Any], prompts: list[list[int]], new_tokens: int, out: Path, began: float, loaded: float
+) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import save_file
+    from vllm import SamplingParams, TokensPrompt
+
     config = llm.llm_engine.model_config
     vocab = config.get_vocab_size()
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -88,10 +102,6 @@ def run_job(job: dict[str, Any], prompts: list[list[int]], new_tokens: int, out:
         "load_s": loaded - began,
         "run_s": time.perf_counter() - loaded,
     }
-    del llm
-    import gc
-
-    gc.collect()
     return answer
 
 

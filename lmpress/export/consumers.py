@@ -7,13 +7,30 @@ table part ways, so the table cannot drift from what vLLM does. The reasons quot
 
 from __future__ import annotations
 
+import platform
 from typing import Any
 
 VLLM_VERSION = "vLLM 0.32 (CPU build)"
 
 
-def vllm_refusal(info: dict[str, Any]) -> str | None:
-    """Why vLLM refuses the artifact ``inspect_artifact`` described as ``info``, or None where it loads it."""
+def vllm_cpu_runs_wna16() -> bool:
+    """Whether vLLM's CPU build runs 4-bit weight-only layers (GPTQ, AWQ, compressed-tensors W4A16) on this host.
+
+    Its x86 wheel carries three libraries and loads one by the CPU: the AVX-512 ones register
+    ``cpu_gemm_wna16``, the AVX2 one does not, so on an AVX2-only x86 CPU (AMD Zen 2/3, older Xeons) such a
+    model loads and then fails at its first forward (``'_C' object has no attribute 'cpu_gemm_wna16'``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported())
+
+
+def vllm_refusal(info: dict[str, Any], cpu_wna16: bool | None = None) -> str | None:
+    """Why vLLM refuses the artifact ``inspect_artifact`` described as ``info``, or None where it loads it.
+
+    ``cpu_wna16``: whether the CPU vLLM runs on has its 4-bit weight-only kernel (default: this host's,
+    :func:`vllm_cpu_runs_wna16`)."""
     fmt = info.get("format")
     if fmt == "gguf":
         return f"{VLLM_VERSION} has no GGUF loader (it reads config.json); serve GGUF with llama.cpp"
@@ -42,7 +59,21 @@ def vllm_refusal(info: dict[str, Any]) -> str | None:
                 f"{VLLM_VERSION} runs weight-only compressed-tensors at 4 bits only on the CPU (CPUWNA16): use 4-bit "
                 "weights, or W8A8 (smoothquant) / FP8"
             )
+    if _needs_wna16(fmt, info) and not (vllm_cpu_runs_wna16() if cpu_wna16 is None else cpu_wna16):
+        return (
+            f"{VLLM_VERSION} runs 4-bit weight-only layers only on AVX-512 CPUs (cpu_gemm_wna16 is missing from its "
+            "AVX2 library) and this CPU has AVX2 only: it loads the model, then fails at the first token; serve it "
+            "on a GPU or an AVX-512 CPU, or export W8A8 (smoothquant) / FP8 for this one"
+        )
     return None
+
+
+def _needs_wna16(fmt: str | None, info: dict[str, Any]) -> bool:
+    """Whether vLLM runs (some of) the artifact's layers with its 4-bit weight-only kernel."""
+    if fmt in ("gptq", "awq"):
+        return True
+    weight_only = "float" in _values(info.get("activations")) or not info.get("activations")
+    return fmt == "compressed-tensors" and 4 in _values(info.get("bits")) and weight_only and not info.get("fp4")
 
 
 def vllm_fp4_note(info: dict[str, Any]) -> str | None:

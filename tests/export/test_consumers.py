@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from lmpress.evals.agreement_matrix import build_candidate, scheme_named
+from lmpress.export.consumers import vllm_cpu_runs_wna16, vllm_refusal
 from lmpress.export.inspect import inspect_artifact
 from lmpress.registry import exporter
 from tests.quantize.test_awq import calibration_for
@@ -41,17 +42,41 @@ def exports(tiny_llama_wide_dir, tmp_path_factory):
 @pytest.mark.parametrize(
     ("scheme", "fmt", "verdict"),
     [
-        ("W4 g32 sym", "gptq", "loads"),
+        ("W4 g32 sym", "gptq", "loads on this CPU if it has AVX-512"),
         ("W4 g32 sym", "gguf", "refuses: vLLM 0.32 (CPU build) has no GGUF loader"),
         ("W4 g32 sym", "onnx", "refuses: ONNX is not a vLLM format"),
         ("W4 g32 asym", "gptq", "refuses: vLLM 0.32 (CPU build) reads symmetric GPTQ only"),
-        ("W4 g32 asym", "compressed-tensors", "loads"),
+        ("W4 g32 asym", "compressed-tensors", "loads on this CPU if it has AVX-512"),
         ("W8 g32 sym", "compressed-tensors", "refuses: vLLM 0.32 (CPU build) runs weight-only compressed-tensors"),
         ("W8A8 int8 (SmoothQuant)", "compressed-tensors", "loads"),
     ],
 )
 def test_inspect_says_whether_vllm_loads_the_export(exports, scheme, fmt, verdict):
+    if verdict == "loads on this CPU if it has AVX-512":
+        verdict = "loads" if vllm_cpu_runs_wna16() else "refuses: vLLM 0.32 (CPU build) runs 4-bit weight-only layers"
     assert inspect_artifact(exports[(scheme, fmt)])["vllm"].startswith(verdict)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "fmt", "needs_wna16"),
+    [
+        ("W4 g32 sym", "gptq", True),
+        ("W4 g32 asym", "compressed-tensors", True),
+        ("W8A8 int8 (SmoothQuant)", "compressed-tensors", False),
+    ],
+)
+def test_4_bit_weight_only_exports_are_refused_where_vllms_cpu_build_lacks_its_wna16_kernel(
+    exports, scheme, fmt, needs_wna16
+):
+    """vLLM 0.32's AVX2 library has no cpu_gemm_wna16: measured, such an export loads and fails at its first
+    forward on an AMD EPYC without AVX-512 (tests/evals/test_vllm_consumer.py holds this to vLLM there)."""
+    info = inspect_artifact(exports[(scheme, fmt)])
+    assert vllm_refusal(info, cpu_wna16=True) is None
+    refusal = vllm_refusal(info, cpu_wna16=False)
+    if needs_wna16:
+        assert refusal is not None and "AVX-512" in refusal and "cpu_gemm_wna16" in refusal
+    else:
+        assert refusal is None
 
 
 def test_inspect_reads_a_gguf_file_and_names_its_server(exports):
