@@ -211,7 +211,10 @@ def gptq_quantize_layer(
                     g = col // width
                     if col % width == 0:  # group parameters from the current, error-compensated weights
                         current = upcoming_columns(Wt, W1, Err1, Hinv, i1, col, width, keep_t)
-                        with column_loop_threads(threads):  # the scale search is one large tensor op
+                        # an integer scale search is one large tensor op (threads help); FP4's is a few dozen
+                        # small ones over (rows, 16), where a second thread's parallel regions cost more than
+                        # they save (waiting on a descheduled worker when the machine is busy: 70x torch.round)
+                        with column_loop_threads(1 if fp4 else threads):
                             if kquant and col % SUPER_BLOCK == 0:
                                 sb = upcoming_columns(Wt, W1, Err1, Hinv, i1, col, SUPER_BLOCK, keep_t)
                                 grouped = sb.T.reshape(rows, GROUPS_PER_SUPER_BLOCK, width)
