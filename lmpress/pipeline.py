@@ -51,6 +51,13 @@ from lmpress.placement import (
     resolve_device,
 )
 from lmpress.progress import QUIET, Bars
+from lmpress.quantize.kv_cache import (
+    attach_kv_quant,
+    attention_configs,
+    calibrate_kv_scales,
+    kv_cache_report,
+    kv_quantized,
+)
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.recipe import Recipe
 from lmpress.registry import StageContext, exporter, stage_handler_for
@@ -118,6 +125,8 @@ def check_plan(recipe: Recipe, model: nn.Module) -> None:
             targets.update(stage.targets(model))
     for fmt in recipe.export.formats:
         check_export_plan(fmt, model, targets)
+    if recipe.kv_cache is not None:
+        attention_configs(model)  # refuses a model whose attention lmpress cannot put a quantized cache under
 
 
 def teacher_loader(checkpoint: Path, dtype: str) -> Callable[[str | None], nn.Module]:
@@ -145,6 +154,18 @@ def stage_placement(index: int, method: str, device: torch.device, check: bool =
         release_memory(device)
 
 
+def calibration_of(recipe: Recipe, tokenizer) -> Callable[[], torch.Tensor]:
+    """The recipe's calibration samples ``(samples, seq_len)``, tokenized at the first call."""
+    data = recipe.data
+
+    @cache
+    def calibration() -> torch.Tensor:
+        ids = tokenize(tokenizer, load_text(data.source, default_split="train"))
+        return calibration_samples(ids, data.samples, data.seq_len, data.seed)
+
+    return calibration
+
+
 def run_stages(
     loaded: LoadedModel,
     recipe: Recipe,
@@ -163,11 +184,7 @@ def run_stages(
     tokenizer = loaded.tokenizer
     data = recipe.data
 
-    @cache
-    def calibration():
-        ids = tokenize(tokenizer, load_text(data.source, default_split="train"))
-        return calibration_samples(ids, data.samples, data.seq_len, data.seed)
-
+    calibration = calibration_of(recipe, tokenizer)
     summaries = []
     for index, stage in enumerate(recipe.stages[: None if stop is None else stop + 1]):
         ctx = StageContext(
@@ -322,6 +339,12 @@ def run_recipe(
         identity = baseline_identity(loaded.fingerprint, loaded.model)
         baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, identity, "baseline", bars)
     stages = run_stages(loaded, recipe, partial, resume, bars, device, check_placement=check_placement)
+    kv = None
+    if recipe.kv_cache is not None:
+        with on_device(device, loaded.model):
+            samples = calibration_of(recipe, loaded.tokenizer)()
+            kv = calibrate_kv_scales(loaded.model, samples, recipe.kv_cache.scheme(), bars)
+        attach_kv_quant(loaded.model, kv)  # the exports write it where their format has a place for it
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)
     agreement = None
@@ -330,7 +353,7 @@ def run_recipe(
         bars.log(f"running {fmt}/ in lmpress's runtime and checking it against the evaluator")
         window = first_eval_window(recipe, shipped.tokenizer)
         agreement = check_runtime_agreement(
-            fmt, partial / fmt, shipped.model, window, recipe.model.dtype, device=device
+            fmt, partial / fmt, shipped.model, window, recipe.model.dtype, device=device, kv=kv
         )
         if not agreement.passed:
             bars.log(
@@ -341,7 +364,7 @@ def run_recipe(
         scored, measured_on = shipped, f"{recipe.export.formats[0]}/ (the export, read back from disk)"
     else:
         scored, measured_on = loaded, "the in-memory candidate (the recipe exports nothing)"
-    with on_device(device, scored.model):
+    with on_device(device, scored.model), kv_quantized(scored.model, kv):
         candidate = run_suite(evals, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars)
 
     report = {
@@ -356,6 +379,7 @@ def run_recipe(
         "seconds": time.perf_counter() - began,
         "peak_rss_mb": process_peak_mb(),
         "memory_forecast_mb": {k: round(v / 2**20, 1) for k, v in forecast.parts.items()},
+        "kv_cache": None if kv is None else kv_cache_report(kv, scored.model),
     }
     if recipe.speed is not None:
         exported = [(f"{fmt}/", partial / fmt) for fmt in recipe.export.formats]

@@ -29,6 +29,7 @@ from pydantic import BaseModel, NonNegativeInt, PositiveInt, ValidationError, fi
 from lmpress.errors import LmpressInputError
 from lmpress.evals.gates import Gate, available_metrics, parse_gate
 from lmpress.evals.speed import SpeedSpec
+from lmpress.quantize.kv_cache import KVCacheConfig
 from lmpress.registry import (
     EvalConfig,
     StageConfig,
@@ -89,6 +90,7 @@ class Recipe(StrictConfig):
     eval: EvalSpec = EvalSpec()
     gates: list[Gate] = []
     speed: SpeedSpec | None = None  # size and decode speed before and after, on lmpress's runtime
+    kv_cache: KVCacheConfig | None = None  # the candidate's KV cache quantized (evaluated, exported, run so)
 
     def as_dict(self) -> dict[str, Any]:
         """The recipe as run, in YAML's shape (for manifest.json and report.json)."""
@@ -100,6 +102,7 @@ class Recipe(StrictConfig):
             "eval": {"text": self.eval.text, **{k: v.model_dump() for k, v in self.eval.evals.items()}},
             "gates": [str(g) for g in self.gates],
             **({"speed": self.speed.model_dump()} if self.speed is not None else {}),
+            **({"kv_cache": self.kv_cache.model_dump()} if self.kv_cache is not None else {}),
         }
 
 
@@ -188,6 +191,7 @@ def parse_recipe(raw: Any, origin: str = "recipe") -> Recipe:
         eval=evals,
         gates=gates,
         speed=fields.speed,
+        kv_cache=fields.kv_cache,
     )
 
 
@@ -196,6 +200,7 @@ class _TopLevel(StrictConfig):
     data: DataSpec = DataSpec()
     export: ExportSpec = ExportSpec()
     speed: SpeedSpec | None = None
+    kv_cache: KVCacheConfig | None = None
 
 
 def _as_list(value: Any, key: str, origin: str) -> list:

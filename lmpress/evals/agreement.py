@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
+from lmpress.weights.kv_quant import KVQuant
 
 FLOAT32_UNIT = 2.0**-20  # float32 sums in another order (2**-24 each), over a few thousand terms
 FLOAT16_UNIT = 2.0**-11
@@ -280,15 +281,19 @@ def check_runtime_agreement(
     dtype: str = "float32",
     cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
     device: torch.device | str = "cpu",
+    kv: KVQuant | None = None,
 ) -> RuntimeAgreement:
     """Load ``export_dir`` into lmpress's runtime on ``device`` (the run's) with ``cpu_activations`` and compare
     its logits on ``window`` ``(1, T)`` with those of ``evaluator`` (the export as lmpress's evaluator loaded it,
     in ``dtype``), within the unit of what the runtime runs. On the CPU the runtime computes in ``dtype``; on
-    CUDA in bfloat16, as its kernels there do (``load_runtime``), so the CPU's kernels are never built there."""
+    CUDA in bfloat16, as its kernels there do (``load_runtime``), so the CPU's kernels are never built there.
+    With ``kv`` both read a cache quantized so (the evaluator's attention under ``kv_quantized``)."""
     from lmpress.errors import LmpressInputError
+    from lmpress.quantize.kv_cache import kv_quantized
     from lmpress.runtime.text import load_runtime
 
-    want = hf_side("evaluator", evaluator, execution_unit(evaluator, runtime=False)).logits(window).double()
+    with kv_quantized(evaluator, kv):
+        want = hf_side("evaluator", evaluator, execution_unit(evaluator, runtime=False)).logits(window).double()
     scale = float(want.abs().max())
     if torch.device(device).type != "cpu":
         dtype, cpu_activations = "bfloat16", "bf16"  # the unit of bf16 activations; no CPU kernel runs there
@@ -296,6 +301,7 @@ def check_runtime_agreement(
         model, _ = load_runtime(str(export_dir), device=device, dtype=dtype, cpu_activations=cpu_activations)
     except LmpressInputError as e:
         return RuntimeAgreement(fmt, math.inf, math.nan, math.nan, scale, 0.0, error=f"the runtime refused: {e}")
+    model.kv_quant = kv
     unit = max(
         execution_unit(evaluator, runtime=True, cpu_activations=cpu_activations), DTYPE_UNIT.get(dtype, FLOAT32_UNIT)
     )

@@ -5,11 +5,16 @@ slot at every step; ``pad[b]`` says how many of row ``b``'s first slots are padd
 A token's position (for RoPE) is its slot minus its row's padding, and a key slot is
 visible to a query when it is not padding, not in the query's future and, for a
 sliding-window layer, not more than ``window - 1`` slots behind it.
+
+A quantized cache (``kv``, ``lmpress.weights.kv_quant``) holds codes: each token is quantized once, as it is
+written, and attention reads the filled slots dequantized to the model's dtype.
 """
 
 from __future__ import annotations
 
 import torch
+
+from lmpress.weights.kv_quant import KVQuant, dequantize_kv, quantize_kv
 
 
 class KVCache:
@@ -32,11 +37,15 @@ class KVCache:
         pad: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         v_head_dim: int | None = None,
+        kv: KVQuant | None = None,
     ) -> None:
         shape = (batch, n_kv_heads, max_len, head_dim)
         v_shape = (batch, n_kv_heads, max_len, v_head_dim or head_dim)  # narrower values: DeepSeek's
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        stored = dtype if kv is None else kv.scheme.code_dtype
+        self.k = [torch.zeros(shape, dtype=stored, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(v_shape, dtype=stored, device=device) for _ in range(n_layers)]
+        self.kv, self.dtype = kv, dtype
+        self.k_scales, self.v_scales = _scales(kv, n_layers, batch, n_kv_heads, max_len, device)
         pad = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to(torch.long)
         self.pad = pad.to(device)
         self.max_len = max_len
@@ -45,7 +54,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
+        return sum(t.nbytes for t in self.k + self.v + self.k_scales + self.v_scales)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """What one more token costs the cache: every layer's key and value, scales included."""
+        return self.nbytes / (self.max_len * self.batch)
 
     @property
     def batch(self) -> int:
@@ -72,11 +86,17 @@ class KVCache:
         return visible[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``/``v`` ``(batch, kv_heads, n_new, head_dim)`` after ``length``; the filled views."""
+        """Write ``k``/``v`` ``(batch, kv_heads, n_new, head_dim)`` after ``length``; the filled slots (views, or
+        for a quantized cache, the filled slots dequantized)."""
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if self.kv is None:
+            self.k[layer][:, :, self.length : end] = k
+            self.v[layer][:, :, self.length : end] = v
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        filled = slice(self.length, end)
+        keys = _write(self.k[layer], self.k_scales, layer, k, self.kv, filled)
+        values = _write(self.v[layer], self.v_scales, layer, v, self.kv, filled)
+        return keys, values
 
     def advance(self, n_new: int) -> None:
         """Mark ``n_new`` more slots as filled (after every layer has written them)."""
@@ -92,20 +112,74 @@ class KVCache:
         self.length = 0
 
 
+def _scales(
+    kv: KVQuant | None, n_layers: int, batch: int, kv_heads: int, max_len: int, device: torch.device | str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's key and value scales: one per slot and head (dynamic), the static ones, or none (float)."""
+    if kv is None:
+        return [], []
+    if not kv.scheme.static:
+        shape = (batch, kv_heads, max_len, 1)
+        return [torch.ones(shape, device=device) for _ in range(n_layers)], [
+            torch.ones(shape, device=device) for _ in range(n_layers)
+        ]
+    ones = [torch.ones(1, device=device) for _ in range(n_layers)]
+    k_scales = kv.k_scales or ones
+    v_scales = kv.v_scales or ones
+    return [s.float().to(device) for s in k_scales], [s.float().to(device) for s in v_scales]
+
+
+def _write(
+    codes: torch.Tensor, scales: list[torch.Tensor], layer: int, x: torch.Tensor, kv: KVQuant, slots: slice
+) -> torch.Tensor:
+    """Quantize ``x`` into ``slots`` of one layer's ``codes`` (and its per-token scales); the filled slots read
+    back in ``x``'s dtype."""
+    static = kv.scheme.static
+    new_codes, new_scales = quantize_kv(x, kv.scheme, scales[layer] if static else None)
+    codes[:, :, slots] = new_codes
+    if not static:
+        scales[layer][:, :, slots] = new_scales
+    read = scales[layer] if static else scales[layer][:, :, : slots.stop]
+    return dequantize_kv(codes[:, :, : slots.stop], read, kv.scheme, x.dtype)
+
+
 class StaticSlots:
     """A compiled step's view of a ``KVCache``: it writes the new tokens' slots ``pos`` and reads every slot.
 
     Nothing here depends on how full the cache is (``pos`` is a tensor, the mask
     hides the empty slots), so one compiled graph, or one CUDA graph, serves every step.
+    A quantized cache's codes (and per-token scales) are written the same way and read dequantized.
     """
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], pos: torch.Tensor) -> None:
+    def __init__(
+        self,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        pos: torch.Tensor,
+        scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], []),
+        kv: KVQuant | None = None,
+    ) -> None:
         self.k, self.v, self.pos = k, v, pos
+        self.k_scales, self.v_scales = scales
+        self.kv = kv
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k[layer].index_copy_(2, self.pos, k)
-        self.v[layer].index_copy_(2, self.pos, v)
-        return self.k[layer], self.v[layer]
+        if self.kv is None:
+            self.k[layer].index_copy_(2, self.pos, k)
+            self.v[layer].index_copy_(2, self.pos, v)
+            return self.k[layer], self.v[layer]
+        return (
+            self._write(self.k[layer], self.k_scales[layer], k),
+            self._write(self.v[layer], self.v_scales[layer], v),
+        )
+
+    def _write(self, codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        scheme = self.kv.scheme
+        new_codes, new_scale = quantize_kv(x, scheme, scale if scheme.static else None)
+        codes.view(torch.uint8).index_copy_(2, self.pos, new_codes.view(torch.uint8))  # no float8 index_copy_
+        if not scheme.static:
+            scale.index_copy_(2, self.pos, new_scale)
+        return dequantize_kv(codes, scale, scheme, x.dtype)
 
 
 def static_slots_mask(pad: torch.Tensor, pos: torch.Tensor, max_len: int, window: int | None) -> torch.Tensor:

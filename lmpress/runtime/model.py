@@ -33,6 +33,7 @@ from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.linears import Build, copy_norm, runtime_linear
 from lmpress.runtime.mapped_embedding import MappedEmbedding
+from lmpress.weights.kv_quant import KVQuant
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
@@ -212,6 +213,7 @@ class Transformer(nn.Module):
         if mapped and getattr(self.output, "weight", None) is not self.tok_embeddings.weight:
             self.tok_embeddings = MappedEmbedding(embedding)  # untied: a step needs only its tokens' rows
         self.output_tokens: torch.Tensor | None = None  # token id of each output row, where not all (a draft's)
+        self.kv_quant: KVQuant | None = None  # the cache ``new_cache`` makes: float, or quantized (kv_quant.py)
         # One cos/sin table per RoPE setting: rope_cos/rope_sin, and rope_cos_1... for Gemma 3's other layer type.
         self.rope_of_kind = {kind: i for i, kind in enumerate(dict.fromkeys(args.kinds))}
         for kind, i in self.rope_of_kind.items() or {None: 0}.items():
@@ -249,27 +251,42 @@ class Transformer(nn.Module):
     @classmethod
     def sharing(cls, hf_model: nn.Module) -> Transformer | None:
         """A runtime view of ``hf_model`` running its own linear layers (no weight copied), or None where the
-        runtime does not support its architecture. Decoding on it gives the model's own numerics."""
+        runtime does not support its architecture. Decoding on it gives the model's own numerics, its KV cache
+        quantized as ``lmpress.quantize.kv_cache.kv_quantized`` has the model's attention read it."""
         from transformers import PreTrainedModel
+
+        from lmpress.quantize.kv_cache import kv_quant_of
 
         if not isinstance(hf_model, PreTrainedModel):
             return None
         try:
-            return cls.from_hf(hf_model, device=next(hf_model.parameters()).device, kernels="reference")
+            runtime = cls.from_hf(hf_model, device=next(hf_model.parameters()).device, kernels="reference")
         except LmpressInputError:
             return None
+        runtime.kv_quant = kv_quant_of(hf_model)
+        return runtime
 
     @property
     def device(self) -> torch.device:
         return self.rope_cos.device
 
     def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
-        """A cache for ``batch`` rows of at most ``max_len`` tokens (at most the model's context)."""
+        """A cache for ``batch`` rows of at most ``max_len`` tokens (at most the model's context), quantized as
+        ``kv_quant`` says."""
         if max_len > self.args.max_seq_len:
             raise LmpressInputError(f"{max_len} tokens exceed the model's context of {self.args.max_seq_len}")
         args = self.args
         return KVCache(
-            args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, self.dtype, pad, self.device, args.v_head_dim
+            args.n_layers,
+            batch,
+            max_len,
+            args.n_kv_heads,
+            args.head_dim,
+            self.dtype,
+            pad,
+            self.device,
+            args.v_head_dim,
+            self.kv_quant,
         )
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -285,15 +302,22 @@ class Transformer(nn.Module):
         return logits
 
     def forward_static(
-        self, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad: torch.Tensor, pos: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        pad: torch.Tensor,
+        pos: torch.Tensor,
+        scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], []),
     ) -> torch.Tensor:
         """Logits ``(batch, n, vocab)`` for ``tokens`` ``(batch, n)`` written at slots ``pos`` ``(n,)`` of a
-        cache's ``k``/``v`` with row padding ``pad``. Every shape is fixed by the cache's size and ``n``, so
-        this is the step ``torch.compile`` (and CUDA graphs) can capture once; the caller advances the cache."""
+        cache's ``k``/``v`` (and a quantized cache's ``scales``) with row padding ``pad``. Every shape is fixed by
+        the cache's size and ``n``, so this is the step ``torch.compile`` (and CUDA graphs) can capture once; the
+        caller advances the cache."""
         max_len = k[0].shape[2]
         masks = {window: static_slots_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
         positions = (pos[None, :] - pad[:, None]).clamp(min=0)
-        return self._run(tokens, positions, masks, StaticSlots(k, v, pos))
+        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, scales, self.kv_quant))
 
     def _run(
         self,

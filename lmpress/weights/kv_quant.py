@@ -1,0 +1,135 @@
+"""Quantized KV caches: the value types the evaluator, the runtime and the exports share.
+
+A cache entry is a key or value vector of one token and one KV head, ``head_dim`` wide, stored after RoPE (what
+attention reads). Two schemes:
+
+- ``int8``: symmetric int8 codes with one float32 scale per token and head, ``s = max|x| / 127``, computed as
+  each token is written (dynamic: nothing to calibrate). 64 + 4 bytes per 64-wide vector where float32 takes 256.
+- ``fp8``: E4M3 codes ``cast(x / s)`` under a static scale per layer (``scales: tensor``) or per layer and KV head
+  (``scales: head``), calibrated as ``s = max|x| / 448`` over the calibration set: llm-compressor's
+  ``kv_cache_scheme`` (static, min/max observer) and the ``k_scale`` / ``v_scale`` vLLM reads. Without calibrated
+  scales a cache takes ``s = 1``, vLLM's default for ``kv_cache_dtype=fp8``.
+
+Both round to nearest (E4M3: even on ties, torch's cast), so quantizing a dequantized entry again gives it back:
+a gate that fake-quantizes the whole sequence at every call scores what a cache that quantizes each token once
+holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lmpress.weights.float8 import FP8_MAX, require_float8
+
+KVDtype = Literal["int8", "fp8"]
+KVScales = Literal["token", "tensor", "head"]
+INT8_MAX = 127.0
+SCALES_OF = {"int8": ("token",), "fp8": ("tensor", "head")}
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """How the cache stores keys and values: ``dtype`` and where its scales live (see the module's docstring)."""
+
+    dtype: KVDtype
+    scales: KVScales
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SCALES_OF:
+            raise ValueError(f"KV cache dtype {self.dtype!r} is not one of {', '.join(SCALES_OF)}")
+        if self.scales not in SCALES_OF[self.dtype]:
+            raise ValueError(
+                f"an {self.dtype} KV cache takes scales {' or '.join(SCALES_OF[self.dtype])}, not {self.scales!r}"
+            )
+
+    @property
+    def static(self) -> bool:
+        """Whether the scales are fixed before the cache sees a token (calibrated), not computed per token."""
+        return self.dtype == "fp8"
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return torch.int8 if self.dtype == "int8" else require_float8("fp8 KV cache")
+
+    def describe(self) -> str:
+        where = "per token and head" if self.scales == "token" else f"static per {self.scales}"
+        return f"{self.dtype.upper()} KV, {where}"
+
+    def bytes_per_vector(self, width: int) -> int:
+        """Bytes one token's key (or value) of one KV head takes: codes, plus its scale where it has its own."""
+        return width + (4 if self.scales == "token" else 0)
+
+
+def static_scale_shape(scheme: KVScheme, kv_heads: int) -> tuple[int, ...]:
+    """The shape of one layer's static key (or value) scale: ``(1,)`` per tensor, ``(kv_heads,)`` per head."""
+    return (1,) if scheme.scales == "tensor" else (kv_heads,)
+
+
+def _broadcast(scale: torch.Tensor) -> torch.Tensor:
+    """A static scale ``(1,)`` or ``(kv_heads,)`` against entries ``(batch, kv_heads, n, width)``."""
+    return scale.float().view(1, -1, 1, 1)
+
+
+def quantize_kv(
+    x: torch.Tensor, scheme: KVScheme, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of entries ``x`` ``(batch, kv_heads, n, width)``.
+
+    int8: codes int8, scales ``(batch, kv_heads, n, 1)`` float32 (a token of zeros takes scale 1).
+    fp8: codes E4M3 under ``scale`` (``static_scale_shape``; None: 1), returned as the scales."""
+    x = x.float()
+    if scheme.dtype == "int8":
+        s = x.abs().amax(-1, keepdim=True) / INT8_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return torch.round(x / s).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), s
+    scale = torch.ones(1, device=x.device) if scale is None else scale.float().to(x.device)
+    return (x / _broadcast(scale)).clamp_(-FP8_MAX, FP8_MAX).to(scheme.code_dtype), scale
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, scheme: KVScheme, dtype: torch.dtype) -> torch.Tensor:
+    """Entries from ``quantize_kv``'s codes and scales, in ``dtype``."""
+    s = scale if scheme.scales == "token" else _broadcast(scale)
+    return (codes.float() * s).to(dtype)
+
+
+def fake_quantize_kv(x: torch.Tensor, scheme: KVScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` as the cache gives it back: quantized and dequantized, in ``x``'s dtype."""
+    codes, s = quantize_kv(x, scheme, scale)
+    return dequantize_kv(codes, s, scheme, x.dtype)
+
+
+def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The static E4M3 scale that maps ``amax`` to 448 (an amax of 0, a layer that saw nothing: scale 1)."""
+    scale = amax.float() / FP8_MAX
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def cache_bytes_per_token(
+    scheme: KVScheme | None, n_layers: int, kv_heads: int, key_width: int, value_width: int, float_bytes: int
+) -> int:
+    """Bytes a cache holds per token: keys and values of every layer and KV head (``scheme`` None: floats)."""
+    if scheme is None:
+        return n_layers * kv_heads * (key_width + value_width) * float_bytes
+    return n_layers * kv_heads * (scheme.bytes_per_vector(key_width) + scheme.bytes_per_vector(value_width))
+
+
+@dataclass
+class KVQuant:
+    """A model's quantized cache: its scheme and, for a static one, each layer's key and value scales (None:
+    scale 1 everywhere, as vLLM runs an uncalibrated FP8 cache)."""
+
+    scheme: KVScheme
+    k_scales: list[torch.Tensor] | None = None
+    v_scales: list[torch.Tensor] | None = None
+
+    def scales_of(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.k_scales is None or self.v_scales is None:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
+
+    def describe(self) -> str:
+        calibrated = "" if not self.scheme.static else (", calibrated" if self.k_scales else ", scale 1")
+        return self.scheme.describe() + calibrated

@@ -1,0 +1,195 @@
+"""A quantized KV cache end to end on tiny random models: FP8 scales calibrated as a min/max observer would, the
+evaluator's attention over the cache as the runtime holds it (the same logits, eager, static and compiled), the
+recipe's ``kv_cache:`` section through ``lmpress run``, and its bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from lmpress.cli import main
+from lmpress.quantize.kv_cache import calibrate_kv_scales, kv_quantized
+from lmpress.runtime.generate import compiled_forward, generate, model_forward, static_forward
+from lmpress.runtime.model import Transformer
+from lmpress.weights.kv_quant import KVQuant, KVScheme, fake_quantize_kv
+from tests.runtime.conftest import tiny_hf_model
+
+SCHEMES = [KVScheme("int8", "token"), KVScheme("fp8", "tensor"), KVScheme("fp8", "head")]
+
+
+def ids(n: int = 40, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def post_rope_kv(model, tokens: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys (after RoPE) and values, from transformers' own cache: an independent record."""
+    out = model(tokens, use_cache=True)
+    cache = out.past_key_values
+    return {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)}
+
+
+@pytest.mark.parametrize("scales", ["tensor", "head"])
+def test_fp8_scales_are_the_calibration_sets_largest_key_and_value_over_448(scales):
+    model = tiny_hf_model("llama")
+    samples = ids(32, batch=5)
+    kv = calibrate_kv_scales(model, samples, KVScheme("fp8", scales), batch_size=2)
+    with torch.no_grad():
+        seen = post_rope_kv(model, samples)
+    for layer, (keys, values) in seen.items():
+        for got, x in [(kv.k_scales[layer], keys), (kv.v_scales[layer], values)]:
+            amax = x.abs().amax((0, 2, 3))
+            want = (amax.amax().reshape(1) if scales == "tensor" else amax) / 448
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_int8_needs_no_calibration():
+    kv = calibrate_kv_scales(tiny_hf_model("llama"), ids(), KVScheme("int8", "token"))
+    assert kv.k_scales is None and kv.v_scales is None
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.dtype}-{s.scales}")
+def test_the_evaluator_and_the_runtime_read_the_same_quantized_cache(scheme):
+    """The evaluator (transformers under kv_quantized) and the runtime's prefill over a quantized cache give
+    the same logits; its one-token steps (eager and the static step) read what a prefill would have."""
+    hf = tiny_hf_model("llama")
+    tokens = ids()
+    kv = calibrate_kv_scales(hf, tokens, scheme)
+    with torch.no_grad():
+        float_logits = hf(tokens).logits
+        with kv_quantized(hf, kv):
+            evaluator = hf(tokens).logits
+            runtime = Transformer.sharing(hf)
+    assert runtime.kv_quant is kv
+    assert float((evaluator - float_logits).abs().max()) > 1e-4  # the cache is quantized, visibly
+    prefill = model_forward(runtime, tokens, runtime.new_cache(2, 64))
+    torch.testing.assert_close(prefill, evaluator, rtol=0, atol=1e-5)
+    for forward in (model_forward, static_forward()):
+        cache = runtime.new_cache(2, 64)
+        model_forward(runtime, tokens[:, :30], cache)
+        steps = torch.cat([forward(runtime, tokens[:, i : i + 1], cache) for i in range(30, 40)], dim=1)
+        torch.testing.assert_close(steps, evaluator[:, 30:], rtol=0, atol=1e-3)
+
+
+def test_the_runtime_cache_stores_codes_and_says_its_bytes_per_token():
+    runtime = Transformer.from_hf(tiny_hf_model("llama"))
+    float_cache = runtime.new_cache(1, 64)
+    runtime.kv_quant = KVQuant(KVScheme("int8", "token"))
+    cache = runtime.new_cache(1, 64)
+    assert {t.dtype for t in cache.k + cache.v} == {torch.int8}
+    head_dim = runtime.args.head_dim
+    assert cache.bytes_per_token / float_cache.bytes_per_token == pytest.approx((head_dim + 4) / (4 * head_dim))
+    model_forward(runtime, ids(10, batch=1), cache)
+    keys = cache.k[0][:, :, :10]
+    assert keys.abs().amax(-1).eq(127).all()  # every written token's largest entry at ±127
+
+
+def test_the_compiled_step_reads_the_quantized_cache_as_the_eager_one():
+    hf = tiny_hf_model("llama")
+    runtime = Transformer.sharing(hf)
+    runtime.kv_quant = KVQuant(KVScheme("fp8", "tensor"), [torch.tensor([0.05])] * 2, [torch.tensor([0.02])] * 2)
+    tokens = ids(12, batch=1)
+    eager_cache, compiled_cache = runtime.new_cache(1, 32), runtime.new_cache(1, 32)
+    model_forward(runtime, tokens[:, :8], eager_cache)
+    model_forward(runtime, tokens[:, :8], compiled_cache)
+    step = compiled_forward()
+    for i in range(8, 12):
+        eager = model_forward(runtime, tokens[:, i : i + 1], eager_cache)
+        compiled = step(runtime, tokens[:, i : i + 1], compiled_cache)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+    assert torch.equal(compiled_cache.k[1].view(torch.uint8), eager_cache.k[1].view(torch.uint8))
+
+
+def test_greedy_decoding_on_a_quantized_cache_follows_the_evaluators_argmax():
+    hf = tiny_hf_model("llama")
+    kv = KVQuant(KVScheme("int8", "token"))
+    prompt = ids(16, batch=1)[0].tolist()
+    with torch.no_grad(), kv_quantized(hf, kv):
+        runtime = Transformer.sharing(hf)
+        tokens = generate(runtime, prompt, max_new_tokens=6)[0]
+        full = torch.tensor([prompt + tokens])
+        expected = hf(full).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+    assert tokens == expected
+
+
+def test_the_quantized_attention_quantizes_keys_after_rope():
+    """What the evaluator's kernel receives is post-RoPE (transformers' cache holds the same): quantizing those
+    by hand and running the float kernel gives the kernel's result (one layer: its inputs are the float model's)."""
+    hf = tiny_hf_model("llama", num_hidden_layers=1)
+    tokens = ids(20, batch=1)
+    scheme = KVScheme("int8", "token")
+    seen = {}
+    with torch.no_grad():
+        record = post_rope_kv(hf, tokens)
+        with kv_quantized(hf, KVQuant(scheme)):
+            for layer, (keys, values) in record.items():
+                seen[layer] = fake_quantize_kv(keys, scheme), fake_quantize_kv(values, scheme)
+            got = hf(tokens).logits
+
+    def kernel_with_recorded_kv(module, query, key, value, *args, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        k, v = seen[module.layer_idx]
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, k, v, *args, **kwargs)
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("test_recorded_kv", kernel_with_recorded_kv)
+    before = hf.config._attn_implementation
+    hf.config._attn_implementation = "test_recorded_kv"
+    try:
+        with torch.no_grad():
+            want = hf(tokens).logits
+    finally:
+        hf.config._attn_implementation = before
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# lmpress run with kv_cache: ------------------------------------------------------------------------------------
+
+
+def kv_recipe(tmp_path, model_dir, kv_cache, **changes) -> str:
+    recipe = {
+        "model": str(model_dir),
+        "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
+        "stages": [{"method": "rtn", "bits": 8, "group_size": 32}],
+        "export": {"formats": ["hf"]},
+        "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 128, "windows": 2, "batch_size": 2}},
+        "gates": ["ppl_ratio <= 1.05"],
+        "kv_cache": kv_cache,
+        **changes,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_recipe_with_an_fp8_kv_cache_scores_and_reports_it(tiny_llama_dir, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", kv_recipe(tmp_path, tiny_llama_dir, {"dtype": "fp8"}), "--out", str(out), "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    kv = report["kv_cache"]
+    assert kv["scheme"] == "FP8 KV, static per tensor, calibrated"
+    assert kv["ratio_to_bf16"] == pytest.approx(0.5)
+    assert report["runtime_agreement"]["passed"], report["runtime_agreement"]
+    base, cand = report["baseline"]["metrics"]["ppl"], report["candidate"]["metrics"]["ppl"]
+    assert cand != base  # the candidate's cache was quantized (weights at 8 bits move it too)
+    assert "kv_cache" in report["recipe"]
+
+
+@pytest.mark.parametrize(
+    ("kv_cache", "message"),
+    [
+        ({"dtype": "int4"}, "kv_cache.dtype: 'int4' is not one of 'fp8', 'int8'"),
+        ({"dtype": "int8", "scales": "tensor"}, "kv_cache: an int8 KV cache takes scales token, not 'tensor'"),
+        ({"dtype": "fp8", "group": 4}, "kv_cache.group: unknown key"),
+    ],
+)
+def test_a_bad_kv_cache_section_exits_2_with_one_line(tiny_llama_dir, tmp_path, capsys, kv_cache, message):
+    assert main(["run", kv_recipe(tmp_path, tiny_llama_dir, kv_cache), "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "r").exists()

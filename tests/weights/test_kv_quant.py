@@ -1,0 +1,105 @@
+"""KV-cache value types (lmpress.weights.kv_quant): codes and scales against an independent reference, the error
+bound each scheme keeps (SQNR), and the property the evaluator relies on (quantizing a dequantized entry again
+gives it back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.weights.kv_quant import (
+    KVScheme,
+    cache_bytes_per_token,
+    dequantize_kv,
+    fake_quantize_kv,
+    fp8_scale_from_amax,
+    quantize_kv,
+)
+
+SCHEMES = [KVScheme("int8", "token"), KVScheme("fp8", "tensor"), KVScheme("fp8", "head")]
+
+
+def entries(seed: int = 0) -> torch.Tensor:
+    """Keys-like entries ``(batch 2, kv_heads 3, tokens 7, width 64)``: heads of different sizes, one outlier
+    channel (what RoPE'd keys look like)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 7, 64, generator=g) * torch.tensor([0.5, 2.0, 8.0]).view(1, 3, 1, 1)
+    x[..., 5] *= 6
+    return x
+
+
+def static_scale(x: torch.Tensor, scheme: KVScheme) -> torch.Tensor | None:
+    if scheme.scales == "token":
+        return None
+    amax = x.abs().amax((0, 2, 3))
+    return fp8_scale_from_amax(amax.amax().reshape(1) if scheme.scales == "tensor" else amax)
+
+
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float(10 * torch.log10(x.pow(2).sum() / (x - y).pow(2).sum()))
+
+
+def test_int8_codes_and_scales_are_the_per_token_head_absmax_rounding():
+    x = entries()
+    codes, scales = quantize_kv(x, KVScheme("int8", "token"))
+    assert codes.dtype == torch.int8 and scales.shape == (2, 3, 7, 1)
+    for b, h, t in [(0, 0, 0), (1, 2, 6), (0, 1, 3)]:
+        v = x[b, h, t].double()
+        s = v.abs().max() / 127
+        assert scales[b, h, t, 0].item() == pytest.approx(s.item(), rel=1e-6)
+        assert torch.equal(codes[b, h, t].long(), torch.round(v / s).long())
+    assert int(codes.abs().max()) == 127
+
+
+def test_fp8_codes_are_torchs_e4m3_cast_of_x_over_the_static_scale():
+    x = entries()
+    scheme = KVScheme("fp8", "head")
+    scale = static_scale(x, scheme)
+    codes, _ = quantize_kv(x, scheme, scale)
+    expected = (x / scale.view(1, 3, 1, 1)).to(torch.float8_e4m3fn)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+    assert float(codes.float().abs().amax()) == 448.0  # the calibrated amax maps to E4M3's largest value
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.dtype}-{s.scales}")
+def test_each_scheme_keeps_its_error_bound_and_is_idempotent(scheme):
+    x = entries()
+    scale = static_scale(x, scheme)
+    y = fake_quantize_kv(x, scheme, scale)
+    error = (x - y).abs()
+    if scheme.dtype == "int8":  # a uniform grid: within half a step of the token's scale
+        bound = x.abs().amax(-1, keepdim=True) / 127 / 2
+    else:  # E4M3, 3 mantissa bits: half an ulp, 2^-4 relative; below 2^-6 (subnormal) half of 2^-9, absolute
+        s = scale.view(1, -1, 1, 1)
+        bound = torch.maximum(x.abs() * 2**-4, s * 2**-10)
+    assert (error <= bound * (1 + 1e-6)).all()
+    assert sqnr_db(x, y) > (35.0 if scheme.dtype == "int8" else 25.0)  # and well inside it on average
+    assert torch.equal(fake_quantize_kv(y, scheme, scale), y)
+    codes, s = quantize_kv(x, scheme, scale)
+    assert torch.equal(dequantize_kv(codes, s, scheme, torch.float32), y)
+
+
+def test_an_uncalibrated_fp8_cache_takes_scale_one_as_vllm_does():
+    x = entries()
+    y = fake_quantize_kv(x, KVScheme("fp8", "tensor"))
+    assert torch.equal(y, x.to(torch.float8_e4m3fn).float())
+
+
+def test_a_token_of_zeros_round_trips_to_zeros():
+    x = torch.zeros(1, 1, 2, 8)
+    for scheme in SCHEMES:
+        assert torch.equal(fake_quantize_kv(x, scheme, static_scale(x, scheme)), x)
+
+
+def test_schemes_refuse_scales_they_do_not_have():
+    with pytest.raises(ValueError, match="int8 KV cache takes scales token"):
+        KVScheme("int8", "tensor")
+    with pytest.raises(ValueError, match="fp8 KV cache takes scales tensor or head"):
+        KVScheme("fp8", "token")
+
+
+def test_bytes_per_token_of_smollm2_shapes():
+    # 30 layers x 3 KV heads x 64 wide, keys and values
+    assert cache_bytes_per_token(None, 30, 3, 64, 64, 2) == 23040  # bfloat16
+    assert cache_bytes_per_token(KVScheme("fp8", "tensor"), 30, 3, 64, 64, 4) == 11520  # 0.5x bf16
+    assert cache_bytes_per_token(KVScheme("int8", "token"), 30, 3, 64, 64, 4) == 12240  # codes + a float32 scale
