@@ -64,6 +64,22 @@ def add_activations_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache",
+        choices=["int8", "fp8"],
+        help="quantize the KV cache: int8 (a scale per token and head) or fp8 (E4M3, scale 1 as vLLM's "
+        "uncalibrated fp8 cache; a recipe's kv_cache: calibrates the scales); default: the model's dtype",
+    )
+
+
+def kv_quant_flag(value: str | None):
+    """The runtime's ``kv_quant`` for ``--kv-cache``."""
+    from lmpress.weights.kv_quant import SCALES_OF, KVQuant, KVScheme
+
+    return None if value is None else KVQuant(KVScheme(value, SCALES_OF[value][0]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmpress", description="Compress LLMs and gate them on quality.")
     versions = (
@@ -127,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--device", help="cpu or cuda (default: cuda where a GPU is found, else the CPU)")
     add_activations_argument(gen)
+    add_kv_cache_argument(gen)
     bench = sub.add_parser("bench", help="speed of any model or export on lmpress's runtime: latency, tok/s, GB/s")
     bench.add_argument("artifact", help="an export lmpress wrote, a checkpoint directory, .gguf file or pypkg:")
     bench.add_argument("--prompt", help="prompt text (default: --prompt-tokens tokens of the built-in Python docs)")
@@ -137,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on the CPU, bfloat16 on CUDA)")
     bench.add_argument("--compile", action="store_true", help="time a torch.compile'd decode step")
     add_activations_argument(bench)
+    add_kv_cache_argument(bench)
     bench.add_argument("--draft", metavar="ARTIFACT", help="also time speculative decoding with this draft")
     bench.add_argument("--prompt-lookup", action="store_true", help="also time prompt-lookup speculative decoding")
     add_draft_vocab_arguments(bench)
@@ -287,6 +305,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         compile=args.compile,
         cpu_activations=args.activations,
         on_text=(lambda piece: print(piece, end="", flush=True)) if args.stream else pieces.append,
+        kv_quant=kv_quant_flag(args.kv_cache),
     )
     print("" if args.stream else "".join(pieces))
     err_console.print(f"{result.summary()}; on {device.type} ({where})", highlight=False)
@@ -309,6 +328,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
     device, where = resolve_device(args.device)
     model, tokenizer = load_runtime(args.artifact, device, args.dtype, args.activations)
+    model.kv_quant = kv_quant_flag(args.kv_cache)
     draft = load_draft(
         args.draft, model, tokenizer, device, args.dtype, args.draft_vocab, args.draft_vocab_text, args.activations
     )

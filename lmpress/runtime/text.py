@@ -33,6 +33,7 @@ from lmpress.runtime.speculative import (
     restrict_vocabulary,
     speculative_decode,
 )
+from lmpress.weights.kv_quant import KVQuant
 
 
 @dataclass
@@ -204,17 +205,19 @@ def generate_text(
     draft_vocab_text: str = BUILTIN_PYTHON_DOCS,
     compile: bool = False,
     cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
+    kv_quant: KVQuant | None = None,
 ) -> GenerationResult:
     """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes.
     ``draft_vocab``, ``draft_vocab_text``: ``load_draft``'s ``vocabulary`` and ``vocabulary_text``;
     ``compile``: decode (and draft and verify) through ``torch.compile``'d steps, CUDA graphs on a GPU;
-    ``cpu_activations``: ``load_runtime``'s (target and draft)."""
+    ``cpu_activations``: ``load_runtime``'s (target and draft); ``kv_quant``: the target's KV cache quantized."""
     if draft is not None and prompt_lookup:
         raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
     if max_new_tokens < 1:
         raise LmpressInputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     config = SamplingConfig(**(sampling or {}))
     model, tokenizer = load_runtime(source, device, cpu_activations=cpu_activations)
+    model.kv_quant = kv_quant
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise LmpressInputError("the prompt is empty")

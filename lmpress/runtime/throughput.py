@@ -27,6 +27,7 @@ from lmpress.memory import track_peak_rss
 from lmpress.runtime.generate import ForwardFn, decode_with, decoding_forward, generate
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, compile_rounds, speculative_decode
+from lmpress.weights.kv_quant import cache_bytes_per_token
 
 COPY_MEGABYTES = 512
 
@@ -108,10 +109,14 @@ def weight_bytes(model: Transformer) -> int:
 
 
 def kv_cache_bytes(model: Transformer, length: int) -> int:
-    """Bytes of keys and values a decode step reads with ``length`` tokens in the cache."""
+    """Bytes of keys and values (a quantized cache's codes and scales) a decode step reads with ``length`` tokens
+    in the cache."""
     args = model.args
     element = torch.empty((), dtype=model.dtype).element_size()
-    return args.n_layers * args.n_kv_heads * (args.head_dim + args.value_dim) * length * element
+    scheme = None if model.kv_quant is None else model.kv_quant.scheme
+    return (
+        cache_bytes_per_token(scheme, args.n_layers, args.n_kv_heads, args.head_dim, args.value_dim, element) * length
+    )
 
 
 def median_seconds(run: Callable[[], Any], repeats: int, device: torch.device) -> float:
@@ -193,6 +198,7 @@ def bench_plain(
         "prefill_tok_s": len(prompt) / times[0],
         "decode_tok_s": rate,
         "bytes_per_token": per_token,
+        "kv_cache_bytes_per_token": kv_cache_bytes(model, 1),
         "decode_gb_s": rate * per_token / 1e9,
         "peak_memory_mb": running_peak_mb(lambda: run(settings.new_tokens), device),
     }
@@ -266,6 +272,7 @@ def benchmark(
     bandwidth = copy_bandwidth_gbs(model.device)
     result = {"settings": asdict(settings), "device": str(model.device), "threads": torch.get_num_threads()}
     result["kernels"] = layer_kernels(model)
+    result["kv_cache"] = "float" if model.kv_quant is None else model.kv_quant.describe()
     forward = decoding_forward(model.device, settings.compile)  # one compiled forward per model, shared by both rows
     result["plain"] = bench_plain(model, prompt, settings, bandwidth, forward)
     if draft is not None or prompt_lookup:
@@ -286,6 +293,11 @@ def bench_prompt(tokenizer: Any, n_tokens: int, text: str | None = None) -> list
     return ids
 
 
+def _kv_text(result: dict[str, Any], plain: dict[str, Any]) -> str:
+    per_token = plain.get("kv_cache_bytes_per_token")
+    return "" if per_token is None else f"{per_token:,} bytes ({result.get('kv_cache', 'float')})"
+
+
 def render_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     """``(what, value)`` rows of a ``benchmark`` result, for a table."""
     plain = result["plain"]
@@ -296,6 +308,7 @@ def render_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ("prefill", f"{plain['prefill_tok_s']:.1f} tok/s"),
         ("decode", f"{plain['decode_tok_s']:.1f} tok/s"),
         ("bytes read per token", f"{plain['bytes_per_token'] / 1e6:.1f} MB"),
+        ("KV cache per token held", _kv_text(result, plain)),
         ("decode bandwidth", f"{plain['decode_gb_s']:.1f} GB/s"),
     ]
     if "bandwidth_pct" in plain:

@@ -193,3 +193,22 @@ def test_a_bad_kv_cache_section_exits_2_with_one_line(tiny_llama_dir, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_generate_with_a_quantized_cache_from_the_command_line(tiny_llama_dir, capsys):
+    """``lmpress generate --kv-cache int8`` decodes on the quantized cache: greedy tokens are the evaluator's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = ["generate", str(tiny_llama_dir), "--prompt", "def main():", "--max-new-tokens", "6"]
+    assert main([*args, "--kv-cache", "int8"]) == 0
+    text = capsys.readouterr().out.rstrip("\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    prompt = tokenizer("def main():", add_special_tokens=False)["input_ids"]
+    with torch.no_grad(), kv_quantized(hf, KVQuant(KVScheme("int8", "token"))):
+        expected = generate(Transformer.sharing(hf), prompt, max_new_tokens=6)[0]
+    assert text == tokenizer.decode(expected)
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal: one line naming the choices
+        main([*args, "--kv-cache", "int4"])
+    assert refused.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err

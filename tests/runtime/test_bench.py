@@ -73,6 +73,27 @@ def test_kv_cache_bytes_and_copy_bandwidth():
     assert copy_bandwidth_gbs("cpu", megabytes=8, repeats=2) > 0.1
 
 
+@pytest.mark.parametrize("kv_cache", ["int8", "fp8"])
+def test_a_quantized_kv_cache_counts_its_codes_and_scales(kv_cache):
+    """What ``lmpress bench --kv-cache`` reports per token is what the runtime's cache allocates."""
+    from lmpress.cli import kv_quant_flag
+    from lmpress.runtime.throughput import render_rows
+
+    model = Transformer.from_hf(tiny_hf_model("llama"))
+    float_bytes = kv_cache_bytes(model, 16)
+    model.kv_quant = kv_quant_flag(kv_cache)
+    cache = model.new_cache(1, 16)
+    static = sum(t.nbytes for t in cache.k_scales + cache.v_scales) if kv_cache == "fp8" else 0
+    assert kv_cache_bytes(model, 16) == cache.nbytes - static
+    head_dim = model.args.head_dim  # float32 -> one byte per entry, and int8's float32 scale per token and head
+    assert kv_cache_bytes(model, 16) == float_bytes * ((head_dim + 4) if kv_cache == "int8" else head_dim) // (
+        4 * head_dim
+    )
+    result = benchmark(model, list(range(10)), BenchSettings(new_tokens=3, repeats=1))
+    rows = dict(render_rows(result))
+    assert rows["KV cache per token held"].startswith(f"{kv_cache_bytes(model, 1):,} bytes ({kv_cache.upper()} KV")
+
+
 def test_bench_names_the_kernel_of_every_layer():
     """A W4 model on the CPU: every decoder linear on torch's int4 kernel, a W8A8 down projection on _int_mm, the
     float head dense; the table has one row per layer role."""

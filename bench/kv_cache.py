@@ -1,0 +1,101 @@
+"""Quantized KV caches on SmolLM2-135M: perplexity over full-context windows and bytes per token (issue 50).
+
+    python bench/kv_cache.py                      # 2 windows of 8192 tokens: float, INT8, FP8 (tensor, head)
+    python bench/kv_cache.py --windows 4 --seq-len 4096
+
+Protocol: WikiText-2 test (builtin:wikitext2:test), the first ``--windows`` windows of ``--seq-len`` tokens (8192:
+SmolLM2's whole context), no BOS; the FP32 model, its attention reading each cache as lmpress's runtime holds it
+(``lmpress.quantize.kv_cache.kv_quantized``). FP8's static scales are calibrated on 128 x 512 tokens of
+wiki.valid.tokens (seed 0), the recipe default, and each scheme's Δ is against the float cache of the same model.
+Writes bench/results/kv_cache.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmpress, before an installed one
+from quant_table import CALIBRATION, SMOLLM2, cpu_description  # noqa: E402
+
+from lmpress.data import calibration_samples, load_text, tokenize  # noqa: E402
+from lmpress.evals.perplexity import PerplexityConfig, perplexity  # noqa: E402
+from lmpress.loader import load_model  # noqa: E402
+from lmpress.progress import Bars  # noqa: E402
+from lmpress.quantize.kv_cache import calibrate_kv_scales, kv_cache_report, kv_quantized  # noqa: E402
+from lmpress.weights.kv_quant import KVScheme  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCHEMES = {
+    "float": None,
+    "int8": KVScheme("int8", "token"),
+    "fp8-tensor": KVScheme("fp8", "tensor"),
+    "fp8-head": KVScheme("fp8", "head"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(SMOLLM2, "float32", fingerprint=False)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    config = PerplexityConfig(seq_len=args.seq_len, windows=args.windows, batch_size=1)
+    windows = config.windows_for(tokenize(tokenizer, load_text("builtin:wikitext2:test")), tokenizer)
+    calibration = calibration_samples(
+        tokenize(tokenizer, load_text("builtin:wikitext2:valid")),
+        CALIBRATION["n_samples"],
+        CALIBRATION["seq_len"],
+        CALIBRATION["seed"],
+    )
+    rows = []
+    with Bars() as bars, torch.inference_mode():
+        for name in args.rows:
+            scheme = SCHEMES[name]
+            began = time.perf_counter()
+            kv = None if scheme is None else calibrate_kv_scales(model, calibration, scheme, bars)
+            calibrated = time.perf_counter() - began
+            with kv_quantized(model, kv):
+                result = perplexity(model, windows, config, bars)
+            row = {
+                "row": name,
+                "scheme": "float32 cache" if kv is None else kv.describe(),
+                "ppl": result["ppl"],
+                "calibration_s": calibrated,
+                "eval_s": time.perf_counter() - began - calibrated,
+            }
+            if kv is not None:
+                row |= kv_cache_report(kv, model)
+            rows.append(row)
+            bars.log(f"{name}: ppl {row['ppl']:.4f}")
+    base = next((r["ppl"] for r in rows if r["row"] == "float"), None)
+    lines = [
+        f"SmolLM2-135M-Instruct (FP32), WikiText-2 test, {args.windows} x {args.seq_len} tokens, "
+        f"{cpu_description()}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py`.",
+        "",
+        "| KV cache | ppl | Δ vs float cache | bytes / token | x bf16 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    floats = next((r["float_bytes_per_token"] for r in rows if "float_bytes_per_token" in r), None)
+    for r in rows:
+        delta = "" if base is None or r["row"] == "float" else f"{100 * (r['ppl'] / base - 1):+.3f}%"
+        size = f"{r['bytes_per_token']:,}" if "bytes_per_token" in r else f"{floats or 0:,} (float32)"
+        ratio = f"{r['ratio_to_bf16']:.3f}" if "ratio_to_bf16" in r else "2.000"
+        lines.append(f"| {r['scheme']} | {r['ppl']:.4f} | {delta} | {size} | {ratio} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "kv_cache.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "kv_cache.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
