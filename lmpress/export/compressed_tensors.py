@@ -63,6 +63,8 @@ from lmpress.export.fp4_tensors import (
     is_fp4_args,
     read_fp4,
 )
+from lmpress.export.kv_cache_tensors import kv_cache_scheme, kv_scale_tensors
+from lmpress.quantize.kv_cache import kv_quant_of
 from lmpress.registry import ExportFormat, register_format
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
 from lmpress.weights.fp4 import Fp4Linear, Fp4Weight, fp4_layers
@@ -232,7 +234,7 @@ def ct_quantization_config(
         "quantization_status": "compressed",
         "config_groups": config_groups,
         "ignore": float_linears,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme(kv_quant_of(model)),
         "global_compression_ratio": None,
         "sparsity_config": {},  # see the module docstring: vLLM refuses a sparsity_config with targets
         "transform_config": {},
@@ -252,6 +254,7 @@ def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -
         tensors.update(ct_tensors(name, module))
     for name, module in fp4.items():
         tensors.update(fp4_tensors(name, module))
+    tensors.update(kv_scale_tensors(model, kv_quant_of(model), model.get_input_embeddings().weight.dtype))
     write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers, fp8, fp4))
 
 

@@ -24,6 +24,8 @@ from torch import nn
 
 from lmpress.checkpoint_files import CONFIG_NAME, SAFETENSORS_NAME, quantized_format, read_config, read_tensors
 from lmpress.errors import LmpressInputError
+from lmpress.export.kv_cache_tensors import SCALE_SUFFIXES, read_kv_quant
+from lmpress.quantize.kv_cache import attach_kv_quant
 from lmpress.registry import ExportFormat, artifact_format, export_format
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
@@ -332,6 +334,10 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             raise LmpressInputError(f"{path}: quantized layer {name!r} does not fit the model ({e})") from e
     packed = {f"{name}.{suffix}" for name in layers for suffix in fmt.packed_suffixes}
     dense = {k: v for k, v in tensors.items() if k not in packed}
+    kv = read_kv_quant(config_dict.get("quantization_config"), _tensor_of(tensors, path), config.num_hidden_layers)
+    if kv is not None:  # the attention modules' k_scale / v_scale: the cache's, not the model's parameters
+        dense = {k: v for k, v in dense.items() if not k.endswith(SCALE_SUFFIXES)}
+        attach_kv_quant(model, kv)
     held = {f"{name}.{buffer}" for name in layers for buffer in QUANTIZED_BUFFERS}
     expected = {k: v for k, v in model.state_dict().items() if k not in held}
     unexpected = sorted(set(dense) - set(expected))
@@ -348,6 +354,15 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             )
     model.load_state_dict(dense, strict=False)
     return model.eval()
+
+
+def _tensor_of(tensors: dict[str, torch.Tensor], path: Path) -> Callable[[str], torch.Tensor]:
+    def tensor(key: str) -> torch.Tensor:
+        if key not in tensors:
+            raise LmpressInputError(f"{path}: checkpoint lacks tensor {key!r}")
+        return tensors[key]
+
+    return tensor
 
 
 def _tied_keys(model: nn.Module) -> set[str]:

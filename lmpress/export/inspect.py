@@ -29,7 +29,9 @@ from lmpress.checkpoint_files import (
 )
 from lmpress.errors import LmpressInputError
 from lmpress.export.consumers import VLLM_VERSION, vllm_fp4_note, vllm_refusal
+from lmpress.export.kv_cache_tensors import read_kv_quant
 from lmpress.prune.masks import nm_pattern
+from lmpress.weights.kv_quant import cache_bytes_per_token
 
 MANIFEST = "manifest.json"
 
@@ -41,6 +43,20 @@ def _size_on_disk(path: Path) -> int:
 def _single_or_list(values: list[Any]) -> Any:
     distinct = sorted(set(values), key=str)
     return distinct[0] if len(distinct) == 1 else distinct
+
+
+def _kv_cache_info(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The static KV cache a compressed-tensors checkpoint records: its scheme and bytes per token."""
+    layers = config.get("num_hidden_layers", 0)
+    kv = read_kv_quant(config.get("quantization_config"), tensors.__getitem__, layers)
+    if kv is None:
+        return {}
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    per_token = cache_bytes_per_token(kv.scheme, layers, kv_heads, head_dim, head_dim, 1)
+    bf16 = cache_bytes_per_token(None, layers, kv_heads, head_dim, head_dim, 2)
+    return {"kv_cache": f"{kv.describe()}: {per_token:,} bytes per token ({per_token / bf16:.2f}x bf16)"}
 
 
 def _inspect_checkpoint(path: Path) -> dict[str, Any]:
@@ -69,6 +85,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
     tensors = read_tensors(path)
     qc = config["quantization_config"]
     layers = fmt.read(config, tensors)
+    info |= _kv_cache_info(config, tensors)
     rows = []
     for name, qw in layers.items():
         codes = getattr(qw, "qweight", None)
@@ -257,6 +274,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "dtypes",
         "tensor_types",
         "scale_encoding",
+        "kv_cache",
         "vllm",
     )
     for key in keys:

@@ -23,6 +23,7 @@ from torch import nn
 
 from lmpress.checkpoint_files import MappedSafetensors, quantized_format, read_config
 from lmpress.errors import LmpressInputError
+from lmpress.export.kv_cache_tensors import read_kv_quant
 from lmpress.memory import trim_c_heap
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.linears import Build
@@ -192,4 +193,6 @@ def load_checkpoint(
     build = Build(dtype, kernels, map_embedding=device.type == "cpu", cpu_activations=cpu_activations)
     with torch.no_grad():
         model = Transformer(ModelArgs.from_config(config), source, build).eval()
+    quantization = getattr(config, "quantization_config", None)
+    model.kv_quant = read_kv_quant(quantization, source._tensor, model.args.n_layers)  # a checkpoint's static cache
     return model.to(device)
