@@ -39,7 +39,7 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {' | '.join(lines)}"[:400]
 
 
-def _load(model: str, tokenizer: str | None, max_model_len: int) -> Any:
+def _load(model: str, tokenizer: str | None, max_model_len: int, flags: dict[str, Any]) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -50,6 +50,7 @@ def _load(model: str, tokenizer: str | None, max_model_len: int) -> Any:
         logprobs_mode="raw_logits",
         max_logprobs=-1,
         seed=0,
+        **flags,  # what a user adds for this export (kv_cache_dtype="fp8" for a calibrated FP8 cache)
     )
 
 
@@ -57,7 +58,7 @@ def run_job(job: dict[str, Any], prompts: list[list[int]], new_tokens: int, out:
     """One export through vLLM: logits over each prompt and greedy tokens, written to ``out`` (safetensors)."""
     began = time.perf_counter()
     try:
-        llm = _load(job["model"], job.get("tokenizer"), job.get("max_model_len", 256))
+        llm = _load(job["model"], job.get("tokenizer"), job.get("max_model_len", 256), job.get("flags", {}))
     except Exception as e:  # vLLM's refusal, whatever its type: the check reports it, one line
         return {"model": job["model"], "error": _first_line(e), "load_s": time.perf_counter() - began}
     loaded = time.perf_counter()
@@ -142,17 +143,23 @@ def vllm_model_path(export_dir: Path) -> tuple[str, str | None]:
 
 
 def run_vllm(
-    exports: list[Path], prompts: list[list[int]], new_tokens: int, workdir: Path, timeout: float = 1800
+    exports: list[Path],
+    prompts: list[list[int]],
+    new_tokens: int,
+    workdir: Path,
+    timeout: float = 1800,
+    flags: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every export through vLLM in one worker process; one answer per export (``error`` where vLLM refused)."""
+    """Every export through vLLM in one worker process; one answer per export (``error`` where vLLM refused).
+    ``flags``: per export, ``vllm.LLM`` arguments beyond the model (none by default)."""
     python = vllm_python()
     if python is None:
         raise FileNotFoundError(f"no vLLM environment: set {VLLM_PYTHON_ENV} to its python (docs/serving.md)")
     workdir.mkdir(parents=True, exist_ok=True)
     jobs = []
-    for export in exports:
+    for export, extra in zip(exports, flags or [{}] * len(exports), strict=True):
         model, tokenizer = vllm_model_path(export)
-        jobs.append({"model": model, "tokenizer": tokenizer, "max_model_len": 256})
+        jobs.append({"model": model, "tokenizer": tokenizer, "max_model_len": 256, "flags": extra})
     request = workdir / "request.json"
     request.write_text(
         json.dumps({"out_dir": str(workdir), "new_tokens": new_tokens, "prompts": prompts, "jobs": jobs})

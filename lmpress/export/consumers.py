@@ -26,6 +26,16 @@ def vllm_cpu_runs_wna16() -> bool:
     return bool(torch.cpu._is_avx512_supported())
 
 
+def vllm_cpu_runs_fp8_kv() -> bool:
+    """Whether vLLM's CPU build runs an FP8 KV cache (``kv_cache_dtype="fp8"``) on this host: its CPU attention
+    refuses one without AVX-512 or AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def vllm_refusal(info: dict[str, Any], cpu_wna16: bool | None = None) -> str | None:
     """Why vLLM refuses the artifact ``inspect_artifact`` described as ``info``, or None where it loads it.
 
@@ -59,6 +69,12 @@ def vllm_refusal(info: dict[str, Any], cpu_wna16: bool | None = None) -> str | N
                 f"{VLLM_VERSION} runs weight-only compressed-tensors at 4 bits only on the CPU (CPUWNA16): use 4-bit "
                 "weights, or W8A8 (smoothquant) / FP8"
             )
+    if info.get("kv_cache") and not vllm_cpu_runs_fp8_kv():
+        return (
+            f"{VLLM_VERSION} turns its FP8 KV cache on from the checkpoint's kv_cache_scheme and runs it only on "
+            "AVX-512 or AMX CPUs (FP8 KV cache on CPU requires x86 with AVX-512 or AMX); this CPU has neither: "
+            "serve it on a GPU or such a CPU, or export without kv_cache"
+        )
     if _needs_wna16(fmt, info) and not (vllm_cpu_runs_wna16() if cpu_wna16 is None else cpu_wna16):
         return (
             f"{VLLM_VERSION} runs 4-bit weight-only layers only on AVX-512 CPUs (cpu_gemm_wna16 is missing from its "
@@ -74,6 +90,13 @@ def _needs_wna16(fmt: str | None, info: dict[str, Any]) -> bool:
         return True
     weight_only = "float" in _values(info.get("activations")) or not info.get("activations")
     return fmt == "compressed-tensors" and 4 in _values(info.get("bits")) and weight_only and not info.get("fp4")
+
+
+def vllm_kv_cache_note(info: dict[str, Any]) -> str | None:
+    """How vLLM serves the calibrated FP8 KV cache an artifact ``info`` records (None without one)."""
+    if not info.get("kv_cache"):
+        return None
+    return "its FP8 KV cache on from kv_cache_scheme (as --kv-cache-dtype fp8), with the k_scale / v_scale"
 
 
 def vllm_fp4_note(info: dict[str, Any]) -> str | None:

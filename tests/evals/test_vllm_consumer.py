@@ -61,3 +61,46 @@ def test_vllm_runs_each_export_as_lmpress_does_or_refuses_what_inspect_predicts(
         return
     assert outcome.status == "agree", f"{outcome.status}: {outcome.detail}"
     assert {(r.side, r.against) for r in outcome.results} == {("vllm", "reference"), ("vllm", "runtime")}
+
+
+def test_vllm_runs_a_calibrated_fp8_kv_cache_export_where_its_cpu_build_can(tiny_llama_wide_dir, tmp_path):
+    """A W8A8 export with a calibrated FP8 KV cache (kv_cache_scheme, k_scale / v_scale), given to vLLM with no
+    flag: vLLM turns its FP8 cache on from the checkpoint and, on AVX-512 or AMX CPUs, agrees with lmpress's
+    evaluator on the quantized cache; elsewhere it refuses the export, as ``lmpress inspect`` predicts."""
+    from lmpress.evals.agreement import BFLOAT16_UNIT, compare, hf_side, logit_scale, read_side
+    from lmpress.evals.agreement_matrix import build_candidate, encode_prompts, scheme_named
+    from lmpress.evals.vllm_consumer import run_vllm, vllm_side
+    from lmpress.export.consumers import vllm_cpu_runs_fp8_kv
+    from lmpress.export.inspect import inspect_artifact
+    from lmpress.quantize.kv_cache import attach_kv_quant, calibrate_kv_scales, kv_quantized
+    from lmpress.registry import exporter
+    from lmpress.weights.kv_quant import KVScheme
+
+    if vllm_python() is None:
+        pytest.skip("vLLM's environment is not installed (docs/serving.md; set LMPRESS_VLLM_PYTHON)")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_wide_dir)
+    calibration = calibration_for(tokenizer)
+    candidate = build_candidate(
+        tiny_llama_wide_dir, scheme_named("W8A8 int8 (SmoothQuant)"), calibration, tmp_path / "state"
+    )
+    kv = calibrate_kv_scales(candidate, calibration, KVScheme("fp8", "tensor"))
+    attach_kv_quant(candidate, kv)
+    out = tmp_path / "export"
+    out.mkdir()
+    exporter("compressed-tensors")(candidate, tokenizer, out)
+    prompts = encode_prompts(tokenizer)
+    (answer,) = run_vllm([out], prompts, 8, tmp_path / "vllm")
+    verdict = inspect_artifact(out)["vllm"]
+    if not vllm_cpu_runs_fp8_kv():
+        assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in answer["error"]
+        assert verdict.startswith("refuses:") and "AVX-512 or AMX" in verdict
+        return
+    assert "error" not in answer, answer["error"]
+    assert verdict.startswith("loads") and "kv-cache-dtype fp8" in verdict
+    with kv_quantized(candidate, kv):
+        evaluator = hf_side("evaluator", candidate, BFLOAT16_UNIT)
+        want = read_side(evaluator, prompts, 8)
+        side = vllm_side(answer, prompts, 2.0**-4)  # E4M3 keeps 3 mantissa bits
+        got = read_side(side, prompts, 8)
+        result = compare(side, got, evaluator, want, prompts, logit_scale(want), evaluator.logits)
+    assert result.agrees, result
