@@ -2,6 +2,7 @@
 
     python bench/kv_cache.py                      # 2 windows of 8192 tokens: float, INT8, FP8 (tensor, head)
     python bench/kv_cache.py --windows 4 --seq-len 4096
+    python bench/kv_cache.py --rows float fp8-tensor-rotated   # re-measure rows; the table keeps the others
 
 Protocol: WikiText-2 test (builtin:wikitext2:test), the first ``--windows`` windows of ``--seq-len`` tokens (8192:
 SmolLM2's whole context), no BOS; the FP32 model, its attention reading each cache as lmpress's runtime holds it
@@ -31,11 +32,14 @@ from lmpress.quantize.kv_cache import calibrate_kv_scales, kv_cache_report, kv_q
 from lmpress.weights.kv_quant import KVScheme  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCHEMES = {
-    "float": None,
-    "int8": KVScheme("int8", "token"),
-    "fp8-tensor": KVScheme("fp8", "tensor"),
-    "fp8-head": KVScheme("fp8", "head"),
+SCHEMES = {  # row -> (scheme, rotate)
+    "float": (None, False),
+    "int8": (KVScheme("int8", "token"), False),
+    "fp8-tensor": (KVScheme("fp8", "tensor"), False),
+    "fp8-head": (KVScheme("fp8", "head"), False),
+    "int8-rotated": (KVScheme("int8", "token"), True),
+    "fp8-tensor-rotated": (KVScheme("fp8", "tensor"), True),
+    "fp8-head-rotated": (KVScheme("fp8", "head"), True),
 }
 
 
@@ -57,17 +61,21 @@ def main() -> None:
         CALIBRATION["seq_len"],
         CALIBRATION["seed"],
     )
-    rows = []
+    saved = RESULTS / "kv_cache.json"
+    protocol = {"windows": args.windows, "seq_len": args.seq_len}
+    kept = json.loads(saved.read_text()) if saved.is_file() else []
+    rows = [r for r in kept if r.get("protocol") == protocol and r["row"] not in args.rows]
     with Bars() as bars, torch.inference_mode():
         for name in args.rows:
-            scheme = SCHEMES[name]
+            scheme, rotate = SCHEMES[name]
             began = time.perf_counter()
-            kv = None if scheme is None else calibrate_kv_scales(model, calibration, scheme, bars)
+            kv = None if scheme is None else calibrate_kv_scales(model, calibration, scheme, bars, rotate=rotate)
             calibrated = time.perf_counter() - began
             with kv_quantized(model, kv):
                 result = perplexity(model, windows, config, bars)
             row = {
                 "row": name,
+                "protocol": protocol,
                 "scheme": "float32 cache" if kv is None else kv.describe(),
                 "ppl": result["ppl"],
                 "calibration_s": calibrated,
@@ -77,6 +85,7 @@ def main() -> None:
                 row |= kv_cache_report(kv, model)
             rows.append(row)
             bars.log(f"{name}: ppl {row['ppl']:.4f}")
+    rows.sort(key=lambda r: list(SCHEMES).index(r["row"]))
     base = next((r["ppl"] for r in rows if r["row"] == "float"), None)
     lines = [
         f"SmolLM2-135M-Instruct (FP32), WikiText-2 test, {args.windows} x {args.seq_len} tokens, "

@@ -127,6 +127,11 @@ def check_plan(recipe: Recipe, model: nn.Module) -> None:
         check_export_plan(fmt, model, targets)
     if recipe.kv_cache is not None:
         attention_configs(model)  # refuses a model whose attention lmpress cannot put a quantized cache under
+        if recipe.kv_cache.rotate and "compressed-tensors" in recipe.export.formats:
+            raise LmpressInputError(
+                "kv_cache.rotate: a compressed-tensors export would hand vLLM rotated-key scales it cannot use "
+                "(vLLM has no online rotation of queries and keys): drop rotate, or export another format"
+            )
 
 
 def teacher_loader(checkpoint: Path, dtype: str) -> Callable[[str | None], nn.Module]:
@@ -343,7 +348,9 @@ def run_recipe(
     if recipe.kv_cache is not None:
         with on_device(device, loaded.model):
             samples = calibration_of(recipe, loaded.tokenizer)()
-            kv = calibrate_kv_scales(loaded.model, samples, recipe.kv_cache.scheme(), bars)
+            kv = calibrate_kv_scales(
+                loaded.model, samples, recipe.kv_cache.scheme(), bars, rotate=recipe.kv_cache.rotate
+            )
         attach_kv_quant(loaded.model, kv)  # the exports write it where their format has a place for it
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)

@@ -35,6 +35,11 @@ def kv_cache_scheme(kv: KVQuant | None) -> dict[str, Any] | None:
     """compressed-tensors' ``kv_cache_scheme`` (``QuantizationArgs``) of ``kv``; None where it has none."""
     if kv is None or not kv.scheme.static:
         return None
+    if kv.rotate:
+        raise LmpressInputError(
+            "compressed-tensors: the KV cache's scales are of Hadamard-rotated keys (kv_cache.rotate), which "
+            "vLLM does not rotate: export without rotate"
+        )
     return {
         "num_bits": 8,
         "type": "float",

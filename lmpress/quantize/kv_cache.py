@@ -25,7 +25,14 @@ from torch import nn
 from lmpress.errors import LmpressInputError
 from lmpress.progress import QUIET, Bars
 from lmpress.registry import StrictConfig
-from lmpress.weights.kv_quant import SCALES_OF, KVQuant, KVScheme, fake_quantize_kv, fp8_scale_from_amax
+from lmpress.weights.kv_quant import (
+    SCALES_OF,
+    KVQuant,
+    KVScheme,
+    fake_quantize_kv,
+    fp8_scale_from_amax,
+    key_rotation,
+)
 
 
 class KVCacheConfig(StrictConfig):
@@ -36,10 +43,12 @@ class KVCacheConfig(StrictConfig):
         kv_cache: {dtype: fp8, scales: tensor}   # E4M3, one static scale per layer (vLLM's k_scale / v_scale)
         kv_cache: {dtype: fp8, scales: head}     # one per layer and KV head
         kv_cache: {dtype: int8}                  # int8, a scale per token and head, computed as it is written
+        kv_cache: {dtype: fp8, rotate: true}     # queries and keys Hadamard-rotated first (lmpress's runtime)
     """
 
     dtype: Literal["fp8", "int8"]
     scales: Literal["tensor", "head", "token"] | None = None  # default: fp8 tensor, int8 token
+    rotate: bool = False  # KVQuant.rotate: served by lmpress's runtime; vLLM has no such online rotation
 
     @model_validator(mode="after")
     def _scales_fit(self) -> KVCacheConfig:
@@ -58,6 +67,17 @@ OBSERVED_KV_ATTENTION = "lmpress_observed_kv"
 _KV = "_lmpress_kv_quant"  # on an attention config: the KVQuant its kernel applies
 _INNER = "_lmpress_kv_inner"  # on an attention config: the kernel lmpress's runs in front of
 _SEEN = "_lmpress_kv_seen"  # on an attention config, while calibrating: {layer: [key amax, value amax]}
+_ROTATE = "_lmpress_kv_rotate"  # on an attention config, while calibrating: keys observed Hadamard-rotated
+
+
+def rotate_queries_and_keys(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q @ H, k @ H)`` (``KVQuant.rotate``): the same scores, a key's outlier channels spread over all."""
+    if query.shape[-1] != key.shape[-1]:
+        raise LmpressInputError(
+            f"kv_cache.rotate: queries {query.shape[-1]} wide and keys {key.shape[-1]} wide cannot share a rotation"
+        )
+    h = key_rotation(key.shape[-1], key.device, key.dtype)
+    return query @ h, key @ h
 
 
 def attention_configs(model: nn.Module) -> list[Any]:
@@ -90,6 +110,8 @@ def quantized_kv_attention(
     """The model's own attention kernel over keys and values as the quantized cache holds them."""
     config = module.config
     kv: KVQuant = getattr(config, _KV)
+    if kv.rotate:
+        query, key = rotate_queries_and_keys(query, key)
     k_scale, v_scale = kv.scales_of(module.layer_idx)
     key = fake_quantize_kv(key, kv.scheme, k_scale)
     value = fake_quantize_kv(value, kv.scheme, v_scale)
@@ -101,6 +123,8 @@ def observed_kv_attention(
 ) -> Any:
     """The model's own attention kernel, recording the largest |key| and |value| per KV head on the way."""
     config = module.config
+    if getattr(config, _ROTATE):
+        query, key = rotate_queries_and_keys(query, key)
     seen = getattr(config, _SEEN)
     k_amax, v_amax = key.detach().abs().float().amax((0, 2, 3)), value.detach().abs().float().amax((0, 2, 3))
     if not (torch.isfinite(k_amax).all() and torch.isfinite(v_amax).all()):
@@ -193,16 +217,22 @@ def kv_cache_report(kv: KVQuant, model: nn.Module) -> dict[str, Any]:
 
 @torch.no_grad()
 def calibrate_kv_scales(
-    model: nn.Module, samples: torch.Tensor, scheme: KVScheme, bars: Bars = QUIET, batch_size: int = 8
+    model: nn.Module,
+    samples: torch.Tensor,
+    scheme: KVScheme,
+    bars: Bars = QUIET,
+    batch_size: int = 8,
+    rotate: bool = False,
 ) -> KVQuant:
-    """FP8's static scales of every layer from the calibration ``samples`` ``(n, seq_len)``; a dynamic scheme
-    (int8, per token) needs none and returns as it is."""
+    """FP8's static scales of every layer from the calibration ``samples`` ``(n, seq_len)`` (of the rotated keys
+    with ``rotate``); a dynamic scheme (int8, per token) needs none and returns as it is."""
     if not scheme.static:
-        return KVQuant(scheme)
+        return KVQuant(scheme, rotate=rotate)
     if samples.numel() == 0:
         raise LmpressInputError("KV cache calibration: the calibration set holds no tokens")
     device = next(model.parameters()).device
-    with _kernel_in_front(model, OBSERVED_KV_ATTENTION, observed_kv_attention, **{_SEEN: {}}) as configs:
+    observing = {_SEEN: {}, _ROTATE: rotate}
+    with _kernel_in_front(model, OBSERVED_KV_ATTENTION, observed_kv_attention, **observing) as configs:
         starts = range(0, len(samples), batch_size)
         for start in bars.track(starts, "KV cache scales", total=len(starts)):
             model(input_ids=samples[start : start + batch_size].to(device), use_cache=False)
@@ -219,4 +249,4 @@ def calibrate_kv_scales(
     def scale(amax: torch.Tensor) -> torch.Tensor:
         return fp8_scale_from_amax(amax.amax().reshape(1) if scheme.scales == "tensor" else amax).cpu()
 
-    return KVQuant(scheme, [scale(seen[i][0]) for i in layers], [scale(seen[i][1]) for i in layers])
+    return KVQuant(scheme, [scale(seen[i][0]) for i in layers], [scale(seen[i][1]) for i in layers], rotate)

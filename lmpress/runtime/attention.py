@@ -173,6 +173,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, : self.n_heads]), self.k_norm(qk[:, :, self.n_heads :])), dim=2)
         qk = apply_rope(qk.transpose(1, 2), cos, sin)  # queries and keys rotated in one go
+        if cache.rotation is not None:  # a quantized cache's Hadamard turn of queries and keys (KVQuant.rotate)
+            qk = qk @ cache.rotation
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         keys, values = cache.update(layer, k, v.transpose(1, 2))
         out = attend(q, keys, values, mask, cache, self.scale, self.softcap, self.sinks, self.slots_kernel)

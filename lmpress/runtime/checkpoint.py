@@ -193,6 +193,7 @@ def load_checkpoint(
     build = Build(dtype, kernels, map_embedding=device.type == "cpu", cpu_activations=cpu_activations)
     with torch.no_grad():
         model = Transformer(ModelArgs.from_config(config), source, build).eval()
+    model = model.to(device)
     quantization = getattr(config, "quantization_config", None)
     model.kv_quant = read_kv_quant(quantization, source._tensor, model.args.n_layers)  # a checkpoint's static cache
-    return model.to(device)
+    return model

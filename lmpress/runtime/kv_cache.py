@@ -38,13 +38,14 @@ class KVCache:
         device: torch.device | str = "cpu",
         v_head_dim: int | None = None,
         kv: KVQuant | None = None,
+        rotation: torch.Tensor | None = None,
     ) -> None:
         shape = (batch, n_kv_heads, max_len, head_dim)
         v_shape = (batch, n_kv_heads, max_len, v_head_dim or head_dim)  # narrower values: DeepSeek's
         stored = dtype if kv is None else kv.scheme.code_dtype
         self.k = [torch.zeros(shape, dtype=stored, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(v_shape, dtype=stored, device=device) for _ in range(n_layers)]
-        self.kv, self.dtype = kv, dtype
+        self.kv, self.dtype, self.rotation = kv, dtype, rotation  # rotation: queries and keys turned first
         self.k_scales, self.v_scales = _scales(kv, n_layers, batch, n_kv_heads, max_len, device)
         pad = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to(torch.long)
         self.pad = pad.to(device)
@@ -158,10 +159,11 @@ class StaticSlots:
         pos: torch.Tensor,
         scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], []),
         kv: KVQuant | None = None,
+        rotation: torch.Tensor | None = None,
     ) -> None:
         self.k, self.v, self.pos = k, v, pos
         self.k_scales, self.v_scales = scales
-        self.kv = kv
+        self.kv, self.rotation = kv, rotation
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv is None:

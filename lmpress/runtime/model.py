@@ -33,7 +33,7 @@ from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
 from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.linears import Build, copy_norm, runtime_linear
 from lmpress.runtime.mapped_embedding import MappedEmbedding
-from lmpress.weights.kv_quant import KVQuant
+from lmpress.weights.kv_quant import KVQuant, key_rotation
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
@@ -213,7 +213,8 @@ class Transformer(nn.Module):
         if mapped and getattr(self.output, "weight", None) is not self.tok_embeddings.weight:
             self.tok_embeddings = MappedEmbedding(embedding)  # untied: a step needs only its tokens' rows
         self.output_tokens: torch.Tensor | None = None  # token id of each output row, where not all (a draft's)
-        self.kv_quant: KVQuant | None = None  # the cache ``new_cache`` makes: float, or quantized (kv_quant.py)
+        self._kv_quant: KVQuant | None = None  # the cache ``new_cache`` makes: float, or quantized (kv_quant.py)
+        self.kv_rotation: torch.Tensor | None = None  # KVQuant.rotate's matrix, on the model's device
         # One cos/sin table per RoPE setting: rope_cos/rope_sin, and rope_cos_1... for Gemma 3's other layer type.
         self.rope_of_kind = {kind: i for i, kind in enumerate(dict.fromkeys(args.kinds))}
         for kind, i in self.rope_of_kind.items() or {None: 0}.items():
@@ -270,6 +271,23 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.rope_cos.device
 
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        """How the caches ``new_cache`` makes are quantized (None: the model's dtype); set it after moving the
+        model to its device."""
+        return self._kv_quant
+
+    @kv_quant.setter
+    def kv_quant(self, kv: KVQuant | None) -> None:
+        rotation = None
+        if kv is not None and kv.rotate:
+            if any(isinstance(block.attention, LatentAttention) for block in self.layers):
+                raise LmpressInputError(
+                    "kv_cache.rotate: latent attention (DeepSeek) caches no per-head keys to rotate"
+                )
+            rotation = key_rotation(self.args.head_dim, self.device, self.dtype)
+        self._kv_quant, self.kv_rotation = kv, rotation
+
     def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
         """A cache for ``batch`` rows of at most ``max_len`` tokens (at most the model's context), quantized as
         ``kv_quant`` says."""
@@ -287,6 +305,7 @@ class Transformer(nn.Module):
             self.device,
             args.v_head_dim,
             self.kv_quant,
+            self.kv_rotation,
         )
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -317,7 +336,7 @@ class Transformer(nn.Module):
         max_len = k[0].shape[2]
         masks = {window: static_slots_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
         positions = (pos[None, :] - pad[:, None]).clamp(min=0)
-        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, scales, self.kv_quant))
+        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, scales, self.kv_quant, self.kv_rotation))
 
     def _run(
         self,

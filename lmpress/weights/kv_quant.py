@@ -119,11 +119,17 @@ def cache_bytes_per_token(
 @dataclass
 class KVQuant:
     """A model's quantized cache: its scheme and, for a static one, each layer's key and value scales (None:
-    scale 1 everywhere, as vLLM runs an uncalibrated FP8 cache)."""
+    scale 1 everywhere, as vLLM runs an uncalibrated FP8 cache).
+
+    ``rotate``: queries and keys are turned by the normalized Hadamard matrix of the head's width after RoPE
+    (QuaRot's online rotation of attention, its R3 in SpinQuant's naming), so the cache stores ``k @ H``; the
+    scores ``(q @ H) · (k @ H)`` are unchanged, while a key's outlier channels spread over every channel, which
+    is what a float format's relative rounding of the largest entries costs most (measured: docs)."""
 
     scheme: KVScheme
     k_scales: list[torch.Tensor] | None = None
     v_scales: list[torch.Tensor] | None = None
+    rotate: bool = False
 
     def scales_of(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.k_scales is None or self.v_scales is None:
@@ -132,4 +138,11 @@ class KVQuant:
 
     def describe(self) -> str:
         calibrated = "" if not self.scheme.static else (", calibrated" if self.k_scales else ", scale 1")
-        return self.scheme.describe() + calibrated
+        return self.scheme.describe() + calibrated + (", q/k Hadamard-rotated" if self.rotate else "")
+
+
+def key_rotation(width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """The orthogonal matrix ``KVQuant.rotate`` turns queries and keys by (``x @ H``)."""
+    from lmpress.weights.hadamard import hadamard_matrix
+
+    return hadamard_matrix(width).to(device=device, dtype=dtype)

@@ -73,6 +73,38 @@ def test_the_evaluator_and_the_runtime_read_the_same_quantized_cache(scheme):
         torch.testing.assert_close(steps, evaluator[:, 30:], rtol=0, atol=1e-3)
 
 
+def test_rotating_queries_and_keys_changes_no_score():
+    """KVQuant.rotate turns queries and keys by one orthogonal matrix: with a float cache the logits stay."""
+    from lmpress.quantize.kv_cache import rotate_queries_and_keys
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 32, generator=g), torch.randn(2, 4, 9, 32, generator=g)
+    rq, rk = rotate_queries_and_keys(q, k)
+    torch.testing.assert_close(rq @ rk.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=0, atol=1e-5)
+    assert float((rk - k).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.dtype}-{s.scales}")
+def test_a_rotated_cache_reads_the_same_in_the_evaluator_and_the_runtime(scheme):
+    hf = tiny_hf_model("llama")
+    tokens = ids()
+    kv = calibrate_kv_scales(hf, tokens, scheme, rotate=True)
+    assert kv.rotate
+    with torch.no_grad(), kv_quantized(hf, kv):
+        evaluator = hf(tokens).logits
+        runtime = Transformer.sharing(hf)
+    prefill = model_forward(runtime, tokens, runtime.new_cache(2, 64))
+    torch.testing.assert_close(prefill, evaluator, rtol=0, atol=1e-5)
+    cache = runtime.new_cache(2, 64)
+    model_forward(runtime, tokens[:, :30], cache)
+    steps = torch.cat([static_forward()(runtime, tokens[:, i : i + 1], cache) for i in range(30, 40)], dim=1)
+    torch.testing.assert_close(steps, evaluator[:, 30:], rtol=0, atol=1e-3)
+    if scheme.static:  # the scales are the rotated keys' (values are not rotated)
+        plain = calibrate_kv_scales(hf, tokens, scheme)
+        assert not torch.equal(kv.k_scales[0], plain.k_scales[0])
+        torch.testing.assert_close(kv.v_scales[0], plain.v_scales[0])
+
+
 def test_the_runtime_cache_stores_codes_and_says_its_bytes_per_token():
     runtime = Transformer.from_hf(tiny_hf_model("llama"))
     float_cache = runtime.new_cache(1, 64)
@@ -151,7 +183,7 @@ def test_the_quantized_attention_quantizes_keys_after_rope():
 
 
 def kv_recipe(tmp_path, model_dir, kv_cache, **changes) -> str:
-    recipe = {
+    recipe: dict = {
         "model": str(model_dir),
         "data": {"source": "builtin:python-docs", "samples": 4, "seq_len": 64},
         "stages": [{"method": "rtn", "bits": 8, "group_size": 32}],
@@ -186,10 +218,17 @@ def test_a_recipe_with_an_fp8_kv_cache_scores_and_reports_it(tiny_llama_dir, tmp
         ({"dtype": "int4"}, "kv_cache.dtype: 'int4' is not one of 'fp8', 'int8'"),
         ({"dtype": "int8", "scales": "tensor"}, "kv_cache: an int8 KV cache takes scales token, not 'tensor'"),
         ({"dtype": "fp8", "group": 4}, "kv_cache.group: unknown key"),
+        (
+            {"dtype": "fp8", "rotate": True, "EXPORT": ["compressed-tensors"]},
+            "kv_cache.rotate: a compressed-tensors export would hand vLLM rotated-key scales",
+        ),
     ],
 )
 def test_a_bad_kv_cache_section_exits_2_with_one_line(tiny_llama_dir, tmp_path, capsys, kv_cache, message):
-    assert main(["run", kv_recipe(tmp_path, tiny_llama_dir, kv_cache), "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    kv_cache = dict(kv_cache)
+    export = {"formats": kv_cache.pop("EXPORT", ["hf"])}
+    recipe = kv_recipe(tmp_path, tiny_llama_dir, kv_cache, export=export)
+    assert main(["run", recipe, "--out", str(tmp_path / "r"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "r").exists()
