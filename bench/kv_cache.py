@@ -40,6 +40,8 @@ SCHEMES = {  # row -> (scheme, rotate)
     "int8-rotated": (KVScheme("int8", "token"), True),
     "fp8-tensor-rotated": (KVScheme("fp8", "tensor"), True),
     "fp8-head-rotated": (KVScheme("fp8", "head"), True),
+    "int4": (KVScheme("int4", "token"), False),
+    "int4-rotated": (KVScheme("int4", "token"), True),
 }
 
 

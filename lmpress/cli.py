@@ -67,8 +67,8 @@ def add_activations_argument(parser: argparse.ArgumentParser) -> None:
 def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache",
-        choices=["int8", "fp8"],
-        help="quantize the KV cache: int8 (a scale per token and head) or fp8 (E4M3, scale 1 as vLLM's "
+        choices=["int8", "int4", "fp8"],
+        help="quantize the KV cache: int8 or int4 (scales per token and head) or fp8 (E4M3, scale 1 as vLLM's "
         "uncalibrated fp8 cache; a recipe's kv_cache: calibrates the scales); default: the model's dtype",
     )
 

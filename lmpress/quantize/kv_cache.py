@@ -44,10 +44,11 @@ class KVCacheConfig(StrictConfig):
         kv_cache: {dtype: fp8, scales: head}     # one per layer and KV head
         kv_cache: {dtype: int8}                  # int8, a scale per token and head, computed as it is written
         kv_cache: {dtype: fp8, rotate: true}     # queries and keys Hadamard-rotated first (lmpress's runtime)
+        kv_cache: {dtype: int4, rotate: true}    # 4-bit, step and minimum per token and head (QuaRot's KV cache)
     """
 
-    dtype: Literal["fp8", "int8"]
-    scales: Literal["tensor", "head", "token"] | None = None  # default: fp8 tensor, int8 token
+    dtype: Literal["fp8", "int8", "int4"]
+    scales: Literal["tensor", "head", "token"] | None = None  # default: fp8 tensor, int8 and int4 token
     rotate: bool = False  # KVQuant.rotate: served by lmpress's runtime; vLLM has no such online rotation
 
     @model_validator(mode="after")

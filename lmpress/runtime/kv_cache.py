@@ -40,8 +40,10 @@ class KVCache:
         kv: KVQuant | None = None,
         rotation: torch.Tensor | None = None,
     ) -> None:
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        v_shape = (batch, n_kv_heads, max_len, v_head_dim or head_dim)  # narrower values: DeepSeek's
+        widths = (head_dim, v_head_dim or head_dim)  # narrower values: DeepSeek's
+        if kv is not None:
+            widths = tuple(kv.scheme.code_width(w) for w in widths)
+        shape, v_shape = ((batch, n_kv_heads, max_len, w) for w in widths)
         stored = dtype if kv is None else kv.scheme.code_dtype
         self.k = [torch.zeros(shape, dtype=stored, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(v_shape, dtype=stored, device=device) for _ in range(n_layers)]
@@ -120,9 +122,9 @@ def _scales(
     if kv is None:
         return [], []
     if not kv.scheme.static:
-        shape = (batch, kv_heads, max_len, 1)
-        return [torch.ones(shape, device=device) for _ in range(n_layers)], [
-            torch.ones(shape, device=device) for _ in range(n_layers)
+        shape, dtype = (batch, kv_heads, max_len, kv.scheme.scale_width), kv.scheme.scale_dtype
+        return [torch.ones(shape, dtype=dtype, device=device) for _ in range(n_layers)], [
+            torch.ones(shape, dtype=dtype, device=device) for _ in range(n_layers)
         ]
     ones = [torch.ones(1, device=device) for _ in range(n_layers)]
     k_scales = kv.k_scales or ones
@@ -180,7 +182,7 @@ class StaticSlots:
         new_codes, new_scale = quantize_kv(x, scheme, scale if scheme.static else None)
         codes.view(torch.uint8).index_copy_(2, self.pos, new_codes.view(torch.uint8))  # no float8 index_copy_
         if not scheme.static:
-            scale.index_copy_(2, self.pos, new_scale)
+            scale.index_copy_(2, self.pos, new_scale.to(scale.dtype))
         return dequantize_kv(codes, scale, scheme, x.dtype)
 
 

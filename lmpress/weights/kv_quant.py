@@ -5,6 +5,10 @@ attention reads). Two schemes:
 
 - ``int8``: symmetric int8 codes with one float32 scale per token and head, ``s = max|x| / 127``, computed as
   each token is written (dynamic: nothing to calibrate). 64 + 4 bytes per 64-wide vector where float32 takes 256.
+- ``int4``: asymmetric 4-bit codes, two a byte, with a float16 step and minimum per token and head,
+  ``s = (max - min) / 15`` (QuaRot's KV cache: per token and head after the Hadamard rotation of keys, which
+  spreads the outlier channels KIVI quantizes keys per channel for; ``rotate`` in ``KVQuant``). 32 + 4 bytes
+  per 64-wide vector.
 - ``fp8``: E4M3 codes ``cast(x / s)`` under a static scale per layer (``scales: tensor``) or per layer and KV head
   (``scales: head``), calibrated as ``s = max|x| / 448`` over the calibration set: llm-compressor's
   ``kv_cache_scheme`` (static, min/max observer) and the ``k_scale`` / ``v_scale`` vLLM reads. Without calibrated
@@ -24,10 +28,11 @@ import torch
 
 from lmpress.weights.float8 import FP8_MAX, require_float8
 
-KVDtype = Literal["int8", "fp8"]
+KVDtype = Literal["int8", "int4", "fp8"]
 KVScales = Literal["token", "tensor", "head"]
 INT8_MAX = 127.0
-SCALES_OF = {"int8": ("token",), "fp8": ("tensor", "head")}
+INT4_LEVELS = 15.0
+SCALES_OF = {"int8": ("token",), "int4": ("token",), "fp8": ("tensor", "head")}
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,21 @@ class KVScheme:
 
     @property
     def code_dtype(self) -> torch.dtype:
-        return torch.int8 if self.dtype == "int8" else require_float8("fp8 KV cache")
+        codes = {"int8": torch.int8, "int4": torch.uint8}  # int4: two codes a byte
+        return codes[self.dtype] if self.dtype in codes else require_float8("fp8 KV cache")
+
+    def code_width(self, width: int) -> int:
+        """Stored codes per vector of ``width`` entries."""
+        return width // 2 if self.dtype == "int4" else width
+
+    @property
+    def scale_width(self) -> int:
+        """Per-token scale entries (int8: the step; int4: step and minimum); 0 for static scales."""
+        return {"int8": 1, "int4": 2}.get(self.dtype, 0)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float16 if self.dtype == "int4" else torch.float32
 
     def describe(self) -> str:
         where = "per token and head" if self.scales == "token" else f"static per {self.scales}"
@@ -60,7 +79,7 @@ class KVScheme:
 
     def bytes_per_vector(self, width: int) -> int:
         """Bytes one token's key (or value) of one KV head takes: codes, plus its scale where it has its own."""
-        return width + (4 if self.scales == "token" else 0)
+        return self.code_width(width) + self.scale_width * torch.empty((), dtype=self.scale_dtype).element_size()
 
 
 def static_scale_shape(scheme: KVScheme, kv_heads: int) -> tuple[int, ...]:
@@ -79,8 +98,12 @@ def quantize_kv(
     """Codes and scales of entries ``x`` ``(batch, kv_heads, n, width)``.
 
     int8: codes int8, scales ``(batch, kv_heads, n, 1)`` float32 (a token of zeros takes scale 1).
+    int4: codes uint8 ``(batch, kv_heads, n, width / 2)``, two a byte (the even entry low), scales float16
+    ``(batch, kv_heads, n, 2)``: step and minimum.
     fp8: codes E4M3 under ``scale`` (``static_scale_shape``; None: 1), returned as the scales."""
     x = x.float()
+    if scheme.dtype == "int4":
+        return _quantize_int4(x)
     if scheme.dtype == "int8":
         s = x.abs().amax(-1, keepdim=True) / INT8_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
@@ -89,8 +112,29 @@ def quantize_kv(
     return (x / _broadcast(scale)).clamp_(-FP8_MAX, FP8_MAX).to(scheme.code_dtype), scale
 
 
+def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes ``(..., width / 2)`` and float16 ``[step, minimum]`` ``(..., 2)`` per vector; the codes are
+    rounded against the float16 step and minimum that are stored, so dequantizing gives what they encode."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"an int4 KV cache packs two codes a byte: width {x.shape[-1]} is odd")
+    low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    step = ((high - low) / INT4_LEVELS).half().float()
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    low = low.half().float()
+    codes = torch.round((x - low) / step).clamp_(0, INT4_LEVELS).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), torch.cat((step, low), -1).half()
+
+
+def _dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    codes = torch.stack((packed & 0x0F, packed >> 4), -1).flatten(-2).float()
+    scales = scales.float()
+    return codes * scales[..., :1] + scales[..., 1:]
+
+
 def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, scheme: KVScheme, dtype: torch.dtype) -> torch.Tensor:
     """Entries from ``quantize_kv``'s codes and scales, in ``dtype``."""
+    if scheme.dtype == "int4":
+        return _dequantize_int4(codes, scale).to(dtype)
     s = scale if scheme.scales == "token" else _broadcast(scale)
     return (codes.float() * s).to(dtype)
 

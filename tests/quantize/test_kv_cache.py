@@ -17,7 +17,7 @@ from lmpress.runtime.model import Transformer
 from lmpress.weights.kv_quant import KVQuant, KVScheme, fake_quantize_kv
 from tests.runtime.conftest import tiny_hf_model
 
-SCHEMES = [KVScheme("int8", "token"), KVScheme("fp8", "tensor"), KVScheme("fp8", "head")]
+SCHEMES = [KVScheme("int8", "token"), KVScheme("int4", "token"), KVScheme("fp8", "tensor"), KVScheme("fp8", "head")]
 
 
 def ids(n: int = 40, batch: int = 2, seed: int = 0) -> torch.Tensor:
@@ -215,7 +215,7 @@ def test_a_recipe_with_an_fp8_kv_cache_scores_and_reports_it(tiny_llama_dir, tmp
 @pytest.mark.parametrize(
     ("kv_cache", "message"),
     [
-        ({"dtype": "int4"}, "kv_cache.dtype: 'int4' is not one of 'fp8', 'int8'"),
+        ({"dtype": "int2"}, "kv_cache.dtype: 'int2' is not one of 'fp8', 'int8', 'int4'"),
         ({"dtype": "int8", "scales": "tensor"}, "kv_cache: an int8 KV cache takes scales token, not 'tensor'"),
         ({"dtype": "fp8", "group": 4}, "kv_cache.group: unknown key"),
         (
@@ -249,5 +249,5 @@ def test_generate_with_a_quantized_cache_from_the_command_line(tiny_llama_dir, c
         expected = generate(Transformer.sharing(hf), prompt, max_new_tokens=6)[0]
     assert text == tokenizer.decode(expected)
     with pytest.raises(SystemExit) as refused:  # argparse's own refusal: one line naming the choices
-        main([*args, "--kv-cache", "int4"])
-    assert refused.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+        main([*args, "--kv-cache", "int2"])
+    assert refused.value.code == 2 and "invalid choice: 'int2'" in capsys.readouterr().err

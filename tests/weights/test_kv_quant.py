@@ -16,7 +16,7 @@ from lmpress.weights.kv_quant import (
     quantize_kv,
 )
 
-SCHEMES = [KVScheme("int8", "token"), KVScheme("fp8", "tensor"), KVScheme("fp8", "head")]
+SCHEMES = [KVScheme("int8", "token"), KVScheme("int4", "token"), KVScheme("fp8", "tensor"), KVScheme("fp8", "head")]
 
 
 def entries(seed: int = 0) -> torch.Tensor:
@@ -69,14 +69,30 @@ def test_each_scheme_keeps_its_error_bound_and_is_idempotent(scheme):
     error = (x - y).abs()
     if scheme.dtype == "int8":  # a uniform grid: within half a step of the token's scale
         bound = x.abs().amax(-1, keepdim=True) / 127 / 2
+    elif scheme.dtype == "int4":  # 16 levels from the token's minimum to its maximum (float16 step: +0.1%)
+        span = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
+        bound = span / 15 / 2 * 1.002
     else:  # E4M3, 3 mantissa bits: half an ulp, 2^-4 relative; below 2^-6 (subnormal) half of 2^-9, absolute
         s = scale.view(1, -1, 1, 1)
         bound = torch.maximum(x.abs() * 2**-4, s * 2**-10)
     assert (error <= bound * (1 + 1e-6)).all()
-    assert sqnr_db(x, y) > (35.0 if scheme.dtype == "int8" else 25.0)  # and well inside it on average
+    assert sqnr_db(x, y) > {"int8": 35.0, "int4": 12.0, "fp8": 25.0}[scheme.dtype]  # and well inside on average
     assert torch.equal(fake_quantize_kv(y, scheme, scale), y)
     codes, s = quantize_kv(x, scheme, scale)
     assert torch.equal(dequantize_kv(codes, s, scheme, torch.float32), y)
+
+
+def test_int4_codes_are_packed_two_a_byte_against_the_stored_float16_step_and_minimum():
+    x = entries()
+    codes, scales = quantize_kv(x, KVScheme("int4", "token"))
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 7, 32) and scales.dtype == torch.float16
+    v = x[1, 2, 4].double()
+    step, low = scales[1, 2, 4].double()
+    assert step.item() == pytest.approx(((v.max() - v.min()) / 15).item(), rel=1e-3)
+    assert low.item() == pytest.approx(v.min().item(), rel=1e-3)
+    want = torch.round((v - low) / step).clamp(0, 15).long()
+    got = torch.stack([codes[1, 2, 4] & 15, codes[1, 2, 4] >> 4], -1).flatten().long()
+    assert torch.equal(got, want) and int(want.min()) == 0 and int(want.max()) == 15
 
 
 def test_an_uncalibrated_fp8_cache_takes_scale_one_as_vllm_does():
@@ -103,3 +119,4 @@ def test_bytes_per_token_of_smollm2_shapes():
     assert cache_bytes_per_token(None, 30, 3, 64, 64, 2) == 23040  # bfloat16
     assert cache_bytes_per_token(KVScheme("fp8", "tensor"), 30, 3, 64, 64, 4) == 11520  # 0.5x bf16
     assert cache_bytes_per_token(KVScheme("int8", "token"), 30, 3, 64, 64, 4) == 12240  # codes + a float32 scale
+    assert cache_bytes_per_token(KVScheme("int4", "token"), 30, 3, 64, 64, 4) == 6480  # 0.28x bf16
