@@ -8,7 +8,7 @@ Protocol: WikiText-2 test (builtin:wikitext2:test), the first ``--windows`` wind
 SmolLM2's whole context), no BOS; the FP32 model, its attention reading each cache as lmpress's runtime holds it
 (``lmpress.quantize.kv_cache.kv_quantized``). FP8's static scales are calibrated on 128 x 512 tokens of
 wiki.valid.tokens (seed 0), the recipe default, and each scheme's Δ is against the float cache of the same model.
-Writes bench/results/kv_cache.md and .json.
+Writes bench/results/kv_cache.md and .json, and the table into docs/results.md ("Quantized KV cache").
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmpress, before an installed one
 from quant_table import CALIBRATION, SMOLLM2, cpu_description  # noqa: E402
+from readme_block import write_readme_block  # noqa: E402
 
 from lmpress.data import calibration_samples, load_text, tokenize  # noqa: E402
 from lmpress.evals.perplexity import PerplexityConfig, perplexity  # noqa: E402
@@ -104,6 +105,7 @@ def main() -> None:
         lines.append(f"| {r['scheme']} | {r['ppl']:.4f} | {delta} | {size} | {ratio} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_cache.md").write_text("\n".join(lines) + "\n")
+    write_readme_block("kv-cache", "Quantized KV cache", "\n".join(lines[2:] + ["", lines[0]]))
     (RESULTS / "kv_cache.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n".join(lines))
 
