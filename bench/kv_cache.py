@@ -6,7 +6,7 @@
 
 Protocol: WikiText-2 test (builtin:wikitext2:test), the first ``--windows`` windows of ``--seq-len`` tokens (8192:
 SmolLM2's whole context), no BOS; the FP32 model, its attention reading each cache as lmpress's runtime holds it
-(``lmpress.quantize.kv_cache.kv_quantized``). FP8's static scales are calibrated on 128 x 512 tokens of
+(``lmpress.quantize.kv_attention.kv_quantized``). FP8's static scales are calibrated on 128 x 512 tokens of
 wiki.valid.tokens (seed 0), the recipe default, and each scheme's Δ is against the float cache of the same model.
 Writes bench/results/kv_cache.md and .json, and the table into docs/results.md ("Quantized KV cache").
 """
@@ -29,7 +29,7 @@ from lmpress.data import calibration_samples, load_text, tokenize  # noqa: E402
 from lmpress.evals.perplexity import PerplexityConfig, perplexity  # noqa: E402
 from lmpress.loader import load_model  # noqa: E402
 from lmpress.progress import Bars  # noqa: E402
-from lmpress.quantize.kv_cache import calibrate_kv_scales, kv_cache_report, kv_quantized  # noqa: E402
+from lmpress.quantize.kv_attention import calibrate_kv_scales, kv_cache_report, kv_quantized  # noqa: E402
 from lmpress.weights.kv_quant import KVScheme  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

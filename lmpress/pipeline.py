@@ -51,7 +51,7 @@ from lmpress.placement import (
     resolve_device,
 )
 from lmpress.progress import QUIET, Bars
-from lmpress.quantize.kv_cache import (
+from lmpress.quantize.kv_attention import (
     attach_kv_quant,
     attention_configs,
     calibrate_kv_scales,

@@ -29,7 +29,7 @@ from pydantic import BaseModel, NonNegativeInt, PositiveInt, ValidationError, fi
 from lmpress.errors import LmpressInputError
 from lmpress.evals.gates import Gate, available_metrics, parse_gate
 from lmpress.evals.speed import SpeedSpec
-from lmpress.quantize.kv_cache import KVCacheConfig
+from lmpress.quantize.kv_attention import KVCacheConfig
 from lmpress.registry import (
     EvalConfig,
     StageConfig,

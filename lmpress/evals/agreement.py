@@ -289,7 +289,7 @@ def check_runtime_agreement(
     CUDA in bfloat16, as its kernels there do (``load_runtime``), so the CPU's kernels are never built there.
     With ``kv`` both read a cache quantized so (the evaluator's attention under ``kv_quantized``)."""
     from lmpress.errors import LmpressInputError
-    from lmpress.quantize.kv_cache import kv_quantized
+    from lmpress.quantize.kv_attention import kv_quantized
     from lmpress.runtime.text import load_runtime
 
     with kv_quantized(evaluator, kv):

@@ -64,7 +64,7 @@ from lmpress.export.fp4_tensors import (
     read_fp4,
 )
 from lmpress.export.kv_cache_tensors import kv_cache_scheme, kv_scale_tensors
-from lmpress.quantize.kv_cache import kv_quant_of
+from lmpress.quantize.kv_attention import kv_quant_of
 from lmpress.registry import ExportFormat, register_format
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
 from lmpress.weights.fp4 import Fp4Linear, Fp4Weight, fp4_layers

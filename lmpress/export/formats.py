@@ -25,7 +25,7 @@ from torch import nn
 from lmpress.checkpoint_files import CONFIG_NAME, SAFETENSORS_NAME, quantized_format, read_config, read_tensors
 from lmpress.errors import LmpressInputError
 from lmpress.export.kv_cache_tensors import SCALE_SUFFIXES, read_kv_quant
-from lmpress.quantize.kv_cache import attach_kv_quant
+from lmpress.quantize.kv_attention import attach_kv_quant
 from lmpress.registry import ExportFormat, artifact_format, export_format
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx

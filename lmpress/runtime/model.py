@@ -253,10 +253,10 @@ class Transformer(nn.Module):
     def sharing(cls, hf_model: nn.Module) -> Transformer | None:
         """A runtime view of ``hf_model`` running its own linear layers (no weight copied), or None where the
         runtime does not support its architecture. Decoding on it gives the model's own numerics, its KV cache
-        quantized as ``lmpress.quantize.kv_cache.kv_quantized`` has the model's attention read it."""
+        quantized as ``lmpress.quantize.kv_attention.kv_quantized`` has the model's attention read it."""
         from transformers import PreTrainedModel
 
-        from lmpress.quantize.kv_cache import kv_quant_of
+        from lmpress.quantize.kv_attention import kv_quant_of
 
         if not isinstance(hf_model, PreTrainedModel):
             return None

@@ -72,7 +72,7 @@ def test_vllm_runs_a_calibrated_fp8_kv_cache_export_where_its_cpu_build_can(tiny
     from lmpress.evals.vllm_consumer import run_vllm, vllm_side
     from lmpress.export.consumers import vllm_cpu_runs_fp8_kv
     from lmpress.export.inspect import inspect_artifact
-    from lmpress.quantize.kv_cache import attach_kv_quant, calibrate_kv_scales, kv_quantized
+    from lmpress.quantize.kv_attention import attach_kv_quant, calibrate_kv_scales, kv_quantized
     from lmpress.registry import exporter
     from lmpress.weights.kv_quant import KVScheme
 

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from lmpress.evals.agreement_matrix import build_candidate, scheme_named
 from lmpress.export.formats import load_quantized_model
-from lmpress.quantize.kv_cache import attach_kv_quant, calibrate_kv_scales, kv_quant_of
+from lmpress.quantize.kv_attention import attach_kv_quant, calibrate_kv_scales, kv_quant_of
 from lmpress.registry import exporter
 from lmpress.runtime.checkpoint import load_checkpoint
 from lmpress.weights.kv_quant import KVScheme

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from lmpress.cli import main
-from lmpress.quantize.kv_cache import calibrate_kv_scales, kv_quantized
+from lmpress.quantize.kv_attention import calibrate_kv_scales, kv_quantized
 from lmpress.runtime.generate import compiled_forward, generate, model_forward, static_forward
 from lmpress.runtime.model import Transformer
 from lmpress.weights.kv_quant import KVQuant, KVScheme, fake_quantize_kv
@@ -75,7 +75,7 @@ def test_the_evaluator_and_the_runtime_read_the_same_quantized_cache(scheme):
 
 def test_rotating_queries_and_keys_changes_no_score():
     """KVQuant.rotate turns queries and keys by one orthogonal matrix: with a float cache the logits stay."""
-    from lmpress.quantize.kv_cache import rotate_queries_and_keys
+    from lmpress.quantize.kv_attention import rotate_queries_and_keys
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 9, 32, generator=g), torch.randn(2, 4, 9, 32, generator=g)
