@@ -82,11 +82,6 @@ class KVScheme:
         return self.code_width(width) + self.scale_width * torch.empty((), dtype=self.scale_dtype).element_size()
 
 
-def static_scale_shape(scheme: KVScheme, kv_heads: int) -> tuple[int, ...]:
-    """The shape of one layer's static key (or value) scale: ``(1,)`` per tensor, ``(kv_heads,)`` per head."""
-    return (1,) if scheme.scales == "tensor" else (kv_heads,)
-
-
 def _broadcast(scale: torch.Tensor) -> torch.Tensor:
     """A static scale ``(1,)`` or ``(kv_heads,)`` against entries ``(batch, kv_heads, n, width)``."""
     return scale.float().view(1, -1, 1, 1)
@@ -100,7 +95,8 @@ def quantize_kv(
     int8: codes int8, scales ``(batch, kv_heads, n, 1)`` float32 (a token of zeros takes scale 1).
     int4: codes uint8 ``(batch, kv_heads, n, width / 2)``, two a byte (the even entry low), scales float16
     ``(batch, kv_heads, n, 2)``: step and minimum.
-    fp8: codes E4M3 under ``scale`` (``static_scale_shape``; None: 1), returned as the scales."""
+    fp8: codes E4M3 under ``scale`` (``(1,)`` per tensor or ``(kv_heads,)`` per head; None: 1), returned as the
+    scales."""
     x = x.float()
     if scheme.dtype == "int4":
         return _quantize_int4(x)

@@ -251,3 +251,30 @@ def test_generate_with_a_quantized_cache_from_the_command_line(tiny_llama_dir, c
     with pytest.raises(SystemExit) as refused:  # argparse's own refusal: one line naming the choices
         main([*args, "--kv-cache", "int2"])
     assert refused.value.code == 2 and "invalid choice: 'int2'" in capsys.readouterr().err
+
+
+def test_speculative_decoding_on_a_quantized_cache_gives_plain_greedy_tokens():
+    """Verification reads and rolls back the same quantized cache: greedy speculative tokens equal greedy ones."""
+    from lmpress.runtime.speculative import speculative_decode
+
+    target = Transformer.from_hf(tiny_hf_model("llama"))
+    draft = Transformer.from_hf(tiny_hf_model("llama", seed=1))
+    target.kv_quant = KVQuant(KVScheme("int4", "token"), rotate=True)
+    prompt = ids(12, batch=1)[0].tolist()
+    plain = generate(target, prompt, max_new_tokens=20)[0]
+    assert list(speculative_decode(target, prompt, draft=draft, max_new_tokens=20)) == plain
+
+
+def test_a_quantized_cache_lives_on_the_models_device():
+    """Codes, scales and the rotation are made where the model is (meta here stands for a GPU: a tensor left on
+    the CPU would show as a mismatch)."""
+    runtime = Transformer.from_hf(tiny_hf_model("llama")).to("meta")
+    for kv in (
+        KVQuant(KVScheme("int8", "token"), rotate=True),
+        KVQuant(KVScheme("fp8", "head"), [torch.ones(2)] * 2, [torch.ones(2)] * 2),
+    ):
+        runtime.kv_quant = kv
+        cache = runtime.new_cache(1, 8)
+        tensors = cache.k + cache.v + cache.k_scales + cache.v_scales + [cache.pad]
+        tensors += [] if cache.rotation is None else [cache.rotation]
+        assert {t.device.type for t in tensors} == {"meta"}
