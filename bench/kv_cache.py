@@ -1,8 +1,9 @@
 """Quantized KV caches on SmolLM2-135M: perplexity over full-context windows and bytes per token (issue 50).
 
-    python bench/kv_cache.py                      # 2 windows of 8192 tokens: float, INT8, FP8 (tensor, head)
+    python bench/kv_cache.py                      # 2 windows of 8192 tokens: float and every scheme below
     python bench/kv_cache.py --windows 4 --seq-len 4096
     python bench/kv_cache.py --rows float fp8-tensor-rotated   # re-measure rows; the table keeps the others
+    python bench/kv_cache.py --rows float int4 --passkey 8192   # also passkey retrieval at 8,192 tokens
 
 Protocol: WikiText-2 test (builtin:wikitext2:test), the first ``--windows`` windows of ``--seq-len`` tokens (8192:
 SmolLM2's whole context), no BOS; the FP32 model, its attention reading each cache as lmpress's runtime holds it
@@ -26,6 +27,7 @@ from quant_table import CALIBRATION, SMOLLM2, cpu_description  # noqa: E402
 from readme_block import write_readme_block  # noqa: E402
 
 from lmpress.data import calibration_samples, load_text, tokenize  # noqa: E402
+from lmpress.evals.longctx import PasskeyConfig, passkey  # noqa: E402
 from lmpress.evals.perplexity import PerplexityConfig, perplexity  # noqa: E402
 from lmpress.loader import load_model  # noqa: E402
 from lmpress.progress import Bars  # noqa: E402
@@ -41,8 +43,10 @@ SCHEMES = {  # row -> (scheme, rotate)
     "int8-rotated": (KVScheme("int8", "token"), True),
     "fp8-tensor-rotated": (KVScheme("fp8", "tensor"), True),
     "fp8-head-rotated": (KVScheme("fp8", "head"), True),
-    "int4": (KVScheme("int4", "token"), False),
-    "int4-rotated": (KVScheme("int4", "token"), True),
+    "int4-token": (KVScheme("int4", "token"), False),
+    "int4-token-rotated": (KVScheme("int4", "token"), True),
+    "int4": (KVScheme("int4", "channel"), False),  # KIVI: keys per channel in groups of 32 tokens
+    "int4-rotated": (KVScheme("int4", "channel"), True),
 }
 
 
@@ -52,6 +56,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
+    parser.add_argument("--passkey", type=int, nargs="*", default=[], metavar="LENGTH", help="passkey lengths")
+    parser.add_argument("--depths", type=float, nargs="*", default=[0.0, 0.5, 1.0])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(SMOLLM2, "float32", fingerprint=False)
@@ -76,6 +82,9 @@ def main() -> None:
             calibrated = time.perf_counter() - began
             with kv_quantized(model, kv):
                 result = perplexity(model, windows, config, bars)
+                if args.passkey:  # decoded by lmpress's runtime on the same quantized cache
+                    keys = PasskeyConfig(lengths=args.passkey, depths=args.depths)
+                    found, _ = passkey(model, tokenizer, keys, bars)
             row = {
                 "row": name,
                 "protocol": protocol,
@@ -84,25 +93,33 @@ def main() -> None:
                 "calibration_s": calibrated,
                 "eval_s": time.perf_counter() - began - calibrated,
             }
+            if args.passkey:
+                row |= {name: value for name, value in found.items() if name.startswith("passkey_accuracy_")}
+                row["passkey_depths"] = args.depths
             if kv is not None:
                 row |= kv_cache_report(kv, model)
             rows.append(row)
             bars.log(f"{name}: ppl {row['ppl']:.4f}")
     rows.sort(key=lambda r: list(SCHEMES).index(r["row"]))
     base = next((r["ppl"] for r in rows if r["row"] == "float"), None)
+    keys = sorted({k for r in rows for k in r if k.startswith("passkey_accuracy_")}, key=len)
+    depths = next((r["passkey_depths"] for r in rows if "passkey_depths" in r), [])
     lines = [
         f"SmolLM2-135M-Instruct (FP32), WikiText-2 test, {args.windows} x {args.seq_len} tokens, "
-        f"{cpu_description()}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py`.",
+        f"{cpu_description()}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py`"
+        + (f"; passkey at depths {depths}, one prompt each, decoded by lmpress's runtime." if keys else "."),
         "",
-        "| KV cache | ppl | Δ vs float cache | bytes / token | x bf16 |",
-        "| --- | --- | --- | --- | --- |",
+        "| KV cache | ppl | Δ vs float cache | bytes / token | x bf16 |"
+        + "".join(f" passkey {k.rsplit('_', 1)[1]} |" for k in keys),
+        "| --- | --- | --- | --- | --- |" + " --- |" * len(keys),
     ]
     floats = next((r["float_bytes_per_token"] for r in rows if "float_bytes_per_token" in r), None)
     for r in rows:
         delta = "" if base is None or r["row"] == "float" else f"{100 * (r['ppl'] / base - 1):+.3f}%"
-        size = f"{r['bytes_per_token']:,}" if "bytes_per_token" in r else f"{floats or 0:,} (float32)"
+        size = f"{r['bytes_per_token']:,.0f}" if "bytes_per_token" in r else f"{floats or 0:,} (float32)"
         ratio = f"{r['ratio_to_bf16']:.3f}" if "ratio_to_bf16" in r else "2.000"
-        lines.append(f"| {r['scheme']} | {r['ppl']:.4f} | {delta} | {size} | {ratio} |")
+        passkeys = "".join(f" {r[k]:.2f} |" if k in r else "  |" for k in keys)
+        lines.append(f"| {r['scheme']} | {r['ppl']:.4f} | {delta} | {size} | {ratio} |" + passkeys)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_cache.md").write_text("\n".join(lines) + "\n")
     write_readme_block("kv-cache", "Quantized KV cache", "\n".join(lines[2:] + ["", lines[0]]))

@@ -204,12 +204,16 @@ def grounded_prompt(tokenizer: Any) -> list[int]:
 Generate = Callable[[int], Any]
 
 
-def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bool = False) -> tuple[Generate, dict]:
+def timed_runtime(
+    args: argparse.Namespace, source: str, dtype: str, compile: bool = False, kv_cache: str | None = None
+) -> tuple[Generate, dict]:
+    from lmpress.cli import kv_quant_flag
     from lmpress.runtime.generate import decode_with, decoding_forward, generate
     from lmpress.runtime.text import load_runtime
     from lmpress.runtime.throughput import kv_cache_bytes, layer_kernels, weight_bytes
 
     model, tokenizer = load_runtime(source, "cpu", dtype, args.activations)
+    model.kv_quant = kv_quant_flag(kv_cache)
     prompt = plain_prompt(tokenizer, args.prompt_tokens)
     decode = decode_with(decoding_forward(model.device, compile))
 
@@ -220,6 +224,7 @@ def timed_runtime(args: argparse.Namespace, source: str, dtype: str, compile: bo
     per_token = weight_bytes(model) + kv_cache_bytes(model, len(prompt) + args.new_tokens // 2)
     info = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "bytes_per_token": per_token}
     info["kernels"], info["cpu_activations"] = kernels, args.activations
+    info["kv_cache"] = "float" if model.kv_quant is None else model.kv_quant.describe()
     info["product_4_over_1"] = product_ratio(model, rows=4)
     return run, info
 
@@ -276,7 +281,9 @@ def timed_transformers(args: argparse.Namespace) -> tuple[Generate, dict]:
     return run, {"prompt_tokens": prompt.shape[1], "new_tokens": args.new_tokens, "bytes_per_token": weights + kv}
 
 
-def timed_llama_cpp(args: argparse.Namespace, gguf: Callable[[], Path], build: str) -> tuple[Generate, dict]:
+def timed_llama_cpp(
+    args: argparse.Namespace, gguf: Callable[[], Path], build: str, kv_cache: str | None = None
+) -> tuple[Generate, dict]:
     if build == "native":
         sys.path.insert(0, str(NATIVE_LLAMA_CPP))
     import llama_cpp
@@ -288,7 +295,11 @@ def timed_llama_cpp(args: argparse.Namespace, gguf: Callable[[], Path], build: s
     tokenizer = lmpress.load_model(SMOLLM2).tokenizer  # the same token ids the other rows read
     prompt = plain_prompt(tokenizer, args.prompt_tokens)
     threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    n_ctx = max(1024, len(prompt) + args.new_tokens + 16)
+    cache = {}  # its own f16 cache by default; q8_0 K and V caches as its users set them (V needs flash attention)
+    if kv_cache == "q8_0":
+        cache = dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True)
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **cache)
 
     def run(n: int) -> list[int]:
         llm.reset()  # no prompt reuse between runs: every run prefills
@@ -308,8 +319,10 @@ def timed_llama_cpp(args: argparse.Namespace, gguf: Callable[[], Path], build: s
     )
     layers, kv_heads = int(fields["llama.block_count"]), int(fields["llama.attention.head_count_kv"])
     head_dim = int(fields["llama.embedding_length"]) // int(fields["llama.attention.head_count"])
-    kv = 2 * layers * kv_heads * head_dim * (len(prompt) + args.new_tokens // 2) * 2  # f16 cache
+    per_entry = 34 / 32 if kv_cache == "q8_0" else 2  # q8_0: 32 codes and a float16 scale in 34 bytes
+    kv = 2 * layers * kv_heads * head_dim * (len(prompt) + args.new_tokens // 2) * per_entry
     info = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "bytes_per_token": weights + kv}
+    info["kv_cache"] = kv_cache or "f16"
     info["llama_cpp"] = {"build": build, "path": llama_cpp.__file__, "system_info": system_info(llama_cpp)}
     return run, info
 
@@ -339,7 +352,15 @@ TIMED = {
         "lmpress W8 per row (head too) + torch.compile",
         lambda a: timed_runtime(a, str(artifact("w8-head8")), "float32", True),
     ),
+    "lmpress-w4-head8-compile-kv8": (
+        "lmpress W4 g64, head W8 + torch.compile, INT8 KV cache",
+        lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True, "int8"),
+    ),
     "llama.cpp-q4_1": ("llama.cpp Q4_1 (SmolLM2's GGUF), AVX2 build", lambda a: timed_llama_cpp(a, q4_1_gguf, "avx2")),
+    "llama.cpp-q4_1-kv8": (
+        "llama.cpp Q4_1 (SmolLM2's GGUF), AVX2 build, q8_0 K and V caches",
+        lambda a: timed_llama_cpp(a, q4_1_gguf, "avx2", "q8_0"),
+    ),
     "llama.cpp-q4_1-native": (
         "llama.cpp Q4_1 (SmolLM2's GGUF), native build",
         lambda a: timed_llama_cpp(a, q4_1_gguf, "native"),

@@ -68,8 +68,9 @@ def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache",
         choices=["int8", "int4", "fp8"],
-        help="quantize the KV cache: int8 or int4 (scales per token and head) or fp8 (E4M3, scale 1 as vLLM's "
-        "uncalibrated fp8 cache; a recipe's kv_cache: calibrates the scales); default: the model's dtype",
+        help="quantize the KV cache: int8 (a scale per token and head), int4 (keys per channel in groups of 32 "
+        "tokens, values per token: KIVI) or fp8 (E4M3, scale 1 as vLLM's uncalibrated fp8 cache; a recipe's "
+        "kv_cache: calibrates the scales); default: the model's dtype",
     )
 
 

@@ -2,9 +2,10 @@
 
 The evaluator scores a transformers model. Its attention modules hand their kernel the keys (after RoPE) and
 values of the whole sequence so far; ``kv_quantized`` puts a kernel of lmpress's in front of the model's own
-that passes them through ``fake_quantize_kv`` first, with each layer's scales. That is exactly what lmpress's
-runtime reads back from a quantized cache (``lmpress.runtime.kv_cache``: each token quantized once as it is
-written; quantizing a dequantized entry again gives it back), so a gate scores the cache the runtime runs.
+that passes them through ``fake_quantize_keys`` / ``fake_quantize_values`` first, with each layer's scales. That
+is exactly what lmpress's runtime reads back from a quantized cache (``lmpress.runtime.kv_cache``: each token
+quantized once as it is written, grouped keys once their group fills; quantizing a dequantized entry again gives
+it back), so a gate scores the cache the runtime runs.
 
 ``calibrate_kv_scales`` runs the calibration samples through the model with an observing kernel in front and
 takes FP8's static scales from each layer's largest |key| and |value| (per tensor or per KV head), as
@@ -29,7 +30,8 @@ from lmpress.weights.kv_quant import (
     SCALES_OF,
     KVQuant,
     KVScheme,
-    fake_quantize_kv,
+    fake_quantize_keys,
+    fake_quantize_values,
     fp8_scale_from_amax,
     key_rotation,
 )
@@ -44,11 +46,13 @@ class KVCacheConfig(StrictConfig):
         kv_cache: {dtype: fp8, scales: head}     # one per layer and KV head
         kv_cache: {dtype: int8}                  # int8, a scale per token and head, computed as it is written
         kv_cache: {dtype: fp8, rotate: true}     # queries and keys Hadamard-rotated first (lmpress's runtime)
-        kv_cache: {dtype: int4, rotate: true}    # 4-bit, step and minimum per token and head (QuaRot's KV cache)
+        kv_cache: {dtype: int4}                  # 4-bit: keys per channel in groups of 32 tokens, values per token
+                                                 # (KIVI), a step and minimum each
+        kv_cache: {dtype: int4, scales: token, rotate: true}  # keys per token too, Hadamard-rotated (QuaRot)
     """
 
     dtype: Literal["fp8", "int8", "int4"]
-    scales: Literal["tensor", "head", "token"] | None = None  # default: fp8 tensor, int8 and int4 token
+    scales: Literal["tensor", "head", "token", "channel"] | None = None  # default: fp8 tensor, int8 token, int4 channel
     rotate: bool = False  # KVQuant.rotate: served by lmpress's runtime; vLLM has no such online rotation
 
     @model_validator(mode="after")
@@ -114,8 +118,8 @@ def quantized_kv_attention(
     if kv.rotate:
         query, key = rotate_queries_and_keys(query, key)
     k_scale, v_scale = kv.scales_of(module.layer_idx)
-    key = fake_quantize_kv(key, kv.scheme, k_scale)
-    value = fake_quantize_kv(value, kv.scheme, v_scale)
+    key = fake_quantize_keys(key, kv.scheme, k_scale)
+    value = fake_quantize_values(value, kv.scheme, v_scale)
     return _inner_kernel(module, getattr(config, _INNER))(module, query, key, value, *args, **kwargs)
 
 

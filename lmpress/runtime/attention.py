@@ -9,12 +9,13 @@ head in the softmax's denominator, which takes some of each query's attention an
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lmpress.runtime.kernels import cpu_attention
+from lmpress.runtime.kernels import cpu_attention, cpu_kv_attention
 from lmpress.runtime.kv_cache import KVCache, StaticSlots
 from lmpress.runtime.linears import Build, copy_norm, fuse_linears
 
@@ -117,15 +118,25 @@ def attend(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    slots_kernel: bool = False,
+    slots_kernel: SlotsKernel | None = None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Queries ``(batch, heads, n, head_dim)`` attending over the cache's keys and values, by the function that
-    fits: in the compiled static step lmpress's CPU op over the filled slots where ``slots_kernel`` (the layer's
-    ``cpu_attention.fits``) and the softmax is plain, else pointwise; two matmuls for a few queries or where SDPA
+    fits: in the compiled static step one of lmpress's CPU ops over the filled slots where the layer has one
+    (``slots_kernel``) and the softmax is plain (``cpu_kv_attention``'s over int8 codes, or over float32 entries
+    where AVX-512's ``cpu_attention`` does not run), else pointwise; two matmuls for a few queries or where SDPA
     lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
     if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
-        if slots_kernel and softcap is None and sinks is None and mask is not None and q.device.type == "cpu":
-            return cpu_attention.slots_attention(q, keys, values, mask, scale or q.shape[-1] ** -0.5)
+        scale = scale or q.shape[-1] ** -0.5
+        plain = softcap is None and sinks is None and mask is not None and q.device.type == "cpu"
+        if slots_kernel is not None and plain:
+            stored = cache.stored(layer) if slots_kernel.codes else None
+            if stored is not None and stored[1] is not None:  # int8 codes, read as they are stored
+                k, k_scales, v, v_scales = stored
+                return cpu_kv_attention.kv_slots_attention(q, k, v, mask, scale, k_scales, v_scales)
+            if slots_kernel.floats:
+                return cpu_attention.slots_attention(q, keys, values, mask, scale)
+            return cpu_kv_attention.kv_slots_attention(q, keys, values, mask, scale)  # float32, or dequantized
         return pointwise_attention(q, keys, values, mask, scale, softcap, sinks)
     if q.shape[2] <= FEW_QUERIES or softcap is not None or sinks is not None:
         return few_query_attention(q, keys, values, mask, scale, softcap, sinks)
@@ -133,9 +144,22 @@ def attend(
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
-def slots_kernel_fits(build: Build, head_dim: int, value_dim: int) -> bool:
-    """Whether a layer built by ``build`` attends by ``cpu_attention``'s op in the compiled step."""
-    return build.kernels == "cpu" and cpu_attention.fits(head_dim, value_dim, build.dtype)
+class SlotsKernel(NamedTuple):
+    """Which of lmpress's CPU attention ops a layer can take in the compiled step: AVX-512's over float32 caches
+    (``cpu_attention``), AVX2's over float32 caches and int8 codes (``cpu_kv_attention``)."""
+
+    floats: bool
+    codes: bool
+
+
+def slots_kernel_fits(build: Build, head_dim: int, value_dim: int) -> SlotsKernel | None:
+    """The CPU attention ops a layer built by ``build`` (on the CPU) can attend by in the compiled step (None:
+    neither)."""
+    if build.kernels != "cpu":
+        return None
+    floats = cpu_attention.fits(head_dim, value_dim, build.dtype)
+    codes = cpu_kv_attention.fits(head_dim, value_dim, build.dtype)
+    return SlotsKernel(floats, codes) if floats or codes else None
 
 
 class Attention(nn.Module):
@@ -177,7 +201,7 @@ class Attention(nn.Module):
             qk = qk @ cache.rotation
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         keys, values = cache.update(layer, k, v.transpose(1, 2))
-        out = attend(q, keys, values, mask, cache, self.scale, self.softcap, self.sinks, self.slots_kernel)
+        out = attend(q, keys, values, mask, cache, self.scale, self.softcap, self.sinks, self.slots_kernel, layer)
         return self.wo(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
 
 
@@ -248,5 +272,5 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
         k_rot = apply_rope(k_rot, cos, sin).expand(batch, heads, n_new, self.rope)
         keys, values = cache.update(layer, torch.cat((k_nope, k_rot), dim=-1), v)
-        out = attend(q, keys, values, mask, cache, self.scale, slots_kernel=self.slots_kernel)
+        out = attend(q, keys, values, mask, cache, self.scale, slots_kernel=self.slots_kernel, layer=layer)
         return self.wo(out.transpose(1, 2).reshape(batch, n_new, heads * self.v_dim))

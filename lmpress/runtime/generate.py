@@ -171,9 +171,9 @@ def decode_with(forward: ForwardFn) -> DecodeFn:
 
 
 def _static_step(
-    model: Transformer, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad, pos, scales=([], [])
+    model: Transformer, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad, pos, side=([], [], [])
 ) -> torch.Tensor:
-    return model.forward_static(tokens, k, v, pad, pos, scales).float()
+    return model.forward_static(tokens, k, v, pad, pos, side).float()
 
 
 def static_forward(step: Callable[..., torch.Tensor] = _static_step) -> ForwardFn:
@@ -187,8 +187,7 @@ def static_forward(step: Callable[..., torch.Tensor] = _static_step) -> ForwardF
         pos = torch.arange(cache.length, cache.length + n, device=model.device)
         if cache.kv is not model.kv_quant:
             raise ValueError("the cache was made for another KV scheme than the model's (make it by model.new_cache)")
-        scales = (cache.k_scales, cache.v_scales)
-        logits = step(model, tokens.to(model.device), cache.k, cache.v, cache.pad, pos, scales)
+        logits = step(model, tokens.to(model.device), cache.k, cache.v, cache.pad, pos, cache.side)
         cache.advance(n)
         return logits.clone()  # a CUDA graph overwrites its output at the next replay
 
@@ -236,23 +235,23 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
     def compile_step(device: torch.device) -> Callable[..., torch.Tensor]:
         return torch.compile(_own_static_step(), fullgraph=True, options={**options, **wrapper_options(device)})
 
-    def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos, scales) -> torch.Tensor:
+    def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos, side) -> torch.Tensor:
         if model not in steps:  # the counts' graphs, the symbolic graph
             steps[model] = (compile_step(model.device), compile_step(model.device))
         if mode == "reduce-overhead":
             # A CUDA graph may write into the cache only if its tensors are static inputs; unguarded, so a
             # new cache of the same size re-records the graph instead of recompiling.
-            for t in (*k, *v, *scales[0], *scales[1]):
+            for t in (*k, *v, *(t for tensors in side for t in tensors)):
                 if not hasattr(t, "_dynamo_static_input_type"):
                     torch._dynamo.mark_static_address(t, guard=False)
         fixed, symbolic = steps[model]
         if tokens.shape[1] > STATIC_TOKENS:  # symbolic from its first compile: one graph for every longer read
             torch._dynamo.maybe_mark_dynamic(tokens, 1)
             torch._dynamo.maybe_mark_dynamic(pos, 0)
-            return symbolic(model, tokens, k, v, pad, pos, scales)
+            return symbolic(model, tokens, k, v, pad, pos, side)
         torch._dynamo.mark_static(tokens, 1)  # never generalized to a symbolic count (a cache size may be)
         torch._dynamo.mark_static(pos, 0)
-        return fixed(model, tokens, k, v, pad, pos, scales)
+        return fixed(model, tokens, k, v, pad, pos, side)
 
     return static_forward(step)
 

@@ -7,14 +7,16 @@ visible to a query when it is not padding, not in the query's future and, for a
 sliding-window layer, not more than ``window - 1`` slots behind it.
 
 A quantized cache (``kv``, ``lmpress.weights.kv_quant``) holds codes: each token is quantized once, as it is
-written, and attention reads the filled slots dequantized to the model's dtype.
+written (grouped keys once their group fills: ``grouped_keys``), and attention reads the filled slots dequantized
+to the model's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lmpress.weights.kv_quant import KVQuant, dequantize_kv, quantize_kv
+from lmpress.runtime.grouped_keys import RING, grouped_length, write_grouped_keys, write_grouped_keys_static
+from lmpress.weights.kv_quant import KEY_GROUP, KVQuant, KVScheme, dequantize_kv, quantize_kv
 
 
 class KVCache:
@@ -41,14 +43,18 @@ class KVCache:
         rotation: torch.Tensor | None = None,
     ) -> None:
         widths = (head_dim, v_head_dim or head_dim)  # narrower values: DeepSeek's
+        grouped = kv is not None and kv.scheme.grouped_keys
         if kv is not None:
             widths = tuple(kv.scheme.code_width(w) for w in widths)
-        shape, v_shape = ((batch, n_kv_heads, max_len, w) for w in widths)
+        key_len = grouped_length(max_len) if grouped else max_len
+        shape, v_shape = (batch, n_kv_heads, key_len, widths[0]), (batch, n_kv_heads, max_len, widths[1])
         stored = dtype if kv is None else kv.scheme.code_dtype
         self.k = [torch.zeros(shape, dtype=stored, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(v_shape, dtype=stored, device=device) for _ in range(n_layers)]
         self.kv, self.dtype, self.rotation = kv, dtype, rotation  # rotation: queries and keys turned first
-        self.k_scales, self.v_scales = _scales(kv, n_layers, batch, n_kv_heads, max_len, device)
+        self.k_scales, self.v_scales = _scales(kv, n_layers, batch, n_kv_heads, max_len, device, head_dim)
+        ring = (batch, n_kv_heads, RING, head_dim)  # grouped keys: the float keys of the last slots
+        self.k_recent = [torch.zeros(ring, dtype=dtype, device=device) for _ in range(n_layers)] if grouped else []
         pad = torch.zeros(batch, dtype=torch.long) if pad is None else pad.to(torch.long)
         self.pad = pad.to(device)
         self.max_len = max_len
@@ -57,7 +63,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v + self.k_scales + self.v_scales)
+        return sum(t.nbytes for t in self.k + self.v + self.k_scales + self.v_scales + self.k_recent)
+
+    @property
+    def side(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """A quantized cache's tensors beside the codes, per layer: key and value scales, grouped keys' float ring."""
+        return self.k_scales, self.v_scales, self.k_recent
 
     @property
     def bytes_per_token(self) -> float:
@@ -97,9 +108,12 @@ class KVCache:
             self.v[layer][:, :, self.length : end] = v
             return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
         filled = slice(self.length, end)
-        keys = _write(self.k[layer], self.k_scales, layer, k, self.kv, filled)
-        values = _write(self.v[layer], self.v_scales, layer, v, self.kv, filled)
-        return keys, values
+        scheme = self.kv.scheme
+        if scheme.grouped_keys:
+            keys = write_grouped_keys(self.k[layer], self.k_scales[layer], self.k_recent[layer], k, self.length)
+        else:
+            keys = _write(self.k[layer], self.k_scales[layer], k, scheme, filled)
+        return keys, _write(self.v[layer], self.v_scales[layer], v, scheme.values, filled)
 
     def advance(self, n_new: int) -> None:
         """Mark ``n_new`` more slots as filled (after every layer has written them)."""
@@ -116,34 +130,41 @@ class KVCache:
 
 
 def _scales(
-    kv: KVQuant | None, n_layers: int, batch: int, kv_heads: int, max_len: int, device: torch.device | str
+    kv: KVQuant | None,
+    n_layers: int,
+    batch: int,
+    kv_heads: int,
+    max_len: int,
+    device: torch.device | str,
+    key_width: int,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's key and value scales: one per slot and head (dynamic), the static ones, or none (float)."""
+    """Each layer's key and value scales: one per slot and head (dynamic; grouped keys: per channel and group of
+    slots), the static ones, or none (float)."""
     if kv is None:
         return [], []
-    if not kv.scheme.static:
-        shape, dtype = (batch, kv_heads, max_len, kv.scheme.scale_width), kv.scheme.scale_dtype
-        return [torch.ones(shape, dtype=dtype, device=device) for _ in range(n_layers)], [
-            torch.ones(shape, dtype=dtype, device=device) for _ in range(n_layers)
-        ]
+    scheme = kv.scheme
+    if not scheme.static:
+        shape = (batch, kv_heads, max_len, scheme.scale_width)
+        key_shape = (batch, kv_heads, grouped_length(max_len) // KEY_GROUP, 2, key_width)
+        return [
+            torch.ones(key_shape if scheme.grouped_keys else shape, dtype=scheme.scale_dtype, device=device)
+            for _ in range(n_layers)
+        ], [torch.ones(shape, dtype=scheme.scale_dtype, device=device) for _ in range(n_layers)]
     ones = [torch.ones(1, device=device) for _ in range(n_layers)]
     k_scales = kv.k_scales or ones
     v_scales = kv.v_scales or ones
     return [s.float().to(device) for s in k_scales], [s.float().to(device) for s in v_scales]
 
 
-def _write(
-    codes: torch.Tensor, scales: list[torch.Tensor], layer: int, x: torch.Tensor, kv: KVQuant, slots: slice
-) -> torch.Tensor:
-    """Quantize ``x`` into ``slots`` of one layer's ``codes`` (and its per-token scales); the filled slots read
+def _write(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, scheme: KVScheme, slots: slice) -> torch.Tensor:
+    """Quantize ``x`` into ``slots`` of one layer's ``codes`` (and its per-token ``scales``); the filled slots read
     back in ``x``'s dtype."""
-    static = kv.scheme.static
-    new_codes, new_scales = quantize_kv(x, kv.scheme, scales[layer] if static else None)
+    new_codes, new_scales = quantize_kv(x, scheme, scales if scheme.static else None)
     codes[:, :, slots] = new_codes
-    if not static:
-        scales[layer][:, :, slots] = new_scales
-    read = scales[layer] if static else scales[layer][:, :, : slots.stop]
-    return dequantize_kv(codes[:, :, : slots.stop], read, kv.scheme, x.dtype)
+    if not scheme.static:
+        scales[:, :, slots] = new_scales
+    read = scales if scheme.static else scales[:, :, : slots.stop]
+    return dequantize_kv(codes[:, :, : slots.stop], read, scheme, x.dtype)
 
 
 class StaticSlots:
@@ -151,7 +172,7 @@ class StaticSlots:
 
     Nothing here depends on how full the cache is (``pos`` is a tensor, the mask
     hides the empty slots), so one compiled graph, or one CUDA graph, serves every step.
-    A quantized cache's codes (and per-token scales) are written the same way and read dequantized.
+    A quantized cache's codes (and scales) are written the same way and read dequantized.
     """
 
     def __init__(
@@ -159,12 +180,12 @@ class StaticSlots:
         k: list[torch.Tensor],
         v: list[torch.Tensor],
         pos: torch.Tensor,
-        scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], []),
+        side: tuple[list[torch.Tensor], ...] = ([], [], []),
         kv: KVQuant | None = None,
         rotation: torch.Tensor | None = None,
     ) -> None:
         self.k, self.v, self.pos = k, v, pos
-        self.k_scales, self.v_scales = scales
+        self.k_scales, self.v_scales, self.k_recent = (*side, [], [], [])[:3]  # KVCache.side
         self.kv, self.rotation = kv, rotation
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,15 +193,30 @@ class StaticSlots:
             self.k[layer].index_copy_(2, self.pos, k)
             self.v[layer].index_copy_(2, self.pos, v)
             return self.k[layer], self.v[layer]
-        return (
-            self._write(self.k[layer], self.k_scales[layer], k),
-            self._write(self.v[layer], self.v_scales[layer], v),
-        )
-
-    def _write(self, codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         scheme = self.kv.scheme
+        if scheme.grouped_keys:
+            slots = self.v[layer].shape[2]  # grouped keys take whole groups of slots, maybe more
+            codes, scales, recent = self.k[layer], self.k_scales[layer], self.k_recent[layer]
+            keys = write_grouped_keys_static(codes, scales, recent, k, self.pos, slots)
+        else:
+            keys = self._write(self.k[layer], self.k_scales[layer], k, scheme)
+        return keys, self._write(self.v[layer], self.v_scales[layer], v, scheme.values)
+
+    def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+        """One layer's keys, key scales, values and value scales as stored, for an attention op that reads them:
+        float32 entries (no scales) or int8 codes with a float32 scale per slot; None for any other cache."""
+        if self.kv is None:
+            return (self.k[layer], None, self.v[layer], None) if self.k[layer].dtype == torch.float32 else None
+        if self.kv.scheme.dtype == "int8":
+            return self.k[layer], self.k_scales[layer], self.v[layer], self.v_scales[layer]
+        return None
+
+    def _write(self, codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, scheme: KVScheme) -> torch.Tensor:
         new_codes, new_scale = quantize_kv(x, scheme, scale if scheme.static else None)
-        codes.view(torch.uint8).index_copy_(2, self.pos, new_codes.view(torch.uint8))  # no float8 index_copy_
+        if codes.dtype == torch.int8 or codes.dtype == torch.uint8:
+            codes.index_copy_(2, self.pos, new_codes)  # in place: a write through a view would copy the whole cache
+        else:  # float8 has no index_copy_
+            codes.view(torch.uint8).index_copy_(2, self.pos, new_codes.view(torch.uint8))
         if not scheme.static:
             scale.index_copy_(2, self.pos, new_scale.to(scale.dtype))
         return dequantize_kv(codes, scale, scheme, x.dtype)

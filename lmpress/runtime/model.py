@@ -327,16 +327,16 @@ class Transformer(nn.Module):
         v: list[torch.Tensor],
         pad: torch.Tensor,
         pos: torch.Tensor,
-        scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], []),
+        side: tuple[list[torch.Tensor], ...] = ([], [], []),
     ) -> torch.Tensor:
         """Logits ``(batch, n, vocab)`` for ``tokens`` ``(batch, n)`` written at slots ``pos`` ``(n,)`` of a
-        cache's ``k``/``v`` (and a quantized cache's ``scales``) with row padding ``pad``. Every shape is fixed by
-        the cache's size and ``n``, so this is the step ``torch.compile`` (and CUDA graphs) can capture once; the
-        caller advances the cache."""
-        max_len = k[0].shape[2]
+        cache's ``k``/``v`` (and a quantized cache's ``side`` tensors, ``KVCache.side``) with row padding ``pad``.
+        Every shape is fixed by the cache's size and ``n``, so this is the step ``torch.compile`` (and CUDA graphs)
+        can capture once; the caller advances the cache."""
+        max_len = v[0].shape[2]  # grouped keys may hold more slots (whole groups)
         masks = {window: static_slots_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
         positions = (pos[None, :] - pad[:, None]).clamp(min=0)
-        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, scales, self.kv_quant, self.kv_rotation))
+        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, side, self.kv_quant, self.kv_rotation))
 
     def _run(
         self,

@@ -114,9 +114,8 @@ def kv_cache_bytes(model: Transformer, length: int) -> int:
     args = model.args
     element = torch.empty((), dtype=model.dtype).element_size()
     scheme = None if model.kv_quant is None else model.kv_quant.scheme
-    return (
-        cache_bytes_per_token(scheme, args.n_layers, args.n_kv_heads, args.head_dim, args.value_dim, element) * length
-    )
+    per_token = cache_bytes_per_token(scheme, args.n_layers, args.n_kv_heads, args.head_dim, args.value_dim, element)
+    return round(per_token * length)
 
 
 def median_seconds(run: Callable[[], Any], repeats: int, device: torch.device) -> float:

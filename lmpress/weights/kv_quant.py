@@ -8,7 +8,10 @@ attention reads). Two schemes:
 - ``int4``: asymmetric 4-bit codes, two a byte, with a float16 step and minimum per token and head,
   ``s = (max - min) / 15`` (QuaRot's KV cache: per token and head after the Hadamard rotation of keys, which
   spreads the outlier channels KIVI quantizes keys per channel for; ``rotate`` in ``KVQuant``). 32 + 4 bytes
-  per 64-wide vector.
+  per 64-wide vector. With ``scales: channel`` (int4's default) the keys go KIVI's way instead: per channel over
+  groups of ``KEY_GROUP`` tokens (a step and minimum per channel and group), the last unfinished group kept in
+  float until it fills; values stay per token. A key's outlier channels (RoPE's low frequencies) then get their
+  own range, where per token they stretch every other channel's. 32 + 4 bytes a key per token.
 - ``fp8``: E4M3 codes ``cast(x / s)`` under a static scale per layer (``scales: tensor``) or per layer and KV head
   (``scales: head``), calibrated as ``s = max|x| / 448`` over the calibration set: llm-compressor's
   ``kv_cache_scheme`` (static, min/max observer) and the ``k_scale`` / ``v_scale`` vLLM reads. Without calibrated
@@ -29,10 +32,11 @@ import torch
 from lmpress.weights.float8 import FP8_MAX, require_float8
 
 KVDtype = Literal["int8", "int4", "fp8"]
-KVScales = Literal["token", "tensor", "head"]
+KVScales = Literal["token", "tensor", "head", "channel"]
 INT8_MAX = 127.0
 INT4_LEVELS = 15.0
-SCALES_OF = {"int8": ("token",), "int4": ("token",), "fp8": ("tensor", "head")}
+KEY_GROUP = 32  # KIVI's G: tokens per group of keys quantized per channel (scales: channel)
+SCALES_OF = {"int8": ("token",), "int4": ("channel", "token"), "fp8": ("tensor", "head")}  # the first: default
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,16 @@ class KVScheme:
         return self.dtype == "fp8"
 
     @property
+    def grouped_keys(self) -> bool:
+        """Keys per channel over groups of ``KEY_GROUP`` tokens, the last unfinished group kept float (KIVI)."""
+        return self.scales == "channel"
+
+    @property
+    def values(self) -> KVScheme:
+        """The scheme of the values: per token where the keys go per channel (KIVI), else this one."""
+        return KVScheme(self.dtype, "token") if self.grouped_keys else self
+
+    @property
     def code_dtype(self) -> torch.dtype:
         codes = {"int8": torch.int8, "int4": torch.uint8}  # int4: two codes a byte
         return codes[self.dtype] if self.dtype in codes else require_float8("fp8 KV cache")
@@ -74,12 +88,22 @@ class KVScheme:
         return torch.float16 if self.dtype == "int4" else torch.float32
 
     def describe(self) -> str:
+        if self.grouped_keys:
+            return f"{self.dtype.upper()} KV, keys per channel in groups of {KEY_GROUP} tokens, values per token"
         where = "per token and head" if self.scales == "token" else f"static per {self.scales}"
         return f"{self.dtype.upper()} KV, {where}"
 
     def bytes_per_vector(self, width: int) -> int:
-        """Bytes one token's key (or value) of one KV head takes: codes, plus its scale where it has its own."""
-        return self.code_width(width) + self.scale_width * torch.empty((), dtype=self.scale_dtype).element_size()
+        """Bytes one token's value of one KV head takes: codes, plus its scale where it has its own."""
+        scheme = self.values
+        return scheme.code_width(width) + scheme.scale_width * torch.empty((), dtype=scheme.scale_dtype).element_size()
+
+    def key_bytes(self, width: int) -> float:
+        """Bytes one token's key of one KV head takes; grouped keys share a step and minimum per channel with
+        their group (the unfinished group's float keys are a fixed ``KEY_GROUP`` tokens, not counted per token)."""
+        if self.grouped_keys:
+            return self.code_width(width) + 2 * width * 2 / KEY_GROUP
+        return self.bytes_per_vector(width)
 
 
 def _broadcast(scale: torch.Tensor) -> torch.Tensor:
@@ -96,7 +120,9 @@ def quantize_kv(
     int4: codes uint8 ``(batch, kv_heads, n, width / 2)``, two a byte (the even entry low), scales float16
     ``(batch, kv_heads, n, 2)``: step and minimum.
     fp8: codes E4M3 under ``scale`` (``(1,)`` per tensor or ``(kv_heads,)`` per head; None: 1), returned as the
-    scales."""
+    scales. Grouped keys (``scheme.grouped_keys``) go by ``quantize_key_groups``."""
+    if scheme.grouped_keys:
+        raise ValueError("keys quantized per channel go by quantize_key_groups (values by scheme.values)")
     x = x.float()
     if scheme.dtype == "int4":
         return _quantize_int4(x)
@@ -108,23 +134,42 @@ def quantize_kv(
     return (x / _broadcast(scale)).clamp_(-FP8_MAX, FP8_MAX).to(scheme.code_dtype), scale
 
 
-def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed codes ``(..., width / 2)`` and float16 ``[step, minimum]`` ``(..., 2)`` per vector; the codes are
-    rounded against the float16 step and minimum that are stored, so dequantizing gives what they encode."""
+def _quantize_int4(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes packed two a byte along the last dimension ``(..., width / 2)`` and float16 ``[step, minimum]`` over
+    ``dim`` (stacked along ``dim``); the codes are rounded against the float16 step and minimum that are stored, so
+    dequantizing gives what they encode."""
     if x.shape[-1] % 2:
         raise ValueError(f"an int4 KV cache packs two codes a byte: width {x.shape[-1]} is odd")
-    low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     step = ((high - low) / INT4_LEVELS).half().float()
     step = torch.where(step > 0, step, torch.ones_like(step))
     low = low.half().float()
     codes = torch.round((x - low) / step).clamp_(0, INT4_LEVELS).to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), torch.cat((step, low), -1).half()
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), torch.cat((step, low), dim).half()
 
 
-def _dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dim: int = -1) -> torch.Tensor:
     codes = torch.stack((packed & 0x0F, packed >> 4), -1).flatten(-2).float()
     scales = scales.float()
-    return codes * scales[..., :1] + scales[..., 1:]
+    return codes * scales.narrow(dim, 0, 1) + scales.narrow(dim, 1, 1)
+
+
+def quantize_key_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``(batch, kv_heads, n, width)``, ``n`` a multiple of ``KEY_GROUP``, as KIVI's cache holds them: int4
+    codes per token packed two a byte ``(batch, kv_heads, n, width / 2)`` and float16 ``[step, minimum]`` per
+    channel and group of ``KEY_GROUP`` tokens ``(batch, kv_heads, n / KEY_GROUP, 2, width)``."""
+    batch, heads, n, width = x.shape
+    if n % KEY_GROUP:
+        raise ValueError(f"keys quantize in groups of {KEY_GROUP} tokens: {n} tokens is no whole number of groups")
+    codes, scales = _quantize_int4(x.float().view(batch, heads, n // KEY_GROUP, KEY_GROUP, width), dim=-2)
+    return codes.view(batch, heads, n, width // 2), scales
+
+
+def dequantize_key_groups(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys from ``quantize_key_groups``'s codes and scales, in ``dtype``."""
+    batch, heads, n, half = codes.shape
+    grouped = codes.view(batch, heads, n // KEY_GROUP, KEY_GROUP, half)
+    return _dequantize_int4(grouped, scales, dim=-2).view(batch, heads, n, 2 * half).to(dtype)
 
 
 def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, scheme: KVScheme, dtype: torch.dtype) -> torch.Tensor:
@@ -141,6 +186,23 @@ def fake_quantize_kv(x: torch.Tensor, scheme: KVScheme, scale: torch.Tensor | No
     return dequantize_kv(codes, s, scheme, x.dtype)
 
 
+def fake_quantize_keys(x: torch.Tensor, scheme: KVScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys ``(batch, kv_heads, n, width)`` of a sequence as the cache gives them back: grouped keys quantized in
+    every whole group of ``KEY_GROUP`` tokens, the rest float (KIVI: what a cache holding ``n`` tokens reads)."""
+    if not scheme.grouped_keys:
+        return fake_quantize_kv(x, scheme, scale)
+    whole = x.shape[2] // KEY_GROUP * KEY_GROUP
+    if whole == 0:
+        return x
+    grouped = dequantize_key_groups(*quantize_key_groups(x[:, :, :whole]), x.dtype)
+    return torch.cat((grouped, x[:, :, whole:]), 2)
+
+
+def fake_quantize_values(x: torch.Tensor, scheme: KVScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Values as the cache gives them back (per token where keys go per channel)."""
+    return fake_quantize_kv(x, scheme.values, scale)
+
+
 def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """The static E4M3 scale that maps ``amax`` to 448 (an amax of 0, a layer that saw nothing: scale 1)."""
     scale = amax.float() / FP8_MAX
@@ -149,11 +211,11 @@ def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def cache_bytes_per_token(
     scheme: KVScheme | None, n_layers: int, kv_heads: int, key_width: int, value_width: int, float_bytes: int
-) -> int:
+) -> float:
     """Bytes a cache holds per token: keys and values of every layer and KV head (``scheme`` None: floats)."""
     if scheme is None:
         return n_layers * kv_heads * (key_width + value_width) * float_bytes
-    return n_layers * kv_heads * (scheme.bytes_per_vector(key_width) + scheme.bytes_per_vector(value_width))
+    return n_layers * kv_heads * (scheme.key_bytes(key_width) + scheme.bytes_per_vector(value_width))
 
 
 @dataclass

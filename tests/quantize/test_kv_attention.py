@@ -17,7 +17,13 @@ from lmpress.runtime.model import Transformer
 from lmpress.weights.kv_quant import KVQuant, KVScheme, fake_quantize_kv
 from tests.runtime.conftest import tiny_hf_model
 
-SCHEMES = [KVScheme("int8", "token"), KVScheme("int4", "token"), KVScheme("fp8", "tensor"), KVScheme("fp8", "head")]
+SCHEMES = [
+    KVScheme("int8", "token"),
+    KVScheme("int4", "token"),
+    KVScheme("int4", "channel"),
+    KVScheme("fp8", "tensor"),
+    KVScheme("fp8", "head"),
+]
 
 
 def ids(n: int = 40, batch: int = 2, seed: int = 0) -> torch.Tensor:
@@ -29,6 +35,17 @@ def post_rope_kv(model, tokens: torch.Tensor) -> dict[int, tuple[torch.Tensor, t
     out = model(tokens, use_cache=True)
     cache = out.past_key_values
     return {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)}
+
+
+def evaluator_steps(hf, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
+    """transformers' logits for ``tokens`` after the first ``prompt``, read one at a time over its own cache."""
+    out = hf(tokens[:, :prompt], use_cache=True)
+    steps, cache = [], out.past_key_values
+    for i in range(prompt, tokens.shape[1]):
+        out = hf(tokens[:, i : i + 1], past_key_values=cache, use_cache=True)
+        steps.append(out.logits[:, -1])
+        cache = out.past_key_values
+    return torch.stack(steps, 1)
 
 
 @pytest.mark.parametrize("scales", ["tensor", "head"])
@@ -53,7 +70,8 @@ def test_int8_needs_no_calibration():
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.dtype}-{s.scales}")
 def test_the_evaluator_and_the_runtime_read_the_same_quantized_cache(scheme):
     """The evaluator (transformers under kv_quantized) and the runtime's prefill over a quantized cache give
-    the same logits; its one-token steps (eager and the static step) read what a prefill would have."""
+    the same logits; its one-token steps (eager and the static step) read what the evaluator's own one-token
+    steps read (grouped keys: a group of 32 fills at the step of token 31)."""
     hf = tiny_hf_model("llama")
     tokens = ids()
     kv = calibrate_kv_scales(hf, tokens, scheme)
@@ -61,6 +79,7 @@ def test_the_evaluator_and_the_runtime_read_the_same_quantized_cache(scheme):
         float_logits = hf(tokens).logits
         with kv_quantized(hf, kv):
             evaluator = hf(tokens).logits
+            so_far = evaluator_steps(hf, tokens, 28)
             runtime = Transformer.sharing(hf)
     assert runtime.kv_quant is kv
     assert float((evaluator - float_logits).abs().max()) > 1e-4  # the cache is quantized, visibly
@@ -68,9 +87,9 @@ def test_the_evaluator_and_the_runtime_read_the_same_quantized_cache(scheme):
     torch.testing.assert_close(prefill, evaluator, rtol=0, atol=1e-5)
     for forward in (model_forward, static_forward()):
         cache = runtime.new_cache(2, 64)
-        model_forward(runtime, tokens[:, :30], cache)
-        steps = torch.cat([forward(runtime, tokens[:, i : i + 1], cache) for i in range(30, 40)], dim=1)
-        torch.testing.assert_close(steps, evaluator[:, 30:], rtol=0, atol=1e-3)
+        model_forward(runtime, tokens[:, :28], cache)
+        steps = torch.cat([forward(runtime, tokens[:, i : i + 1], cache) for i in range(28, 40)], dim=1)
+        torch.testing.assert_close(steps, so_far, rtol=0, atol=1e-3)
 
 
 def test_rotating_queries_and_keys_changes_no_score():
@@ -93,12 +112,13 @@ def test_a_rotated_cache_reads_the_same_in_the_evaluator_and_the_runtime(scheme)
     with torch.no_grad(), kv_quantized(hf, kv):
         evaluator = hf(tokens).logits
         runtime = Transformer.sharing(hf)
+        so_far = evaluator_steps(hf, tokens, 30)
     prefill = model_forward(runtime, tokens, runtime.new_cache(2, 64))
     torch.testing.assert_close(prefill, evaluator, rtol=0, atol=1e-5)
     cache = runtime.new_cache(2, 64)
     model_forward(runtime, tokens[:, :30], cache)
     steps = torch.cat([static_forward()(runtime, tokens[:, i : i + 1], cache) for i in range(30, 40)], dim=1)
-    torch.testing.assert_close(steps, evaluator[:, 30:], rtol=0, atol=1e-3)
+    torch.testing.assert_close(steps, so_far, rtol=0, atol=1e-3)
     if scheme.static:  # the scales are the rotated keys' (values are not rotated)
         plain = calibrate_kv_scales(hf, tokens, scheme)
         assert not torch.equal(kv.k_scales[0], plain.k_scales[0])
@@ -118,20 +138,34 @@ def test_the_runtime_cache_stores_codes_and_says_its_bytes_per_token():
     assert keys.abs().amax(-1).eq(127).all()  # every written token's largest entry at ±127
 
 
-def test_the_compiled_step_reads_the_quantized_cache_as_the_eager_one():
+@pytest.mark.parametrize(
+    "kv",
+    [
+        KVQuant(KVScheme("fp8", "tensor"), [torch.tensor([0.05])] * 2, [torch.tensor([0.02])] * 2),
+        KVQuant(KVScheme("int4", "channel")),  # a group fills at token 31
+    ],
+    ids=["fp8", "int4-channel"],
+)
+def test_the_compiled_step_reads_the_quantized_cache_as_the_eager_one(kv):
+    """Inductor's arithmetic differs from eager's in the last bits, which can move a 4-bit code across a rounding
+    boundary (one step, then carried to later tokens): a few codes in a hundred may differ, and the logits by that.
+    A wrong read (a group's float keys missing, codes read for the unfinished group) moves them by far more."""
+    four_bit = kv.scheme.dtype == "int4"
     hf = tiny_hf_model("llama")
     runtime = Transformer.sharing(hf)
-    runtime.kv_quant = KVQuant(KVScheme("fp8", "tensor"), [torch.tensor([0.05])] * 2, [torch.tensor([0.02])] * 2)
-    tokens = ids(12, batch=1)
-    eager_cache, compiled_cache = runtime.new_cache(1, 32), runtime.new_cache(1, 32)
-    model_forward(runtime, tokens[:, :8], eager_cache)
-    model_forward(runtime, tokens[:, :8], compiled_cache)
+    runtime.kv_quant = kv
+    tokens = ids(36, batch=1)
+    eager_cache, compiled_cache = runtime.new_cache(1, 48), runtime.new_cache(1, 48)
+    model_forward(runtime, tokens[:, :28], eager_cache)
+    model_forward(runtime, tokens[:, :28], compiled_cache)
     step = compiled_forward()
-    for i in range(8, 12):
+    for i in range(28, 36):
         eager = model_forward(runtime, tokens[:, i : i + 1], eager_cache)
         compiled = step(runtime, tokens[:, i : i + 1], compiled_cache)
-        torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
-    assert torch.equal(compiled_cache.k[1].view(torch.uint8), eager_cache.k[1].view(torch.uint8))
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0.05 if four_bit else 1e-4)
+    for layer in range(2):
+        same = compiled_cache.k[layer].view(torch.uint8)[:, :, :32] == eager_cache.k[layer].view(torch.uint8)[:, :, :32]
+        assert float(same.float().mean()) >= (0.98 if four_bit else 1.0)
 
 
 def test_greedy_decoding_on_a_quantized_cache_follows_the_evaluators_argmax():
@@ -272,9 +306,10 @@ def test_a_quantized_cache_lives_on_the_models_device():
     for kv in (
         KVQuant(KVScheme("int8", "token"), rotate=True),
         KVQuant(KVScheme("fp8", "head"), [torch.ones(2)] * 2, [torch.ones(2)] * 2),
+        KVQuant(KVScheme("int4", "channel")),
     ):
         runtime.kv_quant = kv
         cache = runtime.new_cache(1, 8)
-        tensors = cache.k + cache.v + cache.k_scales + cache.v_scales + [cache.pad]
+        tensors = cache.k + cache.v + cache.k_scales + cache.v_scales + cache.k_recent + [cache.pad]
         tensors += [] if cache.rotation is None else [cache.rotation]
         assert {t.device.type for t in tensors} == {"meta"}

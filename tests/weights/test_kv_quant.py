@@ -10,9 +10,13 @@ import torch
 from lmpress.weights.kv_quant import (
     KVScheme,
     cache_bytes_per_token,
+    dequantize_key_groups,
     dequantize_kv,
+    fake_quantize_keys,
     fake_quantize_kv,
+    fake_quantize_values,
     fp8_scale_from_amax,
+    quantize_key_groups,
     quantize_kv,
 )
 
@@ -95,6 +99,42 @@ def test_int4_codes_are_packed_two_a_byte_against_the_stored_float16_step_and_mi
     assert torch.equal(got, want) and int(want.min()) == 0 and int(want.max()) == 15
 
 
+def test_grouped_keys_take_a_step_and_minimum_per_channel_over_each_group_of_32_tokens():
+    """KIVI's keys: a channel's 32 tokens share one float16 step and minimum; codes packed two a byte as per token."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 16, generator=g) * torch.linspace(0.1, 8, 16)  # channels of very different range
+    codes, scales = quantize_key_groups(x)
+    assert codes.shape == (2, 3, 64, 8) and scales.shape == (2, 3, 2, 2, 16) and scales.dtype == torch.float16
+    channel = x[1, 2, 32:64, 5].double()  # the second group of one channel
+    step, low = scales[1, 2, 1, :, 5].double()
+    assert step.item() == pytest.approx(((channel.max() - channel.min()) / 15).item(), rel=1e-3)
+    assert low.item() == pytest.approx(channel.min().item(), rel=1e-3)
+    want = torch.round((channel - low) / step).clamp(0, 15).long()
+    packed = codes[1, 2, 32:64, 2]  # channels 4 (low nibble) and 5 (high)
+    assert torch.equal((packed >> 4).long(), want) and int(want.min()) == 0 and int(want.max()) == 15
+    y = dequantize_key_groups(codes, scales, torch.float32)
+    span = x.view(2, 3, 2, 32, 16).amax(3, keepdim=True) - x.view(2, 3, 2, 32, 16).amin(3, keepdim=True)
+    bound = (span / 15 / 2 * 1.002).expand(2, 3, 2, 32, 16).reshape(x.shape)
+    assert ((x - y).abs() <= bound).all()
+    per_token = fake_quantize_kv(x, KVScheme("int4", "token"))
+    small = slice(0, 8)  # the narrow channels keep their precision, where per token the wide ones set the step
+    assert sqnr_db(x[..., small], y[..., small]) > sqnr_db(x[..., small], per_token[..., small]) + 5
+
+
+def test_grouped_keys_of_a_sequence_keep_the_unfinished_group_in_float():
+    scheme = KVScheme("int4", "channel")
+    x = entries()  # 7 tokens: no whole group
+    assert torch.equal(fake_quantize_keys(x, scheme), x)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 2, 75, 32, generator=g)
+    y = fake_quantize_keys(x, scheme)
+    assert torch.equal(y[:, :, 64:], x[:, :, 64:])
+    assert torch.equal(y[:, :, :64], dequantize_key_groups(*quantize_key_groups(x[:, :, :64]), torch.float32))
+    assert torch.equal(fake_quantize_values(x, scheme), fake_quantize_kv(x, KVScheme("int4", "token")))
+    with pytest.raises(ValueError, match="quantize_key_groups"):
+        quantize_kv(x, scheme)
+
+
 def test_an_uncalibrated_fp8_cache_takes_scale_one_as_vllm_does():
     x = entries()
     y = fake_quantize_kv(x, KVScheme("fp8", "tensor"))
@@ -120,3 +160,5 @@ def test_bytes_per_token_of_smollm2_shapes():
     assert cache_bytes_per_token(KVScheme("fp8", "tensor"), 30, 3, 64, 64, 4) == 11520  # 0.5x bf16
     assert cache_bytes_per_token(KVScheme("int8", "token"), 30, 3, 64, 64, 4) == 12240  # codes + a float32 scale
     assert cache_bytes_per_token(KVScheme("int4", "token"), 30, 3, 64, 64, 4) == 6480  # 0.28x bf16
+    # grouped keys: 32 code bytes and a float16 step and minimum per channel shared by 32 tokens; values per token
+    assert cache_bytes_per_token(KVScheme("int4", "channel"), 30, 3, 64, 64, 4) == 30 * 3 * (32 + 8 + 36)  # 0.297x

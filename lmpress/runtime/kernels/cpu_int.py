@@ -23,9 +23,11 @@ from torch import nn
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py),
-# cpu_half.cpp (float32 rows times bfloat16 or float16 weights, cpu_half.py) and cpu_fp4.cpp (NVFP4 and MXFP4
-# weights times int8 activations, cpu_fp4.py)
-SOURCES = (SOURCE, *(Path(__file__).with_name(f"{name}.cpp") for name in ("cpu_attention", "cpu_half", "cpu_fp4")))
+# cpu_kv_attention.cpp (the same over float32 or int8 caches on AVX2, cpu_kv_attention.py), cpu_half.cpp (float32
+# rows times bfloat16 or float16 weights, cpu_half.py) and cpu_fp4.cpp (NVFP4 and MXFP4 weights times int8
+# activations, cpu_fp4.py)
+NAMES = ("cpu_attention", "cpu_kv_attention", "cpu_half", "cpu_fp4")
+SOURCES = (SOURCE, *(Path(__file__).with_name(f"{name}.cpp") for name in NAMES))
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
@@ -96,6 +98,10 @@ def _register_fakes() -> None:
         @torch.library.register_fake("lmpress_cpu::slots_attention")
         def fake_attention(q, keys, values, mask, scale):  # noqa: ANN001, ANN202 - torch.library's signature
             return q.new_empty(*q.shape[:3], values.shape[-1])
+
+        @torch.library.register_fake("lmpress_cpu::kv_slots_attention")
+        def fake_kv_attention(q, keys, key_scales, values, value_scales, mask, scale):  # noqa: ANN001, ANN202
+            return q.new_empty(q.shape)
 
         @torch.library.register_fake("lmpress_cpu::half_linear")
         def fake_half_linear(x, weight):  # noqa: ANN001, ANN202 - torch.library's signature

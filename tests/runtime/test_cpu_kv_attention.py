@@ -1,0 +1,100 @@
+"""lmpress's AVX2 attention over a cache of float32 entries or int8 codes (kernels/cpu_kv_attention.py) against a
+float64 softmax over the dequantized cache, and the compiled step's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.runtime.kernels import cpu_kv_attention
+from lmpress.runtime.kv_cache import static_slots_mask
+from lmpress.weights.kv_quant import KVScheme, dequantize_kv, quantize_kv
+from tests.runtime.test_cpu_attention import case, reference
+
+pytestmark = pytest.mark.skipif(not cpu_kv_attention.available(), reason="needs the C++ library and AVX2")
+INT8 = KVScheme("int8", "token")
+
+
+def as_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 codes, their float32 scales and what they dequantize to."""
+    codes, scales = quantize_kv(x, INT8)
+    return codes, scales, dequantize_kv(codes, scales, INT8, torch.float32)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("stored", ["float32", "int8"])
+def test_matches_a_float64_softmax_over_the_visible_slots(n, window, stored):
+    """Two rows (the second left padded by 7), 9 query heads on 3 KV heads, queries ending at slot 600 of 700 (three
+    chunks of 256 slots, the last never read: its slots hold 1e4 that any weight on them would show)."""
+    q, keys, values = case(2, 9, 3, n, 700, 64, 64)
+    keys[:, :, 601:] = 1e4
+    pos = torch.arange(601 - n, 601)
+    mask = static_slots_mask(torch.tensor([0, 7]), pos, 700, window)
+    if stored == "int8":
+        (keys, k_scales, k_read), (values, v_scales, v_read) = as_codes(keys), as_codes(values)
+        out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, k_scales, v_scales)
+    else:
+        k_read, v_read = keys, values
+        out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125)
+    assert out.dtype == torch.float32 and out.shape == (2, 9, n, 64)
+    torch.testing.assert_close(out.double(), reference(q, k_read, v_read, mask, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [16, 32, 48, 96, 128])
+def test_every_head_width_it_takes(dim):
+    q, keys, values = case(1, 4, 2, 2, 300, dim, dim, seed=dim)
+    mask = static_slots_mask(torch.tensor([0]), torch.tensor([290, 291]), 300, None)
+    out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, dim**-0.5)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, mask, dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_extreme_scores_neither_overflow_nor_vanish():
+    """Scores hundreds apart, and apart across chunks: each chunk's maximum, then the merge's, subtracted first."""
+    q, keys, values = case(1, 2, 1, 1, 600, 16, 16, seed=5)
+    q *= 200
+    mask = torch.ones(1, 1, 1, 600, dtype=torch.bool)
+    out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(q, keys, values, mask, 1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_what_it_cannot_compute():
+    q, keys, values = case(1, 2, 1, 1, 8, 24, 24)
+    with pytest.raises(RuntimeError, match="shapes"):
+        cpu_kv_attention.kv_slots_attention(q, keys, values, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0)
+    q, keys, values = case(1, 2, 1, 1, 8, 32, 32)
+    codes, _, _ = as_codes(keys)
+    with pytest.raises(RuntimeError, match="int8 codes take float32 scales"):
+        cpu_kv_attention.kv_slots_attention(q, codes, codes, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0)
+    assert not cpu_kv_attention.fits(24, 24, torch.float32) and not cpu_kv_attention.fits(64, 64, torch.bfloat16)
+    assert cpu_kv_attention.fits(64, 64, torch.float32)
+
+
+@pytest.mark.parametrize("kv_cache", [None, "int8"])
+def test_the_static_step_reads_int8_codes_through_it_and_matches_eager(monkeypatch, kv_cache):
+    """A float32 CPU model's static step attends by the op over the cache as stored (int8 codes and their scales;
+    float32 where AVX-512's op does not run), and gives the growing cache's tokens; once per layer and step."""
+    from lmpress.runtime.generate import generate, static_decode
+    from lmpress.runtime.kernels import cpu_attention
+    from lmpress.runtime.model import Transformer
+    from lmpress.weights.kv_quant import KVQuant
+    from tests.runtime.conftest import tiny_hf_model
+
+    model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
+    model.kv_quant = None if kv_cache is None else KVQuant(INT8)
+    calls = []
+    real = cpu_kv_attention.kv_slots_attention
+
+    def spy(q, keys, values, *rest):  # noqa: ANN001, ANN202
+        calls.append(keys.dtype)
+        return real(q, keys, values, *rest)
+
+    monkeypatch.setattr(cpu_kv_attention, "kv_slots_attention", spy)
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    expected = generate(model, prompts, max_new_tokens=6)
+    assert generate(model, prompts, max_new_tokens=6, decode=static_decode()) == expected
+    if kv_cache == "int8":
+        assert calls == [torch.int8] * 5 * len(model.layers)
+    elif not cpu_attention.available():
+        assert calls == [torch.float32] * 5 * len(model.layers)
