@@ -2,6 +2,8 @@
 
     python bench/runtime.py                    # the goal rows, 7 repeats: stdout and bench/results/runtime.{json,md}
     python bench/runtime.py --rows lmpress-w4-head8-compile llama.cpp-q4_1 --repeats 5 --new-tokens 128
+    python bench/runtime.py --rows lmpress-w4-head8-compile lmpress-w4-head8-compile-kv8 llama.cpp-q4_1-kv8 \
+        --prompt-tokens 4000 --new-tokens 64 --repeats 3    # long context: float vs INT8 KV, llama.cpp's q8_0 cache
 
 Batch 1, a 128-token prompt (the start of the built-in Python docs text), 256 new tokens, greedy,
 EOS ignored so every row decodes the same number of tokens. Every timed row runs in its own process

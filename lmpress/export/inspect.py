@@ -56,7 +56,7 @@ def _kv_cache_info(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
     per_token = cache_bytes_per_token(kv.scheme, layers, kv_heads, head_dim, head_dim, 1)
     bf16 = cache_bytes_per_token(None, layers, kv_heads, head_dim, head_dim, 2)
-    return {"kv_cache": f"{kv.describe()}: {per_token:,} bytes per token ({per_token / bf16:.2f}x bf16)"}
+    return {"kv_cache": f"{kv.describe()}: {per_token:,.0f} bytes per token ({per_token / bf16:.2f}x bf16)"}
 
 
 def _inspect_checkpoint(path: Path) -> dict[str, Any]:
