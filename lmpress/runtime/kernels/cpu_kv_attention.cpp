@@ -1,5 +1,5 @@
 // Attention of a few queries over a preallocated KV cache that holds float32 entries or int8 codes with a float32
-// scale per slot and KV head, dequantized in registers (AVX2 + FMA, so every x86-64 host of the last decade).
+// scale per slot and KV head (AVX2 + FMA, so every x86-64 host of the last decade).
 //
 // A decode step at long context reads the whole cache of every layer once: at 4,096 tokens SmolLM2's float32 cache
 // is 189 MB a step, more than its W4 weights; int8 codes are a quarter of that. The work is split over the slots
@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // slots per work item: int8 keys and values of one chunk (32 KiB at 64 wide) stay in L1/L2
+constexpr int64_t CHUNK = 256;  // slots per work item: a chunk's dequantized keys and values (128 KiB at 64 wide) fit L2
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 KV_AVX2 inline float hsum(__m256 v) {
