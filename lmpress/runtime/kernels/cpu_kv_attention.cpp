@@ -6,8 +6,8 @@
 // (flash-decoding): each work item is one (batch row, KV head, chunk of CHUNK slots), scores the chunk for every
 // query row of that KV head (the GQA group's heads times the step's queries), keeps the chunk's maximum, sum of
 // weights and weighted values, and a second pass merges the chunks. So every KV head's codes are read once per
-// step whatever the group size, and two threads share even three KV heads evenly. Slots no query of the chunk sees
-// (the empty end of the cache) are never read.
+// step whatever the group size, and there are more work items than threads even for three KV heads. Slots no query
+// of the chunk sees (the empty end of the cache) are never read.
 // Built into the library of cpu_int.cpp (one of its sources; the op joins the lmpress_cpu namespace).
 
 #include <ATen/ATen.h>

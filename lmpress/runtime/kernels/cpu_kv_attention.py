@@ -2,9 +2,11 @@
 (``cpu_kv_attention.cpp``).
 
 The compiled decode step's attention where ``cpu_attention``'s AVX-512 op does not run (AVX2 hosts, such as many
-AMD EPYCs) or where the cache holds int8 codes: the op reads the codes and their per-slot scales and dequantizes in
-registers, so a step at long context reads a quarter of the bytes a float32 cache takes. The work is split over
-chunks of slots, so every KV head's entries are read once per step and the threads share them evenly.
+AMD EPYCs) or where the cache holds int8 codes: the op reads the codes and their per-slot scales, a quarter of the
+bytes a float32 cache takes, and dequantizes each chunk of slots once into a float32 scratch its query rows share.
+The work is split over chunks of slots, so every KV head's entries are read once per step. Measured on an AVX2
+EPYC (docs/methods/kv-cache.md), the int8 read is no faster than the float32 one: the conversion costs what the
+bytes save.
 """
 
 from __future__ import annotations
