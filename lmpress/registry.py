@@ -245,6 +245,9 @@ def exporter(fmt: str) -> Callable[..., None]:
 
     @functools.wraps(write)
     def write_with_modes(model: Any, tokenizer: Any, out_dir: Path, *args: Any, **kwargs: Any) -> None:
+        from lmpress.weights.online_rotation import refuse_unheld_rotations
+
+        refuse_unheld_rotations(model, fmt)  # a format that cannot say a layer's input is rotated writes nothing
         write(model, tokenizer, out_dir, *args, **kwargs)
         apply_umask_modes(out_dir)
 

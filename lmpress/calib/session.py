@@ -48,6 +48,7 @@ from lmpress.calib.pages import drop_file_pages, trim_heap
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.float8 import Fp8Weight
 from lmpress.weights.fp4 import Fp4Weight
+from lmpress.weights.online_rotation import keep_rotation_first
 from lmpress.weights.scheme import QuantizedWeight
 
 InputHook = Callable[[str, int, tuple, dict], None]
@@ -240,6 +241,7 @@ class LayerSession:
                 self._fed[consumer] = recorded = BatchStore(self.inputs.hidden.rows)
                 # Before the calibration hooks, which may end the batch at this linear.
                 handles.append(module.register_forward_pre_hook(input_recorder(recorded, current), prepend=True))
+                keep_rotation_first(module)  # R4: the linear's input is the rotated one
         try:
             with contexts:
                 yield

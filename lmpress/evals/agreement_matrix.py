@@ -37,6 +37,8 @@ from lmpress.evals.agreement import (
     read_side,
     runtime_side,
 )
+from lmpress.weights.hadamard import hadamard_matrix
+from lmpress.weights.online_rotation import input_rotation_of
 
 FORMATS = ("hf", "gptq", "awq", "compressed-tensors", "gguf", "onnx", "bitsandbytes")
 # how a format rounds what the candidate holds: float16 scales (GPTQ, AWQ, GGUF blocks); the rest keep float32
@@ -74,6 +76,14 @@ SCHEMES = (
     SchemeSpec("MXFP4A16 (RTN)", ({"method": "rtn", "fp4": "mxfp4"},)),
     # NVFP4 W4A4 needs a calibrated input_global_scale, which rtn refuses to guess; MXFP4 activations scale per call
     SchemeSpec("MXFP4 W4A4 (RTN)", ({"method": "rtn", "fp4": "mxfp4", "activations": "fp4"},)),
+    SchemeSpec(
+        "W8A8 int8, rotated with R4 (rotate + SmoothQuant)",
+        ({"method": "rotate", "rotate_down_proj": True}, {"method": "smoothquant"}),
+    ),
+    SchemeSpec(
+        "MXFP4 W4A4, rotated with R4 (rotate + RTN)",
+        ({"method": "rotate", "rotate_down_proj": True}, {"method": "rtn", "fp4": "mxfp4", "activations": "fp4"}),
+    ),
 )
 
 
@@ -138,10 +148,19 @@ class ReferenceLinear(nn.Module):
         self.register_buffer("weight", weight.double())
         self.register_buffer("bias", None if bias is None else bias.detach().double())
         self.register_buffer("input_global_scale", input_global_scale)
+        self.register_buffer("rotation", None)  # R4's V, a dense float64 matrix (``with_input_rotation``)
         self.activations, self.fp4 = activations, fp4
+
+    def with_input_rotation(self, block: int) -> ReferenceLinear:
+        """Turn the input by ``V`` first (R4): here a dense matmul by blockdiag(H_block), not the butterfly."""
+        n = self.weight.shape[1]
+        self.rotation = torch.block_diag(*[hadamard_matrix(block)] * (n // block))
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.double()
+        if self.rotation is not None:
+            x = x @ self.rotation  # V is symmetric: x V
         if self.activations == "int8":  # symmetric per token, codes in [-127, 127] (int8_linear.py)
             scale = x.abs().amax(-1, keepdim=True) / 127
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -185,6 +204,9 @@ def reference_model(candidate: nn.Module) -> nn.Module:
     reference = copy.deepcopy(candidate)
     for name, module in list(candidate.named_modules()):
         replacement = dequantized_layer(module)
+        rotation = input_rotation_of(module)
+        if replacement is not None and rotation is not None:
+            replacement.with_input_rotation(rotation.block)
         if replacement is not None:
             parent, _, child = name.rpartition(".")
             setattr(reference.get_submodule(parent) if parent else reference, child, replacement)
@@ -229,7 +251,10 @@ def fp4_formats(fmt: str, export_dir: Path) -> set[str]:
 
 
 def _add_transformers(found: Consumers, fmt: str, export_dir: Path, evaluator: nn.Module) -> None:
+    import transformers
     from transformers import AutoModelForCausalLM
+
+    from lmpress.checkpoint_files import read_config
 
     needs = {"gptq": ("gptqmodel", "GPTQModel"), "awq": ("awq", "AutoAWQ"), "onnx": (None, "an ONNX graph")}
     if fmt in needs:
@@ -237,6 +262,12 @@ def _add_transformers(found: Consumers, fmt: str, export_dir: Path, evaluator: n
         if package is None or importlib.util.find_spec(package) is None:
             found.skipped["transformers"] = f"{fmt} needs {what}" + ("" if package is None else ", not installed")
             return
+    if fmt == "compressed-tensors" and read_config(export_dir)["quantization_config"].get("transform_config"):
+        found.skipped["transformers"] = (
+            f"transformers {transformers.__version__} loads compressed-tensors checkpoints without their "
+            "transform_config: it would run the rotated weights on unrotated inputs"
+        )
+        return
     kwargs: dict[str, Any] = {"gguf_file": "model.gguf"} if fmt == "gguf" else {}
     # compressed-tensors decompresses FP4 weights into bfloat16 (a float32 model then fails in its first matmul):
     # FP4 checkpoints run in bfloat16 there, as they are served
@@ -270,6 +301,10 @@ def _add_compressed_tensors(found: Consumers, export_dir: Path, evaluator: nn.Mo
     config = AutoConfig.from_pretrained(export_dir)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if raw.get("transform_config"):  # its online hooks, before the weights (whose fused halves it then overwrites)
+        from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+        apply_transform_config(model, TransformConfig.model_validate(raw["transform_config"]))
     names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")})
     dense = {k: v for k, v in tensors.items() if not any(k.startswith(n + ".") and "bias" not in k for n in names)}
     model.load_state_dict(dense, strict=False)

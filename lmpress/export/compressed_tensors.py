@@ -69,6 +69,7 @@ from lmpress.registry import ExportFormat, register_format
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight, fp8_layers, require_float8
 from lmpress.weights.fp4 import Fp4Linear, Fp4Weight, fp4_layers
 from lmpress.weights.int8_linear import int8_weight
+from lmpress.weights.online_rotation import transform_config, transform_tensors
 from lmpress.weights.pack import (
     PACKABLE_BITS,
     ct_pack_zero_point,
@@ -237,7 +238,7 @@ def ct_quantization_config(
         "kv_cache_scheme": kv_cache_scheme(kv_quant_of(model)),
         "global_compression_ratio": None,
         "sparsity_config": {},  # see the module docstring: vLLM refuses a sparsity_config with targets
-        "transform_config": {},
+        "transform_config": transform_config(model) or {},  # R4's online rotations (online_rotation.py)
         "version": CT_CONFIG_VERSION,
     }
 
@@ -255,6 +256,7 @@ def export_compressed_tensors(model: nn.Module, tokenizer: Any, out_dir: Path) -
     for name, module in fp4.items():
         tensors.update(fp4_tensors(name, module))
     tensors.update(kv_scale_tensors(model, kv_quant_of(model), model.get_input_embeddings().weight.dtype))
+    tensors.update(transform_tensors(model, model.get_input_embeddings().weight.dtype))
     write_checkpoint(out_dir, model, tokenizer, tensors, ct_quantization_config(model, layers, fp8, fp4))
 
 

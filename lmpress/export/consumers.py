@@ -69,6 +69,12 @@ def vllm_refusal(info: dict[str, Any], cpu_wna16: bool | None = None) -> str | N
                 f"{VLLM_VERSION} runs weight-only compressed-tensors at 4 bits only on the CPU (CPUWNA16): use 4-bit "
                 "weights, or W8A8 (smoothquant) / FP8"
             )
+    if info.get("online_rotations"):
+        return (
+            f"{VLLM_VERSION} runs a transform_config's hadamard rotations ({info['online_rotations']}) with "
+            "hadacore_transform, a CUDA kernel its CPU library lacks: serve it with vLLM on a CUDA GPU, or rotate "
+            "without rotate_down_proj"
+        )
     if info.get("kv_cache") and not vllm_cpu_runs_fp8_kv():
         return (
             f"{VLLM_VERSION} turns its FP8 KV cache on from the checkpoint's kv_cache_scheme and runs it only on "

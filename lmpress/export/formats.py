@@ -28,6 +28,7 @@ from lmpress.export.kv_cache_tensors import SCALE_SUFFIXES, read_kv_quant
 from lmpress.quantize.kv_attention import attach_kv_quant
 from lmpress.registry import ExportFormat, artifact_format, export_format
 from lmpress.weights.apply import apply_quantized_weight
+from lmpress.weights.online_rotation import ROTATION_FORMATS, attach_transform_config, check_sylvester
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
@@ -101,6 +102,14 @@ def check_recipe_exports(stages: list[Any], formats: list[str]) -> None:
     without ``static_groups`` and has more than one group per row.
     """
     _check_bitsandbytes_exports(stages, formats)
+    for i, stage in enumerate(stages):
+        if getattr(stage, "rotate_down_proj", False):
+            for j, fmt in enumerate(formats):
+                if fmt not in ROTATION_FORMATS:
+                    raise LmpressInputError(
+                        f"export.formats[{j}] {fmt}: stages[{i}] rotate: rotate_down_proj turns down_proj's input "
+                        f"at run time, which {fmt} cannot express; export {' or '.join(ROTATION_FORMATS)}"
+                    )
     for i, stage in enumerate(stages):
         if not hasattr(stage, "planned_schemes"):
             continue
@@ -334,6 +343,10 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             raise LmpressInputError(f"{path}: quantized layer {name!r} does not fit the model ({e})") from e
     packed = {f"{name}.{suffix}" for name in layers for suffix in fmt.packed_suffixes}
     dense = {k: v for k, v in tensors.items() if k not in packed}
+    qc = config_dict.get("quantization_config") or {}
+    for key in attach_transform_config(model, qc.get("transform_config"), str(path)):
+        check_sylvester(key, _tensor_of(tensors, path)(key), str(path))  # what the rotation runs is a butterfly
+        del dense[key]
     kv = read_kv_quant(config_dict.get("quantization_config"), _tensor_of(tensors, path), config.num_hidden_layers)
     if kv is not None:  # the attention modules' k_scale / v_scale: the cache's, not the model's parameters
         dense = {k: v for k, v in dense.items() if not k.endswith(SCALE_SUFFIXES)}

@@ -1,7 +1,8 @@
 """The modified model as an ordinary Hugging Face checkpoint (dense float weights, safetensors).
 
 Quantized layers (integer ``QuantizedLinear`` and FP4 ``Fp4Linear``) are written as the float weights they
-stand for, under the original ``<layer>.weight`` names, so any transformers install loads the result;
+stand for, under the original ``<layer>.weight`` names, so any transformers install loads the result (a layer
+whose input lmpress rotates at run time, R4, with that rotation folded back into its weight);
 gpt-oss's per-expert linears are fused back into its experts' 3-D tensors.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 from lmpress.calib.moe import fuse_gpt_oss_state, is_gpt_oss_experts
 from lmpress.registry import ExportFormat, register_format
 from lmpress.weights.fp4 import Fp4Linear
+from lmpress.weights.online_rotation import rotate_weight_input, rotated_inputs
 from lmpress.weights.qlinear import QuantizedLinear
 
 # the buffers of the layers written dequantized (QuantizedLinear's and Fp4Linear's), dropped for ``weight``
@@ -42,6 +44,11 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state.pop(prefix + buffer, None)
         dtype = module.bias.dtype if module.bias is not None else _float_dtype(model)
         state[prefix + "weight"] = module.dequantized_weight(dtype)
+    # R4: a layer that turns its input at run time is written with the turn folded back, W V V = W (transformers
+    # runs no online rotation)
+    for name, block in rotated_inputs(model):
+        key = f"{name}.weight" if name else "weight"
+        state[key] = rotate_weight_input(state[key], block)
     # transformers re-fuses other families' per-expert tensors on loading, not gpt-oss's: write its layout
     for name, module in model.named_modules():
         if is_gpt_oss_experts(module):

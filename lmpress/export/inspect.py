@@ -32,6 +32,7 @@ from lmpress.export.consumers import VLLM_VERSION, vllm_fp4_note, vllm_kv_cache_
 from lmpress.export.kv_cache_tensors import read_kv_quant
 from lmpress.prune.masks import nm_pattern
 from lmpress.weights.kv_quant import cache_bytes_per_token
+from lmpress.weights.online_rotation import describe_transform_config
 
 MANIFEST = "manifest.json"
 
@@ -132,6 +133,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         info["version"] = qc.get("version", "gemm")
     if method == "compressed-tensors":
         info["ct_format"] = qc.get("format")
+        info["online_rotations"] = describe_transform_config(qc.get("transform_config"))
     return info
 
 
@@ -278,6 +280,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "tensor_types",
         "scale_encoding",
         "kv_cache",
+        "online_rotations",
         "vllm",
     )
     for key in keys:

@@ -18,6 +18,7 @@ from torch import nn
 
 from lmpress.registry import LayerPatterns, StageConfig, StageContext, register_stage
 from lmpress.weights.float8 import Fp8Linear, Strategy, require_float8
+from lmpress.weights.online_rotation import carry_input_rotation
 from lmpress.weights.scheme import QuantScheme
 
 
@@ -49,5 +50,7 @@ def run_fp8(model: nn.Module, config: FP8Config, ctx: StageContext) -> dict:
     for name, linear in ctx.bars.track(targets.items(), "fp8: layers", total=len(targets)):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, Fp8Linear.from_linear(linear, config.weights).train(linear.training))
+        replacement = Fp8Linear.from_linear(linear, config.weights).train(linear.training)
+        carry_input_rotation(linear, replacement)
+        setattr(parent, child, replacement)
     return {"quantized_layers": len(targets), "weights": config.weights}

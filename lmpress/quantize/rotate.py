@@ -9,6 +9,7 @@ from it, weight-only RTN loses: docs/methods/rotations.md):
       seed: 0             # the random signs of the randomized Hadamard matrices
       random: true        # false: plain (Sylvester / Paley) Hadamard matrices
       rotate_heads: true  # R2: a Hadamard matrix per attention head between v_proj and o_proj
+      rotate_down_proj: false  # R4: down_proj's input turned at run time (for 4-bit activations)
     - method: gptq
       bits: 4
       group_size: 64
@@ -25,9 +26,14 @@ What the stage does, in place, one decoder layer at a time (float64 per weight, 
    rows (``W_v -> H^T W_v`` per KV head) and o_proj's input columns (``W_o -> W_o H`` per query head); the
    attention weights mix tokens, not channels, so each head's output is rotated by the same ``H``.
 
-Not done yet: the online rotations QuaRot applies at run time (R3 on queries and keys before the KV cache,
-R4 before down_proj, needed for 4-bit activations and KV cache) and SpinQuant's learned rotations
-(arXiv:2405.16406); families other than dense Llama, Mistral, Qwen2 and Qwen3 are refused.
+4. R4 (``rotate_down_proj``): down_proj's input, ``act(gate) * up``, which no weight can absorb a rotation
+   through, is turned at run time by a block-diagonal Hadamard matrix ``V`` (blocks of ``down_proj_block``, by
+   default the largest power of two dividing the MLP width) and its weight takes ``W -> W V``
+   (``lmpress/weights/online_rotation.py``; compressed-tensors' ``transform_config``, as vLLM reads it).
+
+R3, the rotation of queries and keys before a quantized KV cache, is the cache's own (``kv_cache: {rotate: true}``).
+Not done yet: SpinQuant's learned rotations (arXiv:2405.16406); families other than dense Llama, Mistral, Qwen2
+and Qwen3 are refused.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ from lmpress.anatomy import Anatomy, decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
 from lmpress.registry import StageConfig, StageContext, register_stage
 from lmpress.weights.hadamard import hadamard_matrix, hadamard_order_refusal, random_hadamard
+from lmpress.weights.online_rotation import (
+    attach_input_rotation,
+    block_refusal,
+    largest_power_of_two_block,
+    rotate_weight_input,
+)
 
 # Families whose decoder layers are pre-norm RMSNorm blocks of plain linears around one residual stream.
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -72,6 +84,12 @@ class RotateConfig(StageConfig):
     seed: int = Field(0, ge=0, description="seed of the random signs (random: true)")
     random: bool = Field(True, description="randomized Hadamard matrices (QuaRot) rather than plain ones")
     rotate_heads: bool = Field(True, description="R2: a Hadamard matrix per head between v_proj and o_proj")
+    rotate_down_proj: bool = Field(
+        False, description="R4: down_proj's input turned at run time by a block Hadamard, its inverse in the weight"
+    )
+    down_proj_block: int | None = Field(
+        None, description="R4's block (a power of two dividing the MLP width); default: the largest such"
+    )
 
     def check(self, model: nn.Module) -> None:
         """Refuse, before any weight is touched, a family or a width no rotation here fits (``model`` may be a
@@ -86,6 +104,15 @@ class RotateConfig(StageConfig):
             raise LmpressInputError(
                 f"stage rotate: head_dim {head_dim} of {_model_type(model)!r}: {refusal}; or set rotate_heads: false"
             )
+
+        if self.rotate_down_proj:
+            width = down_proj_width(model)
+            refusal = block_refusal(width, self.down_block(width))
+            if refusal:
+                raise LmpressInputError(f"stage rotate: down_proj_block: {refusal}")
+
+    def down_block(self, width: int) -> int:
+        return self.down_proj_block or largest_power_of_two_block(width)
 
     def order_refusal(self, earlier: Sequence[StageConfig]) -> str | None:
         """Why this stage cannot follow ``earlier`` (the recipe's stages before it), or None."""
@@ -153,6 +180,13 @@ def residual_parts(model: nn.Module) -> ResidualParts:
                 "residual stream as rotate knows it; this layout is not rotated"
             )
     return parts
+
+
+def down_proj_width(model: nn.Module) -> int:
+    """The input width of the MLP's output projection (R4's order)."""
+    parts = residual_parts(model)
+    down = next(name for name in parts.writes if name != parts.output)
+    return int(decoder_layers(model)[0].get_submodule(down).in_features)
 
 
 def rotation_orders(model: nn.Module) -> tuple[int, int]:
@@ -263,8 +297,14 @@ def run_rotate(model: nn.Module, config: RotateConfig, ctx: StageContext) -> dic
 
     _rewrite(embed.weight, lambda e: e @ q, device, ROW_CHUNK)
     layers = decoder_layers(model)
+    down = next(name for name in parts.writes if name != parts.output)
+    block = config.down_block(down_proj_width(model)) if config.rotate_down_proj else None
     for layer in ctx.bars.track(layers, "rotate: layers", total=len(layers)):
         rotate_layer(layer, parts, q, h, offset, device)
+        if block is not None:  # R4: W -> W V here, x -> x V at run time
+            linear = layer.get_submodule(down)
+            _rewrite(linear.weight, lambda w: rotate_weight_input(w, block), device)
+            attach_input_rotation(linear, block)
     if head.weight is not embed.weight:
         _rewrite(head.weight, lambda w: (w * final_scale) @ q, device, ROW_CHUNK)
     _set_unit_scale(final_norm, offset)
@@ -275,4 +315,5 @@ def run_rotate(model: nn.Module, config: RotateConfig, ctx: StageContext) -> dic
         "random": config.random,
         "seed": config.seed if config.random else None,
         "untied_head": untie,
+        "down_proj_hadamard_block": block,
     }

@@ -13,6 +13,7 @@ from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.session import LayerSession
 from lmpress.quantize.awq_search import can_fold
 from lmpress.registry import StageContext, calibration_method
+from lmpress.weights.online_rotation import input_rotation_of
 
 
 def foldable_pairs(session: LayerSession, skipped: set[str]) -> list[tuple[str, list[str]]]:
@@ -29,7 +30,9 @@ def foldable_pairs(session: LayerSession, skipped: set[str]) -> list[tuple[str, 
             continue
         if not all(n in session.targets for n in linears):
             continue
-        if not can_fold(source, modules, anatomy.rows_feeding(prev)):
+        # an input rotated at run time (R4) no longer carries the channels the source's factors would scale
+        rotated = any(input_rotation_of(m) is not None for m in modules)
+        if rotated or not can_fold(source, modules, anatomy.rows_feeding(prev)):
             skipped.add(f"{prev} -> {', '.join(linears)}")
             continue
         found.append((prev, linears))

@@ -30,6 +30,7 @@ from lmpress.runtime.linears import Build
 from lmpress.runtime.model import MOE_TYPES, SUPPORTED_MODEL_TYPES, ModelArgs, Transformer
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight
 from lmpress.weights.fp4 import Fp4Linear, Fp4Weight
+from lmpress.weights.online_rotation import attach_planned_rotation, check_sylvester, rotation_plan
 from lmpress.weights.qlinear import QuantizedLinear
 
 FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")  # safetensors dtypes of a dense (unquantized) weight
@@ -87,6 +88,8 @@ class CheckpointModel:
         self.path, self.config = path, config
         self.files = MappedSafetensors(safetensors_files(path))
         self.reader = _reader_for(path)
+        quantization = (self.reader[0].get("quantization_config") or {}) if self.reader else {}
+        self.rotations = rotation_plan(quantization.get("transform_config"), self._linear_names(), str(path))
         embed = nn.Parameter(self._tensor("model.embed_tokens.weight"), requires_grad=False)
         tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in self.files
         self.model = SimpleNamespace(
@@ -124,6 +127,20 @@ class CheckpointModel:
             raise LmpressInputError(f"{self.path}: the runtime cannot run {name}'s {type(found[name]).__name__} layer")
         return QuantizedLinear.from_quantized_weight(found[name], bias)
 
+    def _linear_names(self) -> Iterator[tuple[str, str]]:
+        """(name, class name) of every decoder layer's linear, as a transform_config's targets match them."""
+        for i in range(self.config.num_hidden_layers):
+            for block, names in LINEARS_OF.get(self.config.model_type, LINEARS).items():
+                yield from ((f"model.layers.{i}.{block}.{name}", "Linear") for name in names)
+
+    def _rotated_linear(self, name: str) -> nn.Module:
+        """``_linear(name)`` with the online input rotation the checkpoint's transform_config gives it (R4)."""
+        linear = self._linear(name)
+        key = attach_planned_rotation(linear, name, self.rotations, str(self.path))
+        if key is not None:
+            check_sylvester(key, self._tensor(key), str(self.path))
+        return linear
+
     def _is_dense(self, name: str) -> bool:
         """Whether ``name.weight`` is a float weight to run as it is. A quantized layer may store its codes
         under ``weight`` too (compressed-tensors ``int-quantized`` int8, ``float-quantized`` E4M3), always
@@ -146,7 +163,7 @@ class CheckpointModel:
                 if f"{prefix}{norm}.weight" in self.files:
                     setattr(layer, norm, _norm(self._tensor(f"{prefix}{norm}.weight"), self.config))
             for block, names in LINEARS_OF.get(self.config.model_type, LINEARS).items():
-                modules = {name: self._linear(f"{prefix}{block}.{name}") for name in names}
+                modules = {name: self._rotated_linear(f"{prefix}{block}.{name}") for name in names}
                 for norm in ("q_norm", "k_norm"):
                     if block == "self_attn" and f"{prefix}self_attn.{norm}.weight" in self.files:
                         modules[norm] = _norm(self._tensor(f"{prefix}self_attn.{norm}.weight"), self.config)

@@ -16,6 +16,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_half, linear_kernel
 from lmpress.weights.float8 import Fp8Linear
 from lmpress.weights.fp4 import Fp4Linear
+from lmpress.weights.online_rotation import blockwise_hadamard, input_rotation_of
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
 
@@ -95,9 +96,27 @@ class FusedLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
+class RotatedInputLinear(nn.Module):
+    """A runtime linear whose model layer turns its input first (R4, ``online_rotation.py``): ``linear(x V)``."""
+
+    def __init__(self, block: int, linear: nn.Module) -> None:
+        super().__init__()
+        self.block, self.linear = block, linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(blockwise_hadamard(x, self.block))
+
+
 def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
     """One module computing every layer of ``layers`` on the same input, outputs concatenated."""
     sizes = [layer.out_features for layer in layers]
+    rotations = [input_rotation_of(layer) for layer in layers]
+    if any(rotations):
+        if len(layers) != 1:
+            raise LmpressInputError("the runtime fuses no linears whose inputs are rotated (R4) with others")
+        linear = runtime_linear(layers[0], build)
+        # a layer the runtime shares (reference kernels) still runs its own rotation hook
+        return FusedLinear([linear if linear is layers[0] else RotatedInputLinear(rotations[0].block, linear)], sizes)
     if build.shares_layers:
         return FusedLinear([runtime_linear(layer, build) for layer in layers], sizes)
     if all(type(layer) is nn.Linear for layer in layers):

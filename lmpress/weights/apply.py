@@ -6,6 +6,7 @@ from torch import nn
 
 from lmpress.weights.float8 import Fp8Linear, Fp8Weight
 from lmpress.weights.fp4 import Fp4Linear, Fp4Weight
+from lmpress.weights.online_rotation import carry_input_rotation
 from lmpress.weights.qlinear import QuantizedLinear, quantized_linear_from
 from lmpress.weights.scheme import QuantizedWeight
 
@@ -17,14 +18,15 @@ def apply_quantized_weight(
 
     The replacement keeps the bias, the device and the place in the module tree, so
     the model's forward keeps working; it holds the packed codes that exporters write.
-    Applying again to an already quantized layer replaces its weight. An ``Fp8Weight`` (an FP8
-    checkpoint's layer, read back) becomes an ``Fp8Linear``, an ``Fp4Weight`` an ``Fp4Linear``.
+    Applying again to an already quantized layer replaces its weight; an online input rotation (R4) carries
+    over. An ``Fp8Weight`` (an FP8 checkpoint's layer, read back) becomes an ``Fp8Linear``, an ``Fp4Weight`` an
+    ``Fp4Linear``.
     """
     if not name:
         raise ValueError("apply_quantized_weight needs the name of a submodule, not the model itself")
     parent_name, _, child_name = name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    old = getattr(parent, child_name)
+    old = original = getattr(parent, child_name)
     if isinstance(old, (QuantizedLinear, Fp4Linear)):
         device = next(old.buffers()).device
         linear = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None, device=device)
@@ -42,5 +44,6 @@ def apply_quantized_weight(
     else:
         replacement = quantized_linear_from(old, qweight)
     replacement.train(old.training)
+    carry_input_rotation(original, replacement)  # R4: the replacement turns its input as the linear did
     setattr(parent, child_name, replacement)
     return replacement

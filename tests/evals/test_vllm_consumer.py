@@ -26,6 +26,7 @@ REFUSED = {
     ("W8 g32 sym", "compressed-tensors"): "CPUWNA16",
     ("W8 g32 asym", "compressed-tensors"): "CPUWNA16",
     ("W4 g32 sym", "gguf"): "config",
+    ("W8A8 int8, rotated with R4 (rotate + SmoothQuant)", "compressed-tensors"): "hadacore_transform",
 }
 # on an AVX2-only x86 CPU its WNA16 kernel is missing: every 4-bit weight-only export loads, then fails to run
 NO_WNA16 = {
