@@ -37,7 +37,8 @@ QUANT_TABLE_FP32 = RESULTS / "rows" / "fp32.json"
 PEER_DATA = REPO / "runs" / "bench-fp4"
 THREADS = 2
 
-ROTATE = {"method": "rotate"}
+ROTATE = {"method": "rotate"}  # R1 (residual stream) and R2 (v/o per head), fused into the weights
+ROTATE_R4 = {"method": "rotate", "rotate_down_proj": True}  # and R4: down_proj's input turned online
 NVFP4A16 = {"fp4": "nvfp4"}
 MXFP4A16 = {"fp4": "mxfp4"}
 NVFP4 = {"fp4": "nvfp4", "activations": "fp4"}
@@ -52,6 +53,10 @@ def rtn(scheme: dict, mse: bool = False) -> dict:
     return {"method": "rtn", **scheme, "mse": mse}
 
 
+W4_G64 = {"fp4": None, "bits": 4, "group_size": 64}  # integer W4 g64 (SmolLM2's 576 = 9 x 64)
+W4A8_G64 = {**W4_G64, "activations": "int8"}  # and int8 activations per token
+
+
 # name -> (label, lmpress stages or None for the baseline / a peer row)
 ROWS: dict[str, tuple[str, list[dict] | None]] = {
     "fp32": ("FP32 (baseline)", None),
@@ -64,20 +69,43 @@ ROWS: dict[str, tuple[str, list[dict] | None]] = {
     "rtn-nvfp4a16-mse": ("lmpress RTN NVFP4A16, MSE scale search", [rtn(NVFP4A16, mse=True)]),
     "gptq-nvfp4a16": ("lmpress GPTQ NVFP4A16, MSE scale search", [gptq(NVFP4A16)]),
     "rotate-gptq-nvfp4a16": ("lmpress rotate + GPTQ NVFP4A16, MSE scale search", [ROTATE, gptq(NVFP4A16)]),
+    "rotate-r4-gptq-nvfp4a16": (
+        "lmpress rotate (R1 R2 R4) + GPTQ NVFP4A16, MSE scale search",
+        [ROTATE_R4, gptq(NVFP4A16)],
+    ),
     # weight-only MXFP4
     "llmc-mxfp4a16": ("llm-compressor MXFP4A16 (its preset)", None),
     "rtn-mxfp4a16": ("lmpress RTN MXFP4A16 (min/max scales)", [rtn(MXFP4A16)]),
     "rtn-mxfp4a16-mse": ("lmpress RTN MXFP4A16, scale search", [rtn(MXFP4A16, mse=True)]),
     "gptq-mxfp4a16": ("lmpress GPTQ MXFP4A16, scale search", [gptq(MXFP4A16)]),
     "rotate-gptq-mxfp4a16": ("lmpress rotate + GPTQ MXFP4A16, scale search", [ROTATE, gptq(MXFP4A16)]),
+    "rotate-r4-gptq-mxfp4a16": (
+        "lmpress rotate (R1 R2 R4) + GPTQ MXFP4A16, scale search",
+        [ROTATE_R4, gptq(MXFP4A16)],
+    ),
     # W4A4
     "llmc-nvfp4": ("llm-compressor NVFP4 W4A4 (its preset, calibrated)", None),
     "llmc-quip-nvfp4": ("llm-compressor QuIP (random Hadamard v, u) + NVFP4 W4A4", None),
     "llmc-spinquant-nvfp4": ("llm-compressor SpinQuant R1 R2 R4 (Hadamard) + NVFP4 W4A4", None),
     "gptq-nvfp4": ("lmpress GPTQ NVFP4 W4A4, MSE scale search", [gptq(NVFP4)]),
-    "rotate-gptq-nvfp4": ("lmpress rotate + GPTQ NVFP4 W4A4, MSE scale search", [ROTATE, gptq(NVFP4)]),
+    "rotate-gptq-nvfp4": ("lmpress rotate (R1 R2) + GPTQ NVFP4 W4A4, MSE scale search", [ROTATE, gptq(NVFP4)]),
+    "rotate-r4-gptq-nvfp4": (
+        "lmpress rotate (R1 R2 R4) + GPTQ NVFP4 W4A4, MSE scale search",
+        [ROTATE_R4, gptq(NVFP4)],
+    ),
+    # W4A8: integer weights, int8 activations
+    "gptq-w4a16-g64": ("lmpress GPTQ W4A16 g64, MSE scales", [gptq(W4_G64)]),
+    "gptq-w4a8-g64": ("lmpress GPTQ W4A8 g64 (int8 activations per token), MSE scales", [gptq(W4A8_G64)]),
+    "rotate-r4-gptq-w4a8-g64": (
+        "lmpress rotate (R1 R2 R4) + GPTQ W4A8 g64, MSE scales",
+        [ROTATE_R4, gptq(W4A8_G64)],
+    ),
     "rtn-mxfp4": ("lmpress RTN MXFP4 W4A4, scale search", [rtn(MXFP4, mse=True)]),
-    "rotate-rtn-mxfp4": ("lmpress rotate + RTN MXFP4 W4A4, scale search", [ROTATE, rtn(MXFP4, mse=True)]),
+    "rotate-rtn-mxfp4": ("lmpress rotate (R1 R2) + RTN MXFP4 W4A4, scale search", [ROTATE, rtn(MXFP4, mse=True)]),
+    "rotate-r4-rtn-mxfp4": (
+        "lmpress rotate (R1 R2 R4) + RTN MXFP4 W4A4, scale search",
+        [ROTATE_R4, rtn(MXFP4, mse=True)],
+    ),
 }
 PEER_ROWS = [name for name in ROWS if name.startswith("llmc-")]
 
@@ -86,14 +114,24 @@ GOALS: list[tuple[str, str, Any]] = [
     ("gptq-nvfp4a16", "delta <= 0.7x llm-compressor NVFP4A16's", lambda d: _ratio(d, "gptq-nvfp4a16", "llmc-nvfp4a16")),
     ("gptq-mxfp4a16", "delta <= 0.7x RTN MXFP4's", lambda d: _ratio(d, "gptq-mxfp4a16", "rtn-mxfp4a16")),
     (
-        "rotate-gptq-nvfp4",
-        "delta <= 0.5x without rotation",
-        lambda d: _ratio(d, "rotate-gptq-nvfp4", "gptq-nvfp4", 0.5),
+        "rotate-r4-gptq-mxfp4a16",
+        "delta <= 0.7x RTN MXFP4's",
+        lambda d: _ratio(d, "rotate-r4-gptq-mxfp4a16", "rtn-mxfp4a16"),
     ),
     (
-        "rotate-gptq-nvfp4",
+        "rotate-r4-gptq-w4a8-g64",
+        "delta <= 1.2x W4A16's at the same group size",
+        lambda d: _ratio(d, "rotate-r4-gptq-w4a8-g64", "gptq-w4a16-g64", 1.2),
+    ),
+    (
+        "rotate-r4-gptq-nvfp4",
+        "delta <= 0.5x without rotation",
+        lambda d: _ratio(d, "rotate-r4-gptq-nvfp4", "gptq-nvfp4", 0.5),
+    ),
+    (
+        "rotate-r4-gptq-nvfp4",
         "delta <= llm-compressor's best W4A4",
-        lambda d: _at_most_best(d, "rotate-gptq-nvfp4", ["llmc-nvfp4", "llmc-quip-nvfp4", "llmc-spinquant-nvfp4"]),
+        lambda d: _at_most_best(d, "rotate-r4-gptq-nvfp4", ["llmc-nvfp4", "llmc-quip-nvfp4", "llmc-spinquant-nvfp4"]),
     ),
 ]
 

@@ -68,6 +68,9 @@ SCHEMES = (
         ({"method": "sparsegpt", "pattern": "2:4", "quantize": {"bits": 4, "group_size": 32, "symmetric": True}},),
     ),
     SchemeSpec("W8A8 int8 (SmoothQuant)", ({"method": "smoothquant"},)),
+    SchemeSpec(
+        "W4A8 g64, int8 activations (RTN)", ({"method": "rtn", "bits": 4, "group_size": 64, "activations": "int8"},)
+    ),
     SchemeSpec("FP8 W8A8 (E4M3)", ({"method": "fp8"},)),
     SchemeSpec("bitsandbytes LLM.int8", ({"method": "llm_int8"},)),
     SchemeSpec("bitsandbytes NF4", ({"method": "bnb_4bit"},)),

@@ -143,7 +143,8 @@ def activation_args(activations: str | None) -> dict[str, Any] | None:
 def layer_format(scheme: QuantScheme) -> str:
     if scheme.fp4 is not None:
         return FP4_CT_FORMATS[scheme.fp4]
-    return PACK_QUANTIZED if scheme.activations is None else INT_QUANTIZED
+    w8a8 = scheme.activations == "int8" and (scheme.bits, scheme.group_size, scheme.symmetric) == (8, -1, True)
+    return INT_QUANTIZED if w8a8 else PACK_QUANTIZED  # W4A8: packed codes beside int8 input_activations
 
 
 def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
@@ -152,7 +153,7 @@ def ct_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
     QuantizedLinear keeps its codes in exactly the ``weight_packed`` layout, so they are copied, not repacked;
     a W8A8 layer's codes are written unpacked as signed int8 (``int-quantized``).
     """
-    if module.scheme.activations is not None:
+    if layer_format(module.scheme) == INT_QUANTIZED:
         return {
             f"{name}.weight": int8_weight(module.codes().cpu()),
             f"{name}.weight_scale": module.scales.detach().cpu().float().clone(),
@@ -393,6 +394,7 @@ def read_compressed_tensors(
             layers[name] = read_fp4(name, tensors, group)
             continue
         scheme = _scheme_of(group["weights"], name)
+        scheme = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric, _activations_of(group, name))
         packed = require_tensor(tensors, key, torch.int32)
         shape = require_tensor(tensors, f"{name}.weight_shape").tolist()
         if len(shape) != 2:

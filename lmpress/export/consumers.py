@@ -118,6 +118,18 @@ def vllm_fp4_note(info: dict[str, Any]) -> str | None:
     )
 
 
+def vllm_w4a8_note(info: dict[str, Any]) -> str | None:
+    """What vLLM does with integer weights of under 8 bits beside int8 activations (W4A8) in a compressed-tensors
+    artifact (None without any): not measured with its CPU build."""
+    low_bits = _values(info.get("bits")) - {8}
+    if info.get("format") != "compressed-tensors" or "int8" not in _values(info.get("activations")) or not low_bits:
+        return None
+    return (
+        "W4A8 (integer weights, int8 activations per token): vLLM's compressed-tensors W4A8 schemes; not measured "
+        f"here ({VLLM_VERSION} was measured on W8A8 and weight-only layers only)"
+    )
+
+
 def _values(value: Any) -> set[Any]:
     """``inspect``'s single-or-list fields as a set."""
     if value is None:

@@ -65,7 +65,7 @@ ACTIVATION_FORMATS = ("compressed-tensors",)
 def activation_refusal(fmt: str, scheme: QuantScheme) -> str | None:
     if scheme.activations is None or fmt in ACTIVATION_FORMATS:
         return None
-    kind = "W4A4" if scheme.activations == "fp4" else "W8A8"
+    kind = "W4A4" if scheme.activations == "fp4" else f"W{scheme.bits}A8"
     return (
         f"{scheme.activations} activations ({kind}), which {fmt} cannot describe (it would run the weights "
         f"with float activations); export {' or '.join(ACTIVATION_FORMATS)}"

@@ -28,7 +28,13 @@ from lmpress.checkpoint_files import (
     read_tensors,
 )
 from lmpress.errors import LmpressInputError
-from lmpress.export.consumers import VLLM_VERSION, vllm_fp4_note, vllm_kv_cache_note, vllm_refusal
+from lmpress.export.consumers import (
+    VLLM_VERSION,
+    vllm_fp4_note,
+    vllm_kv_cache_note,
+    vllm_refusal,
+    vllm_w4a8_note,
+)
 from lmpress.export.kv_cache_tensors import read_kv_quant
 from lmpress.prune.masks import nm_pattern
 from lmpress.weights.kv_quant import cache_bytes_per_token
@@ -212,7 +218,7 @@ def _gguf_tensor_types(path: Path) -> dict[str, Any]:
 def _with_consumers(info: dict[str, Any]) -> dict[str, Any]:
     """``info`` with whether vLLM loads the artifact (``lmpress.export.consumers``)."""
     refusal = vllm_refusal(info)
-    fp4 = vllm_fp4_note(info)
+    fp4 = vllm_fp4_note(info) or vllm_w4a8_note(info)
     info["vllm"] = f"refuses: {refusal}" if refusal else fp4 or f"loads ({VLLM_VERSION}, measured)"
     kv = vllm_kv_cache_note(info)
     if kv is not None and not refusal:

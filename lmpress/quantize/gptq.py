@@ -26,6 +26,16 @@ FP4 (``fp4: nvfp4`` or ``mxfp4``; ``act_order`` with ``static_groups`` only, as 
       overrides:
         ".*down_proj": {fp4: int, bits: 8, group_size: 64}
 
+W4A8 (integer weights, activations quantized to int8 per token at run time; compressed-tensors only):
+
+    - method: rotate
+      rotate_down_proj: true # R4: spreads down_proj's activation outliers before they meet int8
+    - method: gptq
+      bits: 4
+      group_size: 64
+      activations: int8
+      mse: true
+
 An NVFP4 W4A4 layer's static ``input_global_scale`` comes from the max |X| of its inputs, gathered with its
 Hessian; that Hessian is of the inputs as they arrive, in float: the activations' own FP4 rounding is not in it
 (nor in the inputs the calibration passes feed the next layers).

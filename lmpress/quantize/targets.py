@@ -36,7 +36,7 @@ class SchemeOverride(StrictConfig):
     symmetric: bool | None = None
     k_quant_scales: bool | None = None
     fp4: Fp4Override | None = None
-    activations: Literal["fp4"] | None = None
+    activations: Literal["fp4", "int8"] | None = None
 
 
 def _fp4_defaults(settings: dict[str, object], group_given: bool) -> dict[str, object]:
@@ -56,7 +56,11 @@ class WeightQuantConfig(StageConfig):
     symmetric: bool = True
     k_quant_scales: bool = Field(False, description="group scales on llama.cpp's k-quant grid (GGUF Q4_K)")
     fp4: Fp4Grid | None = Field(None, description="4-bit floats: nvfp4 (blocks of 16) or mxfp4 (blocks of 32)")
-    activations: Literal["fp4"] | None = Field(None, description="fp4: W4A4, activations quantized per block")
+    activations: Literal["fp4", "int8"] | None = Field(
+        None,
+        description="fp4: W4A4 (FP4 weights), activations quantized per block; int8: integer weights (W4A8, W8A8) "
+        "with activations quantized to int8 per token",
+    )
     ignore: LayerPatterns = ["lm_head"]
     overrides: PatternKeyed[SchemeOverride] = {}
 

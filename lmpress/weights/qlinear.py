@@ -27,7 +27,8 @@ take the reference path.
 A layer whose scheme has ``activations: "int8"`` (W8A8, from SmoothQuant) always
 runs its int8 execution (``int8_linear.py``): activations quantized per token,
 ``torch._int_mm`` on CPU and CUDA; ``kernel="reference"`` simulates the same
-function in float (fake-quantized activations times the dequantized weight).
+function in float (fake-quantized activations times the dequantized weight). Integer weights of fewer bits
+or in groups with int8 activations (W4A8) always run that simulation.
 """
 
 from __future__ import annotations
@@ -72,8 +73,6 @@ class QuantizedLinear(nn.Module):
             raise ValueError(scheme.misfit(in_features))
         if scheme.activations not in (None, "int8"):
             raise ValueError(f"QuantizedLinear runs int8 or float activations, not {scheme.activations}")
-        if scheme.activations is not None and (scheme.bits, scheme.group_size, scheme.symmetric) != (8, -1, True):
-            raise ValueError(f"{scheme.activations} activations need 8-bit symmetric per-channel weights, got {scheme}")
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
@@ -147,9 +146,18 @@ class QuantizedLinear(nn.Module):
         self.scales = scales.to(device=self.scales.device)
         return result
 
+    @property
+    def int8_matmul_holds(self) -> bool:
+        """Whether the layer's int8 activations meet int8 weights in one int8 matmul (W8A8: 8-bit symmetric
+        per-channel weights); other integer weights with int8 activations (W4A8) run dequantized."""
+        scheme = self.scheme
+        return scheme.activations == "int8" and (scheme.bits, scheme.group_size, scheme.symmetric) == (8, -1, True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scheme.activations is not None:
+        if self.int8_matmul_holds:
             return self._w8a8_forward(x)
+        if self.scheme.activations is not None:  # W4A8: per-token int8 activations times the dequantized weight
+            return nn.functional.linear(fake_quantize_per_token(x), self.dequantized_weight(x.dtype), self._bias_as(x))
         if self._kernel_applies(x):
             y = self._kernel_forward(x)
             if y is not None:

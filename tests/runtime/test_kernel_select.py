@@ -78,13 +78,16 @@ def case(bits=4, group=128, k=4096, n=4096, **kw) -> LayerCase:
         (case(bits=8, group=-1), DeviceCase("cpu", torch.float32), "cpu-w8a8"),
         (case(bits=8, group=-1, k=4100), DeviceCase("cpu", torch.float32), "cpu-int8"),  # K % 64
         (case(bits=8, group=-1, activations="int8"), DeviceCase("cpu", torch.float32), "int8-mm"),
+        # W4A8: no int8 matmul holds group scales; the layer's own per-token simulation, as it was scored
+        (case(group=64, activations="int8"), DeviceCase("cpu", torch.float32), "reference"),
+        (case(group=64, activations="int8"), H100, "reference"),
         (case(bits=8, group=-1, activations="fp8"), DeviceCase("cpu", torch.float32), "fp8-simulated"),
         (case(bits=3, group=128), DeviceCase("cpu", torch.float32), "dense"),
     ],
 )
 def test_kernel_selection_table(layer, device, expected):
     assert select_kernel(layer, device) == expected
-    assert kernel_candidates(layer, device)[-1] in ("dense", "int8-mm", "fp8-simulated")  # a fallback always
+    assert kernel_candidates(layer, device)[-1] in ("dense", "int8-mm", "fp8-simulated", "reference")  # a fallback
 
 
 def test_tinygemm_and_gemlite_are_measured_only_when_both_hold():
@@ -102,7 +105,7 @@ def test_tinygemm_and_gemlite_are_measured_only_when_both_hold():
 
 def test_layer_case_of_a_quantized_layer():
     layer = w4_layer(32, 256, 64, False, act_order=True)
-    assert LayerCase.of(layer) == LayerCase(4, 64, 256, 32, act_order=True, equal_groups=True)
+    assert LayerCase.of(layer) == LayerCase(4, 64, 256, 32, act_order=True, equal_groups=True, symmetric=False)
     assert LayerCase.of(w4_layer(32, 256, 64, True)).act_order is False
 
 

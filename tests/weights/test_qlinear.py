@@ -163,3 +163,16 @@ def test_a_bfloat16_model_decodes_through_the_kernels_like_the_reference(tiny_ll
         reference = [model(fast.sequences[:, : ids.shape[1] + i]).logits[:, -1] for i in range(6)]
     for step, logits in enumerate(fast.logits):
         assert sqnr_db(reference[step].float(), logits.float()) > 25, step
+
+
+def test_w4a8_runs_per_token_int8_activations_times_the_dequantized_weight():
+    """W4A8 (int4 groups, int8 activations per token): against a float64 computation written out here."""
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 128), torch.randn(5, 128) * torch.logspace(-1, 1, 128)
+    layer = QuantizedLinear.from_quantized_weight(quantize_weight_rtn(w, QuantScheme(4, 64, True, "int8")))
+    step = x.double().abs().amax(-1, keepdim=True) / 127
+    expected = (torch.round(x.double() / step) * step) @ layer.dequantized_weight(torch.float64).T
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    weight_only = QuantizedLinear.from_quantized_weight(quantize_weight_rtn(w, QuantScheme(4, 64, True)))
+    assert not torch.allclose(layer(x), weight_only(x), rtol=1e-4, atol=1e-4)  # the activations are rounded
+    assert not layer.int8_matmul_holds

@@ -32,7 +32,7 @@ def kernel_of(module: nn.Module) -> str:
     if isinstance(name, str):
         return name
     if isinstance(module, QuantizedLinear):
-        return "int8-mm" if module.scheme.activations == "int8" else "reference"
+        return "int8-mm" if module.int8_matmul_holds else "reference"
     if isinstance(module, nn.Linear):
         return "dense"
     from lmpress.weights.float8 import Fp8Linear

@@ -52,6 +52,7 @@ class LayerCase:
     equal_groups: bool = True  # act-order groups all hold group_width columns (GPTQ's do)
     activations: str | None = None  # None (weight-only), "int8" (W8A8), "fp8" or "fp4" (W4A4)
     fp4: str | None = None  # "nvfp4" or "mxfp4": E2M1 weights with block scales (Fp4Linear)
+    symmetric: bool = True
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> LayerCase:
@@ -72,7 +73,9 @@ class LayerCase:
         if act_order:
             counts = torch.bincount(layer.g_idx.long(), minlength=layer.scales.shape[1])
             equal = bool((counts == width).all())
-        return cls(scheme.bits, width, k, layer.out_features, act_order, equal, scheme.activations)
+        return cls(
+            scheme.bits, width, k, layer.out_features, act_order, equal, scheme.activations, symmetric=scheme.symmetric
+        )
 
 
 def gemlite_installed() -> bool:
@@ -166,8 +169,9 @@ def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
         if layer.activations == "fp4":
             return ("fp4-simulated",)
         return ("cpu-fp4a8", "dense") if device.type == "cpu" and layer.in_features % 64 == 0 else ("dense",)
-    if layer.activations == "int8":
-        return ("int8-mm",)  # a weight-only kernel would drop the activation quantization the layer was scored with
+    if layer.activations == "int8":  # a weight-only kernel would drop the activation quantization it was scored with
+        w8a8 = layer.bits == 8 and layer.group_width == layer.in_features and layer.symmetric
+        return ("int8-mm",) if w8a8 else ("reference",)  # W4A8: the layer's own per-token simulation
     if layer.activations == "fp8":
         fp8 = device.type == "cuda" and device.capability is not None and device.capability >= FP8_MIN_CAPABILITY
         fp8 = fp8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
