@@ -123,6 +123,11 @@ SMOKE_STAGES: dict[str, list[dict]] = {
     "magnitude": [{"method": "magnitude", "pattern": "2:4"}],
     "structured": [{"method": "structured", "heads": 2, "mlp_channels": 0.25, "layers": 1, "layer_importance": "kl"}],
     "fp8": [{"method": "fp8"}],
+    # R4's online rotation on the device: the butterfly on down_proj's input in every calibration pass
+    "rotate-r4+gptq-nvfp4-w4a4": [
+        {"method": "rotate", "rotate_down_proj": True},
+        {"method": "gptq", "fp4": "nvfp4", "activations": "fp4"},
+    ],
     "distill": [
         {"method": "rtn", "bits": 4, "group_size": 32},
         {"method": "distill", "seq_len": 32, "batch_size": 2, "steps": 2, "eval_every": 2, "eval_windows": 2},
