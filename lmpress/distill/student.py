@@ -24,6 +24,7 @@ from torch import nn
 from lmpress.anatomy import decoder_layers
 from lmpress.calib.hooks import set_submodule
 from lmpress.prune.masks import nm_pattern
+from lmpress.weights.online_rotation import carry_input_rotation
 from lmpress.weights.qlinear import QuantizedLinear
 from lmpress.weights.scheme import QuantizedWeight, round_ste
 
@@ -86,7 +87,9 @@ class FakeQuantLinear(nn.Module):
 def _replace(model: nn.Module, kind: type, make) -> int:
     found = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
     for name, module in found:
-        set_submodule(model, name, make(module))
+        replacement = make(module)
+        carry_input_rotation(module, replacement)  # R4: the student's layer turns its input as the model's did
+        set_submodule(model, name, replacement)
     return len(found)
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 import torch
@@ -71,6 +72,16 @@ class StructuredConfig(StageConfig):
     kl_repeat: bool = Field(
         False, description="kl scores on each sample's first half followed by that half again (copying counts)"
     )
+
+    def order_refusal(self, earlier: Sequence[StageConfig]) -> str | None:
+        """Removing MLP channels after R4 would cut blocks of the rotation down_proj's input runs through."""
+        for index, stage in enumerate(earlier):
+            if self.mlp_channels and getattr(stage, "rotate_down_proj", False):
+                return (
+                    f"structured removes MLP channels after stages[{index}] rotate mixed them (rotate_down_proj): "
+                    "put structured before rotate"
+                )
+        return None
 
     def check(self, model: nn.Module) -> None:
         config = model.config

@@ -148,3 +148,34 @@ def test_formats_that_cannot_hold_r4_are_refused(fmt, tiny_llama_dir, tmp_path):
     with pytest.raises(LmpressInputError, match=f"export {fmt}: model.layers.0.mlp.down_proj rotates its input"):
         exporter(fmt)(loaded.model, loaded.tokenizer, out)
     assert not any(out.iterdir())
+
+
+def test_structured_mlp_pruning_after_r4_is_refused_in_the_recipe():
+    from lmpress.recipe import parse_recipe
+
+    stages = [{"method": "rotate", "rotate_down_proj": True}, {"method": "structured", "mlp_channels": 0.25}]
+    with pytest.raises(LmpressInputError, match=r"stages\[1\]: structured removes MLP channels after stages\[0\]"):
+        parse_recipe({"model": "x", "stages": stages})
+    parse_recipe(
+        {"model": "x", "stages": [{"method": "rotate", "rotate_down_proj": True}, {"method": "structured", "heads": 1}]}
+    )
+
+
+def test_distillation_keeps_r4_on_the_student_and_on_the_layers_it_gives_back(tiny_llama_dir, tmp_path):
+    from lmpress.distill.student import freeze_student, prepare_student
+    from lmpress.quantize.rtn import RTNConfig, run_rtn
+
+    loaded = load_model(str(tiny_llama_dir))
+    model = loaded.model
+    run_rotate(model, RotateConfig(rotate_down_proj=True), context(tmp_path))
+    run_rtn(model, RTNConfig(bits=4, group_size=32), context(tmp_path))
+    with torch.no_grad():
+        before = model(IDS).logits
+    prepare_student(model)
+    assert input_rotation_of(model.model.layers[0].mlp.down_proj).block == 256
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, before, rtol=1e-4, atol=1e-4)
+    freeze_student(model)
+    assert input_rotation_of(model.model.layers[1].mlp.down_proj).block == 256
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, before, rtol=1e-4, atol=1e-4)
