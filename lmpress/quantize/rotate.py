@@ -83,6 +83,7 @@ class RotateConfig(StageConfig):
     reads_whole_model: ClassVar[bool] = True
     seed: int = Field(0, ge=0, description="seed of the random signs (random: true)")
     random: bool = Field(True, description="randomized Hadamard matrices (QuaRot) rather than plain ones")
+    residual: bool = Field(True, description="R1: the residual stream, the norms' scales folded into the linears")
     rotate_heads: bool = Field(True, description="R2: a Hadamard matrix per head between v_proj and o_proj")
     rotate_down_proj: bool = Field(
         False, description="R4: down_proj's input turned at run time by a block Hadamard, its inverse in the weight"
@@ -90,13 +91,18 @@ class RotateConfig(StageConfig):
     down_proj_block: int | None = Field(
         None, description="R4's block (a power of two dividing the MLP width); default: the largest such"
     )
+    input_block: int | None = Field(
+        None,
+        description="every decoder linear's input turned online in blocks of this power of two (the FP4 block: "
+        "16 for NVFP4, 32 for MXFP4), its inverse fused into the weight",
+    )
 
     def check(self, model: nn.Module) -> None:
         """Refuse, before any weight is touched, a family or a width no rotation here fits (``model`` may be a
         skeleton on the meta device)."""
         residual_parts(model)
         hidden, head_dim = rotation_orders(model)
-        refusal = hadamard_order_refusal(hidden)
+        refusal = hadamard_order_refusal(hidden) if self.residual else None
         if refusal:
             raise LmpressInputError(f"stage rotate: hidden_size {hidden} of {_model_type(model)!r}: {refusal}")
         refusal = hadamard_order_refusal(head_dim) if self.rotate_heads else None
@@ -105,6 +111,13 @@ class RotateConfig(StageConfig):
                 f"stage rotate: head_dim {head_dim} of {_model_type(model)!r}: {refusal}; or set rotate_heads: false"
             )
 
+        if self.input_block is not None:
+            if self.rotate_down_proj:
+                raise LmpressInputError("stage rotate: input_block turns down_proj's input too: drop rotate_down_proj")
+            for name, linear in layer_linears(decoder_layers(model)[0]).items():
+                refusal = block_refusal(int(linear.in_features), self.input_block)
+                if refusal:
+                    raise LmpressInputError(f"stage rotate: input_block: {name}: {refusal}")
         if self.rotate_down_proj:
             width = down_proj_width(model)
             refusal = block_refusal(width, self.down_block(width))
@@ -283,8 +296,40 @@ def run_rotate(model: nn.Module, config: RotateConfig, ctx: StageContext) -> dic
     def rotation(n: int) -> torch.Tensor:
         return (random_hadamard(n, config.seed) if config.random else hadamard_matrix(n)).to(device)
 
-    q = rotation(hidden)
     h = rotation(head_dim) if config.rotate_heads else None
+    q = rotation(hidden) if config.residual else None
+    untie = rotate_residual_ends(model, q, device) if q is not None else False
+    layers = decoder_layers(model)
+    down = next(name for name in parts.writes if name != parts.output)
+    block = config.down_block(down_proj_width(model)) if config.rotate_down_proj else None
+    for layer in ctx.bars.track(layers, "rotate: layers", total=len(layers)):
+        if q is not None:
+            rotate_layer(layer, parts, q, h, anatomy.norm_offset, device)
+        elif h is not None:
+            rotate_heads(layer, parts, h, device)
+        online = {down: block} if block is not None else {}
+        if config.input_block is not None:
+            online = dict.fromkeys(layer_linears(layer), config.input_block)
+        for name, size in online.items():  # R4 and the like: W -> W V here, x -> x V at run time
+            linear = layer.get_submodule(name)
+            _rewrite(linear.weight, lambda w, size=size: rotate_weight_input(w, size), device)
+            attach_input_rotation(linear, size)
+    return {
+        "rotated_layers": len(layers),
+        "hidden_hadamard": hidden if config.residual else None,
+        "head_hadamard": head_dim if config.rotate_heads else None,
+        "random": config.random,
+        "seed": config.seed if config.random else None,
+        "untied_head": untie,
+        "down_proj_hadamard_block": block,
+        "input_hadamard_block": config.input_block,
+    }
+
+
+def rotate_residual_ends(model: nn.Module, q: torch.Tensor, device: torch.device) -> bool:
+    """R1 at the stream's ends: the embedding ``E -> E Q``, the head ``W -> W diag(s) Q`` with the final norm's
+    scale ``s`` folded (untied from the embedding where ``s`` is not 1; returns whether it was)."""
+    anatomy = get_anatomy(model)
     offset = anatomy.norm_offset
     embed = model.get_submodule(anatomy.embed)
     head = model.get_submodule(anatomy.lm_head)
@@ -294,26 +339,17 @@ def run_rotate(model: nn.Module, config: RotateConfig, ctx: StageContext) -> dic
     untie = head.weight is embed.weight and not bool((final_scale == 1).all())
     if untie:
         _untie(model, head)
-
     _rewrite(embed.weight, lambda e: e @ q, device, ROW_CHUNK)
-    layers = decoder_layers(model)
-    down = next(name for name in parts.writes if name != parts.output)
-    block = config.down_block(down_proj_width(model)) if config.rotate_down_proj else None
-    for layer in ctx.bars.track(layers, "rotate: layers", total=len(layers)):
-        rotate_layer(layer, parts, q, h, offset, device)
-        if block is not None:  # R4: W -> W V here, x -> x V at run time
-            linear = layer.get_submodule(down)
-            _rewrite(linear.weight, lambda w: rotate_weight_input(w, block), device)
-            attach_input_rotation(linear, block)
     if head.weight is not embed.weight:
         _rewrite(head.weight, lambda w: (w * final_scale) @ q, device, ROW_CHUNK)
     _set_unit_scale(final_norm, offset)
-    return {
-        "rotated_layers": len(layers),
-        "hidden_hadamard": hidden,
-        "head_hadamard": head_dim if config.rotate_heads else None,
-        "random": config.random,
-        "seed": config.seed if config.random else None,
-        "untied_head": untie,
-        "down_proj_hadamard_block": block,
-    }
+    return untie
+
+
+def rotate_heads(layer: nn.Module, parts: ResidualParts, h: torch.Tensor, device: torch.device) -> None:
+    """R2 alone (the residual stream left as it is): v_proj's rows and o_proj's columns per head."""
+    values, output = layer.get_submodule(parts.values), layer.get_submodule(parts.output)
+    _rewrite(values.weight, lambda w: _per_head_rows(w, h), device)
+    if values.bias is not None:
+        _rewrite(values.bias, lambda b: _per_head_rows(b, h), device)
+    _rewrite(output.weight, lambda w: _per_head_columns(w, h), device)

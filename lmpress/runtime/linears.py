@@ -108,15 +108,24 @@ class RotatedInputLinear(nn.Module):
 
 
 def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
-    """One module computing every layer of ``layers`` on the same input, outputs concatenated."""
+    """One module computing every layer of ``layers`` on the same input, outputs concatenated. Layers whose
+    input the model turns online (``online_rotation.py``) must all turn it alike: the input is turned once, before
+    the fused parts (a part that is the model's own layer, shared, turns it itself)."""
+    blocks = {None if (r := input_rotation_of(layer)) is None else r.block for layer in layers}
+    fused = _fuse_unrotated(layers, build)
+    if blocks == {None}:
+        return fused
+    if len(blocks) != 1:
+        raise LmpressInputError("the runtime fuses linears over one input only where they turn it alike")
+    block = blocks.pop()
+    parts = [
+        part if any(part is layer for layer in layers) else RotatedInputLinear(block, part) for part in fused.parts
+    ]
+    return FusedLinear(parts, fused.sizes)
+
+
+def _fuse_unrotated(layers: list[nn.Module], build: Build) -> FusedLinear:
     sizes = [layer.out_features for layer in layers]
-    rotations = [input_rotation_of(layer) for layer in layers]
-    if any(rotations):
-        if len(layers) != 1:
-            raise LmpressInputError("the runtime fuses no linears whose inputs are rotated (R4) with others")
-        linear = runtime_linear(layers[0], build)
-        # a layer the runtime shares (reference kernels) still runs its own rotation hook
-        return FusedLinear([linear if linear is layers[0] else RotatedInputLinear(rotations[0].block, linear)], sizes)
     if build.shares_layers:
         return FusedLinear([runtime_linear(layer, build) for layer in layers], sizes)
     if all(type(layer) is nn.Linear for layer in layers):

@@ -96,6 +96,7 @@ def test_rotated_model_computes_the_same_logits(case, dtype, tmp_path, monkeypat
         "seed": 3,
         "untied_head": tied,
         "down_proj_hadamard_block": None,
+        "input_hadamard_block": None,
     }
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert model.config.tie_word_embeddings is False

@@ -179,3 +179,49 @@ def test_distillation_keeps_r4_on_the_student_and_on_the_layers_it_gives_back(ti
     assert input_rotation_of(model.model.layers[1].mlp.down_proj).block == 256
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_every_linear_turned_online_in_fp4_blocks_is_the_same_function(residual, tmp_path, monkeypatch):
+    """input_block: each decoder linear's input turned by blocks of 16 (NVFP4's), with or without R1."""
+    model = tiny_model("LlamaConfig", torch.float64, tie_word_embeddings=False)
+    exact_norms(model, monkeypatch)
+    before = logits(model)
+    embedding = model.model.embed_tokens.weight.clone()
+    config = RotateConfig(residual=residual, input_block=16)
+    info = run_rotate(model, config, context(tmp_path))
+    assert ((logits(model) - before).abs().max() / before.abs().max()).item() < 1e-12
+    assert info["input_hadamard_block"] == 16 and (info["hidden_hadamard"] is None) == (not residual)
+    assert torch.equal(model.model.embed_tokens.weight, embedding) == (not residual)
+    layer = model.model.layers[1]
+    assert all(input_rotation_of(m).block == 16 for n, m in layer.named_modules() if n.endswith("_proj"))
+
+
+def test_input_block_refusals(tmp_path):
+    model = tiny_model("LlamaConfig")
+    with pytest.raises(LmpressInputError, match="input_block turns down_proj's input too"):
+        RotateConfig(input_block=16, rotate_down_proj=True).check(model)
+    with pytest.raises(LmpressInputError, match="input_block: self_attn.q_proj: blocks of 64 do not divide 96"):
+        RotateConfig(input_block=64).check(model)
+
+
+def test_every_linear_turned_online_runs_fused_in_the_runtime(tiny_llama_dir, tmp_path):
+    """q/k/v and gate/up share a turned input: the runtime turns it once before their fused matmul."""
+    from lmpress.quantize.rtn import RTNConfig, run_rtn
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from lmpress.runtime.linears import RotatedInputLinear
+
+    loaded = load_model(str(tiny_llama_dir))
+    run_rotate(loaded.model, RotateConfig(residual=False, input_block=16), context(tmp_path))
+    run_rtn(loaded.model, RTNConfig(bits=4, group_size=32), context(tmp_path))
+    with torch.no_grad():
+        want = loaded.model(IDS).logits
+    out = tmp_path / "ct"
+    out.mkdir()
+    exporter("compressed-tensors")(loaded.model, loaded.tokenizer, out)
+    runtime = load_checkpoint(out, cpu_activations="bf16")
+    attention = runtime.layers[0].attention.wqkv
+    assert len(attention.parts) == 1 and isinstance(attention.parts[0], RotatedInputLinear)
+    with torch.no_grad():
+        got = runtime(IDS, runtime.new_cache(1, IDS.shape[1]))
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
