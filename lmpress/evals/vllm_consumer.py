@@ -222,6 +222,7 @@ VLLM_PAIRS = (
     ("FP8 W8A8 (E4M3)", "compressed-tensors"),
     ("W4 g32 sym", "gguf"),
     ("W8A8 int8, rotated with R4 (rotate + SmoothQuant)", "compressed-tensors"),
+    ("W4A8 g64, int8 activations (RTN)", "compressed-tensors"),
 )
 DTYPE_UNITS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-20}
 

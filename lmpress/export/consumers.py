@@ -83,7 +83,7 @@ def vllm_refusal(info: dict[str, Any], cpu_wna16: bool | None = None) -> str | N
         )
     if _needs_wna16(fmt, info) and not (vllm_cpu_runs_wna16() if cpu_wna16 is None else cpu_wna16):
         return (
-            f"{VLLM_VERSION} runs 4-bit weight-only layers only on AVX-512 CPUs (cpu_gemm_wna16 is missing from its "
+            f"{VLLM_VERSION} runs 4-bit integer weights (weight-only or W4A8) only on AVX-512 CPUs (cpu_gemm_wna16 is missing from its "
             "AVX2 library) and this CPU has AVX2 only: it loads the model, then fails at the first token; serve it "
             "on a GPU or an AVX-512 CPU, or export W8A8 (smoothquant) / FP8 for this one"
         )
@@ -94,7 +94,9 @@ def _needs_wna16(fmt: str | None, info: dict[str, Any]) -> bool:
     """Whether vLLM runs (some of) the artifact's layers with its 4-bit weight-only kernel."""
     if fmt in ("gptq", "awq"):
         return True
-    weight_only = "float" in _values(info.get("activations")) or not info.get("activations")
+    activations = _values(info.get("activations"))
+    # W4A8 too: its CPU build runs int4 weights beside int8 activations on the same cpu_gemm_wna16 (measured)
+    weight_only = "float" in activations or "int8" in activations or not info.get("activations")
     return fmt == "compressed-tensors" and 4 in _values(info.get("bits")) and weight_only and not info.get("fp4")
 
 
@@ -125,8 +127,8 @@ def vllm_w4a8_note(info: dict[str, Any]) -> str | None:
     if info.get("format") != "compressed-tensors" or "int8" not in _values(info.get("activations")) or not low_bits:
         return None
     return (
-        "W4A8 (integer weights, int8 activations per token): vLLM's compressed-tensors W4A8 schemes; not measured "
-        f"here ({VLLM_VERSION} was measured on W8A8 and weight-only layers only)"
+        "W4A8 (integer weights, int8 activations per token): vLLM's compressed-tensors W4A8 schemes; measured "
+        f"here only on an AVX2 CPU, where {VLLM_VERSION} fails at the first token (cpu_gemm_wna16)"
     )
 
 

@@ -36,6 +36,7 @@ NO_WNA16 = {
     ("W4 g32 sym", "compressed-tensors"),
     ("W4 g32 asym", "compressed-tensors"),
     ("2:4 sparse + W4 g32 (SparseGPT)", "compressed-tensors"),
+    ("W4A8 g64, int8 activations (RTN)", "compressed-tensors"),
 }
 if not vllm_cpu_runs_wna16():
     REFUSED |= dict.fromkeys(NO_WNA16, "cpu_gemm_wna16")
