@@ -83,9 +83,9 @@ def vllm_refusal(info: dict[str, Any], cpu_wna16: bool | None = None) -> str | N
         )
     if _needs_wna16(fmt, info) and not (vllm_cpu_runs_wna16() if cpu_wna16 is None else cpu_wna16):
         return (
-            f"{VLLM_VERSION} runs 4-bit integer weights (weight-only or W4A8) only on AVX-512 CPUs (cpu_gemm_wna16 is missing from its "
-            "AVX2 library) and this CPU has AVX2 only: it loads the model, then fails at the first token; serve it "
-            "on a GPU or an AVX-512 CPU, or export W8A8 (smoothquant) / FP8 for this one"
+            f"{VLLM_VERSION} runs 4-bit integer weights (weight-only or W4A8) only on AVX-512 CPUs (cpu_gemm_wna16 "
+            "is missing from its AVX2 library) and this CPU has AVX2 only: it loads the model, then fails at the first "
+            "token; serve it on a GPU or an AVX-512 CPU, or export W8A8 (smoothquant) / FP8 for this one"
         )
     return None
 

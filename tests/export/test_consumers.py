@@ -53,7 +53,8 @@ def exports(tiny_llama_wide_dir, tmp_path_factory):
 )
 def test_inspect_says_whether_vllm_loads_the_export(exports, scheme, fmt, verdict):
     if verdict == "loads on this CPU if it has AVX-512":
-        verdict = "loads" if vllm_cpu_runs_wna16() else "refuses: vLLM 0.32 (CPU build) runs 4-bit integer weights (weight-only or W4A8)"
+        refusal = "refuses: vLLM 0.32 (CPU build) runs 4-bit integer weights (weight-only or W4A8)"
+        verdict = "loads" if vllm_cpu_runs_wna16() else refusal
     assert inspect_artifact(exports[(scheme, fmt)])["vllm"].startswith(verdict)
 
 
