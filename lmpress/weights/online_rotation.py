@@ -1,5 +1,7 @@
 """Online Hadamard rotation of a linear layer's input: QuaRot's R4 (Ashkboos et al. 2024, arXiv:2404.00456,
-section 4; SpinQuant's R4), the rotation 4-bit activations need before ``down_proj``.
+section 4; SpinQuant's R4), the rotation 4-bit activations need before ``down_proj``; with the rotate stage's
+``input_block``, the same rotation in FP4-sized blocks on every decoder linear's input (the block rotations of
+Egiazarian et al. 2025, arXiv:2509.23202, "MR-GPTQ").
 
 ``down_proj``'s input is ``act(gate) * up``, a product no weight can absorb a rotation through, so the rotation
 is split: the input is turned at run time, ``x -> x V``, and its inverse is fused into the weight, ``W -> W V``
