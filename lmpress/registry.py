@@ -239,15 +239,24 @@ def export_format(name: str) -> ExportFormat:
     return _lookup(FORMATS, FORMAT_MODULES, name)
 
 
+# Checks every writer runs first, ``check(model, fmt)`` raising LmpressInputError: units above this one register
+# theirs where they define what a format may not hold (online_rotation.py: a rotated input).
+EXPORT_CHECKS: list[Callable[[Any, str], None]] = []
+
+
+def register_export_check(check: Callable[[Any, str], None]) -> Callable[[Any, str], None]:
+    EXPORT_CHECKS.append(check)
+    return check
+
+
 def exporter(fmt: str) -> Callable[..., None]:
     """The writer of export format ``fmt`` (KeyError when unknown); what it writes gets the umask's modes."""
     write = export_format(fmt).write
 
     @functools.wraps(write)
     def write_with_modes(model: Any, tokenizer: Any, out_dir: Path, *args: Any, **kwargs: Any) -> None:
-        from lmpress.weights.online_rotation import refuse_unheld_rotations
-
-        refuse_unheld_rotations(model, fmt)  # a format that cannot say a layer's input is rotated writes nothing
+        for check in EXPORT_CHECKS:  # refusals that hold for every writer: nothing is written
+            check(model, fmt)
         write(model, tokenizer, out_dir, *args, **kwargs)
         apply_umask_modes(out_dir)
 

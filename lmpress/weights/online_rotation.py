@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lmpress.errors import LmpressInputError
+from lmpress.registry import register_export_check
 from lmpress.weights.hadamard import hadamard_matrix, hadamard_transform
 
 TRANSFORM = "R4"  # the transform's name in compressed-tensors' transform_config (llm-compressor's SpinQuant name)
@@ -125,6 +126,7 @@ def rotated_inputs(model: nn.Module) -> Iterator[tuple[str, int]]:
             yield name, rotation.block
 
 
+@register_export_check
 def refuse_unheld_rotations(model: nn.Module, fmt: str) -> None:
     """LmpressInputError when ``model`` rotates a layer's input and format ``fmt`` cannot say so."""
     if fmt in ROTATION_FORMATS:
