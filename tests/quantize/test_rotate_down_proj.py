@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from compressed_tensors.transform import TransformConfig
 
 from lmpress.anatomy import decoder_layers
 from lmpress.data import calibration_samples, load_text, tokenize
@@ -101,6 +100,9 @@ def test_awq_leaves_the_pair_into_a_rotated_down_proj(tiny_llama_dir, tmp_path):
 def test_r4_compressed_tensors_export_runs_the_same_in_the_loader_and_the_runtime(
     tiny_llama_dir, tmp_path, activations
 ):
+    # imported here, not at collection: compressed-tensors' transforms import triton, which must first see the
+    # TRITON_INTERPRET that tests/runtime/test_triton_kernels.py sets as it is collected
+    from compressed_tensors.transform import TransformConfig
     from transformers import AutoModelForCausalLM
 
     from lmpress.runtime.checkpoint import load_checkpoint

@@ -82,6 +82,14 @@ def test_quantized_linear_runs_w8a8_with_int8_matmul(monkeypatch):
     assert not torch.allclose(weight_only, y, atol=1e-4)  # the activations really were quantized
 
 
-def test_w8a8_needs_per_channel_symmetric_8bit():
-    with pytest.raises(ValueError, match="per-channel"):
-        QuantizedLinear(64, 32, QuantScheme(8, 32, True, "int8"))
+def test_only_per_channel_symmetric_8bit_weights_take_the_int8_matmul():
+    """Other integer weights beside int8 activations (W8A8 in groups, W4A8) run the per-token simulation."""
+    assert QuantizedLinear(64, 32, QuantScheme(8, -1, True, "int8")).int8_matmul_holds
+    for scheme in (
+        QuantScheme(8, 32, True, "int8"),
+        QuantScheme(8, -1, False, "int8"),
+        QuantScheme(4, 32, True, "int8"),
+    ):
+        assert not QuantizedLinear(64, 32, scheme).int8_matmul_holds
+    with pytest.raises(ValueError, match="QuantizedLinear runs int8 or float activations, not fp8"):
+        QuantizedLinear(64, 32, QuantScheme(8, -1, True, "fp8"))
