@@ -6,6 +6,7 @@ The one home of checkpoint reading for the exporters' readers, the loader and th
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
@@ -82,25 +83,65 @@ def _map_file(file: Path) -> mmap.mmap:
             raise LmpressInputError(f"{file}: not a readable safetensors file ({e})") from e
 
 
+# bytes per element of each safetensors dtype (sub-byte types: None, their sizes are not checked here)
+SAFETENSORS_ITEM_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+
 def _header(file: Path, mapped: mmap.mmap) -> dict[str, tuple[str, list[int], int, int]]:
-    """safetensors layout: an 8-byte little-endian header length, a JSON header, then the data."""
+    """safetensors layout: an 8-byte little-endian header length, a JSON header, then the data. Every tensor's
+    bytes must match its shape and dtype, lie inside the file and not overlap another's (the one parser every
+    reader here goes through, so none reads what another refuses)."""
     try:
         (length,) = struct.unpack("<Q", mapped[:8])
+        if 8 + length > len(mapped):
+            raise ValueError(f"the header claims {length} bytes, more than the file holds")
         header = json.loads(mapped[8 : 8 + length])
         base = 8 + length
         entries = {}
         for key, entry in header.items():
             if key != "__metadata__":
                 start, end = entry["data_offsets"]
-                entries[key] = (entry["dtype"], list(entry["shape"]), base + start, base + end)
-    except (struct.error, ValueError, KeyError, TypeError) as e:
+                entries[key] = (entry["dtype"], [int(n) for n in entry["shape"]], base + int(start), base + int(end))
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
         raise LmpressInputError(f"{file}: not a readable safetensors file (damaged or truncated?): {e}") from e
-    for key, (_, _, start, end) in entries.items():
+    for key, (dtype, shape, start, end) in entries.items():
         if end > len(mapped) or start > end:
             raise LmpressInputError(
                 f"{file}: not a readable safetensors file: tensor {key!r} lies past the end of the file (truncated?)"
             )
+        item = SAFETENSORS_ITEM_BYTES.get(dtype)
+        if item is not None and end - start != math.prod(shape) * item:
+            raise LmpressInputError(
+                f"{file}: tensor {key!r} ({dtype}, shape {shape}) should take {math.prod(shape) * item} bytes, "
+                f"its offsets give {end - start} (damaged header)"
+            )
+    overlap = first_overlap([(start, end, key) for key, (_, _, start, end) in entries.items()])
+    if overlap:
+        raise LmpressInputError(f"{file}: tensors {overlap[0]!r} and {overlap[1]!r} overlap (damaged header)")
     return entries
+
+
+def first_overlap(spans: list[tuple[int, int, str]]) -> tuple[str, str] | None:
+    """The names of two (start, end, name) byte ranges that overlap, or None (empty ranges never do)."""
+    ordered = sorted(span for span in spans if span[1] > span[0])
+    for (_, end, name), (start, _, other) in itertools.pairwise(ordered):
+        if start < end:
+            return name, other
+    return None
+
+
+def safetensors_header(file: Path) -> dict[str, tuple[str, list[int]]]:
+    """Each tensor's dtype and shape in one safetensors file, from its (checked) header."""
+    mapped = _map_file(file)
+    try:
+        return {key: (dtype, shape) for key, (dtype, shape, _, _) in _header(file, mapped).items()}
+    finally:
+        mapped.close()
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -166,13 +207,9 @@ def read_tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
     for file in safetensors_files(path):
         if not file.is_file():
             raise LmpressInputError(f"{path / INDEX_NAME} names the shard {file.name}, which is missing from {path}")
-        mapped = _map_file(file)
-        try:
-            for key, (dtype, shape, _, _) in _header(file, mapped).items():
-                headers[key] = (dtype, shape)
-                held_by[key] = file.name
-        finally:
-            mapped.close()
+        for key, (dtype, shape) in safetensors_header(file).items():
+            headers[key] = (dtype, shape)
+            held_by[key] = file.name
     index = path / INDEX_NAME
     if index.is_file():
         for key, name in json.loads(index.read_text())["weight_map"].items():

@@ -3,7 +3,7 @@
     lmpress run RECIPE --out DIR [--set key.path=value ...] [--overwrite] [--resume]
     lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE] [--device cpu|cuda|auto]
     lmpress compare RUN_A RUN_B
-    lmpress inspect ARTIFACT [--json]
+    lmpress inspect ARTIFACT [--json] [--verify]
     lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup] [--stream]
                      [--compile] [--device cpu|cuda]
     lmpress bench ARTIFACT [--prompt-tokens N] [--new-tokens N] [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup]
@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a checkpoint directory (gptq, awq, compressed-tensors, hf), a GGUF or ONNX export, or a run directory",
     )
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ins.add_argument(
+        "--verify",
+        action="store_true",
+        help="also read every weight: all finite, GGUF tensors decoded, ONNX through onnx's checker (cheap checks of "
+        "headers, sizes, config against tensors, scales and the run's manifest always run); exit 2 on the first "
+        "problem",
+    )
     return parser
 
 
@@ -355,7 +362,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     from lmpress.export.inspect import inspect_artifact, render_inspect
 
-    info = inspect_artifact(args.artifact)
+    info = inspect_artifact(args.artifact, verify=args.verify)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:

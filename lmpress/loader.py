@@ -142,9 +142,11 @@ def resolve_checkpoint(source: str, revision: str | None = None) -> Path:
 
 def check_checkpoint_dir(path: Path) -> dict:
     """Refuse, in one line, a checkpoint lmpress cannot load: unreadable config.json, an architecture
-    without an anatomy, a damaged or truncated safetensors file (its header is read, not its tensors).
+    without an anatomy, a damaged or truncated safetensors file, a layer count the tensors do not match,
+    scales that are not finite (``artifact_checks.check_checkpoint``: headers and scales are read, no weight).
     Returns the parsed config.json."""
-    from lmpress.checkpoint_files import read_config, read_tensor_headers
+    from lmpress.checkpoint_files import read_config
+    from lmpress.export.artifact_checks import check_checkpoint
 
     config = read_config(path)
     model_type = config.get("model_type") if isinstance(config, dict) else None
@@ -152,7 +154,7 @@ def check_checkpoint_dir(path: Path) -> dict:
         raise LmpressInputError(f"{path / 'config.json'}: no 'model_type' (not a transformers model config)")
     if model_type not in ANATOMIES:
         raise LmpressInputError(f"{path}: {unsupported(model_type)}")
-    read_tensor_headers(path)
+    check_checkpoint(path)
     return config
 
 

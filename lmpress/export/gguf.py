@@ -395,12 +395,9 @@ def gguf_config(reader: Any) -> Any:
 def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | QuantizedWeight | Fp4Weight]]:
     """(config, {HF module name: QuantizedWeight or Fp4Weight, or HF tensor name: float tensor}) of a GGUF file
     lmpress wrote."""
-    import gguf
+    from lmpress.export.artifact_checks import check_gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as e:
-        raise LmpressInputError(f"{path}: not a readable GGUF file ({e})") from e
+    reader = check_gguf(path)
     config = gguf_config(reader)
     per_layer = {
         f"blk.{i}.{v}.{kind}": (f"model.layers.{i}.{k}", kind)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from lmpress.checkpoint_files import (
     read_tensors,
 )
 from lmpress.errors import LmpressInputError
+from lmpress.export.artifact_checks import check_artifact, check_checkpoint, check_gguf, single_export_file
 from lmpress.export.consumers import (
     VLLM_VERSION,
     vllm_fp4_note,
@@ -36,6 +38,7 @@ from lmpress.export.consumers import (
     vllm_w4a8_note,
 )
 from lmpress.export.kv_cache_tensors import read_kv_quant
+from lmpress.export.manifest import verify_artifact
 from lmpress.prune.masks import nm_pattern
 from lmpress.weights.kv_quant import cache_bytes_per_token
 from lmpress.weights.online_rotation import describe_transform_config
@@ -182,37 +185,80 @@ def _overall_sparsity(rows: list[dict[str, Any]]) -> float:
 SINGLE_FILE_FORMATS = {".gguf": "gguf", ".onnx": "onnx"}
 
 
-def _single_file_export(path: Path) -> dict[str, Any] | None:
-    """A GGUF or ONNX export (the file, or lmpress's export directory holding it with no config.json): its file,
-    size and who serves it; None for anything else."""
-    if path.is_dir() and not (path / CONFIG_NAME).is_file():
-        files = [p for p in sorted(path.iterdir()) if p.suffix in SINGLE_FILE_FORMATS]
-        if len(files) != 1:
-            return None
-        path = files[0]
-    if not (path.is_file() and path.suffix in SINGLE_FILE_FORMATS):
+def _single_file_export(path: Path, verify: bool) -> dict[str, Any] | None:
+    """A GGUF or ONNX export (the file, or lmpress's export directory holding it with no config.json), checked:
+    its file, size, summary and who serves it; None for anything else."""
+    if path.is_dir() and (path / CONFIG_NAME).is_file():
+        return None
+    file = single_export_file(path)
+    if file is None:
         return None
     info = {
-        "path": str(path),
-        "format": SINGLE_FILE_FORMATS[path.suffix],
-        "size_bytes": path.stat().st_size,
+        "path": str(file),
+        "format": SINGLE_FILE_FORMATS[file.suffix],
+        "size_bytes": file.stat().st_size,
         "layers": [],
     }
     if info["format"] == "gguf":
-        info |= _gguf_tensor_types(path)
+        info |= gguf_summary(check_gguf(file, full=verify))
+    else:
+        check_artifact(file, full=verify)
     return _with_consumers(info)
 
 
-def _gguf_tensor_types(path: Path) -> dict[str, Any]:
-    """How many tensors of each GGML type a GGUF file holds (its header only); MXFP4 ones as ``fp4``."""
-    try:
-        import gguf
+GGUF_METADATA = ("general.architecture", "general.name", "general.file_type", "{arch}.block_count",
+                 "{arch}.context_length", "{arch}.embedding_length", "tokenizer.ggml.model")  # fmt: skip
 
-        types = [t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors]
-    except (ImportError, ValueError, OSError, IndexError):
-        return {}
+
+def gguf_summary(reader: Any) -> dict[str, Any]:
+    """A GGUF file's tensor types, bits per weight, block sizes, metadata and one row per tensor (MXFP4 files also
+    as ``fp4``)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    arch = _field_text(reader, "general.architecture")
+    metadata = {}
+    for key in (k.format(arch=arch) for k in GGUF_METADATA):
+        value = _field_text(reader, key)
+        if value is not None:
+            metadata[key] = value
+    rows = []
+    for t in reader.tensors:
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        rows.append(
+            {
+                "name": t.name,
+                "type": t.tensor_type.name,
+                "shape": [int(n) for n in reversed(t.shape)],  # GGUF lists the innermost dimension first
+                "block_size": block,
+                "bytes": int(t.n_elements) // block * type_size,
+                "bits_per_weight": round(8 * type_size / block, 3),
+            }
+        )
+    types = [r["type"] for r in rows]
     counts = {name: types.count(name) for name in sorted(set(types))}
-    return {"tensor_types": counts} | ({"fp4": "mxfp4", "scale_encoding": "E8M0"} if "MXFP4" in counts else {})
+    quantized = [r for r in rows if r["block_size"] > 1]
+    info: dict[str, Any] = {
+        "tensor_types": counts,
+        "metadata": metadata,
+        "gguf_tensors": sorted(rows, key=lambda r: natural_key(r["name"])),
+        "tensors": len(rows),
+    }
+    if quantized:
+        info["bits"] = _single_or_list([r["bits_per_weight"] for r in quantized])
+        info["group_size"] = _single_or_list([r["block_size"] for r in quantized])
+    if "MXFP4" in counts:
+        info |= {"fp4": "mxfp4", "scale_encoding": "E8M0"}
+    return info
+
+
+def _field_text(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that puts ``layers.2`` before ``layers.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def _with_consumers(info: dict[str, Any]) -> dict[str, Any]:
@@ -226,12 +272,15 @@ def _with_consumers(info: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
-def inspect_artifact(path: str | Path) -> dict[str, Any]:
-    """Format, bits, group size, symmetry, act-order, size on disk and a per-layer summary of ``path``."""
+def inspect_artifact(path: str | Path, verify: bool = False) -> dict[str, Any]:
+    """Format, bits, group size, symmetry, act-order, size on disk and a per-layer summary of ``path``, after the
+    checks of ``lmpress.export.artifact_checks`` (cheap ones always, every weight with ``verify``) and, inside a
+    run, its manifest's."""
     path = Path(path)
     if not path.exists():
         raise LmpressInputError(f"{path}: no such file or directory")
-    single = _single_file_export(path)
+    verify_artifact(path)
+    single = _single_file_export(path, verify)
     if single is not None:
         return single
     if path.is_file():
@@ -240,15 +289,22 @@ def inspect_artifact(path: str | Path) -> dict[str, Any]:
             "exports, or a run's output"
         )
     if (path / CONFIG_NAME).is_file():
+        check_checkpoint(path, full=verify)
         return _with_consumers(_inspect_checkpoint(path))
     children = sorted(p for p in path.iterdir() if p.is_dir() and (p / CONFIG_NAME).is_file())
-    if not children:
+    singles = [p for p in sorted(path.iterdir()) if p.is_dir() and p not in children and single_export_file(p)]
+    if not children and not singles:
         raise LmpressInputError(f"{path}: neither a checkpoint (no {CONFIG_NAME}) nor a run directory with checkpoints")
+    artifacts = []
+    for child in children:
+        check_checkpoint(child, full=verify)
+        artifacts.append(_with_consumers(_inspect_checkpoint(child)))
+    artifacts += [_single_file_export(child, verify) for child in singles]
     info: dict[str, Any] = {
         "format": "run",
         "path": str(path),
         "size_bytes": _size_on_disk(path),
-        "artifacts": [_with_consumers(_inspect_checkpoint(child)) for child in children],
+        "artifacts": artifacts,
     }
     manifest = path / MANIFEST
     if manifest.is_file():
@@ -263,10 +319,14 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+# Zero weights are sparsity only where a pruning method made them; a 4-bit grid rounds many small weights to 0.
+SUMMARY_LABELS = {"sparsity": "zero weights", "tensors": "tensors", "group_size": "group / block size"}
+
+
 def _summary_table(info: dict[str, Any]) -> Table:
     table = Table(title=f"{info['path']}", show_header=False)
-    table.add_column("key", style="bold")
-    table.add_column("value")
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
     keys = (
         "format",
         "checkpoint_format",
@@ -280,6 +340,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
         "act_order",
         "fp4",
         "quantized_layers",
+        "tensors",
         "parameters",
         "sparsity",
         "dtypes",
@@ -291,7 +352,10 @@ def _summary_table(info: dict[str, Any]) -> Table:
     )
     for key in keys:
         if key in info and info[key] is not None:
-            table.add_row(key, f"{info[key]:.1%}" if key == "sparsity" else str(info[key]))
+            label = SUMMARY_LABELS.get(key, key)
+            table.add_row(label, f"{info[key]:.1%}" if key == "sparsity" else str(info[key]))
+    for key, value in info.get("metadata", {}).items():
+        table.add_row(key, str(value))
     table.add_row("size on disk", _mb(info["size_bytes"]))
     if info.get("quantized_weights"):
         table.add_row("quantized tensors", _mb(info["quantized_bytes"]))
@@ -306,14 +370,13 @@ def _layer_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="quantized layers")
     activations = any(r.get("activations", "float") != "float" for r in rows)
     fp4 = any("fp4" in r for r in rows)
-    columns = ["layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "sparsity"]
+    columns = ["layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "zeros"]
     if activations:
         columns.insert(5, "activations")
     if fp4:
         columns[2:2] = ["fp4", "scales"]
-    for column in columns:
-        table.add_column(column, justify="left" if column == "layer" else "right")
-    for r in rows:
+    _add_columns(table, columns)
+    for r in sorted(rows, key=lambda r: natural_key(r["name"])):
         cells = [
             r["name"],
             "x".join(str(v) for v in r["shape"]),
@@ -333,6 +396,24 @@ def _layer_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _add_columns(table: Table, columns: list[str]) -> None:
+    """The first column (names) folds rather than cutting a name short at any width; numbers stay whole."""
+    for i, column in enumerate(columns):
+        if i == 0:
+            table.add_column(column, overflow="fold", ratio=1)
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
+
+
+def _gguf_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="tensors")
+    _add_columns(table, ["tensor", "type", "shape", "block", "size", "bits/weight"])
+    for r in rows:
+        shape, size = "x".join(str(v) for v in r["shape"]), f"{r['bytes'] / 1e3:.1f} kB"
+        table.add_row(r["name"], r["type"], shape, str(r["block_size"]), size, f"{r['bits_per_weight']:.3f}")
+    return table
+
+
 def _activation_text(activations: str) -> str:
     if activations == "fp4":
         return "fp4 per-block"
@@ -345,9 +426,8 @@ def _sparsity_text(row: dict[str, Any]) -> str:
 
 def _sparsity_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="sparsity per layer")
-    for column in ("layer", "shape", "sparsity"):
-        table.add_column(column, justify="left" if column == "layer" else "right")
-    for r in rows:
+    _add_columns(table, ["layer", "shape", "sparsity"])
+    for r in sorted(rows, key=lambda r: natural_key(r["name"])):
         table.add_row(r["name"], "x".join(str(v) for v in r["shape"]), _sparsity_text(r))
     return table
 
@@ -359,6 +439,8 @@ def render_inspect(info: dict[str, Any]) -> Group:
         parts.append(_summary_table(artifact))
         if artifact.get("layers"):
             parts.append(_layer_table(artifact["layers"]))
+        if artifact.get("gguf_tensors"):
+            parts.append(_gguf_table(artifact["gguf_tensors"]))
         if artifact.get("sparse_layers"):
             parts.append(_sparsity_table(artifact["sparse_layers"]))
     return Group(*parts)

@@ -8,7 +8,6 @@ prompt lookup).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -122,11 +121,11 @@ def load_runtime(
 def stored_dtypes(checkpoint: Path, suffix: str = "") -> set[str]:
     """The safetensors dtype names (F32, BF16, F8_E4M3...) of the tensors in ``checkpoint``'s files whose names end
     with ``suffix``, from their headers alone."""
+    from lmpress.checkpoint_files import safetensors_header
+
     dtypes = set()
     for file in checkpoint.glob("*.safetensors"):
-        with open(file, "rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        dtypes |= {entry["dtype"] for key, entry in header.items() if key != "__metadata__" and key.endswith(suffix)}
+        dtypes |= {dtype for key, (dtype, _) in safetensors_header(file).items() if key.endswith(suffix)}
     return dtypes
 
 
