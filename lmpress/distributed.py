@@ -1,11 +1,12 @@
 """One recipe run across the processes a launcher starts (``accelerate launch``, ``torchrun``).
 
-Every process runs the recipe's stages up to its last ``distill`` stage: the same deterministic
-work, so each holds a student of the same structure when that stage trains it with DDP (which
-starts every process from the main process's weights). Only the main process writes the output
-directory, exports and scores; the others keep their own stage state in a scratch directory
-beside ``--out`` (kept for ``--resume`` after a kill, removed when they finish) and stop after
-the last training stage. A recipe without a distill stage gives the other processes nothing to do.
+Every process runs the recipe's stages up to its last stage that uses them all: a ``distill`` stage (DDP) or a
+stage of the layer-wise calibration engine (each process replays its share of the calibration samples and the
+statistics are summed across them: ``lmpress.calib.ranks``). Stages before it are the same deterministic work
+in each, so every process holds the same model when that stage starts. Only the main process writes the output
+directory, exports and scores; the others keep their own stage state in a scratch directory beside ``--out``
+(kept for ``--resume`` after a kill, removed when they finish) and stop after that stage. A recipe with neither
+gives the other processes nothing to do.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def last_training_stage(stages: Sequence[Any]) -> int:
-    """Index of the last stage the launched processes train together (-1: none)."""
-    return max((i for i, stage in enumerate(stages) if stage.trains_across_processes), default=-1)
+def last_shared_stage(stages: Sequence[Any]) -> int:
+    """Index of the last stage the launched processes run together (-1: none): one that trains across them, or
+    one of the layer-wise calibration engine."""
+    shared = (i for i, stage in enumerate(stages) if stage.trains_across_processes or stage.calibrates_layerwise)
+    return max(shared, default=-1)

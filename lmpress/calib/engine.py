@@ -36,6 +36,7 @@ from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
+from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_samples
 from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
 from lmpress.errors import LmpressInputError
@@ -48,6 +49,9 @@ class CalibrationMethod:
     """A one-shot method run by the engine; override what it needs (every hook defaults to nothing)."""
 
     name: str = "method"
+    # everything it gathers goes through lmpress.calib.statistics' accumulators, which sum across ranks: a pass of
+    # such methods spreads its batches over launched processes (lmpress.calib.ranks)
+    reduces_across_ranks: bool = False
 
     def __init__(self) -> None:
         self.warnings: list[str] = []
@@ -213,6 +217,13 @@ def run_calibration(
     device = ctx.device
     quantized = rewritten = 0
     name = "+".join(m.name for m in methods)
+    rank, world = calibration_ranks()
+    ranks = world if world > 1 and all(m.reduces_across_ranks for m in methods) else 1
+    shape = list(calibration.shape)
+    if ranks > 1:
+        calibration = rank_samples(calibration, batch_size, rank, world)
+    if world > 1:  # every rank restarts at the first layer some rank had not finished
+        done = min_across_ranks(done)
     for index in range(done):
         quantized += state.restore_layer(index, layers[index])
     if done < len(layers):
@@ -250,7 +261,7 @@ def run_calibration(
                 attention = anatomy.attention if anatomy.attention and has_submodule(layer, anatomy.attention) else None
                 session = LayerSession(
                     index, layer, prefix, targets, groups, inputs, device, model=model, blocks=blocks,
-                    fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention,
+                    fed_only_by=fed_only_by, independent_groups=true_sequential, attention=attention, ranks=ranks,
                 )  # fmt: skip
                 process_layer(session, methods)
                 observer = _output_observer(session, methods)
@@ -268,7 +279,8 @@ def run_calibration(
         **({"rewritten_linears": rewritten} if rewritten else {}),
         "resumed_at_layer": done if ctx.resume else None,
         "seconds": round(time.perf_counter() - start_time, 2),
-        "calibration": list(calibration.shape),
+        "calibration": shape,
+        **({"processes": ranks} if ranks > 1 else {}),  # each replayed its share of the samples
         "warnings": [w for m in methods for w in m.warnings],
     }
 

@@ -78,6 +78,7 @@ class LayerSession:
     fed_only_by: tuple[tuple[str, tuple[str, ...]], ...] = ()  # anatomy.fed_only_by present in this layer
     independent_groups: bool = True  # no linear of a group reads another's output (false when groups are merged)
     attention: str | None = None  # anatomy.attention, when present in this layer
+    ranks: int = 1  # processes sharing the calibration batches (lmpress.calib.ranks): these inputs are one share
     _packed: dict[str, nn.Module] = field(default_factory=dict)
     _replay: dict[str, BatchStore] = field(default_factory=dict)  # finished block -> its output per batch
     _fed: dict[str, BatchStore] = field(default_factory=dict)  # linear -> its input per batch

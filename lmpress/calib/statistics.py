@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmpress.calib.ranks import count_across_ranks, max_across_ranks_, sum_across_ranks
+
 if TYPE_CHECKING:
     from lmpress.calib.session import LayerSession
 
@@ -59,6 +61,13 @@ class HessianAccumulator:
             # rows i:j, columns i: of (n_old H + 2 xᵀx) / n_new, in place
             self._H[i:j, i:].addmm_(x[:, i:j].T, x[:, i:], beta=keep, alpha=2 / self.n)
 
+    def reduce_across_ranks(self) -> None:
+        """Every rank's mean turned into the mean over every rank's tokens (float64 sums; amax by max)."""
+        total = count_across_ranks(self.n)
+        self._H.copy_(sum_across_ranks(self._H.double().mul_(self.n)).div_(max(total, 1)))
+        max_across_ranks_(self.amax)
+        self.n = total
+
     @property
     def H(self) -> torch.Tensor:
         if self._H is None:
@@ -92,23 +101,32 @@ class InputAmaxAccumulator:
         if x.numel():
             _track_amax(self.amax, x.detach())
 
+    def reduce_across_ranks(self) -> None:
+        max_across_ranks_(self.amax)
+
 
 class InputNormAccumulator:
-    """Σ x_j² over every token seen, per input feature j (float32): ||X_j||² (Wanda, Eq. 1)."""
+    """Σ x_j² over every token seen, per input feature j: ||X_j||² (Wanda, Eq. 1). Summed in float64 (a vector:
+    cheap), so the order batches arrive in, or the processes they are spread over, moves the sums by ~1e-16
+    relative, below float32's rounding of ||X_j||: Wanda's masks do not depend on it."""
 
     def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
-        self.sq = torch.zeros(columns, dtype=torch.float32, device=device)
+        self.sq = torch.zeros(columns, dtype=torch.float64, device=device)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        self.sq.add_(x.square().sum(0))
+        self.sq.add_(x.square().sum(0, dtype=torch.float64))
         self.n += x.shape[0]
+
+    def reduce_across_ranks(self) -> None:
+        self.sq.copy_(sum_across_ranks(self.sq))
+        self.n = count_across_ranks(self.n)
 
     @property
     def norm(self) -> torch.Tensor:
-        """||X_j||, the L2 norm of feature j over every calibration token."""
-        return self.sq.sqrt()
+        """||X_j||, the L2 norm of feature j over every calibration token (float32)."""
+        return self.sq.sqrt().float()
 
 
 Accumulator = HessianAccumulator | InputNormAccumulator | InputAmaxAccumulator
@@ -182,7 +200,9 @@ def invert_upper_triangular_(R: torch.Tensor, rows: int = SOLVE_ROWS) -> None:
 def collect_inputs(session: LayerSession, names: list[str], make: Callable[[int, torch.device], Accumulator]) -> dict:
     """One pass over the calibration batches feeding each of ``names``' inputs to an accumulator from ``make``.
 
-    Linears fed the very same input tensor share one accumulator, so it is computed once.
+    Linears fed the very same input tensor share one accumulator, so it is computed once. Where the session's
+    batches are one rank's share (``session.ranks`` > 1), each accumulator is reduced across the ranks after
+    the pass (``lmpress.calib.ranks``).
     """
     hessians: dict[str, Accumulator] = {}
     # Within a batch: input address -> (the input, kept alive so its address is not reused; its accumulator).
@@ -207,6 +227,9 @@ def collect_inputs(session: LayerSession, names: list[str], make: Callable[[int,
         by_input[key] = (x, hessians[name])
 
     session.forward(names, on_input, skip_watched=session.independent_groups)
+    if session.ranks > 1:  # each rank saw its share of the batches: every rank now holds the whole statistic
+        for accumulator in {id(a): a for a in hessians.values()}.values():
+            accumulator.reduce_across_ranks()
     return hessians
 
 

@@ -196,6 +196,7 @@ def sparsegpt_prune_layer(
 
 class SparseGPTMethod(CalibrationMethod):
     name = "sparsegpt"
+    reduces_across_ranks = True
 
     def __init__(self, config: SparseGPTConfig) -> None:
         super().__init__()

@@ -52,6 +52,7 @@ def wanda_prune_weight(
 
 class WandaMethod(CalibrationMethod):
     name = "wanda"
+    reduces_across_ranks = True
 
     def process_group(self, session: LayerSession, group: list[str]) -> None:
         norms = group_input_norms(session, group)

@@ -54,13 +54,14 @@ import torch
 from torch import nn
 
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.calib.ranks import solve_across_ranks
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator, collect_inputs, group_hessians
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
 from lmpress.quantize.targets import GPTQRounding, needs_input_scale
 from lmpress.registry import StageContext, register_stage
 from lmpress.weights.fp4 import Fp4Weight, nvfp4_global_scale
-from lmpress.weights.scheme import QuantScheme
+from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +92,15 @@ def gptq_group(
     from the max its Hessian accumulator kept.
     """
     hessians = group_hessians(session, names)
-    for i, name in enumerate(names):
-        linear = session.linear(name)
+    last_reader = last_reader and session.ranks == 1  # spread: a Hessian may be read by another rank's solve
+
+    def solve(name: str) -> tuple[QuantizedWeight | Fp4Weight, dict]:
         accumulator = hessians[name]
-        take = last_reader and all(hessians[n] is not accumulator for n in names[i + 1 :])
-        again = (lambda name=name: collect_inputs(session, [name], HessianAccumulator)[name].H) if take else None
-        quantized, info = gptq_quantize_layer(
-            linear.weight.data,
+        later = names[names.index(name) + 1 :]
+        take = last_reader and all(hessians[n] is not accumulator for n in later)
+        again = (lambda: collect_inputs(session, [name], HessianAccumulator)[name].H) if take else None
+        return gptq_quantize_layer(
+            session.linear(name).weight.data,
             accumulator.take() if take else accumulator.H,
             scheme_of(session.targets[name]),
             block_size=config.block_size,
@@ -108,17 +111,28 @@ def gptq_group(
             pruned=session.masks.get(name),
             hessian_again=again,
         )
+
+    def cost(name: str) -> float:  # the column loop: rows x columns, plus the columns^3 factorization
+        weight = session.linear(name).weight
+        return weight.shape[0] * weight.shape[1] + weight.shape[1] ** 3 / 64
+
+    if session.ranks == 1:  # solve and apply one linear at a time: one result held at once
+        results = ((name, solve(name)) for name in names)
+    else:  # each linear solved on one rank, the results broadcast (lmpress.calib.ranks)
+        results = iter(solve_across_ranks(names, cost, solve, session.ranks).items())
+    for name, (quantized, info) in results:
         if info["damp"] != config.damp_percent:
             message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"
             log.warning(message)
             warnings.append(message)
         if isinstance(quantized, Fp4Weight) and needs_input_scale(quantized.scheme):
-            quantized.input_global_scale = nvfp4_global_scale(accumulator.amax).cpu()
+            quantized.input_global_scale = nvfp4_global_scale(hessians[name].amax).cpu()
         session.apply(name, quantized)
 
 
 class GPTQMethod(CalibrationMethod):
     name = "gptq"
+    reduces_across_ranks = True
 
     def __init__(self, config: GPTQRounding, last_reader: bool = False) -> None:
         super().__init__()

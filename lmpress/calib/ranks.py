@@ -1,0 +1,145 @@
+"""Calibration spread over launched processes (``torchrun``, ``accelerate launch``): data-parallel layer passes.
+
+Each rank replays its own contiguous share of the calibration batches through every layer and keeps only its
+share's activations; the statistics a pass gathers (Hessians, input norms, maxima) are summed across ranks in
+float64 at the end of each statistics pass, so every rank holds the same statistic; each linear's solve (GPTQ)
+runs on one rank, chosen by cost, and its result is broadcast, so every rank applies the same weights and
+computes its share's outputs for the next layer with them. gloo on CPUs, NCCL on GPUs: torch.distributed's
+collectives, whichever group the launcher's processes joined (``lmpress.distributed``).
+
+A pass spreads only when every method in it reduces what it gathers (``CalibrationMethod.reduces_across_ranks``);
+any other pass runs in full on every rank, the same deterministic work, so the ranks stay in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from lmpress.errors import LmpressInputError
+
+T = TypeVar("T")
+
+
+def calibration_ranks() -> tuple[int, int]:
+    """(this process's rank, the number of processes) of the process group; (0, 1) when there is none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_batches(n_batches: int, rank: int, world: int) -> range:
+    """The contiguous batches rank ``rank`` of ``world`` replays (counts differ by at most one)."""
+    base, extra = divmod(n_batches, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def check_shareable(n_samples: int, batch_size: int, world: int) -> None:
+    """Refuse a calibration set with fewer batches than there are processes to share them."""
+    n_batches = math.ceil(n_samples / batch_size)
+    if n_batches < world:
+        raise LmpressInputError(
+            f"{n_samples} calibration samples in batches of {batch_size} make {n_batches} batches, fewer than the "
+            f"{world} launched processes that share them; raise data.samples or launch fewer processes"
+        )
+
+
+def rank_samples(calibration: torch.Tensor, batch_size: int, rank: int, world: int) -> torch.Tensor:
+    """The calibration samples (rows) of rank ``rank``'s batches."""
+    check_shareable(len(calibration), batch_size, world)
+    batches = rank_batches(math.ceil(len(calibration) / batch_size), rank, world)
+    return calibration[batches.start * batch_size : batches.stop * batch_size]
+
+
+def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum of ``tensor`` over every rank, computed in float64, in ``tensor``'s dtype."""
+    import torch.distributed as dist
+
+    total = tensor.double()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.to(tensor.dtype)
+
+
+def max_across_ranks_(tensor: torch.Tensor) -> None:
+    """``tensor`` replaced in place by its elementwise maximum over every rank."""
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+
+def min_across_ranks(n: int) -> int:
+    """The smallest of an integer over every rank."""
+    import torch.distributed as dist
+
+    value = torch.tensor([n], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())
+
+
+def _collective_device() -> torch.device:
+    """Where the group's collectives take their tensors: the current GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def count_across_ranks(n: int) -> int:
+    """The sum of an integer count over every rank."""
+    return int(sum_across_ranks(torch.tensor([n], dtype=torch.int64, device=_collective_device())).item())
+
+
+def owners_by_cost(names: Sequence[str], cost: Callable[[str], float], world: int) -> dict[str, int]:
+    """Each of ``names`` assigned to a rank: the costliest first, each to the least loaded rank (ties: the lowest
+    rank), the same answer on every rank."""
+    load = [0.0] * world
+    owners = {}
+    for name in sorted(names, key=lambda n: (-cost(n), names.index(n))):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += cost(name)
+    return owners
+
+
+def solve_across_ranks(
+    names: Sequence[str], cost: Callable[[str], float], solve: Callable[[str], T], world: int
+) -> dict[str, T]:
+    """``solve(name)`` for each of ``names``, each on one rank (``owners_by_cost``), every result broadcast to every
+    rank in ``names``' order. With ``world`` 1: every solve here, in order."""
+    if world == 1:
+        return {name: solve(name) for name in names}
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    owners = owners_by_cost(names, cost, world)
+    mine = {name: solve(name) for name in names if owners[name] == rank}
+    results = {}
+    for name in names:
+        box = [_tensors_on_cpu(mine.get(name))]  # unpickled where it was saved: another rank's GPU, else
+        dist.broadcast_object_list(box, src=owners[name])
+        results[name] = box[0]
+    return results
+
+
+def _tensors_on_cpu(value: T) -> T:
+    """A dataclass result (a quantized weight) or a tuple of them with every tensor field moved to the CPU."""
+    if isinstance(value, tuple):
+        return tuple(_tensors_on_cpu(v) for v in value)  # type: ignore[return-value]
+    if isinstance(value, torch.Tensor):
+        return value.cpu()  # type: ignore[return-value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        moved = {
+            f.name: getattr(value, f.name).cpu()
+            for f in dataclasses.fields(value)
+            if f.init and isinstance(getattr(value, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(value, **moved)
+    return value
