@@ -541,8 +541,9 @@ def main() -> None:
     parser.add_argument(
         "--omp-wait-policy",
         choices=["PASSIVE", "default"],
-        default="PASSIVE",
-        help="the rows' OpenMP threads sleep while they wait (PASSIVE) or spin first (libgomp's default)",
+        default="default",
+        help="the rows' OpenMP threads spin a while before they sleep (libgomp's default, as users run each engine) "
+        "or sleep at once (PASSIVE: for a machine loaded by other work)",
     )
     parser.add_argument("--build-llama-cpp", action="store_true", help="build the native llama.cpp once if missing")
     parser.add_argument("--no-record", action="store_true", help="print only; leave bench/results as it is")

@@ -42,11 +42,12 @@ def cpu_identity() -> dict[str, Any]:
     return {"cpu_model": model, "isa": isa, "cores": os.cpu_count(), "key": f"{model} [{', '.join(isa) or 'no AVX2'}]"}
 
 
-def worker_environment(environ: dict[str, str], repo: Path, omp_wait_policy: str = "PASSIVE") -> dict[str, str]:
+def worker_environment(environ: dict[str, str], repo: Path, omp_wait_policy: str = "default") -> dict[str, str]:
     """The environment of a row's worker process: the repository first on ``PYTHONPATH``; ``OMP_WAIT_POLICY``
-    ``"PASSIVE"`` (OpenMP threads sleep rather than spin while they wait: a spinning thread takes a core from
-    whatever else runs, an idle row's process or another program; on a loaded 2-core machine an eager SmolLM2 W4
-    step took 170-190 ms spinning and 27-42 ms passive) or ``"default"`` (libgomp's: spin a while, then sleep)."""
+    unset by default (libgomp's own: spin a while, then sleep), as each engine's users run it (on a quiet
+    AVX-512 EPYC, ``PASSIVE`` cut both lmpress and llama.cpp about 2.5x), or ``"PASSIVE"`` (threads sleep at
+    once: on a 2-core machine loaded by other work an eager SmolLM2 W4 step took 170-190 ms spinning and 27-42 ms
+    passive)."""
     path = os.pathsep.join(filter(None, [str(repo), environ.get("PYTHONPATH")]))
     env = {**environ, "PYTHONPATH": path}
     env.pop("OMP_WAIT_POLICY", None)

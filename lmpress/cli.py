@@ -222,6 +222,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     measured_on = result.report.get("measured_on", {}).get("candidate")
     if measured_on:
         console.print(f"candidate measured on {measured_on}", highlight=False)
+    for warning in result.report.get("consumer_warnings", []):
+        console.print(
+            f"[yellow]warning[/] {warning['format']}/: {warning['consumer']} will not load it: {warning['why']}",
+            highlight=False,
+        )
     for check in result.report.get("export_checks", []):
         if not check["passed"]:
             console.print(

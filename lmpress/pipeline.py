@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from lmpress.cache import sha256_json
+from lmpress.calib.ranks import calibration_ranks, check_shareable
 from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
-from lmpress.distributed import Processes, last_training_stage, launched_processes
+from lmpress.distributed import Processes, last_shared_stage, launched_processes
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.agreement import check_runtime_agreement
 from lmpress.evals.perplexity import PerplexityConfig
@@ -38,6 +39,7 @@ from lmpress.evals.report import write_report
 from lmpress.evals.speed import size_and_speed
 from lmpress.evals.suite import baseline_identity, run_suite, suite_report
 from lmpress.export.formats import check_export_plan, check_recipe_exports
+from lmpress.export.inspect import consumer_warnings
 from lmpress.export.manifest import write_manifest
 from lmpress.export.verify import ExportCheck, check_export, window_ppl
 from lmpress.loader import LoadedModel, load_model, model_skeleton, resolve_checkpoint
@@ -190,6 +192,7 @@ def run_stages(
     data = recipe.data
 
     calibration = calibration_of(recipe, tokenizer)
+    world = calibration_ranks()[1]
     summaries = []
     for index, stage in enumerate(recipe.stages[: None if stop is None else stop + 1]):
         ctx = StageContext(
@@ -204,6 +207,8 @@ def run_stages(
                     "stages": [s.model_dump() for s in recipe.stages[: index + 1]],
                     # a state computed on a GPU is not resumed on the CPU (their float sums differ)
                     **({"device": device.type} if device.type != "cpu" else {}),
+                    # each launched process keeps its own share of the samples' activations
+                    **({"processes": world} if world > 1 else {}),
                 }
             ),
             bars=bars,
@@ -282,9 +287,10 @@ def read_back_exports(
 def run_as_launched_worker(
     recipe: Recipe, path: Path, out: Path, resume: bool, processes: Processes, device: torch.device
 ) -> RunResult:
-    """A launched process other than the main one: the stages up to the last distill stage (its training
-    is shared with the main process), in a scratch directory of its own; it writes nothing else."""
-    last = last_training_stage(recipe.stages)
+    """A launched process other than the main one: the stages up to the last one it shares with the main
+    process (distillation's training, the calibration engine's passes), in a scratch directory of its own; it
+    writes nothing else."""
+    last = last_shared_stage(recipe.stages)
     if last >= 0:
         scratch = processes.scratch_dir(out)
         if not resume:
@@ -325,6 +331,8 @@ def run_recipe(
     device = processes.device or device
     for stage in recipe.stages:
         stage.check_processes(processes.world)
+        if stage.calibrates_layerwise and processes.world > 1:
+            check_shareable(recipe.data.samples, stage.batch_size, processes.world)
     with processes.main_first():  # a GGUF source is converted once, by the main process
         path = resolve_checkpoint(spec.source, spec.revision)
     skeleton = model_skeleton(path, spec.trust_remote_code)
@@ -353,6 +361,7 @@ def run_recipe(
             )
         attach_kv_quant(loaded.model, kv)  # the exports write it where their format has a place for it
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
+    consumers = consumer_warnings({fmt: partial / fmt for fmt in recipe.export.formats})  # printed by the CLI
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)
     agreement = None
     if shipped is not None:
@@ -380,6 +389,7 @@ def run_recipe(
         **suite_report(baseline, candidate, recipe.gates),
         "measured_on": {"baseline": f"{spec.source} ({spec.dtype})", "candidate": measured_on},
         "export_checks": [c.as_dict() for c in checks],
+        "consumer_warnings": consumers,
         "runtime_agreement": None if agreement is None else agreement.as_dict(),
         "stages": stages,
         "exports": exports,

@@ -216,3 +216,20 @@ def test_python_api_quantize_model(tiny_llama_dir):
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)
     with pytest.raises(lmpress.LmpressInputError, match="unknown method"):
         lmpress.quantize_model(loaded.model, method="nope")
+
+
+@pytest.mark.parametrize("static_groups", [False, True])
+def test_a_run_says_when_vllm_will_not_load_its_export(tiny_llama_dir, tmp_path, capsys, static_groups):
+    gptq = {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True, "static_groups": static_groups}
+    recipe = write_recipe(tmp_path, tiny_llama_dir, stages=[gptq], export={"formats": ["gptq"]})
+    out = tmp_path / "run"
+    assert main(["run", recipe, "--out", str(out), "--quiet"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    warnings = json.loads((out / "report.json").read_text())["consumer_warnings"]
+    act_order = [w for w in warnings if "desc_act=True" in w["why"]]
+    if static_groups:  # the groups stay contiguous: desc_act false, as vLLM takes it
+        assert not act_order
+    else:
+        assert [w["format"] for w in act_order] == ["gptq"] and "static_groups: true" in act_order[0]["why"]
+        assert "gptq/: vllm will not load it" in printed
+        assert "will not load" in (out / "report.md").read_text()

@@ -82,6 +82,10 @@ def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -
             for c in report["export_checks"]
         ]
         parts.append(markdown_table(header, rows))
+    if report.get("consumer_warnings"):
+        parts += ["", "## Exports a named consumer will not load", ""]
+        rows = [[w["format"], w["consumer"], w["why"]] for w in report["consumer_warnings"]]
+        parts.append(markdown_table(["format", "consumer", "why"], rows))
     if report.get("size_and_speed"):
         from lmpress.evals.speed import SPEED_HEADER, speed_rows
 

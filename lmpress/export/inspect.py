@@ -315,6 +315,22 @@ def inspect_artifact(path: str | Path, verify: bool = False) -> dict[str, Any]:
     return info
 
 
+# the exports the README's table names vLLM as a loader of
+VLLM_LOADS = ("gptq", "awq", "compressed-tensors")
+
+
+def consumer_warnings(exports: dict[str, Path]) -> list[dict[str, str]]:
+    """One entry (format, consumer, why) for each of a run's exports that a consumer the README names for its format
+    cannot load, as ``inspect`` predicts it (``vllm_refusal``)."""
+    warnings = []
+    for fmt, path in exports.items():
+        if fmt in VLLM_LOADS:
+            why = vllm_refusal(inspect_artifact(path))
+            if why:
+                warnings.append({"format": fmt, "consumer": "vllm", "why": why})
+    return warnings
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
