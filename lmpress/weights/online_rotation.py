@@ -186,11 +186,16 @@ def transform_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.T
     config = transform_config(model) or {"config_groups": {}}
     tensors = {}
     for scheme_name, scheme in config["config_groups"].items():
-        block = scheme["head_dim"]
-        matrix = (hadamard_matrix(block) * block**0.5).round().to(dtype)
+        matrix = sylvester_signs(scheme["head_dim"]).to(dtype)
         for name in scheme["apply"][0]["targets"]:
             tensors[f"{name}.{scheme_name}_input.weight"] = matrix.clone()  # safetensors stores no shared storage
     return tensors
+
+
+def sylvester_signs(block: int) -> torch.Tensor:
+    """The unnormalized +-1 Sylvester Hadamard matrix of power-of-two order ``block`` (float64), as a
+    transform_config's stored ``<scheme>_input.weight`` holds it."""
+    return (hadamard_matrix(block) * block**0.5).round()
 
 
 def _matches(name: str, kind: str, target: str) -> bool:
@@ -261,7 +266,7 @@ def attach_transform_config(model: nn.Module, config: dict[str, Any] | None, whe
 def check_sylvester(key: str, matrix: torch.Tensor, where: str) -> None:
     """LmpressInputError unless ``matrix`` is the unnormalized Sylvester Hadamard matrix its transform runs."""
     block = matrix.shape[0] if matrix.dim() == 2 else 0
-    expected = (hadamard_matrix(block) * block**0.5).round() if block and not block & (block - 1) else None
+    expected = sylvester_signs(block) if block and not block & (block - 1) else None
     if expected is None or matrix.shape != expected.shape or not torch.equal(matrix.double(), expected):
         raise LmpressInputError(
             f"{where}: {key} (shape {tuple(matrix.shape)}) is not the +-1 Sylvester Hadamard matrix its "
