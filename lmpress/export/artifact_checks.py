@@ -35,7 +35,9 @@ GGUF_VERSIONS = (2, 3)
 MIN_TENSOR_INFO = 8 + 1 + 4 + 8 + 4 + 8
 MIN_METADATA_ENTRY = 8 + 1 + 4 + 1
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# a decoder layer's tensors: model.layers.N., model.language_model.layers.N., language_model.model.layers.N. (not a
+# vision tower's encoder.layers.N.)
+LAYER_INDEX = re.compile(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.")
 GGUF_LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -107,20 +109,17 @@ def layer_count(config: dict[str, Any]) -> int | None:
 
 
 def check_layer_count(path: Path, config: dict[str, Any], keys: list[str]) -> None:
-    """The tensors hold exactly the decoder layers config.json claims (extra multi-token-prediction layers
-    allowed where the config declares them)."""
+    """The tensors hold every decoder layer config.json claims. Layers beyond it are allowed: a config cut to
+    the first layers reads a subset of the files (transformers leaves the rest unused)."""
     claimed = layer_count(config)
     held = {int(m.group(1)) for key in keys if (m := LAYER_INDEX.search(key))}
     if claimed is None or not held:
         return
-    extra_allowed = int((config.get("text_config") or config).get("num_nextn_predict_layers") or 0)
     missing = sorted(set(range(claimed)) - held)
-    beyond = sorted(i for i in held if i >= claimed + extra_allowed)
-    if missing or beyond:
-        what = f"no tensors for layer(s) {_some(missing)}" if missing else f"tensors for layer(s) {_some(beyond)}"
+    if missing:
         raise LmpressInputError(
-            f"{path}: config.json says {claimed} decoder layers, but the weights hold {what} "
-            "(config and weights from different models, or a damaged export)"
+            f"{path}: config.json says {claimed} decoder layers, but the weights hold no tensors for layer(s) "
+            f"{_some(missing)} (config and weights from different models, or a damaged export)"
         )
 
 
@@ -197,10 +196,9 @@ def check_gguf(file: Path, full: bool = False) -> Any:
     arch = _gguf_field(reader, "general.architecture")
     claimed = _gguf_field(reader, f"{arch}.block_count")
     held = {int(m.group(1)) for t in reader.tensors if (m := GGUF_LAYER_INDEX.match(t.name))}
-    if isinstance(claimed, int) and held and held != set(range(claimed)):
-        raise LmpressInputError(
-            f"{file}: the metadata says {claimed} blocks, the tensors hold blocks {_some(sorted(held))} (damaged)"
-        )
+    missing = sorted(set(range(claimed)) - held) if isinstance(claimed, int) and held else []
+    if missing:
+        raise LmpressInputError(f"{file}: the metadata says {claimed} blocks, no tensors for block(s) {_some(missing)}")
     if full:
         for tensor in reader.tensors:
             try:
