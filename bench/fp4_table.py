@@ -86,6 +86,10 @@ ROWS: dict[str, tuple[str, list[dict] | None]] = {
         "lmpress rotate (R1 R2 R4) + GPTQ MXFP4A16, scale search",
         [ROTATE_R4, gptq(MXFP4A16)],
     ),
+    "blocks-gptq-mxfp4a16": (
+        "lmpress every linear's input turned online in blocks of 32 (no R1) + GPTQ MXFP4A16, scale search",
+        [BLOCKS32, gptq(MXFP4A16)],
+    ),
     # W4A4
     "llmc-nvfp4": ("llm-compressor NVFP4 W4A4 (its preset, calibrated)", None),
     "llmc-quip-nvfp4": ("llm-compressor QuIP (random Hadamard v, u) + NVFP4 W4A4", None),
@@ -132,7 +136,7 @@ GOALS: list[tuple[list[str], str, Any]] = [
         lambda d, r: _ratio(d, r, "llmc-nvfp4a16"),
     ),
     (
-        ["gptq-mxfp4a16", "rotate-gptq-mxfp4a16", "rotate-r4-gptq-mxfp4a16"],
+        ["gptq-mxfp4a16", "rotate-gptq-mxfp4a16", "rotate-r4-gptq-mxfp4a16", "blocks-gptq-mxfp4a16"],
         "delta <= 0.7x RTN MXFP4's",
         lambda d, r: _ratio(d, r, "rtn-mxfp4a16"),
     ),
