@@ -193,8 +193,8 @@ def check_gguf(file: Path, full: bool = False) -> Any:
     from gguf.quants import dequantize
 
     reader = open_gguf(file)
-    arch = _gguf_field(reader, "general.architecture")
-    claimed = _gguf_field(reader, f"{arch}.block_count")
+    arch = gguf_field(reader, "general.architecture")
+    claimed = gguf_field(reader, f"{arch}.block_count")
     held = {int(m.group(1)) for t in reader.tensors if (m := GGUF_LAYER_INDEX.match(t.name))}
     missing = sorted(set(range(claimed)) - held) if isinstance(claimed, int) and held else []
     if missing:
@@ -211,9 +211,10 @@ def check_gguf(file: Path, full: bool = False) -> Any:
     return reader
 
 
-def _gguf_field(reader: Any, key: str) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value of a GGUF file (gguf-py's reader), or ``default`` when the file has none."""
     field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    return default if field is None else field.contents()
 
 
 def check_onnx(file: Path) -> None:

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from lmpress.errors import LmpressInputError
+from lmpress.export.artifact_checks import check_gguf, gguf_field
 from lmpress.export.formats import (
     PlannedLayer,
     act_order_g_idx,
@@ -358,36 +359,31 @@ def export_gguf(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
 # Reading back ------------------------------------------------------------------------------------
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def gguf_config(reader: Any) -> Any:
     """A transformers config (Llama, Qwen2, Qwen3) from the metadata of a GGUF file of that architecture."""
     import transformers
 
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
     if arch not in classes:
         raise LmpressInputError(f"GGUF architecture {arch!r}: lmpress reads back {', '.join(classes)} GGUF files only")
     names = {t.name for t in reader.tensors}
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
     return getattr(transformers, classes[arch])(
-        vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
+        vocab_size=len(gguf_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(gguf_field(reader, f"{arch}.block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        num_key_value_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"),
         tie_word_embeddings="output.weight" not in names,
     )
 
@@ -395,14 +391,12 @@ def gguf_config(reader: Any) -> Any:
 def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | QuantizedWeight | Fp4Weight]]:
     """(config, {HF module name: QuantizedWeight or Fp4Weight, or HF tensor name: float tensor}) of a GGUF file
     lmpress wrote."""
-    from lmpress.export.artifact_checks import check_gguf
-
     reader = check_gguf(path)
     config = gguf_config(reader)
     per_layer = {
         f"blk.{i}.{v}.{kind}": (f"model.layers.{i}.{k}", kind)
         for i in range(config.num_hidden_layers)
-        for k, v in layer_names(_field(reader, "general.architecture")).items()
+        for k, v in layer_names(gguf_field(reader, "general.architecture")).items()
         for kind in ("weight", "bias")
     }
     hf_names = {f"{v}.weight": (k, "weight") for k, v in TOP_NAMES.items()} | per_layer

@@ -29,7 +29,13 @@ from lmpress.checkpoint_files import (
     read_tensors,
 )
 from lmpress.errors import LmpressInputError
-from lmpress.export.artifact_checks import check_artifact, check_checkpoint, check_gguf, single_export_file
+from lmpress.export.artifact_checks import (
+    check_artifact,
+    check_checkpoint,
+    check_gguf,
+    gguf_field,
+    single_export_file,
+)
 from lmpress.export.consumers import (
     VLLM_VERSION,
     vllm_fp4_note,
@@ -215,10 +221,10 @@ def gguf_summary(reader: Any) -> dict[str, Any]:
     as ``fp4``)."""
     from gguf.constants import GGML_QUANT_SIZES
 
-    arch = _field_text(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     metadata = {}
     for key in (k.format(arch=arch) for k in GGUF_METADATA):
-        value = _field_text(reader, key)
+        value = gguf_field(reader, key)
         if value is not None:
             metadata[key] = value
     rows = []
@@ -249,11 +255,6 @@ def gguf_summary(reader: Any) -> dict[str, Any]:
     if "MXFP4" in counts:
         info |= {"fp4": "mxfp4", "scale_encoding": "E8M0"}
     return info
-
-
-def _field_text(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
 
 
 def natural_key(name: str) -> list[Any]:
