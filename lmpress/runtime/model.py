@@ -311,14 +311,22 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits ``(batch, n_new, vocab)`` for ``tokens`` ``(batch, n_new)`` read after the cache's contents;
         with ``last_only``, ``(batch, 1, vocab)`` for the last position only (a prefill needs no more)."""
+        return self.forward_with_features(tokens, cache, (), last_only)[0]
+
+    def forward_with_features(
+        self, tokens: torch.Tensor, cache: KVCache, feature_layers: tuple[int, ...], last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s logits and the residual stream entering each of ``feature_layers`` (``n_layers``: leaving
+        the last) at every position read, side by side: ``(batch, n_new, len(feature_layers) * dim)`` (None for
+        no layers). An EAGLE-3 draft head reads them (vLLM's aux hidden states, indexed the same way)."""
         tokens, n_new = tokens.to(self.device), tokens.shape[1]
         if cache.length + n_new > cache.max_len:
             raise LmpressInputError(f"{cache.length + n_new} tokens exceed the cache of {cache.max_len}")
         positions = cache.positions(n_new)
         masks = {window: cache.attention_mask(n_new, window) for window in set(self.args.windows)}
-        logits = self._run(tokens, positions, masks, cache, last_only)
+        logits, features = self._run(tokens, positions, masks, cache, last_only, feature_layers)
         cache.advance(n_new)
-        return logits
+        return logits, features
 
     def forward_static(
         self,
@@ -336,7 +344,7 @@ class Transformer(nn.Module):
         max_len = v[0].shape[2]  # grouped keys may hold more slots (whole groups)
         masks = {window: static_slots_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
         positions = (pos[None, :] - pad[:, None]).clamp(min=0)
-        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, side, self.kv_quant, self.kv_rotation))
+        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, side, self.kv_quant, self.kv_rotation))[0]
 
     def _run(
         self,
@@ -345,7 +353,8 @@ class Transformer(nn.Module):
         masks: dict,
         cache: KVCache | StaticSlots,
         last_only: bool = False,
-    ) -> torch.Tensor:
+        feature_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ropes = [
             (
                 getattr(self, f"rope_cos{suffix}")[positions][:, None],
@@ -356,18 +365,25 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens).to(self.dtype)  # a half-precision table's rows widened (exactly) to float32
         if self.args.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype, as transformers
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        features = []
         for i, block in enumerate(self.layers):
+            if i in feature_layers:
+                features.append(x)
             cos, sin = ropes[self.rope_of_kind[self.args.kinds[i]] if self.args.kinds else 0]
             h = block.attention(block.attention_norm(x), cos, sin, masks[block.attention.window], cache, i)
             x = x + (block.post_attention_norm(h) if block.post_attention_norm is not None else h)
             h = block.feed_forward(block.ffn_norm(x))
             x = x + (block.post_ffn_norm(h) if block.post_ffn_norm is not None else h)
+        if len(self.layers) in feature_layers:
+            features.append(x)
+        if len(features) != len(feature_layers):
+            raise LmpressInputError(f"feature layers {feature_layers}: the model has layers 0 to {len(self.layers)}")
         if last_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x))
         if self.args.final_softcap is not None:  # Gemma 2: logits bent into (-cap, cap)
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
-        return logits
+        return logits, torch.cat(features, -1) if features else None
 
 
 def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -> nn.Module:

@@ -20,6 +20,7 @@ import torch
 from lmpress.errors import LmpressInputError
 from lmpress.memory import trims_heap_after
 from lmpress.runtime.attention import FEW_QUERIES
+from lmpress.runtime.eagle3 import Eagle3Drafter, Eagle3Head
 from lmpress.runtime.generate import (
     ForwardFn,
     StopCriteria,
@@ -342,8 +343,10 @@ def speculative_decode(
     prompt_lookup: PromptLookupDrafter | None = None,
     stats: SpeculativeStats | None = None,
     forward: ForwardFn = model_forward,
+    draft_head: Eagle3Head | None = None,
 ) -> Iterator[int]:
-    """Yield the target's tokens as rounds accept them: from ``draft``, or ``prompt_lookup`` when no draft is given.
+    """Yield the target's tokens as rounds accept them: from ``draft``, an EAGLE-3 ``draft_head`` reading the
+    target's features, or ``prompt_lookup`` when neither is given.
 
     The prefill reads the prompt into the draft's cache as well as the target's, before the first
     token. Same stopping rules and token budget as ``generate_tokens``; ``stats`` (if given)
@@ -365,14 +368,24 @@ def speculative_decode(
     generator = make_generator(seed)
     capacity = cache_slots(target, len(seq), max_new_tokens)
     n_new = capacity - len(seq) + 1  # as many tokens as plain decoding would give
-    drafter = ModelDrafter(draft, capacity, sampling, generator, forward) if draft is not None else prompt_lookup
-    drafter = drafter or PromptLookupDrafter()
+    if draft_head is not None:
+        drafter = Eagle3Drafter(draft_head, target, capacity, sampling, generator)
+    elif draft is not None:
+        drafter = ModelDrafter(draft, capacity, sampling, generator, forward)
+    else:
+        drafter = prompt_lookup or PromptLookupDrafter()
     draft_len = AdaptiveK(k, k_max, adaptive)
     cache = target.new_cache(1, capacity)
     prompt_len = len(seq)
     with torch.no_grad():
-        logits = prefill(target, torch.tensor([seq]), cache).cpu()
+        if isinstance(drafter, Eagle3Drafter):
+            logits, features = target.forward_with_features(torch.tensor([seq]), cache, drafter.feature_layers, True)
+            logits = logits[:, -1].float().cpu()
+        else:
+            logits = prefill(target, torch.tensor([seq]), cache).cpu()
     drafter.read_prompt(seq)  # part of the prefill, as the target's read: not left to the first round
+    if isinstance(drafter, Eagle3Drafter):
+        drafter.take_features(features[0])
     emitted = [int(draw(next_token_probs(logits, sampling, torch.tensor([seq])), generator)[0])]
     while True:
         for token in emitted:
@@ -394,7 +407,7 @@ def _round(
     forward: ForwardFn,
     cache: KVCache,
     seq: list[int],
-    drafter: ModelDrafter | PromptLookupDrafter,
+    drafter: ModelDrafter | PromptLookupDrafter | Eagle3Drafter,
     draft_len: AdaptiveK,
     remaining: int,
     sampling: SamplingConfig,
@@ -407,11 +420,20 @@ def _round(
     began = time.perf_counter()
     drafts, draft_probs = drafter.propose(seq, k) if k else ([], None)
     drafted = time.perf_counter()
-    logits = read(forward, target, seq[-1:] + drafts, cache)[0].cpu()
+    features = None
+    if isinstance(drafter, Eagle3Drafter):  # the target's features of what it reads, for the head's next round
+        logits, features = target.forward_with_features(
+            torch.tensor([seq[-1:] + drafts]), cache, drafter.feature_layers
+        )
+        logits = logits[0].float().cpu()
+    else:
+        logits = read(forward, target, seq[-1:] + drafts, cache)[0].cpu()
     if sampling.argmax_only:
         emitted = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
     else:
         emitted = verify(_target_probs(logits, seq, drafts, sampling), drafts, draft_probs, generator)
+    if features is not None:  # kept: the positions of the last token and of the accepted drafts
+        drafter.take_features(features[0, : len(emitted)])
     draft_len.update(len(drafts), len(emitted) - 1, time.perf_counter() - drafted, drafted - began)
     return len(drafts), emitted
 

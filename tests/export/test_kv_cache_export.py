@@ -102,3 +102,26 @@ def test_inspect_names_the_cache_and_its_bytes_per_token(candidate, tmp_path):
     info = inspect_artifact(tmp_path)
     assert info["kv_cache"].startswith("FP8 KV, static per head, calibrated: ")
     assert "(0.50x bf16)" in info["kv_cache"]
+
+
+def test_runtime_check_on_an_fp8_cache_allows_a_code_step_only_where_the_roundings_differ(candidate, tmp_path):
+    """The run's runtime check reads an FP8 cache's export with int8 activations: keys a rounding apart take
+    neighbouring E4M3 codes there, so the check's unit is the cache's step (2**-4), not int8's; two float32
+    executions of one cache keep the float32 unit. The check still passes on what the runtime runs."""
+    from lmpress.evals.agreement import (
+        FLOAT32_UNIT,
+        FP8_ACTIVATION_UNIT,
+        INT8_ACTIVATION_UNIT,
+        check_runtime_agreement,
+        kv_cache_unit,
+    )
+
+    kv = export_with(candidate, KVScheme("fp8", "tensor"), tmp_path)
+    evaluator = load_quantized_model(tmp_path)
+    window = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5, 60, 61, 8, 9, 200, 4, 33, 71]])
+    check = check_runtime_agreement("compressed-tensors", tmp_path, evaluator, window, kv=kv)
+    assert check.passed, check.as_dict()
+    assert check.unit == FP8_ACTIVATION_UNIT
+    assert kv_cache_unit(kv, INT8_ACTIVATION_UNIT) == FP8_ACTIVATION_UNIT
+    assert kv_cache_unit(kv, FLOAT32_UNIT) == FLOAT32_UNIT
+    assert kv_cache_unit(None, INT8_ACTIVATION_UNIT) == FLOAT32_UNIT

@@ -1,0 +1,254 @@
+"""EAGLE-3 draft heads (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models
+via Training-Time Test"): one decoder layer that drafts from the target's own hidden states.
+
+At position ``t`` the head reads the target's residual stream entering three of its layers (low, middle and
+high: vLLM's default layers ``2, L // 2, L - 3``), fused by ``fc`` into one vector, beside the embedding of
+token ``t + 1``, and predicts token ``t + 2`` over a reduced draft vocabulary. Each further draft reads the
+head's own output vector in place of the target's: the "training-time test" it is trained for
+(``lmpress.distill.draft_head``). The layer is the one vLLM's ``Eagle3LlamaForCausalLM`` runs: its attention
+reads ``[input_layernorm(embedding), hidden_norm(hidden)]`` (twice the hidden size wide) and the normed hidden
+is the residual (``norm_before_residual``); its weights keep the names of the speculators format vLLM loads
+(``lmpress.export.speculators``).
+
+``Eagle3Drafter`` drafts for ``speculative_decode`` with a KV cache of its own: entries read from the target's
+features are kept across rounds, the chain's own entries are overwritten by the next round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.attention import apply_rope
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.sample import SamplingConfig, draw, next_token_probs
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) after rope -> output
+
+
+def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
+    """vLLM's default EAGLE-3 layers for a target of ``n_layers`` (``get_eagle3_default_aux_hidden_state_layers``):
+    the residual stream entering layers 2, the middle one and the third from last."""
+    layers = (2, n_layers // 2, n_layers - 3)
+    if len(set(layers)) < 3 or layers[-1] < 0:
+        raise LmpressInputError(f"an EAGLE-3 head reads three distinct layers of its target: {n_layers} are too few")
+    return layers
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """The head's shape and what it was trained for (``target``: the compressed target's fingerprint)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    feature_layers: tuple[int, ...]
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    target: str = ""
+
+    @classmethod
+    def for_target(
+        cls, target: Transformer, hf_config: object, draft_vocab_size: int, fingerprint: str
+    ) -> Eagle3Config:
+        """A head shaped as one of ``target``'s layers (``hf_config``: its transformers config), reading vLLM's
+        default layers."""
+        check_target(target)
+        args = target.args
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        rope_theta = getattr(hf_config, "rope_theta", None) or rope.get("rope_theta", 10000.0)
+        if not 1 <= draft_vocab_size <= args.vocab_size:
+            raise LmpressInputError(
+                f"a draft vocabulary of {draft_vocab_size} tokens: the target has {args.vocab_size}, choose 1 to that"
+            )
+        return cls(
+            hidden_size=args.dim,
+            intermediate_size=hf_config.intermediate_size,
+            num_attention_heads=args.n_heads,
+            num_key_value_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            vocab_size=args.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            feature_layers=default_feature_layers(args.n_layers),
+            target_hidden_size=args.dim,
+            rms_norm_eps=args.norm_eps,
+            rope_theta=float(rope_theta),
+            max_position_embeddings=args.max_seq_len,
+            target=fingerprint,
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"feature_layers": list(self.feature_layers)}
+
+
+def check_target(target: Transformer) -> None:
+    """An input error where the head cannot draft for ``target``: it reads the target's embeddings unscaled and
+    its logits unbent, as vLLM's Llama-style EAGLE-3 head does."""
+    args = target.args
+    if args.embed_scale is not None or args.final_softcap is not None:
+        raise LmpressInputError(
+            "EAGLE-3 heads read a Llama-style target: this one scales its embeddings or soft-caps its logits "
+            "(Gemma), which vLLM's EAGLE-3 head does not"
+        )
+    if args.v_head_dim is not None:
+        raise LmpressInputError("EAGLE-3 heads read a Llama-style target: latent attention (DeepSeek) is not one")
+
+
+class Eagle3Head(nn.Module):
+    """The draft layer, its input fusion ``fc`` and its head over the draft vocabulary (``draft_tokens``: the
+    target token id of each row, ascending)."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        c, d = config, config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(len(c.feature_layers) * c.target_hidden_size, d, bias=False)
+        self.hidden_norm, self.input_layernorm = nn.RMSNorm(d, c.rms_norm_eps), nn.RMSNorm(d, c.rms_norm_eps)
+        self.post_attention_layernorm, self.norm = nn.RMSNorm(d, c.rms_norm_eps), nn.RMSNorm(d, c.rms_norm_eps)
+        q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = nn.Linear(2 * d, q_width, bias=False)
+        self.k_proj = nn.Linear(2 * d, kv_width, bias=False)
+        self.v_proj = nn.Linear(2 * d, kv_width, bias=False)
+        self.o_proj = nn.Linear(q_width, d, bias=False)
+        self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
+        self.register_buffer("draft_tokens", torch.arange(c.draft_vocab_size))
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``(..., n, head_dim)`` at ``positions`` (Llama's rotary embedding, halves rotated)."""
+        angles = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat((angles, angles), -1)
+        return angles.cos(), angles.sin()
+
+    def qkv(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (rotated) and values ``(batch, heads, n, head_dim)`` of token embeddings ``embeds`` and
+        hidden vectors ``hidden`` ``(batch, n, hidden)``, and the residual stream they start."""
+        c = self.config
+        residual = self.hidden_norm(hidden)
+        x = torch.cat((self.input_layernorm(embeds), residual), -1)
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
+
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer's output (before ``norm``: the next step's hidden) from the attention's ``(batch, heads, n,
+        head_dim)`` and the residual stream."""
+        b, _, n, _ = attended.shape
+        residual = residual + self.o_proj(attended.transpose(1, 2).reshape(b, n, -1))
+        h = self.post_attention_layernorm(residual)
+        return residual + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores over the draft vocabulary of the layer's outputs ``hidden``."""
+        return self.lm_head(self.norm(hidden))
+
+    def repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values ``(batch, kv_heads, n, head_dim)`` repeated for each query head of their group."""
+        return x.repeat_interleave(self.config.num_attention_heads // self.config.num_key_value_heads, dim=1)
+
+
+class Eagle3Drafter:
+    """Drafts for ``speculative_decode`` from the target's features (``take_features``, after each verifying read)
+    with ``head``, keeping a cache of its keys and values."""
+
+    wants_features = True
+
+    def __init__(
+        self, head: Eagle3Head, target: Transformer, max_len: int, sampling: SamplingConfig, generator: torch.Generator
+    ) -> None:
+        c = head.config
+        check_target(target)
+        if c.vocab_size != target.args.vocab_size or c.target_hidden_size != target.args.dim:
+            raise LmpressInputError(
+                f"the draft head was built for a target with {c.vocab_size} tokens and width {c.target_hidden_size}; "
+                f"this target has {target.args.vocab_size} and {target.args.dim}"
+            )
+        self.head, self.target, self.sampling, self.generator = head, target, sampling, generator
+        self.max_len = max_len
+        shape = (1, c.num_key_value_heads, max_len, c.head_dim)
+        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        self.filled = 0  # positions whose entries come from the target's features
+        self.pending: list[torch.Tensor] = []  # target features of the next positions, not yet read
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.config.feature_layers
+
+    def room(self, seq_len: int) -> int:
+        """How many drafts fit after ``seq_len`` tokens (the chain writes entries up to the last draft's)."""
+        return self.max_len - seq_len + 1
+
+    def read_prompt(self, prompt: list[int]) -> None:
+        """Start a new text (its features arrive from the target's prefill, by ``take_features``)."""
+        self.filled, self.pending = 0, []
+
+    def take_features(self, features: torch.Tensor) -> None:
+        """The target's features ``(n, width)`` of the next ``n`` positions it has read and kept."""
+        self.pending.append(features.float().cpu())
+
+    @torch.no_grad()
+    def propose(self, seq: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        features = torch.cat(self.pending)
+        self.pending = []
+        start, n = self.filled, features.shape[0]
+        if start + n != len(seq) - 1:
+            raise ValueError(f"the target's features reach position {start + n - 1}; the text needs {len(seq) - 2}")
+        hidden = self.head.fc(features)[None]
+        out = self._step(seq[start + 1 :], hidden, start)[:, -1:]
+        self.filled = len(seq) - 1
+        drafts: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            token, q = self._choose(out, seq + drafts)
+            drafts.append(token)
+            if q is not None:
+                probs.append(q)
+            if i + 1 < k:
+                out = self._step([token], out, self.filled + i)
+        return drafts, torch.stack(probs) if probs else None
+
+    def _step(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Read ``tokens`` with ``hidden`` ``(1, n, hidden)`` at positions ``start...``: the layer's outputs."""
+        n = len(tokens)
+        if start + n > self.max_len:
+            raise LmpressInputError(f"{start + n} positions exceed the draft head's cache of {self.max_len}")
+        ids = torch.tensor([tokens], device=self.target.device)
+        embeds = self.target.tok_embeddings(ids).float().cpu()
+        positions = torch.arange(start, start + n)
+        q, k, v, residual = self.head.qkv(embeds, hidden, positions)
+        self.k[:, :, start : start + n], self.v[:, :, start : start + n] = k, v
+        keys, values = self.head.repeat_kv(self.k[:, :, : start + n]), self.head.repeat_kv(self.v[:, :, : start + n])
+        mask = torch.arange(start + n)[None, :] <= positions[:, None]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.head.finish(attended, residual)
+
+    def _choose(self, hidden: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The next draft from the head's output ``(1, 1, hidden)``, and the distribution it was drawn from over
+        the target's vocabulary (None where greedy)."""
+        scores = self.head.logits(hidden)[0]
+        if self.sampling.argmax_only:
+            return int(self.head.draft_tokens[int(scores.argmax())]), None
+        whole = scores.new_full((1, self.head.config.vocab_size), float("-inf"))
+        whole[:, self.head.draft_tokens] = scores
+        q = next_token_probs(whole, self.sampling, torch.tensor([history]))
+        return int(draw(q, self.generator)[0]), q[0]

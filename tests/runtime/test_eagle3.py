@@ -1,0 +1,90 @@
+"""EAGLE-3 draft heads in speculative decoding: greedy output identical to plain decoding, the target's
+distribution kept under sampling, heads that cannot draft for a target refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from lmpress.errors import LmpressInputError
+from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
+from lmpress.runtime.generate import generate
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.sample import SamplingConfig, next_token_probs
+from lmpress.runtime.speculative import SpeculativeStats, speculative_decode
+from tests.runtime.conftest import tiny_hf_model
+from tests.runtime.test_speculative import CHI2_CRITICAL_999, chi_square, prompt
+
+
+def head_for(target: Transformer, hf, draft_vocab: int | None = None, seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(target, hf.config, draft_vocab or target.args.vocab_size, "t"))
+    with torch.no_grad():
+        for p in head.parameters():  # wider than the default init: drafts that differ from position to position
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+        if draft_vocab:
+            head.draft_tokens.copy_(torch.randperm(target.args.vocab_size)[:draft_vocab].sort().values)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def eight_layers():
+    hf = tiny_hf_model("llama", num_hidden_layers=8)
+    return hf, Transformer.from_hf(hf)
+
+
+@pytest.mark.parametrize(("k", "adaptive", "draft_vocab"), [(3, False, None), (2, True, 64)])
+def test_greedy_output_identical_to_plain_decoding_with_a_draft_head(eight_layers, k, adaptive, draft_vocab):
+    hf, target = eight_layers
+    head = head_for(target, hf, draft_vocab)
+    stats = SpeculativeStats()
+    for seed in range(3):
+        ids = prompt(seed=seed)
+        expected = generate(target, ids, max_new_tokens=40)[0]
+        got = list(
+            speculative_decode(target, ids, draft_head=head, max_new_tokens=40, k=k, adaptive=adaptive, stats=stats)
+        )
+        assert got == expected
+    assert stats.drafted > 0  # the head drafted (a random one: rarely accepted; tests/distill trains one)
+
+
+def test_sampling_with_a_draft_head_follows_the_target_distribution():
+    """The joint law of the first two tokens (the second comes out of a draft-and-verify round) is the
+    target's, with a head whose proposals differ from it."""
+    hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=4)
+    target = Transformer.from_hf(hf)
+    head = head_for(target, hf)
+    sampling = SamplingConfig(temperature=1.0)
+    ids = [1, 3, 0, 2]
+    with torch.no_grad():
+        p1 = next_token_probs(hf(torch.tensor([ids])).logits[:, -1], sampling)[0]
+        p2 = next_token_probs(hf(torch.tensor([ids + [t] for t in range(4)])).logits[:, -1], sampling)
+    joint = (p1[:, None] * p2).flatten()
+    counts = torch.zeros(16)
+    for seed in range(1200):
+        runs = speculative_decode(target, ids, draft_head=head, max_new_tokens=4, sampling=sampling, seed=seed, k=2)
+        a, b = itertools.islice(runs, 2)
+        counts[a * 4 + b] += 1
+    assert chi_square(counts, joint) < CHI2_CRITICAL_999[15]
+
+
+def test_heads_that_cannot_draft_for_a_target_are_refused(eight_layers):
+    hf, target = eight_layers
+    other_hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=128)
+    other = Transformer.from_hf(other_hf)
+    head = head_for(other, other_hf)
+    with pytest.raises(LmpressInputError, match="128 tokens"):
+        list(speculative_decode(target, prompt(), draft_head=head, max_new_tokens=4))
+    with pytest.raises(LmpressInputError, match="three distinct layers"):
+        default_feature_layers(4)
+    assert default_feature_layers(30) == (2, 15, 27)  # SmolLM2: vLLM's default for a 30-layer target
+    with pytest.raises(LmpressInputError, match="draft vocabulary of 300"):
+        Eagle3Config.for_target(target, hf.config, 300, "t")
+    gemma_like = Transformer.from_hf(tiny_hf_model("llama", num_hidden_layers=8))
+    gemma_like.args = dataclasses.replace(gemma_like.args, embed_scale=11.3)
+    with pytest.raises(LmpressInputError, match="Gemma"):
+        Eagle3Config.for_target(gemma_like, hf.config, 64, "t")
