@@ -4,7 +4,8 @@
     lmpress eval MODEL [--suite FILE] [--baseline MODEL] [--out DIR] [--junit FILE] [--device cpu|cuda|auto]
     lmpress compare RUN_A RUN_B
     lmpress inspect ARTIFACT [--json] [--verify]
-    lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup] [--stream]
+    lmpress generate ARTIFACT --prompt TEXT [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup | --draft-head DIR]
+                     [--stream]
                      [--compile] [--device cpu|cuda]
     lmpress bench ARTIFACT [--prompt-tokens N] [--new-tokens N] [--draft ARTIFACT [--draft-vocab N] | --prompt-lookup]
                   [--json FILE]
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--draft", metavar="ARTIFACT", help="speculative decoding with this draft model")
     gen.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts")
+    gen.add_argument(
+        "--draft-head", metavar="DIR", help="speculative decoding with an EAGLE-3 head trained for it (RUN/draft-head)"
+    )
     add_draft_vocab_arguments(gen)
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     gen.add_argument(
@@ -312,6 +316,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         draft=args.draft,
         prompt_lookup=args.prompt_lookup,
+        draft_head=args.draft_head,
         draft_vocab=args.draft_vocab,
         draft_vocab_text=args.draft_vocab_text,
         device=device,

@@ -361,6 +361,13 @@ def run_recipe(
             )
         attach_kv_quant(loaded.model, kv)  # the exports write it where their format has a place for it
     exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
+    from lmpress.distill.draft_head_stage import export_draft_head  # the runtime's modules: only for a run
+    from lmpress.runtime.eagle3 import attach_draft_head, draft_head_of
+
+    head = draft_head_of(loaded.model)
+    if head is not None:
+        tokens = next(s.speculative_tokens for s in recipe.stages if s.method == "draft_head")
+        exports.append(export_draft_head(loaded.model, partial, out, recipe.export.formats, tokens))
     consumers = consumer_warnings({fmt: partial / fmt for fmt in recipe.export.formats})  # printed by the CLI
     checks, shipped = read_back_exports(loaded, recipe, partial, bars)
     agreement = None
@@ -380,6 +387,7 @@ def run_recipe(
         scored, measured_on = shipped, f"{recipe.export.formats[0]}/ (the export, read back from disk)"
     else:
         scored, measured_on = loaded, "the in-memory candidate (the recipe exports nothing)"
+    attach_draft_head(scored.model, head)  # eval.speculation drafts for the scored model with it
     with on_device(device, scored.model), kv_quantized(scored.model, kv):
         candidate = run_suite(evals, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars)
 

@@ -175,7 +175,13 @@ def parse_recipe(raw: Any, origin: str = "recipe") -> Recipe:
         order_refusal = getattr(stage, "order_refusal", None)
         if order_refusal is not None and (reason := order_refusal(stages[:i])):
             raise LmpressInputError(f"{origin}: stages[{i}]: {reason}")
+        if getattr(stage, "last_stage", False) and i != len(stages) - 1:
+            raise LmpressInputError(
+                f"{origin}: stages[{i}]: {stage.method} works on the finished model: make it the last stage"
+            )
     evals = _eval_spec(raw.get("eval") or {}, origin)
+    if "speculation" in evals.evals and not any(stage.method == "draft_head" for stage in stages):
+        raise LmpressInputError(f"{origin}: eval.speculation scores a draft head: add a draft_head stage")
     metrics = available_metrics(evals.evals)
     gates = []
     for i, text in enumerate(_as_list(raw.get("gates"), "gates", origin)):

@@ -125,12 +125,14 @@ STAGE_MODULES: dict[str, str] = {
     "sparsegpt": "lmpress.prune.sparsegpt",
     "structured": "lmpress.prune.structured",
     "distill": "lmpress.distill.stage",
+    "draft_head": "lmpress.distill.draft_head_stage",
 }
 EVAL_MODULES: dict[str, str] = {
     "perplexity": "lmpress.evals.perplexity",
     "passkey": "lmpress.evals.longctx",
     "ppl_by_position": "lmpress.evals.longctx",
     "lmeval": "lmpress.evals.lmeval",
+    "speculation": "lmpress.evals.speculation",
 }
 FORMAT_MODULES: dict[str, str] = {
     "hf": "lmpress.export.hf",

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
+from lmpress.export.speculators import read_speculators, speculators_config, write_speculators
 from lmpress.runtime.attention import apply_rope
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, next_token_probs
@@ -42,7 +44,7 @@ def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    """The head's shape and what it was trained for (``target``: the compressed target's fingerprint)."""
+    """The head's shape and the targets it was trained for."""
 
     hidden_size: int
     intermediate_size: int
@@ -56,12 +58,10 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    target: str = ""
+    targets: tuple[str, ...] = ()  # fingerprints of the exported targets it was trained for
 
     @classmethod
-    def for_target(
-        cls, target: Transformer, hf_config: object, draft_vocab_size: int, fingerprint: str
-    ) -> Eagle3Config:
+    def for_target(cls, target: Transformer, hf_config: object, draft_vocab_size: int) -> Eagle3Config:
         """A head shaped as one of ``target``'s layers (``hf_config``: its transformers config), reading vLLM's
         default layers."""
         check_target(target)
@@ -85,11 +85,10 @@ class Eagle3Config:
             rms_norm_eps=args.norm_eps,
             rope_theta=float(rope_theta),
             max_position_embeddings=args.max_seq_len,
-            target=fingerprint,
         )
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"feature_layers": list(self.feature_layers)}
+        return asdict(self) | {"feature_layers": list(self.feature_layers), "targets": list(self.targets)}
 
 
 def check_target(target: Transformer) -> None:
@@ -177,18 +176,24 @@ class Eagle3Drafter:
         self, head: Eagle3Head, target: Transformer, max_len: int, sampling: SamplingConfig, generator: torch.Generator
     ) -> None:
         c = head.config
-        check_target(target)
-        if c.vocab_size != target.args.vocab_size or c.target_hidden_size != target.args.dim:
-            raise LmpressInputError(
-                f"the draft head was built for a target with {c.vocab_size} tokens and width {c.target_hidden_size}; "
-                f"this target has {target.args.vocab_size} and {target.args.dim}"
-            )
+        self.check_fits(head, target)
         self.head, self.target, self.sampling, self.generator = head, target, sampling, generator
         self.max_len = max_len
         shape = (1, c.num_key_value_heads, max_len, c.head_dim)
         self.k, self.v = torch.zeros(shape), torch.zeros(shape)
         self.filled = 0  # positions whose entries come from the target's features
         self.pending: list[torch.Tensor] = []  # target features of the next positions, not yet read
+
+    @staticmethod
+    def check_fits(head: Eagle3Head, target: Transformer) -> None:
+        """An input error where ``head`` cannot read ``target``'s features or speak its token ids."""
+        c = head.config
+        check_target(target)
+        if c.vocab_size != target.args.vocab_size or c.target_hidden_size != target.args.dim:
+            raise LmpressInputError(
+                f"the draft head was built for a target with {c.vocab_size} tokens and width {c.target_hidden_size}; "
+                f"this target has {target.args.vocab_size} and {target.args.dim}"
+            )
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -252,3 +257,74 @@ class Eagle3Drafter:
         whole[:, self.head.draft_tokens] = scores
         q = next_token_probs(whole, self.sampling, torch.tensor([history]))
         return int(draw(q, self.generator)[0]), q[0]
+
+
+_HEAD = "_lmpress_draft_head"  # on a transformers model: the EAGLE-3 head trained for it
+
+
+def attach_draft_head(model: nn.Module, head: Eagle3Head | None) -> None:
+    """Record on ``model`` the draft head trained for it (the run's exports write it, its evals draft with it)."""
+    if head is None:
+        if hasattr(model, _HEAD):
+            delattr(model, _HEAD)
+    else:
+        object.__setattr__(model, _HEAD, head)  # not a submodule: the model's state dict stays its own
+
+
+def draft_head_of(model: nn.Module) -> Eagle3Head | None:
+    return getattr(model, _HEAD, None)
+
+
+def save_draft_head(head: Eagle3Head, out: Path, verifier: str, architectures: list[str], tokens: int) -> None:
+    """Write ``head`` to the folder ``out`` in the speculators format (``lmpress.export.speculators``), with the
+    fingerprints of the targets it was trained for (``Eagle3Config.targets``)."""
+    config = speculators_config(head.config.as_dict(), verifier, architectures, tokens)
+    write_speculators(out, config, head.state_dict(), head.draft_tokens)
+
+
+def load_draft_head(path: Path, target: Transformer, target_fingerprint: str | None) -> Eagle3Head:
+    """The head in the speculators folder ``path`` for ``target``: an input error in one line where it was trained
+    for another target (its recorded fingerprints do not hold ``target_fingerprint``) or does not fit it."""
+    config, state, draft_tokens = read_speculators(path)
+    lmpress_keys = config.get("lmpress", {})
+    targets = tuple(lmpress_keys.get("targets", ()))
+    if targets and target_fingerprint is not None and target_fingerprint not in targets:
+        raise LmpressInputError(
+            f"{path}: the draft head was trained for another target (fingerprint {targets[0][:12]}..., this one "
+            f"{target_fingerprint[:12]}...): train one for this target (a draft_head stage in its recipe)"
+        )
+    layer = config["transformer_layer_config"]
+    try:
+        head_config = Eagle3Config(
+            hidden_size=layer["hidden_size"],
+            intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            vocab_size=layer["vocab_size"],
+            draft_vocab_size=config["draft_vocab_size"],
+            feature_layers=tuple(
+                config.get("eagle_aux_hidden_state_layer_ids") or default_feature_layers(target.args.n_layers)
+            ),
+            target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
+            rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
+            rope_theta=layer.get("rope_theta", 10000.0),
+            max_position_embeddings=layer.get("max_position_embeddings", target.args.max_seq_len),
+            targets=targets,
+        )
+    except KeyError as e:
+        raise LmpressInputError(f"{path}/config.json: no {e.args[0]} in the draft head's config") from None
+    if max(head_config.feature_layers) > target.args.n_layers:
+        raise LmpressInputError(
+            f"{path}: the head reads target layers {list(head_config.feature_layers)}; the target has "
+            f"{target.args.n_layers}"
+        )
+    head = Eagle3Head(head_config)
+    try:
+        head.load_state_dict(state | {"draft_tokens": draft_tokens})
+    except RuntimeError as e:
+        raise LmpressInputError(
+            f"{path}: the head's tensors do not fit its config: {str(e).splitlines()[-1]}"
+        ) from None
+    Eagle3Drafter.check_fits(head, target)
+    return head.eval()

@@ -19,7 +19,9 @@ import torch
 
 from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
 from lmpress.errors import LmpressInputError
+from lmpress.export.speculators import export_fingerprint
 from lmpress.memory import return_freed_memory
+from lmpress.runtime.eagle3 import load_draft_head
 from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, check_cpu_activations
 from lmpress.runtime.model import MOE_TYPES, Transformer
@@ -205,13 +207,15 @@ def generate_text(
     compile: bool = False,
     cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
     kv_quant: KVQuant | None = None,
+    draft_head: str | None = None,
 ) -> GenerationResult:
     """Generate from ``prompt`` with the model at ``source``; ``on_text`` receives the text as it comes.
     ``draft_vocab``, ``draft_vocab_text``: ``load_draft``'s ``vocabulary`` and ``vocabulary_text``;
     ``compile``: decode (and draft and verify) through ``torch.compile``'d steps, CUDA graphs on a GPU;
-    ``cpu_activations``: ``load_runtime``'s (target and draft); ``kv_quant``: the target's KV cache quantized."""
-    if draft is not None and prompt_lookup:
-        raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
+    ``cpu_activations``: ``load_runtime``'s (target and draft); ``kv_quant``: the target's KV cache quantized;
+    ``draft_head``: the folder of an EAGLE-3 head trained for ``source`` (``load_draft_head``)."""
+    if sum((draft is not None, prompt_lookup, draft_head is not None)) > 1:
+        raise LmpressInputError("--draft, --prompt-lookup and --draft-head are kinds of draft: choose one")
     if max_new_tokens < 1:
         raise LmpressInputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     config = SamplingConfig(**(sampling or {}))
@@ -224,15 +228,19 @@ def generate_text(
     draft_model = load_draft(
         draft, model, tokenizer, device, None, draft_vocab, draft_vocab_text, cpu_activations=cpu_activations
     )
+    head = None
+    if draft_head is not None:
+        head = load_draft_head(Path(draft_head), model, export_fingerprint(Path(os.path.expanduser(source))))
     forward = decoding_forward(model.device, compile)
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()
-    if draft is not None or prompt_lookup:
+    if draft is not None or prompt_lookup or head is not None:
         result.speculative = SpeculativeStats()
         tokens = speculative_decode(
             model,
             ids,
             draft=draft_model,
+            draft_head=head,
             prompt_lookup=PromptLookupDrafter() if prompt_lookup else None,
             stats=result.speculative,
             forward=forward,

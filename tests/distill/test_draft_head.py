@@ -55,7 +55,7 @@ def test_a_trained_head_drafts_the_targets_choices_on_held_out_prompts():
     hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=32)
     target = Transformer.from_hf(hf)
     prompts = torch.randint(3, 32, (56, 8), generator=torch.Generator().manual_seed(1))
-    config = Eagle3Config.for_target(target, hf.config, 24, "t")
+    config = Eagle3Config.for_target(target, hf.config, 24)
     data = capture_draft_data(target, prompts, 32, config.feature_layers)
     train, held_out = data.split(8)
     torch.manual_seed(0)

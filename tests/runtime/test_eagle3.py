@@ -21,7 +21,7 @@ from tests.runtime.test_speculative import CHI2_CRITICAL_999, chi_square, prompt
 
 def head_for(target: Transformer, hf, draft_vocab: int | None = None, seed: int = 0) -> Eagle3Head:
     torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(target, hf.config, draft_vocab or target.args.vocab_size, "t"))
+    head = Eagle3Head(Eagle3Config.for_target(target, hf.config, draft_vocab or target.args.vocab_size))
     with torch.no_grad():
         for p in head.parameters():  # wider than the default init: drafts that differ from position to position
             if p.dim() == 2:
@@ -83,8 +83,8 @@ def test_heads_that_cannot_draft_for_a_target_are_refused(eight_layers):
         default_feature_layers(4)
     assert default_feature_layers(30) == (2, 15, 27)  # SmolLM2: vLLM's default for a 30-layer target
     with pytest.raises(LmpressInputError, match="draft vocabulary of 300"):
-        Eagle3Config.for_target(target, hf.config, 300, "t")
+        Eagle3Config.for_target(target, hf.config, 300)
     gemma_like = Transformer.from_hf(tiny_hf_model("llama", num_hidden_layers=8))
     gemma_like.args = dataclasses.replace(gemma_like.args, embed_scale=11.3)
     with pytest.raises(LmpressInputError, match="Gemma"):
-        Eagle3Config.for_target(gemma_like, hf.config, 64, "t")
+        Eagle3Config.for_target(gemma_like, hf.config, 64)

@@ -1,0 +1,153 @@
+"""``method: draft_head``: an EAGLE-3 draft head trained for the model the earlier stages made, as lmpress's runtime
+runs it (``lmpress.distill.draft_head`` holds the training; ``lmpress.runtime.eagle3`` the head and its drafter).
+
+The head is written beside the run's exports as ``OUT/draft-head/`` (speculators format, the exports'
+fingerprints recorded); ``eval: speculation`` scores it on held-out text.
+
+Sample (the last stage of a recipe; ``recipes/eagle-w4.yaml``):
+
+    stages:
+      - method: gptq
+        bits: 4
+        group_size: 64
+      - method: draft_head
+        prompts: 128            # calibration samples whose first prompt_tokens the target continues
+        prompt_tokens: 64
+        new_tokens: 192         # greedy tokens of the target per prompt: what the head learns
+        draft_vocab: 8192       # the target's most frequent choices
+        epochs: 3
+        steps: 3                # drafting steps trained in a row (training-time test)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from lmpress.distill.draft_head import (
+    DraftData,
+    DraftHeadTraining,
+    capture_draft_data,
+    draft_vocabulary,
+    initialize_from_target,
+    step_accuracies,
+    train_draft_head,
+)
+from lmpress.errors import LmpressInputError
+from lmpress.export.speculators import export_fingerprint
+from lmpress.registry import StageConfig, StageContext, register_stage
+from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, attach_draft_head, draft_head_of, save_draft_head
+from lmpress.runtime.model import Transformer
+
+DATA_FILE = "draft-data.pt"
+
+
+class DraftHeadConfig(StageConfig):
+    method: str = "draft_head"
+    prompts: int = Field(128, ge=2)
+    prompt_tokens: int = Field(64, ge=1)
+    new_tokens: int = Field(192, ge=1)
+    draft_vocab: int = Field(8192, ge=1)
+    epochs: int = Field(3, ge=1)
+    steps: int = Field(3, ge=1, le=8)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, ge=1)
+    held_out: int = Field(8, ge=1)
+    speculative_tokens: int = Field(3, ge=1, le=8)  # drafts per round written for vLLM
+    seed: int = 0
+    last_stage: ClassVar[bool] = True  # the head is trained for the finished model
+
+    def training_texts(self, data_source: str) -> list[str]:
+        return [data_source]  # the prompts the target continues
+
+    def check(self, model: Any) -> None:
+        vocab = model.config.vocab_size
+        if self.draft_vocab > vocab:
+            raise LmpressInputError(
+                f"stage draft_head: draft_vocab {self.draft_vocab} is larger than the target's vocabulary ({vocab})"
+            )
+        if self.held_out >= self.prompts:
+            raise LmpressInputError(f"stage draft_head: held_out {self.held_out} leaves none of {self.prompts} prompts")
+
+
+def _draft_data(target: Transformer, config: DraftHeadConfig, ctx: StageContext, layers: tuple[int, ...]) -> DraftData:
+    """The target's continuations, features and choices: captured once, kept in the stage's folder for --resume."""
+    path = ctx.state_dir / DATA_FILE
+    if ctx.resume and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("fingerprint") == ctx.fingerprint:
+            return DraftData(saved["tokens"], saved["features"], saved["choices"])
+    samples = ctx.calibration()
+    if samples.shape[1] < config.prompt_tokens:
+        raise LmpressInputError(
+            f"stage draft_head: prompt_tokens {config.prompt_tokens} is longer than the calibration samples "
+            f"({samples.shape[1]} tokens, data.seq_len)"
+        )
+    prompts = samples[: config.prompts, : config.prompt_tokens]
+    if len(prompts) <= config.held_out:
+        raise LmpressInputError(
+            f"stage draft_head: {len(prompts)} calibration samples leave none to train on after held_out "
+            f"{config.held_out} (data.samples)"
+        )
+    data = capture_draft_data(target, prompts, config.new_tokens, layers, bars=ctx.bars)
+    ctx.state_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"fingerprint": ctx.fingerprint, **vars(data)}, path)
+    return data
+
+
+@register_stage("draft_head", DraftHeadConfig)
+def run_draft_head(model: nn.Module, config: DraftHeadConfig, ctx: StageContext) -> dict:
+    began = time.perf_counter()
+    target = Transformer.from_hf(model)  # the compressed model as lmpress's runtime runs it (its CPU kernels)
+    head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
+    data = _draft_data(target, config, ctx, head_config.feature_layers)
+    captured = time.perf_counter()
+    train, held_out = data.split(config.held_out)
+    torch.manual_seed(config.seed)
+    head = Eagle3Head(head_config)
+    head.draft_tokens.copy_(draft_vocabulary(train.choices, config.draft_vocab, head_config.vocab_size))
+    initialize_from_target(head, model)
+    training = DraftHeadTraining(config.epochs, config.steps, config.lr, config.batch_size, config.seed)
+    losses = train_draft_head(head, target, train, training, ctx.bars)
+    accuracies = step_accuracies(head, target, held_out, config.steps)
+    attach_draft_head(model, head)
+    expected, run = 1.0, 1.0
+    for a in accuracies:  # a round of `steps` drafts: each accepted only after the ones before it
+        run *= a
+        expected += run
+    return {
+        "feature_layers": list(head_config.feature_layers),
+        "draft_vocab": config.draft_vocab,
+        "sequences": len(data.tokens),
+        "tokens": int(data.tokens.numel()),
+        "epoch_losses": losses,
+        "held_out_step_accuracy": accuracies,
+        "held_out_expected_accept_length": expected,
+        "capture_seconds": captured - began,
+        "train_seconds": time.perf_counter() - captured,
+    }
+
+
+HEAD_FOLDER = "draft-head"
+
+
+def export_draft_head(model: nn.Module, partial: Path, out: Path, formats: list[str], tokens: int) -> dict | None:
+    """Write the head trained for ``model`` (None without one) to ``partial/draft-head`` in the speculators format,
+    recording the fingerprint of each export of the run (``formats``, already in ``partial``) and naming the first
+    as its verifier (where it will be once ``partial`` becomes ``out``)."""
+    head = draft_head_of(model)
+    if head is None:
+        return None
+    fingerprints = [f for f in (export_fingerprint(partial / fmt) for fmt in formats) if f is not None]
+    head.config = dataclasses.replace(head.config, targets=tuple(fingerprints))
+    verifier = str((out / formats[0]).resolve()) if formats else ""
+    architectures = list(getattr(model.config, "architectures", None) or [])
+    save_draft_head(head, partial / HEAD_FOLDER, verifier, architectures, tokens)
+    size = sum(p.stat().st_size for p in (partial / HEAD_FOLDER).iterdir())
+    return {"format": "speculators (EAGLE-3 draft head)", "path": HEAD_FOLDER, "size_mb": size / 1e6}

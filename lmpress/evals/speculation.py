@@ -1,0 +1,91 @@
+"""``eval: speculation``: how well the run's EAGLE-3 draft head (``method: draft_head``) drafts for the scored
+model, on held-out text (the eval text, never the calibration text it was trained on).
+
+Each prompt (a window of the eval text) is decoded greedily twice by lmpress's runtime on the scored model:
+plainly, and speculatively with the head (adaptive draft length, verified in one multi-row target pass).
+The outputs must be identical token for token (a difference fails the eval as a defect); ``accept_length``
+is the mean number of tokens a target pass produces (accepted drafts plus its own), ``draft_speedup`` the
+plain decode's seconds over the speculative one's, both eager on the run's device. The baseline has no head:
+both metrics are the candidate's only.
+
+Sample:
+
+    eval:
+      speculation: {prompts: 8, prompt_tokens: 64, new_tokens: 64}
+    gates:
+      - accept_length >= 2.5
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from lmpress.errors import LmpressInputError
+from lmpress.registry import EvalConfig, EvalContext, EvalResult, register_eval
+from lmpress.runtime.eagle3 import draft_head_of
+from lmpress.runtime.generate import generate
+from lmpress.runtime.model import Transformer
+from lmpress.runtime.speculative import SpeculativeStats, speculative_decode
+
+
+class SpeculationConfig(EvalConfig):
+    prompts: int = Field(8, ge=1)
+    prompt_tokens: int = Field(64, ge=1)
+    new_tokens: int = Field(64, ge=2)
+    candidate_only: ClassVar[frozenset[str]] = frozenset({"accept_length", "draft_speedup"})
+
+    def metric_names(self) -> list[str]:
+        return ["accept_length", "draft_speedup"]
+
+
+def eval_prompts(ids: torch.Tensor, count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens spread evenly over the token stream ``ids``."""
+    if ids.numel() < count * length:
+        raise LmpressInputError(
+            f"eval.speculation: the eval text has {ids.numel()} tokens, fewer than {count} prompts of {length}"
+        )
+    stride = ids.numel() // count
+    return [ids[i * stride : i * stride + length].tolist() for i in range(count)]
+
+
+@register_eval("speculation", SpeculationConfig)
+def run_speculation(model: nn.Module, tokenizer, config: SpeculationConfig, ctx: EvalContext) -> EvalResult:
+    protocol = {
+        "prompts": f"{config.prompts} windows of {config.prompt_tokens} tokens spread over the eval text",
+        "decoding": f"greedy, {config.new_tokens} new tokens, plain and with the draft head (adaptive k), eager",
+    }
+    head = draft_head_of(model)
+    if head is None:
+        if ctx.role == "baseline":
+            return EvalResult(metrics={}, protocol=protocol)
+        raise LmpressInputError("eval.speculation scores a draft head: add a draft_head stage to the recipe")
+    runtime = Transformer.from_hf(model, device=ctx.device)
+    stats = SpeculativeStats()
+    plain_seconds = speculative_seconds = 0.0
+    for prompt in ctx.bars.track(eval_prompts(ctx.ids(), config.prompts, config.prompt_tokens), "speculation"):
+        began = time.perf_counter()
+        plain = generate(runtime, prompt, max_new_tokens=config.new_tokens)[0]
+        middle = time.perf_counter()
+        drafted = list(
+            speculative_decode(runtime, prompt, draft_head=head, max_new_tokens=config.new_tokens, stats=stats)
+        )
+        plain_seconds += middle - began
+        speculative_seconds += time.perf_counter() - middle
+        if drafted != plain:
+            raise RuntimeError("speculative decoding with the draft head changed the greedy output: a defect")
+    metrics = {"accept_length": stats.tokens_per_step, "draft_speedup": plain_seconds / speculative_seconds}
+    details = {
+        "speculation": {
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "target_passes": stats.target_steps,
+            "plain_seconds": plain_seconds,
+            "speculative_seconds": speculative_seconds,
+        }
+    }
+    return EvalResult(metrics=metrics, details=details, protocol=protocol)
