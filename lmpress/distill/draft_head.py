@@ -220,16 +220,16 @@ def step_accuracies(head: Eagle3Head, target: Transformer, data: DraftData, step
 
 
 def initialize_from_target(head: Eagle3Head, hf_model: torch.nn.Module) -> None:
-    """The head's output rows and final norm from the target's (its draft tokens' rows of the output layer);
-    the rest stays as initialized."""
+    """The head's output rows and final norm from the target's: its draft tokens' rows of the output layer (as
+    the target computes with it: a quantized head dequantized); the rest stays as initialized."""
     output = hf_model.get_output_embeddings()
-    weight = getattr(output, "weight", None)
+    if hasattr(output, "dequantized_weight"):  # QuantizedLinear, Fp8Linear, Fp4Linear
+        weight = output.dequantized_weight(torch.float32)
+    else:
+        weight = getattr(output, "weight", None)
     with torch.no_grad():
-        if (
-            isinstance(weight, torch.Tensor)
-            and weight.is_floating_point()
-            and weight.shape[1] == head.config.hidden_size
-        ):
+        dense = isinstance(weight, torch.Tensor) and weight.is_floating_point()
+        if dense and weight.shape == (head.config.vocab_size, head.config.hidden_size):
             head.lm_head.weight.copy_(weight[head.draft_tokens].float())
         norm = getattr(hf_model.model, "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None:
