@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_cache_argument(bench)
     bench.add_argument("--draft", metavar="ARTIFACT", help="also time speculative decoding with this draft")
     bench.add_argument("--prompt-lookup", action="store_true", help="also time prompt-lookup speculative decoding")
+    bench.add_argument("--draft-head", metavar="DIR", help="also time speculative decoding with this EAGLE-3 head")
     add_draft_vocab_arguments(bench)
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ins = sub.add_parser("inspect", help="format, bits, group size, size on disk and per-layer summary of an artifact")
@@ -334,11 +335,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from lmpress.runtime.text import load_draft, load_runtime, resolve_device
+    from lmpress.runtime.text import draft_head_for, load_draft, load_runtime, resolve_device
     from lmpress.runtime.throughput import BenchSettings, bench_prompt, benchmark, render_rows
 
-    if args.draft is not None and args.prompt_lookup:
-        raise LmpressInputError("--draft and --prompt-lookup are two kinds of draft: choose one")
+    if sum((args.draft is not None, args.prompt_lookup, args.draft_head is not None)) > 1:
+        raise LmpressInputError("--draft, --prompt-lookup and --draft-head are kinds of draft: choose one")
     if args.prompt is None and args.prompt_tokens < 1:
         raise LmpressInputError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
     if args.json and Path(args.json).is_dir():
@@ -350,8 +351,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     draft = load_draft(
         args.draft, model, tokenizer, device, args.dtype, args.draft_vocab, args.draft_vocab_text, args.activations
     )
+    head = draft_head_for(args.draft_head, args.artifact, model)
     prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt)
-    result = benchmark(model, prompt, settings, draft=draft, prompt_lookup=args.prompt_lookup)
+    result = benchmark(model, prompt, settings, draft=draft, prompt_lookup=args.prompt_lookup, draft_head=head)
     result["artifact"], result["device_choice"] = args.artifact, where
     table = Table(title=f"lmpress bench: {args.artifact}")
     table.add_column("what")

@@ -156,8 +156,14 @@ def generate(
     return rows
 
 
-def model_forward(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Read ``tokens`` ``(batch, n)`` after the cache's contents; float logits ``(batch, n, vocab)``."""
+def model_forward(
+    model: Transformer, tokens: torch.Tensor, cache: KVCache, feature_layers: tuple[int, ...] = ()
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Read ``tokens`` ``(batch, n)`` after the cache's contents; float logits ``(batch, n, vocab)``, and with
+    ``feature_layers`` the features a draft head reads (``Transformer.forward_with_features``) beside them."""
+    if feature_layers:
+        logits, features = model.forward_with_features(tokens, cache, feature_layers)
+        return logits.float(), features
     return model(tokens, cache).float()
 
 
@@ -171,25 +177,37 @@ def decode_with(forward: ForwardFn) -> DecodeFn:
 
 
 def _static_step(
-    model: Transformer, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pad, pos, side=([], [], [])
-) -> torch.Tensor:
-    return model.forward_static(tokens, k, v, pad, pos, side).float()
+    model: Transformer,
+    tokens: torch.Tensor,
+    k: list[torch.Tensor],
+    v: list[torch.Tensor],
+    pad,
+    pos,
+    side=([], [], []),
+    feature_layers: tuple[int, ...] = (),
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    out = model.forward_static(tokens, k, v, pad, pos, side, feature_layers)
+    return (out[0].float(), out[1]) if feature_layers else out.float()
 
 
 def static_forward(step: Callable[..., torch.Tensor] = _static_step) -> ForwardFn:
     """A ``ForwardFn`` running ``step`` (``_static_step``, or a compiled form of it) on a cache's tensors."""
 
     @torch.no_grad()
-    def forward(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        model: Transformer, tokens: torch.Tensor, cache: KVCache, feature_layers: tuple[int, ...] = ()
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = tokens.shape[1]
         if cache.length + n > cache.max_len:
             raise LmpressInputError(f"{cache.length + n} tokens exceed the cache of {cache.max_len}")
         pos = torch.arange(cache.length, cache.length + n, device=model.device)
         if cache.kv is not model.kv_quant:
             raise ValueError("the cache was made for another KV scheme than the model's (make it by model.new_cache)")
-        logits = step(model, tokens.to(model.device), cache.k, cache.v, cache.pad, pos, cache.side)
+        out = step(model, tokens.to(model.device), cache.k, cache.v, cache.pad, pos, cache.side, feature_layers)
         cache.advance(n)
-        return logits.clone()  # a CUDA graph overwrites its output at the next replay
+        if feature_layers:  # a CUDA graph overwrites its outputs at the next replay
+            return out[0].clone(), out[1].clone()
+        return out.clone()
 
     return forward
 
@@ -235,7 +253,7 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
     def compile_step(device: torch.device) -> Callable[..., torch.Tensor]:
         return torch.compile(_own_static_step(), fullgraph=True, options={**options, **wrapper_options(device)})
 
-    def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos, side) -> torch.Tensor:
+    def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos, side, feature_layers=()) -> Any:
         if model not in steps:  # the counts' graphs, the symbolic graph
             steps[model] = (compile_step(model.device), compile_step(model.device))
         if mode == "reduce-overhead":
@@ -248,10 +266,10 @@ def compiled_forward(mode: str | None = None) -> ForwardFn:
         if tokens.shape[1] > STATIC_TOKENS:  # symbolic from its first compile: one graph for every longer read
             torch._dynamo.maybe_mark_dynamic(tokens, 1)
             torch._dynamo.maybe_mark_dynamic(pos, 0)
-            return symbolic(model, tokens, k, v, pad, pos, side)
+            return symbolic(model, tokens, k, v, pad, pos, side, feature_layers)
         torch._dynamo.mark_static(tokens, 1)  # never generalized to a symbolic count (a cache size may be)
         torch._dynamo.mark_static(pos, 0)
-        return fixed(model, tokens, k, v, pad, pos, side)
+        return fixed(model, tokens, k, v, pad, pos, side, feature_layers)
 
     return static_forward(step)
 
@@ -278,13 +296,17 @@ def decoding_forward(device: torch.device, compile: bool) -> ForwardFn:
     return compiled_forward("reduce-overhead" if device.type == "cuda" else None)
 
 
-def compile_reads(forward: ForwardFn, model: Transformer, max_len: int, counts: Sequence[int]) -> None:
+def compile_reads(
+    forward: ForwardFn, model: Transformer, max_len: int, counts: Sequence[int], feature_layers: tuple[int, ...] = ()
+) -> None:
     """Run ``forward`` once for each token count in ``counts`` on a scratch cache of ``max_len`` slots, so a
-    compiled forward has the graphs a decode with caches of that size will use before it is timed."""
+    compiled forward has the graphs a decode with caches of that size will use before it is timed (with
+    ``feature_layers``: the reads that return a draft head's features too)."""
     cache = model.new_cache(1, max_len)
     for n in counts:
         cache.reset()
-        forward(model, torch.zeros((1, n), dtype=torch.long), cache)
+        ids = torch.zeros((1, n), dtype=torch.long)
+        forward(model, ids, cache, feature_layers) if feature_layers else forward(model, ids, cache)
 
 
 def compiled_decode(mode: str | None = None) -> DecodeFn:

@@ -336,15 +336,19 @@ class Transformer(nn.Module):
         pad: torch.Tensor,
         pos: torch.Tensor,
         side: tuple[list[torch.Tensor], ...] = ([], [], []),
-    ) -> torch.Tensor:
+        feature_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(batch, n, vocab)`` for ``tokens`` ``(batch, n)`` written at slots ``pos`` ``(n,)`` of a
-        cache's ``k``/``v`` (and a quantized cache's ``side`` tensors, ``KVCache.side``) with row padding ``pad``.
+        cache's ``k``/``v`` (and a quantized cache's ``side`` tensors, ``KVCache.side``) with row padding ``pad``;
+        with ``feature_layers``, the features ``forward_with_features`` gives beside them.
         Every shape is fixed by the cache's size and ``n``, so this is the step ``torch.compile`` (and CUDA graphs)
         can capture once; the caller advances the cache."""
         max_len = v[0].shape[2]  # grouped keys may hold more slots (whole groups)
         masks = {window: static_slots_mask(pad, pos, max_len, window) for window in set(self.args.windows)}
         positions = (pos[None, :] - pad[:, None]).clamp(min=0)
-        return self._run(tokens, positions, masks, StaticSlots(k, v, pos, side, self.kv_quant, self.kv_rotation))[0]
+        slots = StaticSlots(k, v, pos, side, self.kv_quant, self.kv_rotation)
+        logits, features = self._run(tokens, positions, masks, slots, False, feature_layers)
+        return (logits, features) if feature_layers else logits
 
     def _run(
         self,

@@ -210,12 +210,24 @@ class PromptLookupDrafter:
 
 
 def read(
-    forward: ForwardFn, model: Transformer, tokens: list[int], cache: KVCache, last_only: bool = False
-) -> torch.Tensor:
+    forward: ForwardFn,
+    model: Transformer,
+    tokens: list[int],
+    cache: KVCache,
+    last_only: bool = False,
+    feature_layers: tuple[int, ...] = (),
+) -> Any:
     """Float logits ``(1, n, vocab)`` (``(1, 1, vocab)`` for the last token with ``last_only``) for ``tokens``
     read after the cache: a few through ``forward``, more (a prompt) through the model's own forward,
-    whose attention is built for long reads and which then skips the output layer for all but the last."""
+    whose attention is built for long reads and which then skips the output layer for all but the last.
+    With ``feature_layers``, ``(logits, features)``: what a draft head reads of every token (``model_forward``)."""
     ids = torch.tensor([tokens])
+    if feature_layers:
+        few = len(tokens) <= FEW_QUERIES
+        logits, features = (
+            forward(model, ids, cache, feature_layers) if few else model_forward(model, ids, cache, feature_layers)
+        )
+        return (logits[:, -1:] if last_only else logits).float(), features
     if len(tokens) > FEW_QUERIES:
         return model(ids, cache, last_only=last_only).float()
     logits = forward(model, ids, cache)
@@ -253,13 +265,19 @@ def cache_slots(target: Transformer, prompt_len: int, max_new_tokens: int) -> in
 
 
 def compile_rounds(
-    forward: ForwardFn, target: Transformer, draft: Transformer | None, prompt_len: int, max_new_tokens: int
+    forward: ForwardFn,
+    target: Transformer,
+    draft: Transformer | None,
+    prompt_len: int,
+    max_new_tokens: int,
+    draft_head: Eagle3Head | None = None,
 ) -> None:
     """Compile every read a speculative decode with these sizes may make through ``forward`` (the target's
-    verifications of up to ``K_MAX`` drafts, the draft's steps of one or two tokens), so none compiles
-    inside a timed run."""
+    verifications of up to ``K_MAX`` drafts, with a draft head's features where it drafts; the draft's steps of
+    one or two tokens), so none compiles inside a timed run."""
     capacity = cache_slots(target, prompt_len, max_new_tokens)
-    compile_reads(forward, target, capacity, range(1, K_MAX + 2))
+    layers = draft_head.config.feature_layers if draft_head is not None else ()
+    compile_reads(forward, target, capacity, range(1, K_MAX + 2), layers)
     if draft is not None:
         compile_reads(forward, draft, min(capacity, draft.args.max_seq_len), (1, 2))
 
@@ -422,10 +440,8 @@ def _round(
     drafted = time.perf_counter()
     features = None
     if isinstance(drafter, Eagle3Drafter):  # the target's features of what it reads, for the head's next round
-        logits, features = target.forward_with_features(
-            torch.tensor([seq[-1:] + drafts]), cache, drafter.feature_layers
-        )
-        logits = logits[0].float().cpu()
+        logits, features = read(forward, target, seq[-1:] + drafts, cache, feature_layers=drafter.feature_layers)
+        logits = logits[0].cpu()
     else:
         logits = read(forward, target, seq[-1:] + drafts, cache)[0].cpu()
     if sampling.argmax_only:

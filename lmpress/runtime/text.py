@@ -21,7 +21,7 @@ from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
 from lmpress.memory import return_freed_memory
-from lmpress.runtime.eagle3 import load_draft_head
+from lmpress.runtime.eagle3 import Eagle3Head, load_draft_head
 from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, check_cpu_activations
 from lmpress.runtime.model import MOE_TYPES, Transformer
@@ -181,6 +181,16 @@ def load_draft(
     return draft
 
 
+def draft_head_for(folder: str | None, source: str, model: Transformer) -> Eagle3Head | None:
+    """The EAGLE-3 head in ``folder`` (None without one) for ``model``, read from ``source``: refused where it was
+    trained for another target (``load_draft_head``)."""
+    if folder is None:
+        return None
+    return load_draft_head(
+        Path(os.path.expanduser(folder)), model, export_fingerprint(Path(os.path.expanduser(source)))
+    )
+
+
 def _text_pieces(tokenizer: Any, tokens: Iterator[int], out: list[int]) -> Iterator[str]:
     """Decoded text as it grows (a piece is emitted once the tokens so far decode to more text)."""
     shown = ""
@@ -228,9 +238,7 @@ def generate_text(
     draft_model = load_draft(
         draft, model, tokenizer, device, None, draft_vocab, draft_vocab_text, cpu_activations=cpu_activations
     )
-    head = None
-    if draft_head is not None:
-        head = load_draft_head(Path(draft_head), model, export_fingerprint(Path(os.path.expanduser(source))))
+    head = draft_head_for(draft_head, source, model)
     forward = decoding_forward(model.device, compile)
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()

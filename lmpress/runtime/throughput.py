@@ -24,6 +24,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import track_peak_rss
+from lmpress.runtime.eagle3 import Eagle3Head
 from lmpress.runtime.generate import ForwardFn, decode_with, decoding_forward, generate
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, compile_rounds, speculative_decode
@@ -214,9 +215,11 @@ def bench_speculative(
     plain: dict[str, Any],
     draft: Transformer | None = None,
     forward: ForwardFn | None = None,
+    draft_head: Eagle3Head | None = None,
 ) -> dict[str, Any]:
-    """Greedy speculative decoding (``draft``, else prompt lookup) against plain decoding, the two timed in
-    turn (``interleaved_generation_times``; ``plain``, the plain row timed before, is reported beside).
+    """Greedy speculative decoding (``draft``, an EAGLE-3 ``draft_head``, else prompt lookup) against plain
+    decoding, the two timed in turn (``interleaved_generation_times``; ``plain``, the plain row timed before, is
+    reported beside).
 
     With ``settings.compile`` the draft's steps and the target's verifying forwards are compiled,
     as the plain steps are."""
@@ -228,14 +231,21 @@ def bench_speculative(
         return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
 
     def run(n: int, record: SpeculativeStats | None = None) -> list[int]:
-        lookup = None if draft is not None else PromptLookupDrafter()
+        lookup = None if draft is not None or draft_head is not None else PromptLookupDrafter()
         tokens = speculative_decode(
-            model, prompt, draft=draft, max_new_tokens=n, prompt_lookup=lookup, stats=record, forward=forward
+            model,
+            prompt,
+            draft=draft,
+            max_new_tokens=n,
+            prompt_lookup=lookup,
+            stats=record,
+            forward=forward,
+            draft_head=draft_head,
         )
         return list(tokens)
 
     if settings.compile:
-        compile_rounds(forward, model, draft, len(prompt), settings.new_tokens)
+        compile_rounds(forward, model, draft, len(prompt), settings.new_tokens, draft_head)
     times = interleaved_generation_times(
         {"plain": run_plain, "speculative": run}, settings.new_tokens, settings.repeats, model.device
     )
@@ -243,7 +253,11 @@ def bench_speculative(
     speculative_tokens = run(settings.new_tokens, stats)
     plain_tokens = generate(model, prompt, max_new_tokens=settings.new_tokens)[0]
     return {
-        "drafter": "draft model" if draft is not None else "prompt lookup",
+        "drafter": "draft model"
+        if draft is not None
+        else "EAGLE-3 head"
+        if draft_head is not None
+        else "prompt lookup",
         "decode_tok_s": rate,
         "plain_decode_tok_s": plain_rate,  # timed in turn with the speculative runs: the speedup's base
         "plain_row_decode_tok_s": plain["decode_tok_s"],
@@ -261,6 +275,7 @@ def benchmark(
     settings: BenchSettings,
     draft: Transformer | None = None,
     prompt_lookup: bool = False,
+    draft_head: Eagle3Head | None = None,
 ) -> dict[str, Any]:
     """Everything ``lmpress bench`` reports for ``model`` on ``prompt``, as a JSON-ready dict."""
     if len(prompt) + settings.new_tokens > model.args.max_seq_len:
@@ -274,8 +289,8 @@ def benchmark(
     result["kv_cache"] = "float" if model.kv_quant is None else model.kv_quant.describe()
     forward = decoding_forward(model.device, settings.compile)  # one compiled forward per model, shared by both rows
     result["plain"] = bench_plain(model, prompt, settings, bandwidth, forward)
-    if draft is not None or prompt_lookup:
-        result["speculative"] = bench_speculative(model, prompt, settings, result["plain"], draft, forward)
+    if draft is not None or prompt_lookup or draft_head is not None:
+        result["speculative"] = bench_speculative(model, prompt, settings, result["plain"], draft, forward, draft_head)
     return result
 
 

@@ -69,6 +69,11 @@ def test_a_run_ships_the_head_its_eval_scores_and_generate_drafts_with(eight_lay
     drafted = capsys.readouterr()
     assert drafted.out == plain.out and "tokens per target step" in drafted.err
 
+    bench = ["--prompt-tokens", "8", "--new-tokens", "8", "--repeats", "1"]
+    assert main(["bench", str(out / "compressed-tensors"), *bench, "--draft-head", str(out / "draft-head")]) == 0
+    table = capsys.readouterr().out
+    assert "EAGLE-3 head" in table and "same tokens as plain decoding" in table
+
     # the head refuses a target it was not trained for: the same model quantized otherwise
     other = tmp_path / "other"
     rtn_g64 = {**rtn, "group_size": 64}

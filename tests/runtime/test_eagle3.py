@@ -11,7 +11,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
-from lmpress.runtime.generate import generate
+from lmpress.runtime.generate import generate, model_forward, static_forward
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, next_token_probs
 from lmpress.runtime.speculative import SpeculativeStats, speculative_decode
@@ -50,6 +50,31 @@ def test_greedy_output_identical_to_plain_decoding_with_a_draft_head(eight_layer
         )
         assert got == expected
     assert stats.drafted > 0  # the head drafted (a random one: rarely accepted; tests/distill trains one)
+
+
+def test_verification_with_features_steps_through_a_static_forward(eight_layers):
+    """The verifying reads return the head's features through the static (compilable) step as through the
+    model's own forward: the same drafts are accepted, the output is plain decoding's."""
+    hf, target = eight_layers
+    head = head_for(target, hf)
+    ids = prompt(seed=4)
+    runs = []
+    for forward in (model_forward, static_forward()):
+        stats = SpeculativeStats()
+        tokens = list(
+            speculative_decode(
+                target, ids, draft_head=head, max_new_tokens=24, forward=forward, stats=stats, k=3, adaptive=False
+            )
+        )
+        runs.append((tokens, stats))
+    assert runs[0] == runs[1]
+    assert runs[0][0] == generate(target, ids, max_new_tokens=24)[0]
+    cache_a, cache_b = target.new_cache(1, 32), target.new_cache(1, 32)
+    layers = head.config.feature_layers
+    want = model_forward(target, torch.tensor([ids]), cache_a, layers)
+    got = static_forward()(target, torch.tensor([ids[:3]]), cache_b, layers)
+    torch.testing.assert_close(got[1], want[1][:, :3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], want[0][:, :3], atol=1e-4, rtol=1e-4)
 
 
 def test_sampling_with_a_draft_head_follows_the_target_distribution():
