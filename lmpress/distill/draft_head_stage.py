@@ -41,6 +41,7 @@ from lmpress.distill.draft_head import (
 )
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
+from lmpress.progress import QUIET, Bars
 from lmpress.registry import StageConfig, StageContext, register_stage
 from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, attach_draft_head, draft_head_of, save_draft_head
 from lmpress.runtime.model import Transformer
@@ -101,27 +102,25 @@ def _draft_data(target: Transformer, config: DraftHeadConfig, ctx: StageContext,
     return data
 
 
-@register_stage("draft_head", DraftHeadConfig)
-def run_draft_head(model: nn.Module, config: DraftHeadConfig, ctx: StageContext) -> dict:
-    began = time.perf_counter()
-    target = Transformer.from_hf(model)  # the compressed model as lmpress's runtime runs it (its CPU kernels)
+def train_head_for(
+    target: Transformer, model: nn.Module, data: DraftData, config: DraftHeadConfig, bars: Bars = QUIET
+) -> tuple[Eagle3Head, dict]:
+    """A head for ``target`` (the runtime of ``model``, the transformers model) trained on ``data`` as ``config``
+    says, and what it scored on the held-out continuations."""
     head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
-    data = _draft_data(target, config, ctx, head_config.feature_layers)
-    captured = time.perf_counter()
     train, held_out = data.split(config.held_out)
     torch.manual_seed(config.seed)
     head = Eagle3Head(head_config)
     head.draft_tokens.copy_(draft_vocabulary(train.choices, config.draft_vocab, head_config.vocab_size))
     initialize_from_target(head, model)
     training = DraftHeadTraining(config.epochs, config.steps, config.lr, config.batch_size, config.seed)
-    losses = train_draft_head(head, target, train, training, ctx.bars)
+    losses = train_draft_head(head, target, train, training, bars)
     accuracies = step_accuracies(head, target, held_out, config.steps)
-    attach_draft_head(model, head)
     expected, run = 1.0, 1.0
     for a in accuracies:  # a round of `steps` drafts: each accepted only after the ones before it
         run *= a
         expected += run
-    return {
+    return head, {
         "feature_layers": list(head_config.feature_layers),
         "draft_vocab": config.draft_vocab,
         "sequences": len(data.tokens),
@@ -129,9 +128,19 @@ def run_draft_head(model: nn.Module, config: DraftHeadConfig, ctx: StageContext)
         "epoch_losses": losses,
         "held_out_step_accuracy": accuracies,
         "held_out_expected_accept_length": expected,
-        "capture_seconds": captured - began,
-        "train_seconds": time.perf_counter() - captured,
     }
+
+
+@register_stage("draft_head", DraftHeadConfig)
+def run_draft_head(model: nn.Module, config: DraftHeadConfig, ctx: StageContext) -> dict:
+    began = time.perf_counter()
+    target = Transformer.from_hf(model)  # the compressed model as lmpress's runtime runs it (its CPU kernels)
+    layers = Eagle3Config.for_target(target, model.config, config.draft_vocab).feature_layers
+    data = _draft_data(target, config, ctx, layers)
+    captured = time.perf_counter()
+    head, summary = train_head_for(target, model, data, config, ctx.bars)
+    attach_draft_head(model, head)
+    return {**summary, "capture_seconds": captured - began, "train_seconds": time.perf_counter() - captured}
 
 
 HEAD_FOLDER = "draft-head"
