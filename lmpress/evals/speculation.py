@@ -3,7 +3,9 @@ model, on held-out text (the eval text, never the calibration text it was traine
 
 Each prompt (a window of the eval text) is decoded greedily twice by lmpress's runtime on the scored model:
 plainly, and speculatively with the head (adaptive draft length, verified in one multi-row target pass).
-The outputs must be identical token for token (a difference fails the eval as a defect); ``accept_length``
+The outputs must be identical token for token, or part where the plain decode's two candidates tie within the
+runtime's rounding (a verifying pass reads several tokens at once, with kernels that sum in another order);
+anywhere else the eval fails as a defect. ``accept_length``
 is the mean number of tokens a target pass produces (accepted drafts plus its own), ``draft_speedup`` the
 plain decode's seconds over the speculative one's, both eager on the run's device. The baseline has no head:
 both metrics are the candidate's only.
@@ -26,6 +28,7 @@ from pydantic import Field
 from torch import nn
 
 from lmpress.errors import LmpressInputError
+from lmpress.evals.agreement import TIE_FACTOR, execution_unit, tolerance
 from lmpress.registry import EvalConfig, EvalContext, EvalResult, register_eval
 from lmpress.runtime.eagle3 import draft_head_of
 from lmpress.runtime.generate import generate
@@ -53,6 +56,21 @@ def eval_prompts(ids: torch.Tensor, count: int, length: int) -> list[list[int]]:
     return [ids[i * stride : i * stride + length].tolist() for i in range(count)]
 
 
+def check_near_tie(runtime: Transformer, prompt: list[int], plain: list[int], drafted: list[int], unit: float) -> None:
+    """Plain and speculative greedy outputs may part only where the plain decode's two candidates tie within the
+    runtime's rounding (a verifying pass reads several tokens at once, a decode step one: the kernels' sums differ
+    in order, and with int8 activations by up to ``unit``); anywhere else the head changed the output: a defect."""
+    k = next(i for i, (a, b) in enumerate(zip(plain, drafted, strict=False)) if a != b)
+    with torch.no_grad():
+        logits = runtime(torch.tensor([prompt + plain[:k]]), runtime.new_cache(1, len(prompt) + k))[0, -1].double()
+    gap = float(logits[plain[k]] - logits[drafted[k]])
+    if abs(gap) > TIE_FACTOR * tolerance(unit, unit, float(logits.abs().max())):
+        raise RuntimeError(
+            f"speculative decoding with the draft head changed the greedy output at new token {k} "
+            f"(logit gap {gap:.3g}, not a near tie): a defect"
+        )
+
+
 @register_eval("speculation", SpeculationConfig)
 def run_speculation(model: nn.Module, tokenizer, config: SpeculationConfig, ctx: EvalContext) -> EvalResult:
     protocol = {
@@ -65,8 +83,10 @@ def run_speculation(model: nn.Module, tokenizer, config: SpeculationConfig, ctx:
             return EvalResult(metrics={}, protocol=protocol)
         raise LmpressInputError("eval.speculation scores a draft head: add a draft_head stage to the recipe")
     runtime = Transformer.from_hf(model, device=ctx.device)
+    unit = execution_unit(model, runtime=True)
     stats = SpeculativeStats()
     plain_seconds = speculative_seconds = 0.0
+    ties = 0
     for prompt in ctx.bars.track(eval_prompts(ctx.ids(), config.prompts, config.prompt_tokens), "speculation"):
         began = time.perf_counter()
         plain = generate(runtime, prompt, max_new_tokens=config.new_tokens)[0]
@@ -77,10 +97,13 @@ def run_speculation(model: nn.Module, tokenizer, config: SpeculationConfig, ctx:
         plain_seconds += middle - began
         speculative_seconds += time.perf_counter() - middle
         if drafted != plain:
-            raise RuntimeError("speculative decoding with the draft head changed the greedy output: a defect")
+            check_near_tie(runtime, prompt, plain, drafted, unit)
+            ties += 1
     metrics = {"accept_length": stats.tokens_per_step, "draft_speedup": plain_seconds / speculative_seconds}
     details = {
         "speculation": {
+            "outputs_identical": config.prompts - ties,
+            "outputs_parting_at_a_near_tie": ties,
             "drafted": stats.drafted,
             "accepted": stats.accepted,
             "target_passes": stats.target_steps,

@@ -95,3 +95,26 @@ def test_misuse_is_refused_before_any_work(eight_layer_dir, tmp_path, capsys, st
     recipe = write_recipe(tmp_path, eight_layer_dir, stages, evals)
     assert main(["run", recipe, "--out", str(tmp_path / "out"), "--quiet"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_outputs_may_part_only_at_a_near_tie():
+    """A verifying pass reads several tokens at once: where its sums round otherwise, plain and speculative greedy
+    outputs may part at a near tie of the plain decode, and nowhere else."""
+    import torch
+
+    from lmpress.evals.agreement import FLOAT32_UNIT
+    from lmpress.evals.speculation import check_near_tie
+    from lmpress.runtime.generate import generate
+    from lmpress.runtime.model import Transformer
+    from tests.runtime.conftest import tiny_hf_model
+
+    target = Transformer.from_hf(tiny_hf_model("llama"))
+    prompt = [5, 17, 33, 90]
+    plain = generate(target, prompt, max_new_tokens=6)[0]
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + plain[:3]]), target.new_cache(1, 8))[0, -1]
+    worst = int(logits.argmin())
+    parted = plain[:3] + [worst, *plain[4:]]
+    with pytest.raises(RuntimeError, match="not a near tie"):
+        check_near_tie(target, prompt, plain, parted, FLOAT32_UNIT)
+    check_near_tie(target, prompt, plain, parted, 1.0)  # a unit as coarse as the logits: any split is a tie
