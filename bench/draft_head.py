@@ -65,10 +65,11 @@ W4_HEAD8 = dict(
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
         for text in CHAT
     ]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def acceptance(target: Transformer, head, prompts: list[list[int]], new_tokens: int) -> dict:
