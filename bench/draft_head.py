@@ -9,7 +9,8 @@ lmpress's runtime (CPU kernels, int8 activations) on this machine's threads. Eac
 (``train_head_for``) on the target's greedy continuations of ``--prompts`` WikiText-2 valid windows
 (``--prompt-tokens`` + ``--new-tokens``). Acceptance: greedy, 3 drafts per round (fixed, so heads compare on
 equal terms), over 8 WikiText-2 test windows of 64 tokens and 8 chat prompts in SmolLM2's chat template, 64 new
-tokens each; tokens per target pass = accepted drafts + 1, and every output is checked against plain decoding.
+tokens each; tokens per target pass = accepted drafts + 1, and every output is checked against plain decoding (equal,
+or parting at a near tie of it: int8-activation kernels sum a multi-token read in another order).
 Speed: ``lmpress bench``'s protocol (plain and speculative decoding timed in turn, both compiled, adaptive draft
 length), the W4 target with its own head, on a 64-token WikiText-2 test prompt and 128 new tokens.
 Writes bench/results/draft_head.md and .json and the table into docs/results.md ("EAGLE-3 draft heads").
@@ -34,7 +35,8 @@ import lmpress  # noqa: E402
 from lmpress.data import calibration_samples, load_text, tokenize  # noqa: E402
 from lmpress.distill.draft_head import capture_draft_data  # noqa: E402
 from lmpress.distill.draft_head_stage import DraftHeadConfig, train_head_for  # noqa: E402
-from lmpress.evals.speculation import eval_prompts  # noqa: E402
+from lmpress.evals.agreement import INT8_ACTIVATION_UNIT  # noqa: E402
+from lmpress.evals.speculation import check_near_tie, eval_prompts  # noqa: E402
 from lmpress.loader import load_model  # noqa: E402
 from lmpress.progress import Bars  # noqa: E402
 from lmpress.runtime.eagle3 import Eagle3Config  # noqa: E402
@@ -74,14 +76,20 @@ def chat_prompts(tokenizer) -> list[list[int]]:
 
 def acceptance(target: Transformer, head, prompts: list[list[int]], new_tokens: int) -> dict:
     stats = SpeculativeStats()
-    identical = True
+    identical = True  # or parting only at a near tie of plain decoding (eval.speculation's rule)
+    unit = INT8_ACTIVATION_UNIT
     for prompt in prompts:
         drafted = list(
             speculative_decode(
                 target, prompt, draft_head=head, max_new_tokens=new_tokens, k=3, adaptive=False, stats=stats
             )
         )
-        identical &= drafted == generate(target, prompt, max_new_tokens=new_tokens)[0]
+        plain = generate(target, prompt, max_new_tokens=new_tokens)[0]
+        if drafted != plain:
+            try:
+                check_near_tie(target, prompt, plain, drafted, unit)
+            except RuntimeError:
+                identical = False
     return {"accept_length": stats.tokens_per_step, "acceptance_rate": stats.acceptance_rate, "identical": identical}
 
 
