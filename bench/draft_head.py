@@ -120,10 +120,10 @@ def main() -> None:
     with bars:
         for name, target in targets.items():
             began = time.perf_counter()
-            layers = Eagle3Config.for_target(target, models[name].config, config.draft_vocab).feature_layers
-            data = capture_draft_data(target, prompts, config.new_tokens, layers, bars=bars)
+            head_config = Eagle3Config.for_target(target, models[name].config, config.draft_vocab)
+            data = capture_draft_data(target, prompts, config.new_tokens, head_config.feature_layers, bars=bars)
             captured = time.perf_counter()
-            heads[name], summary = train_head_for(target, models[name], data, config, bars)
+            heads[name], summary = train_head_for(target, models[name], data, config, head_config, bars)
             training[name] = {**summary, "capture_s": captured - began, "train_s": time.perf_counter() - captured}
     test = tokenize(loaded.tokenizer, load_text("builtin:wikitext2:test"))
     sets = {"wikitext2 test": eval_prompts(test, 8, 64), "chat": chat_prompts(loaded.tokenizer)}

@@ -86,3 +86,16 @@ def read_json(path: str | os.PathLike) -> Any | None:
             return json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def files_fingerprint(files: list[Path]) -> str:
+    """sha256 over ``files``' names and contents, memoized in the cache by path, size and modification time (a
+    checkpoint of gigabytes is hashed once, not on every load)."""
+    files = sorted(files)
+    stat_key = sha256_json([(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    memo = cache_root() / "fingerprints" / stat_key
+    if memo.exists():
+        return memo.read_text().strip()
+    fingerprint = sha256_json([(p.name, sha256_file(p)) for p in files])
+    write_text_atomic(memo, fingerprint)
+    return fingerprint

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lmpress.anatomy import ANATOMIES, get_anatomy, unsupported
-from lmpress.cache import cache_root, sha256_file, sha256_json, write_text_atomic
+from lmpress.cache import cache_root, files_fingerprint, sha256_file, sha256_json
 from lmpress.errors import LmpressInputError
 
 GGUF_MAGIC = b"GGUF"
@@ -212,15 +212,8 @@ def gguf_to_checkpoint(gguf_path: Path) -> Path:
 
 
 def checkpoint_fingerprint(path: Path) -> str:
-    """sha256 over config.json and every weight file; cached beside the GGUF conversions."""
-    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
-    stat_key = sha256_json([(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
-    memo = cache_root() / "fingerprints" / stat_key
-    if memo.exists():
-        return memo.read_text().strip()
-    fingerprint = sha256_json([(p.name, sha256_file(p)) for p in files])
-    write_text_atomic(memo, fingerprint)
-    return fingerprint
+    """sha256 over config.json and every weight file (memoized in the cache)."""
+    return files_fingerprint([p for p in path.iterdir() if p.suffix == ".safetensors" or p.name == "config.json"])
 
 
 def package_file(source: str) -> Path:

@@ -103,11 +103,15 @@ def _draft_data(target: Transformer, config: DraftHeadConfig, ctx: StageContext,
 
 
 def train_head_for(
-    target: Transformer, model: nn.Module, data: DraftData, config: DraftHeadConfig, bars: Bars = QUIET
+    target: Transformer,
+    model: nn.Module,
+    data: DraftData,
+    config: DraftHeadConfig,
+    head_config: Eagle3Config,
+    bars: Bars = QUIET,
 ) -> tuple[Eagle3Head, dict]:
-    """A head for ``target`` (the runtime of ``model``, the transformers model) trained on ``data`` as ``config``
-    says, and what it scored on the held-out continuations."""
-    head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
+    """A head of ``head_config``'s shape for ``target`` (the runtime of ``model``, the transformers model) trained
+    on ``data`` as ``config`` says, and what it scored on the held-out continuations."""
     train, held_out = data.split(config.held_out)
     torch.manual_seed(config.seed)
     head = Eagle3Head(head_config)
@@ -135,10 +139,10 @@ def train_head_for(
 def run_draft_head(model: nn.Module, config: DraftHeadConfig, ctx: StageContext) -> dict:
     began = time.perf_counter()
     target = Transformer.from_hf(model)  # the compressed model as lmpress's runtime runs it (its CPU kernels)
-    layers = Eagle3Config.for_target(target, model.config, config.draft_vocab).feature_layers
-    data = _draft_data(target, config, ctx, layers)
+    head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
+    data = _draft_data(target, config, ctx, head_config.feature_layers)
     captured = time.perf_counter()
-    head, summary = train_head_for(target, model, data, config, ctx.bars)
+    head, summary = train_head_for(target, model, data, config, head_config, ctx.bars)
     attach_draft_head(model, head)
     return {**summary, "capture_seconds": captured - began, "train_seconds": time.perf_counter() - captured}
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmpress.cache import sha256_file, sha256_json, write_json_atomic
+from lmpress.cache import files_fingerprint, write_json_atomic
 from lmpress.errors import LmpressInputError
 
 WEIGHTS = "model.safetensors"
@@ -148,4 +148,4 @@ def export_fingerprint(path: Path) -> str | None:
     files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in TARGET_FILES or p.name == "config.json"))
     if not any(p.suffix in TARGET_FILES for p in files):
         return None
-    return sha256_json([(p.name, sha256_file(p)) for p in files])
+    return files_fingerprint(files)

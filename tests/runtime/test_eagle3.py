@@ -4,7 +4,6 @@ distribution kept under sampling, heads that cannot draft for a target refused i
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -13,10 +12,10 @@ from lmpress.errors import LmpressInputError
 from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
 from lmpress.runtime.generate import generate, model_forward, static_forward
 from lmpress.runtime.model import Transformer
-from lmpress.runtime.sample import SamplingConfig, next_token_probs
+from lmpress.runtime.sample import SamplingConfig
 from lmpress.runtime.speculative import SpeculativeStats, speculative_decode
 from tests.runtime.conftest import tiny_hf_model
-from tests.runtime.test_speculative import CHI2_CRITICAL_999, chi_square, prompt
+from tests.runtime.test_speculative import assert_first_two_tokens_follow_the_target, prompt
 
 
 def head_for(target: Transformer, hf, draft_vocab: int | None = None, seed: int = 0) -> Eagle3Head:
@@ -78,23 +77,10 @@ def test_verification_with_features_steps_through_a_static_forward(eight_layers)
 
 
 def test_sampling_with_a_draft_head_follows_the_target_distribution():
-    """The joint law of the first two tokens (the second comes out of a draft-and-verify round) is the
-    target's, with a head whose proposals differ from it."""
+    """With a head whose proposals differ from the target's."""
     hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=4)
     target = Transformer.from_hf(hf)
-    head = head_for(target, hf)
-    sampling = SamplingConfig(temperature=1.0)
-    ids = [1, 3, 0, 2]
-    with torch.no_grad():
-        p1 = next_token_probs(hf(torch.tensor([ids])).logits[:, -1], sampling)[0]
-        p2 = next_token_probs(hf(torch.tensor([ids + [t] for t in range(4)])).logits[:, -1], sampling)
-    joint = (p1[:, None] * p2).flatten()
-    counts = torch.zeros(16)
-    for seed in range(1200):
-        runs = speculative_decode(target, ids, draft_head=head, max_new_tokens=4, sampling=sampling, seed=seed, k=2)
-        a, b = itertools.islice(runs, 2)
-        counts[a * 4 + b] += 1
-    assert chi_square(counts, joint) < CHI2_CRITICAL_999[15]
+    assert_first_two_tokens_follow_the_target(hf, target, 1200, draft_head=head_for(target, hf))
 
 
 def test_heads_that_cannot_draft_for_a_target_are_refused(eight_layers):
@@ -113,3 +99,25 @@ def test_heads_that_cannot_draft_for_a_target_are_refused(eight_layers):
     gemma_like.args = dataclasses.replace(gemma_like.args, embed_scale=11.3)
     with pytest.raises(LmpressInputError, match="Gemma"):
         Eagle3Config.for_target(gemma_like, hf.config, 64)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_target_on_an_accelerator_drafts_with_its_head_on_the_cpu(temperature):
+    """On a GPU target the drafter reads the target's features and embeddings back to the CPU, where its head
+    and cache live; verification compares the target's logits there too. Under the placement test device (any
+    op mixing devices fails as on CUDA) the tokens are those of the same run on the CPU."""
+    from tests.fake_device import fake_accelerator
+
+    hf = tiny_hf_model("llama", num_hidden_layers=8)
+    on_cpu = Transformer.from_hf(hf)
+    head = head_for(on_cpu, hf)
+    ids = prompt(seed=2)
+    sampling = SamplingConfig(temperature=temperature)
+    decode = dict(draft_head=head, max_new_tokens=24, k=3, adaptive=False, sampling=sampling, seed=1)
+    expected = list(speculative_decode(on_cpu, ids, **decode))
+    with fake_accelerator() as device:
+        on_device = Transformer.from_hf(hf, device=device, kernels="cpu")
+        assert on_device.device == device
+        stats = SpeculativeStats()
+        assert list(speculative_decode(on_device, ids, stats=stats, **decode)) == expected
+    assert stats.drafted > 0

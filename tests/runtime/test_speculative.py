@@ -197,24 +197,28 @@ def test_greedy_verification_is_verify_on_one_hot_distributions():
         assert verify(one_hot, drafts, drafted, gen) == expected == verify(one_hot, drafts, None, gen)
 
 
-def test_speculative_sampling_follows_target_distribution():
-    """End to end on a 4-token vocabulary: the joint law of the first two tokens (the second one comes out of
-    the draft-and-verify round) equals the target's, against a draft model with a different distribution."""
-    target_hf, draft_hf = tiny_hf_model("llama", seed=0, vocab_size=4), tiny_hf_model("llama", seed=1, vocab_size=4)
-    target, draft = Transformer.from_hf(target_hf), Transformer.from_hf(draft_hf)
+def assert_first_two_tokens_follow_the_target(target_hf, target: Transformer, runs: int, **drafting) -> None:
+    """End to end on a 4-token vocabulary: the joint law of the first two sampled tokens (the second comes out of
+    a draft-and-verify round) is the target's, over ``runs`` seeds, drafting as ``drafting`` says."""
     sampling = SamplingConfig(temperature=1.0)
     ids = [1, 3, 0, 2]
     with torch.no_grad():
         p1 = next_token_probs(target_hf(torch.tensor([ids])).logits[:, -1], sampling)[0]
-        following = torch.tensor([ids + [t] for t in range(4)])
-        p2 = next_token_probs(target_hf(following).logits[:, -1], sampling)
+        p2 = next_token_probs(target_hf(torch.tensor([ids + [t] for t in range(4)])).logits[:, -1], sampling)
     joint = (p1[:, None] * p2).flatten()
     counts = torch.zeros(16)
-    for seed in range(1500):
-        runs = speculative_decode(target, ids, draft=draft, max_new_tokens=4, sampling=sampling, seed=seed, k=2)
-        a, b = itertools.islice(runs, 2)
+    for seed in range(runs):
+        tokens = speculative_decode(target, ids, max_new_tokens=4, sampling=sampling, seed=seed, k=2, **drafting)
+        a, b = itertools.islice(tokens, 2)
         counts[a * 4 + b] += 1
     assert chi_square(counts, joint) < CHI2_CRITICAL_999[15]
+
+
+def test_speculative_sampling_follows_target_distribution():
+    """Against a draft model with a different distribution."""
+    target_hf, draft_hf = tiny_hf_model("llama", seed=0, vocab_size=4), tiny_hf_model("llama", seed=1, vocab_size=4)
+    target, draft = Transformer.from_hf(target_hf), Transformer.from_hf(draft_hf)
+    assert_first_two_tokens_follow_the_target(target_hf, target, 1500, draft=draft)
 
 
 @pytest.mark.parametrize("head", ["float", "int8"])
