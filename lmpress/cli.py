@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmpress import __version__
-from lmpress.errors import EXIT_BAD_INPUT, EXIT_RUNTIME_ERROR, LmpressInputError
+from lmpress.errors import EXIT_BAD_INPUT, EXIT_RUNTIME_ERROR, LmpressInputError, LmpressStopped
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 console = Console()
@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     except LmpressInputError as e:
         err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT
+    except LmpressStopped as e:
+        err_console.print(f"[red]stopped:[/] {e}", highlight=False, soft_wrap=True)
+        return EXIT_RUNTIME_ERROR
     except KeyboardInterrupt:
         err_console.print("interrupted; `lmpress run ... --resume` continues from the last saved state")
         return EXIT_RUNTIME_ERROR

@@ -12,6 +12,7 @@ gives the other processes nothing to do.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lmpress.errors import LmpressStopped
 
 # The main process scores the baseline before the stages while the others go straight to them, so
 # they can wait that long at the first collective of training (torch's default timeout is 10 minutes).
@@ -63,6 +66,23 @@ def launched_processes(device: torch.device) -> Processes:
 
     state = PartialState(cpu=device.type == "cpu", timeout=FIRST_COLLECTIVE_TIMEOUT)
     return Processes(state.process_index, state.num_processes, state.device)
+
+
+def stop_when_the_launcher_does(processes: Processes) -> None:
+    """A launched process that its launcher ends (torchrun sends SIGTERM to the others when one dies) says so in
+    one line (:class:`LmpressStopped`) instead of vanishing; a second SIGTERM ends it at once."""
+    if processes.world == 1:
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise LmpressStopped(
+            f"process {processes.rank} of {processes.world} was stopped by its launcher (another launched process "
+            "ended first: the launcher's report names it); what it finished is saved: run the same launch with "
+            "--resume"
+        )
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def fsdp_requested() -> bool:

@@ -16,3 +16,11 @@ class LmpressInputError(Exception):
     """
 
     exit_code = EXIT_BAD_INPUT
+
+
+class LmpressStopped(Exception):
+    """A run that could not go on through no fault of its input (a launched process lost its peers, its launcher
+    stopped it), whose saved state a ``--resume`` continues. The CLI prints the one-line message without a
+    traceback and exits with code 3."""
+
+    exit_code = EXIT_RUNTIME_ERROR

@@ -31,7 +31,7 @@ from torch import nn
 from lmpress.cache import sha256_json
 from lmpress.calib.ranks import calibration_ranks, check_shareable
 from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
-from lmpress.distributed import Processes, last_shared_stage, launched_processes
+from lmpress.distributed import Processes, last_shared_stage, launched_processes, stop_when_the_launcher_does
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.agreement import check_runtime_agreement
 from lmpress.evals.perplexity import PerplexityConfig
@@ -328,6 +328,7 @@ def run_recipe(
     spec = recipe.model
     device = resolve_device(spec.device, "model.device")
     processes = launched_processes(device)
+    stop_when_the_launcher_does(processes)
     device = processes.device or device
     for stage in recipe.stages:
         stage.check_processes(processes.world)

@@ -17,9 +17,9 @@ import sys
 import pytest
 import yaml
 
-from lmpress.calib.ranks import check_shareable, owners_by_cost, rank_batches
+from lmpress.calib.ranks import check_shareable, collective, owners_by_cost, rank_batches
 from lmpress.cli import main
-from lmpress.errors import LmpressInputError
+from lmpress.errors import LmpressInputError, LmpressStopped
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -47,9 +47,25 @@ def test_more_processes_than_calibration_batches_is_refused():
         check_shareable(8, 4, 3)
 
 
-def launch(tmp_path, recipe: str, out: str) -> None:
+def test_a_collective_that_loses_its_peers_is_reported_in_one_line():
+    @collective
+    def all_reduce() -> None:
+        raise RuntimeError(
+            "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:32182: "
+            "Connection reset by peer. This is typically caused by a remote worker hanging"
+        )
+
+    with pytest.raises(LmpressStopped) as stopped:
+        all_reduce()
+    message = str(stopped.value)
+    assert "\n" not in message and "pair.cc" not in message
+    assert message.startswith("process 0 of 1: a collective of the calibration failed (Read error [127.0.0.1]")
+    assert message.endswith("run the same launch with --resume")
+
+
+def launch(tmp_path, recipe: str, out: str, *options: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += ["-m", "lmpress.cli", "run", recipe, "--out", out, "--quiet"]
+    command += ["-m", "lmpress.cli", "run", recipe, "--out", out, "--quiet", *options]
     env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -131,3 +147,64 @@ def test_wanda_masks_are_the_same_whichever_processes_summed_the_norms(tiny_llam
 
     two, one = (load_file(tmp_path / run / "hf" / "model.safetensors") for run in ("two", "one"))
     assert two.keys() == one.keys() and all(two[k].equal(one[k]) for k in one)
+
+
+# Launched in place of `-m lmpress.cli`: process 1 SIGKILLs itself once its layer 1 is saved, while process 0 goes
+# on into layer 2 and waits there for its share of the Hessians.
+KILLED_RANK = """
+import os, signal, sys
+from lmpress.calib.state import LayerState
+from lmpress.cli import main
+save_layer = LayerState.save_layer
+def save_then_die(self, session, inputs, *carried):
+    save_layer(self, session, inputs, *carried)
+    if session.index == 1 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+LayerState.save_layer = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_process_stops_the_launch_and_resume_writes_the_unbroken_artifact(tmp_path):
+    from tests.conftest import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=4)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "data": {"source": "builtin:python-docs", "samples": 16, "seq_len": 64},
+                "stages": [{"method": "gptq", "bits": 4, "group_size": 32}],
+                "export": {"formats": ["compressed-tensors"]},
+                "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 3}},
+                "gates": ["ppl_ratio <= 3"],
+            }
+        )
+    )
+    script = tmp_path / "killed_rank.py"
+    script.write_text(KILLED_RANK)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(
+        [*command, "run", str(recipe), "--out", str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert killed.returncode != 0 and not out.exists()
+    # the launcher names the process that died; the survivor says in one line why it stopped and what to do
+    assert "exitcode  : -9" in killed.stderr and "rank      : 1 (local_rank: 1)" in killed.stderr
+    said = [line for line in killed.stderr.splitlines() if line.startswith("stopped: process 0 of 2")]
+    assert len(said) == 1 and said[0].endswith("run the same launch with --resume"), killed.stderr[-3000:]
+    frames = [line for line in killed.stderr.splitlines() if line.lstrip().startswith('File "')]
+    assert not [f for f in frames if "/lmpress/" in f], killed.stderr[-3000:]  # only the launcher's own traceback
+    for state in (tmp_path / ".run.partial", tmp_path / ".run.partial-rank1"):
+        assert json.loads((state / "state" / "0-gptq" / "progress.json").read_text())["done_layers"] == 2
+
+    # one process cannot continue what two started (each kept its own share of the activations)
+    assert main(["run", str(recipe), "--out", str(out), "--resume", "--quiet"]) == 2
+    launch(tmp_path, str(recipe), str(out), "--resume")
+    launch(tmp_path, str(recipe), str(tmp_path / "unbroken"))
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
+    assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
+    assert not (tmp_path / ".run.partial-rank1").exists()

@@ -200,7 +200,8 @@ def run_calibration(
     start_time = time.perf_counter()
     anatomy = get_anatomy(model)
     layers = decoder_layers(model)
-    state = LayerState(ctx.state_dir, ctx.fingerprint)
+    rank, world = calibration_ranks()
+    state = LayerState(ctx.state_dir, ctx.fingerprint, world)
     done = state.done_layers() if ctx.resume else 0
     if not ctx.resume:
         state.clear()
@@ -217,7 +218,6 @@ def run_calibration(
     device = ctx.device
     quantized = rewritten = 0
     name = "+".join(m.name for m in methods)
-    rank, world = calibration_ranks()
     ranks = world if world > 1 and all(m.reduces_across_ranks for m in methods) else 1
     shape = list(calibration.shape)
     if ranks > 1:

@@ -14,13 +14,14 @@ any other pass runs in full on every rank, the same deterministic work, so the r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from lmpress.errors import LmpressInputError
+from lmpress.errors import LmpressInputError, LmpressStopped
 
 T = TypeVar("T")
 
@@ -58,12 +59,48 @@ def rank_samples(calibration: torch.Tensor, batch_size: int, rank: int, world: i
     return calibration[batches.start * batch_size : batches.stop * batch_size]
 
 
+def collective(function: Callable[..., T]) -> Callable[..., T]:
+    """``function`` (which calls torch.distributed's collectives) with a collective that fails because another
+    process is gone (gloo: "Connection reset by peer"; NCCL: a timeout or a closed communicator) reported as
+    :class:`LmpressStopped` in one line: what failed and that ``--resume`` continues from the saved layers."""
+
+    @functools.wraps(function)
+    def guarded(*args: Any, **kwargs: Any) -> T:
+        try:
+            return function(*args, **kwargs)
+        except RuntimeError as e:
+            rank, world = calibration_ranks()
+            why = " ".join(str(e).split())
+            why = why.split("] ", 1)[-1][:160]  # gloo's and NCCL's messages open with a source path in brackets
+            raise LmpressStopped(
+                f"process {rank} of {world}: a collective of the calibration failed ({why}): another launched "
+                "process has stopped (the launcher's report names it); the finished layers are saved: run the same "
+                "launch with --resume"
+            ) from e
+
+    return guarded
+
+
+@collective
+def _all_reduce(tensor: torch.Tensor, op: Any) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=op)
+
+
+@collective
+def _broadcast_objects(box: list, src: int) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(box, src=src)
+
+
 def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """The elementwise sum of ``tensor`` over every rank, computed in float64, in ``tensor``'s dtype."""
     import torch.distributed as dist
 
     total = tensor.double()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    _all_reduce(total, dist.ReduceOp.SUM)
     return total.to(tensor.dtype)
 
 
@@ -71,7 +108,7 @@ def max_across_ranks_(tensor: torch.Tensor) -> None:
     """``tensor`` replaced in place by its elementwise maximum over every rank."""
     import torch.distributed as dist
 
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    _all_reduce(tensor, dist.ReduceOp.MAX)
 
 
 def min_across_ranks(n: int) -> int:
@@ -79,7 +116,7 @@ def min_across_ranks(n: int) -> int:
     import torch.distributed as dist
 
     value = torch.tensor([n], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    _all_reduce(value, dist.ReduceOp.MIN)
     return int(value.item())
 
 
@@ -124,7 +161,7 @@ def solve_across_ranks(
     results = {}
     for name in names:
         box = [_tensors_on_cpu(mine.get(name))]  # unpickled where it was saved: another rank's GPU, else
-        dist.broadcast_object_list(box, src=owners[name])
+        _broadcast_objects(box, owners[name])
         results[name] = box[0]
     return results
 

@@ -45,9 +45,10 @@ PACKED = (QuantizedLinear, Fp4Linear)  # saved as their own buffers and mapped b
 class LayerState:
     """Finished layers and the next layer's inputs in a stage's state directory (safetensors, atomic)."""
 
-    def __init__(self, directory: Path, fingerprint: str) -> None:
+    def __init__(self, directory: Path, fingerprint: str, processes: int = 1) -> None:
         self.dir = Path(directory)
         self.fingerprint = fingerprint
+        self.processes = processes  # launched processes sharing the calibration (each saves its share's inputs)
         self.progress_path = self.dir / "progress.json"
 
     def done_layers(self) -> int:
@@ -59,6 +60,12 @@ class LayerState:
             raise LmpressInputError(
                 f"cannot resume from {self.dir}: it was written by another lmpress version (state version "
                 f"{progress.get('version')}, this one reads {STATE_VERSION}); run without --resume to start over"
+            )
+        if progress.get("processes", self.processes) != self.processes:  # older states: the fingerprint holds it
+            raise LmpressInputError(
+                f"cannot resume from {self.dir}: it was calibrated across {progress['processes']} launched "
+                f"process(es), each keeping its share of the samples; this run has {self.processes}: resume with "
+                "as many, or run without --resume to start over"
             )
         if progress.get("fingerprint") != self.fingerprint:
             raise LmpressInputError(
@@ -108,7 +115,14 @@ class LayerState:
         self._write(f"inputs_{session.index + 1:05d}.safetensors", inputs, {})
         tmp = self.progress_path.with_suffix(".tmp")
         tmp.write_text(
-            json.dumps({"version": STATE_VERSION, "fingerprint": self.fingerprint, "done_layers": session.index + 1})
+            json.dumps(
+                {
+                    "version": STATE_VERSION,
+                    "fingerprint": self.fingerprint,
+                    "done_layers": session.index + 1,
+                    "processes": self.processes,
+                }
+            )
         )
         os.replace(tmp, self.progress_path)
         stale = self.dir / f"inputs_{session.index:05d}.safetensors"
