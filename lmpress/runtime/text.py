@@ -41,19 +41,50 @@ from lmpress.weights.kv_quant import KVQuant
 class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the prompt's prefill to the last token
     speculative: SpeculativeStats | None = None
+    load_seconds: float = 0.0  # reading the model (and any draft) before the prefill
+    first_token_seconds: float = 0.0  # the prefill and the first token, after loading
+    since_start: float | None = None  # from the process's start to the first token
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second after the first, as ``lmpress bench`` counts decoding."""
+        after = self.seconds - self.first_token_seconds
+        return (len(self.tokens) - 1) / after if len(self.tokens) > 1 and after > 0 else float("nan")
 
     def summary(self) -> str:
-        rate = len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
-        line = f"{len(self.tokens)} new tokens after a {self.prompt_tokens}-token prompt in {self.seconds:.2f} s"
-        line += f" ({rate:.1f} tok/s)"
+        line = (
+            f"{len(self.tokens)} new tokens after a {self.prompt_tokens}-token prompt: loaded in "
+            f"{self.load_seconds:.1f} s, first token {self.first_token_seconds:.2f} s later"
+        )
+        if self.since_start is not None:
+            line += f" ({self.since_start:.1f} s after the command started)"
+        line += f", then {self.decode_rate:.1f} tok/s"
         if self.speculative is not None and self.speculative.target_steps:
             line += (
                 f"; acceptance {self.speculative.acceptance_rate:.2f}, "
                 f"{self.speculative.tokens_per_step:.2f} tokens per target step"
             )
         return line
+
+
+def _seconds_since_process_start() -> float | None:
+    import psutil
+
+    try:
+        return time.time() - psutil.Process().create_time()
+    except psutil.Error:
+        return None
+
+
+def _timing_first(tokens: Iterator[int], result: GenerationResult, began: float) -> Iterator[int]:
+    """``tokens``, noting in ``result`` when the first arrives."""
+    for i, token in enumerate(tokens):
+        if i == 0:
+            result.first_token_seconds = time.perf_counter() - began
+            result.since_start = _seconds_since_process_start()
+        yield token
 
 
 DEVICES = ("cpu", "cuda")
@@ -229,6 +260,7 @@ def generate_text(
     if max_new_tokens < 1:
         raise LmpressInputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     config = SamplingConfig(**(sampling or {}))
+    loading = time.perf_counter()
     model, tokenizer = load_runtime(source, device, cpu_activations=cpu_activations)
     model.kv_quant = kv_quant
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -242,6 +274,7 @@ def generate_text(
     forward = decoding_forward(model.device, compile)
     result = GenerationResult(prompt_tokens=len(ids))
     began = time.perf_counter()
+    result.load_seconds = began - loading
     if draft is not None or prompt_lookup or head is not None:
         result.speculative = SpeculativeStats()
         tokens = speculative_decode(
@@ -257,7 +290,7 @@ def generate_text(
     else:
         steps = generate_tokens(model, ids, decode=decode_with(forward), **common)
         tokens = (int(step[0]) for step in steps if int(step[0]) >= 0)
-    for piece in _text_pieces(tokenizer, tokens, result.tokens):
+    for piece in _text_pieces(tokenizer, _timing_first(tokens, result, began), result.tokens):
         on_text(piece)
     result.seconds = time.perf_counter() - began
     return result

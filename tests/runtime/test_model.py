@@ -220,6 +220,34 @@ def test_unknown_cpu_activations_are_an_input_error():
         Transformer.from_hf(hf, cpu_activations="fp4")
 
 
+@pytest.mark.usefixtures("private_cache")
+def test_the_matmul_probe_is_timed_once_per_host_and_read_from_the_cache_after(monkeypatch):
+    """A new process (in-memory answers forgotten) reads the probe's answer from lmpress's tuning cache instead of
+    timing again; another CPU (flags differ) times afresh."""
+    from lmpress.runtime.kernels import cpu as cpu_kernels
+    from lmpress.runtime.kernels.tuning import forget_in_memory
+
+    timed = []
+    real = cpu_kernels.time.perf_counter
+    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: timed.append(1) or real())
+    monkeypatch.setattr(cpu_kernels, "STREAMED_BYTES", 2**20)
+    side = int((cpu_kernels.PROBED_MIN_BYTES // 4) ** 0.5) + 1
+
+    def new_process() -> tuple[bool, bool]:
+        forget_in_memory()
+        cpu_kernels.weight_left_is_faster.cache_clear()
+        timed.clear()
+        return cpu_kernels.weight_left_is_faster(side, side, 1)
+
+    first = new_process()
+    assert timed
+    assert new_process() == first and not timed
+    monkeypatch.setattr(cpu_kernels, "cpu_model", lambda: "another CPU (flags 00000000)")
+    new_process()
+    assert timed
+    cpu_kernels.weight_left_is_faster.cache_clear()
+
+
 def test_small_weights_run_f_linear_untimed(monkeypatch):
     """A MoE router's 1 x 128 gate took 58 s of timing (262,144 copies streamed per pass); below
     ``PROBED_MIN_BYTES`` no product is timed, and from it on the shape is timed as before."""

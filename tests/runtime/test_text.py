@@ -76,3 +76,33 @@ def test_generate_cli_passes_its_activations_to_the_runtime(tiny_llama_dir, caps
     args = ["generate", str(tiny_llama_dir), "--prompt", PROMPT, "--max-new-tokens", "2", *argv]
     assert main([*args, "--draft", str(tiny_llama_dir)]) == 0
     assert seen == [expected, expected]  # the target and its draft
+
+
+def test_generate_times_loading_the_first_token_and_decoding_apart(tiny_llama_dir, monkeypatch):
+    """What a user reads: how long loading took, the first token after it (and after the command started), and
+    the decode rate as ``lmpress bench`` counts it (tokens after the first over the time after the first)."""
+    import time
+
+    from lmpress.runtime import text
+
+    real = text.load_runtime
+
+    def slow_load(*args, **kwargs):
+        time.sleep(0.4)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(text, "load_runtime", slow_load)
+    pieces = []
+
+    def slow_reader(piece: str) -> None:  # each later token waits for this: decoding looks 0.05 s a piece slower
+        pieces.append(piece)
+        time.sleep(0.05)
+
+    result = text.generate_text(str(tiny_llama_dir), PROMPT, max_new_tokens=8, on_text=slow_reader)
+    assert result.load_seconds >= 0.4 > result.first_token_seconds > 0
+    assert result.since_start is not None and result.since_start > result.load_seconds
+    assert result.decode_rate == pytest.approx(7 / (result.seconds - result.first_token_seconds))
+    assert result.decode_rate <= 7 / (0.05 * (len(pieces) - 1))  # the reader's waits count as decoding
+    summary = result.summary()
+    assert f"loaded in {result.load_seconds:.1f} s, first token {result.first_token_seconds:.2f} s later" in summary
+    assert f"then {result.decode_rate:.1f} tok/s" in summary and "after the command started" in summary

@@ -11,8 +11,11 @@ keep only the repacked weight, not the original packed codes. Float weights run 
 from __future__ import annotations
 
 import functools
+import hashlib
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from lmpress.runtime.kernels import cpu_int
 from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
 from lmpress.runtime.kernels.cpu_int import DEFAULT_CPU_ACTIVATIONS, W4A8Linear, W8A8RowLinear, finish_output
 from lmpress.runtime.kernels.dense import dense_linear
+from lmpress.runtime.kernels.tuning import default_cache, tune_key
 from lmpress.weights.qlinear import QuantizedLinear
 
 
@@ -71,16 +75,37 @@ PROBED_MIN_BYTES = 256 * 2**10
 
 
 @functools.cache
+def cpu_model() -> str:
+    """This CPU's model name and a digest of its feature flags (``/proc/cpuinfo`` on Linux; else what
+    ``platform`` says): the host a timed choice was made on. Virtual machines often name only the family
+    ("AMD EPYC"), which covers AVX2-only and AVX-512 hosts alike; the flags tell them apart."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:64] if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        flags = hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:8]
+        return f"{info.get('model name', platform.machine())} (flags {flags})"
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+@functools.cache
 def weight_left_is_faster(out_features: int, in_features: int, threads: int) -> tuple[bool, bool]:
     """Whether ``(W @ x.T).T`` beats ``F.linear`` by >= 10% on an (out, in) float32 weight: for 1 row, for 4 rows.
 
     Timed as decoding runs them: over copies of the weight totalling ``STREAMED_BYTES``, so each
     product reads its weight from memory, not from a cache that one small weight would fit in
     (a single cache-resident copy favoured ``F.linear`` where it loses by 2-3x in the model,
-    bench/dense_matmul.py); the two forms alternate, medians of 5 passes.
+    bench/dense_matmul.py); the two forms alternate, medians of 5 passes. Timed once per CPU model, shape,
+    thread count and torch version, then read from lmpress's tuning cache (``kernels/tuning.py``): a model's
+    dozen shapes cost about a second of every load otherwise.
     """
     if out_features * in_features * 4 < PROBED_MIN_BYTES:
         return False, False
+    shape = {"out": out_features, "in": in_features, "threads": threads, "streamed": STREAMED_BYTES}
+    key = tune_key(cpu_model(), "dense-weight-left", shape, ["F.linear", "weight-left"])
+    stored = default_cache().get(key)
+    if isinstance(stored, list) and len(stored) == 2:
+        return bool(stored[0]), bool(stored[1])
     copies = max(1, -(-STREAMED_BYTES // (out_features * in_features * 4)))
     weights = [torch.full((out_features, in_features), 0.01) for _ in range(copies)]
     one, four = torch.full((1, in_features), 0.01), torch.full((4, in_features), 0.01)
@@ -98,7 +123,9 @@ def weight_left_is_faster(out_features: int, in_features: int, threads: int) -> 
         linear, left = (statistics.median(times[name][1:]) for name in products)  # the first pass warms up
         return left < 0.9 * linear
 
-    return left_wins(one), left_wins(four)
+    chosen = left_wins(one), left_wins(four)
+    default_cache().put(key, list(chosen))
+    return chosen
 
 
 class Int4Linear(nn.Module):

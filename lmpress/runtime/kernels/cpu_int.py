@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 import warnings
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def load_library() -> None:
     name = f"lmpress_cpu_int_{digest}"
     build = cache_root() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
+    if not (build / f"{name}.so").exists():  # once per host and torch version: say why this start is slow
+        print(f"lmpress: compiling its CPU kernels once for this host and torch version, into {build}", file=sys.stderr)
     flags = ["-O3", "-fopenmp", "-std=c++17"]
     load(
         name,
