@@ -75,7 +75,9 @@ def _kv_cache_info(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
     return {"kv_cache": f"{kv.describe()}: {per_token:,.0f} bytes per token ({per_token / bf16:.2f}x bf16)"}
 
 
-def _inspect_checkpoint(path: Path) -> dict[str, Any]:
+def _inspect_checkpoint(path: Path, zero_counts: bool = True) -> dict[str, Any]:
+    """``inspect_artifact``'s summary of a checkpoint directory; ``zero_counts``: dequantize each layer to count
+    its zero weights and find its N:M pattern (what the format's settings need not)."""
     config = read_config(path)
     method = quant_method(config)
     info: dict[str, Any] = {
@@ -106,7 +108,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
     for name, qw in layers.items():
         codes = getattr(qw, "qweight", None)
         out_features, in_features = (codes if codes is not None else qw.codes).shape
-        weight = qw.dequantize(torch.float32)
+        weight = qw.dequantize(torch.float32) if zero_counts else None
         stored = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.rpartition(".")[0] == name)
         rows.append(
             {
@@ -119,9 +121,8 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
                 "act_order": qw.g_idx is not None,
                 "bytes": stored,
                 "bits_per_weight": round(8 * stored / (out_features * in_features), 3),
-                "sparsity": float((weight == 0).float().mean()),
-                "pattern": nm_pattern(weight),
             }
+            | ({"sparsity": float((weight == 0).float().mean()), "pattern": nm_pattern(weight)} if zero_counts else {})
             | _fp4_fields(qw.scheme)
         )
     quantized_bytes = sum(r["bytes"] for r in rows)
@@ -140,7 +141,7 @@ def _inspect_checkpoint(path: Path) -> dict[str, Any]:
         "other_bytes": sum(t.numel() * t.element_size() for t in tensors.values()) - quantized_bytes,
         "layers": rows,
     }
-    if rows:
+    if rows and zero_counts:
         info["sparsity"] = _overall_sparsity(rows)
     if method == "gptq":
         info["checkpoint_format"] = qc.get("checkpoint_format", "gptq")
@@ -325,8 +326,8 @@ def consumer_warnings(exports: dict[str, Path]) -> list[dict[str, str]]:
     cannot load, as ``inspect`` predicts it (``vllm_refusal``)."""
     warnings = []
     for fmt, path in exports.items():
-        if fmt in VLLM_LOADS:
-            why = vllm_refusal(inspect_artifact(path))
+        if fmt in VLLM_LOADS:  # the run checks and reads its exports back next: the format's settings suffice here
+            why = vllm_refusal(_inspect_checkpoint(path, zero_counts=False))
             if why:
                 warnings.append({"format": fmt, "consumer": "vllm", "why": why})
     return warnings
