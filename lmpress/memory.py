@@ -17,9 +17,10 @@ import re
 import resource
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import psutil
@@ -95,6 +96,22 @@ def track_peak_rss() -> Iterator[PeakRSS]:
         sampler.join()
         samples.append(process.memory_info().rss)
         result.mb = max(samples) / (1 << 20)
+
+
+@dataclass
+class RunPhases:
+    """Each named phase of a run (loading, an eval, the exports, ...) with its seconds and its own peak RSS (MiB):
+    what ``report.json`` gives beside each stage's, so a whole run's peak can be put down to its phase."""
+
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time ``name`` and track its peak (a phase must not contain another peak tracker: they share one mark)."""
+        began = time.perf_counter()
+        with track_peak_rss() as peak:
+            yield
+        self.measured[name] = {"seconds": round(time.perf_counter() - began, 2), "peak_rss_mb": round(peak.mb, 1)}
 
 
 def return_freed_memory() -> None:

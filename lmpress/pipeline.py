@@ -43,7 +43,7 @@ from lmpress.export.inspect import consumer_warnings
 from lmpress.export.manifest import write_manifest
 from lmpress.export.verify import ExportCheck, check_export, window_ppl
 from lmpress.loader import LoadedModel, load_model, model_skeleton, resolve_checkpoint
-from lmpress.memory import process_peak_mb, track_peak_rss
+from lmpress.memory import RunPhases, process_peak_mb, track_peak_rss
 from lmpress.memory_plan import available_memory, check_fits, forecast_recipe
 from lmpress.placement import (
     naming_out_of_memory,
@@ -346,39 +346,44 @@ def run_recipe(
     check_fits(forecast, *available_memory(device))
     partial = prepare_output(out, overwrite, resume)
     bars.log(f"loading {spec.source}")
-    loaded = load_model(str(path), spec.dtype, spec.revision, spec.trust_remote_code)
+    phases = RunPhases()
+    with phases.phase("load"):
+        loaded = load_model(str(path), spec.dtype, spec.revision, spec.trust_remote_code)
 
     evals = recipe.eval.evals
-    with on_device(device, loaded.model):  # the evals compute where the stages do
+    with phases.phase("baseline eval"), on_device(device, loaded.model):  # the evals compute where the stages do
         identity = baseline_identity(loaded.fingerprint, loaded.model)
         baseline = run_suite(evals, recipe.eval.text, loaded.model, loaded.tokenizer, identity, "baseline", bars)
     stages = run_stages(loaded, recipe, partial, resume, bars, device, check_placement=check_placement)
     kv = None
     if recipe.kv_cache is not None:
-        with on_device(device, loaded.model):
+        with phases.phase("kv cache calibration"), on_device(device, loaded.model):
             samples = calibration_of(recipe, loaded.tokenizer)()
             kv = calibrate_kv_scales(
                 loaded.model, samples, recipe.kv_cache.scheme(), bars, rotate=recipe.kv_cache.rotate
             )
         attach_kv_quant(loaded.model, kv)  # the exports write it where their format has a place for it
-    exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
     from lmpress.distill.draft_head_stage import export_draft_head  # the runtime's modules: only for a run
     from lmpress.runtime.eagle3 import attach_draft_head, draft_head_of
 
-    head = draft_head_of(loaded.model)
-    if head is not None:
-        tokens = next(s.speculative_tokens for s in recipe.stages if s.method == "draft_head")
-        exports.append(export_draft_head(loaded.model, partial, out, recipe.export.formats, tokens))
-    consumers = consumer_warnings({fmt: partial / fmt for fmt in recipe.export.formats})  # printed by the CLI
-    checks, shipped = read_back_exports(loaded, recipe, partial, bars)
+    with phases.phase("export"):
+        exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
+        head = draft_head_of(loaded.model)
+        if head is not None:
+            tokens = next(s.speculative_tokens for s in recipe.stages if s.method == "draft_head")
+            exports.append(export_draft_head(loaded.model, partial, out, recipe.export.formats, tokens))
+        consumers = consumer_warnings({fmt: partial / fmt for fmt in recipe.export.formats})  # printed by the CLI
+    with phases.phase("read-back"):
+        checks, shipped = read_back_exports(loaded, recipe, partial, bars)
     agreement = None
     if shipped is not None:
         fmt = recipe.export.formats[0]
         bars.log(f"running {fmt}/ in lmpress's runtime and checking it against the evaluator")
         window = first_eval_window(recipe, shipped.tokenizer)
-        agreement = check_runtime_agreement(
-            fmt, partial / fmt, shipped.model, window, recipe.model.dtype, device=device, kv=kv
-        )
+        with phases.phase("runtime agreement"):
+            agreement = check_runtime_agreement(
+                fmt, partial / fmt, shipped.model, window, recipe.model.dtype, device=device, kv=kv
+            )
         if not agreement.passed:
             bars.log(
                 f"[red]lmpress's runtime disagrees with the evaluator on {fmt}/:[/] {agreement.as_gate()['detail']}"
@@ -389,7 +394,7 @@ def run_recipe(
     else:
         scored, measured_on = loaded, "the in-memory candidate (the recipe exports nothing)"
     attach_draft_head(scored.model, head)  # eval.speculation drafts for the scored model with it
-    with on_device(device, scored.model), kv_quantized(scored.model, kv):
+    with phases.phase("candidate eval"), on_device(device, scored.model), kv_quantized(scored.model, kv):
         candidate = run_suite(evals, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars)
 
     report = {
@@ -404,6 +409,7 @@ def run_recipe(
         "exports": exports,
         "seconds": time.perf_counter() - began,
         "peak_rss_mb": process_peak_mb(),
+        "phases": phases.measured,  # each phase's seconds and peak RSS (the stages': under "stages")
         "memory_forecast_mb": {k: round(v / 2**20, 1) for k, v in forecast.parts.items()},
         "kv_cache": None if kv is None else kv_cache_report(kv, scored.model),
     }

@@ -168,6 +168,39 @@ def test_run_prints_and_reports_its_forecast(tiny_llama_dir, tmp_path, capsys):
     assert set(report["memory_forecast_mb"]) >= {"process", "weights", "quantized"}
 
 
+def test_each_phase_of_a_run_reports_its_own_time_and_peak(tiny_llama_dir, tmp_path):
+    import torch
+
+    from lmpress.memory import RunPhases
+
+    phases = RunPhases()
+    with phases.phase("big"):
+        block = torch.ones(300 << 18)  # 300 MiB, touched
+        del block
+    with phases.phase("small"):
+        pass
+    big, small = phases.measured["big"], phases.measured["small"]
+    assert big["peak_rss_mb"] >= small["peak_rss_mb"] + 250  # the second phase's mark starts after the first's
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        json.dumps(
+            {
+                "model": {"source": str(tiny_llama_dir)},
+                "data": {"samples": 2, "seq_len": 32},
+                "stages": [{"method": "rtn", "bits": 4, "group_size": 32}],
+                "export": {"formats": ["compressed-tensors"]},
+                "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
+            }
+        )
+    )
+    assert main(["run", str(recipe), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    measured = report["phases"]
+    assert list(measured) == ["load", "baseline eval", "export", "read-back", "runtime agreement", "candidate eval"]
+    assert all(m["seconds"] >= 0 and 0 < m["peak_rss_mb"] <= report["peak_rss_mb"] + 1 for m in measured.values())
+
+
 def test_run_refuses_more_than_the_machine_has(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     """Refused before any work: exit 2, one line that says how much it needs, --out untouched."""
     import lmpress.pipeline

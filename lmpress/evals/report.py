@@ -57,6 +57,10 @@ def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -
         parts += ["", "## Stages", ""]
         rows = [[s["method"], s["settings"], _fmt(s["seconds"]), _fmt(s["peak_rss_mb"])] for s in report["stages"]]
         parts.append(markdown_table(["method", "settings", "seconds", "peak RSS (MB)"], rows))
+    if report.get("phases"):
+        parts += ["", f"Other phases (the run's peak RSS: {_fmt(report['peak_rss_mb'])} MB):", ""]
+        rows = [[name, _fmt(m["seconds"]), _fmt(m["peak_rss_mb"])] for name, m in report["phases"].items()]
+        parts.append(markdown_table(["phase", "seconds", "peak RSS (MB)"], rows))
     parts += ["", "## Metrics", ""]
     measured_on = report.get("measured_on") or {}
     if measured_on:
