@@ -133,8 +133,11 @@ def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size:
     forward = FORWARD_TENSORS * batch_tokens * shape.widest_output * 4
     # GPTQ / SparseGPT on one linear: the accumulated Hessian and its working copy, factored in place
     # (2 x cols^2; 1 x where GPTQ is handed the Hessian), beside float32 copies of the weight's transpose and
-    # of the codes being written.
-    solve = max((hessian_copies * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears)
+    # of the codes being written. Before that, the Hessian's float64 sums (its upper triangle: a float32
+    # matrix's bytes) are rounded into the float32 Hessian: 2 x cols^2 for a moment.
+    solve = max(
+        max(2 * cols * cols, hessian_copies * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears
+    )
     return slab + forward + solve
 
 

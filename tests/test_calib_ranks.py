@@ -1,10 +1,9 @@
 """Calibration spread over launched processes (lmpress.calib.ranks): each of two torchrun processes (gloo) replays
 half of the calibration batches, statistics are summed across them and each GPTQ solve runs on one.
 
-What is bit-identical to one process: Wanda (its input norms are float64 sums), every pass that does not spread
-(AWQ), GPTQ's group scales. GPTQ's codes are not: its Hessians are float32 running means, which two processes sum
-in another order (~1e-7 relative), and its error feedback carries each rounding tie this flips along the row and
-into later layers; the bound checked is the candidate's perplexity (docs/scale.md gives the measured spread)."""
+The artifact is bit-identical to one process's: Wanda's input norms and GPTQ's Hessians are float64 sums of the
+same float32 per-batch terms (another grouping moves them by ~1e-16 relative, far below float32's rounding), and
+every pass that does not spread (AWQ) is the same work in each process."""
 
 from __future__ import annotations
 
@@ -109,22 +108,12 @@ def test_two_launched_processes_write_the_export_of_one(tiny_llama_dir, tmp_path
     launch(tmp_path, str(recipe), str(tmp_path / "two"))
     assert main(["run", str(recipe), "--out", str(tmp_path / "one"), "--quiet"]) == 0
     two, one = (tensor_digests(tmp_path / run / "compressed-tensors") for run in ("two", "one"))
-    if stages == "wanda-gptq":
-        scales = [k for k in one if k.endswith("weight_scale")]
-        assert scales and {k: two[k] for k in scales} == {k: one[k] for k in scales}
-        ppl_two, ppl_one = (candidate_ppl(tmp_path / run) for run in ("two", "one"))
-        assert ppl_two == pytest.approx(ppl_one, rel=2e-3)  # measured: 347.97 vs 347.87
-    else:
-        assert two == one
+    assert two == one  # every packed code, scale and float tensor
     summaries = [s["summary"] for s in json.loads((tmp_path / "two" / "report.json").read_text())["stages"]]
     spread = [s.get("processes") for s in summaries]
     assert spread == ([2, 2] if stages == "wanda-gptq" else [None])
     assert all(s["calibration"] == [16, 64] for s in summaries)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".two")]  # no scratch left behind
-
-
-def candidate_ppl(out) -> float:
-    return json.loads((out / "report.json").read_text())["candidate"]["metrics"]["ppl"]
 
 
 def test_wanda_masks_are_the_same_whichever_processes_summed_the_norms(tiny_llama_dir, tmp_path):

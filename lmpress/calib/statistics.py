@@ -35,54 +35,72 @@ SOLVE_ROWS = 512  # rows of the triangular inverse computed at once: n x 512 tem
 
 
 class HessianAccumulator:
-    """Running mean of 2 x xᵀ over every token seen: H = 2/n Σ x xᵀ (float32), and ``amax``, max |x| over every
-    element seen (reduced by max; NVFP4 W4A4's static activation scale reads it).
+    """H = 2/n Σ x xᵀ over every token seen (read as float32), and ``amax``, max |x| over every element seen
+    (reduced by max; NVFP4 W4A4's static activation scale reads it).
 
-    Only the blocks on and above the diagonal are accumulated (xᵀx is symmetric);
-    reading ``H`` mirrors them below.
+    Each batch's xᵀx is a float32 product added to a float64 sum, and H is the sum's float32 rounding once every
+    batch is in: float64 sums of the same float32 products in another grouping (the batches spread over
+    launched processes and summed across them) differ by ~1e-16 relative, far below float32's rounding, so H,
+    and GPTQ's codes, come out the same whichever processes saw which batches (a float32 running mean moved by
+    ~1e-7 and flipped rounding ties: 9% of SmolLM2's codes). Only the blocks on and above the diagonal are
+    summed (xᵀx is symmetric), one float64 tensor per block of rows: about a float32 matrix's memory.
     """
 
     def __init__(self, columns: int, device: torch.device | str = "cpu", block: int = GRAM_BLOCK) -> None:
-        self._H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.columns, self.block = columns, block
+        self._sums: list[torch.Tensor] | None = [
+            torch.zeros(min(block, columns - i), columns - i, dtype=torch.float64, device=device)
+            for i in range(0, columns, block)
+        ]
+        self._H: torch.Tensor | None = None
         self.amax = torch.zeros((), dtype=torch.float32, device=device)
         self.n = 0
-        self.block = block
+        self._taken = False
 
     def add(self, x: torch.Tensor) -> None:
+        if self._sums is None:
+            raise RuntimeError("this Hessian was already read; it takes no more inputs")
         x = x.reshape(-1, x.shape[-1]).float()
-        m = x.shape[0]
-        if m == 0:
+        if x.shape[0] == 0:
             return
         _track_amax(self.amax, x)
-        keep, self.n = self.n / (self.n + m), self.n + m
-        cols = x.shape[1]
-        for i in range(0, cols, self.block):
-            j = min(i + self.block, cols)
-            # rows i:j, columns i: of (n_old H + 2 xᵀx) / n_new, in place
-            self._H[i:j, i:].addmm_(x[:, i:j].T, x[:, i:], beta=keep, alpha=2 / self.n)
+        self.n += x.shape[0]
+        for block, i in zip(self._sums, range(0, self.columns, self.block), strict=True):
+            block.add_(x[:, i : i + self.block].T @ x[:, i:])  # float32 product, float64 sum
 
     def reduce_across_ranks(self) -> None:
-        """Every rank's mean turned into the mean over every rank's tokens (float64 sums; amax by max)."""
-        total = count_across_ranks(self.n)
-        self._H.copy_(sum_across_ranks(self._H.double().mul_(self.n)).div_(max(total, 1)))
+        """Every rank's sums turned into the sums over every rank's tokens (float64; amax by max)."""
+        if self._sums is None:
+            raise RuntimeError("this Hessian was already read; reduce it before")
+        self._sums = [sum_across_ranks(block) for block in self._sums]
         max_across_ranks_(self.amax)
-        self.n = total
+        self.n = count_across_ranks(self.n)
 
     @property
     def H(self) -> torch.Tensor:
-        if self._H is None:
+        if self._taken:
             raise RuntimeError("this Hessian was taken by its last reader (take()); it holds nothing now")
-        cols = self._H.shape[0]
-        for i in range(0, cols, self.block):
-            j = min(i + self.block, cols)
-            self._H[j:, i:j] = self._H[i:j, j:].T
+        if self._H is None:
+            self._H = self._finish()
         return self._H
+
+    def _finish(self) -> torch.Tensor:
+        """The float32 H from the float64 sums (each block freed as it is read), mirrored below the diagonal."""
+        cols, sums = self.columns, self._sums
+        self._sums = None
+        H = torch.empty(cols, cols, dtype=torch.float32, device=sums[0].device)
+        for k, i in enumerate(range(0, cols, self.block)):
+            j = min(i + self.block, cols)
+            H[i:j, i:] = sums[k].mul_(2 / max(self.n, 1))
+            sums[k] = None  # type: ignore[call-overload]
+            H[j:, i:j] = H[i:j, j:].T
+        return H
 
     def take(self) -> torch.Tensor:
         """H, handed to a last reader that may overwrite it (GPTQ factors its inverse in H's own storage, saving
         an n x n copy); the accumulator holds nothing afterwards."""
         H = self.H
-        self._H = None
+        self._H, self._taken = None, True
         return H
 
 
