@@ -77,3 +77,35 @@ def test_a_table_cast_since_its_load_is_looked_up_and_never_dropped(untied):
     expected = embedding.weight[TOKENS].clone()
     for _ in range(2):
         torch.testing.assert_close(embedding(TOKENS), expected, rtol=0, atol=0)
+
+
+# Prints the inductor cache key of the first graph a compiled read of a checkpoint makes, then stops.
+CACHE_KEY = """
+import sys
+import torch
+import torch._inductor.codecache as codecache
+real = codecache.compiled_fx_graph_hash
+def key_only(*args, **kwargs):
+    print(real(*args, **kwargs)[0], flush=True)
+    raise SystemExit(0)
+codecache.compiled_fx_graph_hash = key_only
+from lmpress.runtime.checkpoint import load_checkpoint
+from lmpress.runtime.generate import compiled_forward
+model = load_checkpoint(sys.argv[1])
+compiled_forward()(model, torch.tensor([[5, 700]]), model.new_cache(1, 16))
+"""
+
+
+def test_a_compiled_step_over_a_mapped_table_is_found_in_inductors_cache_by_a_new_process(untied, tmp_path):
+    """The table's address is no constant of the graph (it was: every process's key differed, and SmolLM2's step
+    compiled for 58 s at every `lmpress generate --compile`; a second process now reuses the first's work)."""
+    import subprocess
+
+    checkpoint = tmp_path  # the fixture saved the checkpoint here
+    keys = [
+        subprocess.run(
+            [sys.executable, "-c", CACHE_KEY, str(checkpoint)], capture_output=True, text=True, timeout=600, check=True
+        ).stdout.split()[-1]
+        for _ in range(2)
+    ]
+    assert keys[0] == keys[1]
