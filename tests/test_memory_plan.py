@@ -169,17 +169,24 @@ def test_run_prints_and_reports_its_forecast(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_each_phase_of_a_run_reports_its_own_time_and_peak(tiny_llama_dir, tmp_path):
-    import torch
+    import subprocess
+    import sys
 
-    from lmpress.memory import RunPhases
-
-    phases = RunPhases()
-    with phases.phase("big"):
-        block = torch.ones(300 << 18)  # 300 MiB, touched
-        del block
-    with phases.phase("small"):
-        pass
-    big, small = phases.measured["big"], phases.measured["small"]
+    # In a fresh process: a long-lived one (the test session) holds freed heap that a new block may reuse unseen.
+    script = (
+        "import json, torch\n"
+        "from lmpress.memory import RunPhases\n"
+        "phases = RunPhases()\n"
+        "with phases.phase('big'):\n"
+        "    block = torch.ones(300 << 18)  # 300 MiB, touched\n"
+        "    del block\n"
+        "with phases.phase('small'):\n"
+        "    pass\n"
+        "print(json.dumps(phases.measured))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    measured = json.loads(done.stdout.splitlines()[-1])
+    big, small = measured["big"], measured["small"]
     assert big["peak_rss_mb"] >= small["peak_rss_mb"] + 250  # the second phase's mark starts after the first's
 
     recipe = tmp_path / "recipe.yaml"

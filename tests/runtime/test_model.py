@@ -248,6 +248,7 @@ def test_the_matmul_probe_is_timed_once_per_host_and_read_from_the_cache_after(m
     cpu_kernels.weight_left_is_faster.cache_clear()
 
 
+@pytest.mark.usefixtures("private_cache")  # a shape timed before in this cache is read from it, untimed
 def test_small_weights_run_f_linear_untimed(monkeypatch):
     """A MoE router's 1 x 128 gate took 58 s of timing (262,144 copies streamed per pass); below
     ``PROBED_MIN_BYTES`` no product is timed, and from it on the shape is timed as before."""
