@@ -149,19 +149,25 @@ def test_a_rotation_holds_the_whole_float_model(tiny_llama_dir):
     assert rotated.parts["quantized"] > streamed.parts["quantized"]
 
 
-def test_run_prints_and_reports_its_forecast(tiny_llama_dir, tmp_path, capsys):
+def rtn_recipe(model, tmp_path, formats: list[str]):
+    """A short RTN W4 run of ``model`` exporting ``formats``, scored on two 64-token windows."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         json.dumps(
             {
-                "model": {"source": str(tiny_llama_dir)},
+                "model": {"source": str(model)},
                 "data": {"samples": 2, "seq_len": 32},
                 "stages": [{"method": "rtn", "bits": 4, "group_size": 32}],
-                "export": {"formats": []},
+                "export": {"formats": formats},
                 "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
             }
         )
     )
+    return recipe
+
+
+def test_run_prints_and_reports_its_forecast(tiny_llama_dir, tmp_path, capsys):
+    recipe = rtn_recipe(tiny_llama_dir, tmp_path, [])
     assert main(["run", str(recipe), "--out", str(tmp_path / "out")]) == 0
     assert "memory forecast:" in capsys.readouterr().err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -189,18 +195,7 @@ def test_each_phase_of_a_run_reports_its_own_time_and_peak(tiny_llama_dir, tmp_p
     big, small = measured["big"], measured["small"]
     assert big["peak_rss_mb"] >= small["peak_rss_mb"] + 250  # the second phase's mark starts after the first's
 
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        json.dumps(
-            {
-                "model": {"source": str(tiny_llama_dir)},
-                "data": {"samples": 2, "seq_len": 32},
-                "stages": [{"method": "rtn", "bits": 4, "group_size": 32}],
-                "export": {"formats": ["compressed-tensors"]},
-                "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
-            }
-        )
-    )
+    recipe = rtn_recipe(tiny_llama_dir, tmp_path, ["compressed-tensors"])
     assert main(["run", str(recipe), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     measured = report["phases"]
