@@ -67,12 +67,17 @@ class MappedSafetensors:
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {key: self.tensor(key) for key in self.where if key.startswith(prefix)}
 
-    def release(self, prefix: str) -> None:
-        """Drop the file's pages under every tensor whose key starts with ``prefix`` (read already, copied)."""
+    def release(self, prefix: str) -> int:
+        """Drop the file's pages under every tensor whose key starts with ``prefix`` (read already, copied);
+        returns those tensors' bytes."""
+        released = 0
         for key, (index, start, end, _, _) in self.where.items():
             first, last = pages_within(start, end)
-            if key.startswith(prefix) and last > first:
-                self.maps[index].madvise(mmap.MADV_DONTNEED, first, last - first)
+            if key.startswith(prefix):
+                released += end - start
+                if last > first:
+                    self.maps[index].madvise(mmap.MADV_DONTNEED, first, last - first)
+        return released
 
 
 def _map_file(file: Path) -> mmap.mmap:

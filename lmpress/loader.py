@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lmpress.anatomy import ANATOMIES, get_anatomy, unsupported
-from lmpress.cache import cache_root, files_fingerprint, sha256_file, sha256_json
+from lmpress.cache import cache_root, files_fingerprint, known_sha256
 from lmpress.errors import LmpressInputError
 
 GGUF_MAGIC = b"GGUF"
@@ -97,7 +97,7 @@ def load_export_artifact(path: Path, loader, dtype: str, fingerprint: bool) -> L
     tokenizer = AutoTokenizer.from_pretrained(path)
     get_anatomy(model)
     files = sorted(p for p in path.iterdir() if p.is_file())
-    digest = sha256_json([(p.name, sha256_file(p)) for p in files]) if fingerprint else ""
+    digest = files_fingerprint(files) if fingerprint else ""
     return LoadedModel(model, tokenizer, path, digest)
 
 
@@ -179,7 +179,7 @@ def gguf_to_checkpoint(gguf_path: Path) -> Path:
     with open(gguf_path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise LmpressInputError(f"{gguf_path} is not a GGUF file (it does not start with b'GGUF')")
-    digest = sha256_file(gguf_path)
+    digest = known_sha256(gguf_path)
     target = cache_root() / "gguf" / digest[:20]
     if (target / "config.json").exists():
         return target

@@ -415,6 +415,7 @@ def read_compressed_tensors(
             scales=scales.contiguous(),
             zeros=zeros,
             scheme=scheme,
+            packed=packed,
         )
     return layers
 

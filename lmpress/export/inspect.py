@@ -281,7 +281,7 @@ def inspect_artifact(path: str | Path, verify: bool = False) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise LmpressInputError(f"{path}: no such file or directory")
-    verify_artifact(path)
+    verify_artifact(path, rehash=verify)
     single = _single_file_export(path, verify)
     if single is not None:
         return single

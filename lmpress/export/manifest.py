@@ -38,9 +38,10 @@ def write_manifest(root: Path, recipe: dict[str, Any], metrics: dict[str, Any]) 
     )
 
 
-def verify_manifest(root: Path, prefix: str = "") -> list[str]:
-    """Paths (under ``prefix``) whose size or sha256 no longer match the manifest, missing files included."""
-    from lmpress.cache import read_json
+def verify_manifest(root: Path, prefix: str = "", rehash: bool = True) -> list[str]:
+    """Paths (under ``prefix``) whose size or sha256 no longer match the manifest, missing files included. Without
+    ``rehash``, a file unchanged since it was last hashed (``known_sha256``) is not read again."""
+    from lmpress.cache import known_sha256, read_json
 
     manifest = read_json(Path(root) / MANIFEST)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
@@ -52,23 +53,26 @@ def verify_manifest(root: Path, prefix: str = "") -> list[str]:
         if not str(entry.get("path", "")).startswith(prefix):
             continue
         path = Path(root) / entry["path"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            bad.append(entry["path"])
+        elif (sha256_file(path) if rehash else known_sha256(path)) != entry["sha256"]:
             bad.append(entry["path"])
     return bad
 
 
-def verify_artifact(path: Path) -> None:
+def verify_artifact(path: Path, rehash: bool = False) -> None:
     """Refuse an artifact inside a run directory whose files differ from the run's manifest.json.
 
     ``path`` is one export (``RUN/gptq``) or a whole run; a directory without a
-    manifest beside or inside it is not checked.
+    manifest beside or inside it is not checked. ``rehash``: read every file again, even one unchanged since
+    it was last hashed (``inspect --verify``).
     """
     from lmpress.errors import LmpressInputError
 
     path = Path(path)
     for root, prefix in ((path, ""), (path.parent, f"{path.name}/")):
         if (root / MANIFEST).is_file():
-            bad = verify_manifest(root, prefix)
+            bad = verify_manifest(root, prefix, rehash)
             if bad:
                 more = f"; {len(bad) - 1} more file(s) differ" if len(bad) > 1 else ""
                 raise LmpressInputError(

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_half, linear_kernel
+from lmpress.runtime.kernels.dense import linear_over
 from lmpress.weights.float8 import Fp8Linear
 from lmpress.weights.fp4 import Fp4Linear
 from lmpress.weights.online_rotation import blockwise_hadamard, input_rotation_of
@@ -55,11 +56,7 @@ class Build:
         """A float layer over ``weight`` (used as it is) and ``bias``, in ``dense_dtype(weight)``."""
         if self.dense_dtype(weight) != self.dtype:
             return cpu_half.HalfWeightLinear(weight, bias)
-        layer = self.dense_linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=self.dtype)
-        layer.weight = nn.Parameter(weight.to(self.dtype), requires_grad=False)
-        if bias is not None:
-            layer.bias = nn.Parameter(bias.to(self.dtype), requires_grad=False)
-        return layer.requires_grad_(False)
+        return linear_over(self.dense_linear, weight.to(self.dtype), bias)
 
     @property
     def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:

@@ -30,6 +30,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.runtime.attention import Attention, LatentAttention, latent_attention_scale
 from lmpress.runtime.feed_forward import ACTIVATIONS, FeedForward, MoEFeedForward
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
+from lmpress.runtime.kernels.dense import linear_over
 from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.linears import Build, copy_norm, runtime_linear
 from lmpress.runtime.mapped_embedding import MappedEmbedding
@@ -397,7 +398,5 @@ def _output_layer(hf_model: nn.Module, embeddings: nn.Embedding, build: Build) -
             head = build.dense(embeddings.weight, None)
             embeddings.weight = head.weight  # the head's copy: one tensor, read by both
             return head
-        tied = build.dense_linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False, dtype=build.dtype)
-        tied.weight = embeddings.weight  # tied embeddings: one tensor, read by both
-        return tied.requires_grad_(False)
+        return linear_over(build.dense_linear, embeddings.weight, None)  # tied: one tensor, read by both
     return runtime_linear(head, build)

@@ -102,7 +102,7 @@ class QuantizedLinear(nn.Module):
             act_order=act_order,
             device=qw.qweight.device,
         )
-        module.qweight.copy_(ct_pack_weight(qw.qweight, qw.scheme.bits))
+        module.qweight.copy_(ct_pack_weight(qw.qweight, qw.scheme.bits) if qw.packed is None else qw.packed)
         module.scales.copy_(qw.scales)
         module.zeros.copy_(qw.zeros.round().to(torch.uint8))
         if act_order:

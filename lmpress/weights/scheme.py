@@ -145,7 +145,8 @@ class QuantizedWeight:
 
     ``qweight``: uint8 ``(out, in)``; ``scales``/``zeros``: ``(out, n_groups)``;
     ``g_idx``: int32 ``(in,)`` group of each input column (act-order), or None when
-    column ``j`` is in group ``j // group_size``.
+    column ``j`` is in group ``j // group_size``. ``packed``: ``qweight`` as the compressed-tensors int32
+    words it was read from, if it was (a ``QuantizedLinear`` built from it copies them instead of packing again).
     """
 
     qweight: torch.Tensor
@@ -153,6 +154,7 @@ class QuantizedWeight:
     zeros: torch.Tensor
     scheme: QuantScheme
     g_idx: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
     def column_groups(self) -> torch.Tensor:
         in_features = self.qweight.shape[1]

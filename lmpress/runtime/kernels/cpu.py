@@ -25,7 +25,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.runtime.kernels import cpu_int
 from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
 from lmpress.runtime.kernels.cpu_int import DEFAULT_CPU_ACTIVATIONS, W4A8Linear, W8A8RowLinear, finish_output
-from lmpress.runtime.kernels.dense import dense_linear
+from lmpress.runtime.kernels.dense import dense_linear, linear_over
 from lmpress.runtime.kernels.tuning import default_cache, tune_key
 from lmpress.weights.qlinear import QuantizedLinear
 
@@ -44,8 +44,15 @@ class DenseLinear(nn.Linear):
 
     FEW_ROWS = 16
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None):
-        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
         float32 = self.weight.dtype == torch.float32
         self.left_for_one, self.left_for_few = (
             weight_left_is_faster(out_features, in_features, torch.get_num_threads()) if float32 else (False, False)
@@ -241,12 +248,7 @@ def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(layer, HalfWeightLinear):
         return HalfWeightLinear(layer.weight[rows].contiguous(), bias)
     if isinstance(layer, nn.Linear):
-        dtype = layer.weight.dtype
-        cut = DenseLinear(layer.in_features, len(rows), bias=bias is not None, dtype=dtype)
-        cut.weight.copy_(layer.weight[rows])
-        if bias is not None:
-            cut.bias.copy_(bias)
-        return cut.requires_grad_(False)
+        return linear_over(DenseLinear, layer.weight[rows].contiguous(), bias)
     raise LmpressInputError(
         f"only an int8 or float output layer can be cut to part of the vocabulary; this one is {kernel_name(layer)}"
     )
