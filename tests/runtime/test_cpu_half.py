@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmpress.runtime.kernels import cpu_half
+from lmpress.runtime.kernels import cpu_half, cpu_int
 from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
 
-pytestmark = pytest.mark.skipif(not cpu_half.available(), reason="needs the C++ library and AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_half.available(), reason="needs the C++ library and AVX2 or AVX-512")
+# Every instruction set level this host runs (1 AVX2, 2 AVX-512): each is tested where it can run.
+ISAS = [isa for isa in (1, 2) if cpu_half.available() and isa <= cpu_int.host_isa()]
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -20,15 +22,17 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 HALVES = [torch.bfloat16, torch.float16]
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("out_features", [1, 6, 67])
-def test_matches_float64_products_of_the_widened_weight(rows, out_features, half):
-    """Every row count the op splits into passes of 4, weight rows in fours and one at a time (67 = 16 x 4 + 3)."""
+def test_matches_float64_products_of_the_widened_weight(rows, out_features, half, isa):
+    """Every row count the op splits into passes of 4, weight rows in fours and one at a time (67 = 16 x 4 + 3),
+    with each instruction set's vectors (96 columns: three 32-column blocks, each two halves on AVX2)."""
     g = torch.Generator().manual_seed(rows * 100 + out_features)
     x = torch.randn(rows, 96, generator=g)
     weight = torch.randn(out_features, 96, generator=g).to(half)
-    y = torch.ops.lmpress_cpu.half_linear(x, weight)
+    y = torch.ops.lmpress_cpu.half_linear(x, weight, isa)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     torch.testing.assert_close(y.double(), reference(x, weight), rtol=1e-5, atol=1e-5)
 
@@ -37,14 +41,21 @@ def test_matches_float64_products_of_the_widened_weight(rows, out_features, half
 def test_the_op_traces_for_the_compiled_step(half):
     """Schema, fake (meta) implementation and autograd registration agree with the kernel, as torch.compile needs."""
     x, weight = torch.randn(2, 64), torch.randn(8, 64).to(half)
-    torch.library.opcheck(torch.ops.lmpress_cpu.half_linear.default, (x, weight))
+    torch.library.opcheck(torch.ops.lmpress_cpu.half_linear.default, (x, weight, ISAS[-1]))
 
 
-def test_refuses_shapes_it_cannot_compute():
+def test_refuses_shapes_and_instruction_sets_it_cannot_compute():
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.lmpress_cpu.half_linear(torch.randn(1, 48), torch.randn(4, 48).bfloat16())
+        torch.ops.lmpress_cpu.half_linear(torch.randn(1, 48), torch.randn(4, 48).bfloat16(), 1)
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        torch.ops.lmpress_cpu.half_linear(torch.randn(1, 64), torch.randn(4, 64))
+        torch.ops.lmpress_cpu.half_linear(torch.randn(1, 64), torch.randn(4, 64), 1)
+    with pytest.raises(RuntimeError, match="instruction set level 0"):
+        torch.ops.lmpress_cpu.half_linear(torch.randn(1, 64), torch.randn(4, 64).bfloat16(), 0)
+
+
+def test_the_layer_runs_the_hosts_widest_vectors():
+    layer = HalfWeightLinear(torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert layer.isa == cpu_int.host_isa() >= 1
 
 
 @pytest.mark.parametrize("rows", [1, 4, HalfWeightLinear.FEW_ROWS + 1])

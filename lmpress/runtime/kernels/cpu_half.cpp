@@ -1,13 +1,15 @@
-// A few float32 rows times a bfloat16 or float16 weight, in float32 (AVX-512): y = x @ w.T.
+// A few float32 rows times a bfloat16 or float16 weight, in float32 (AVX-512 or AVX2): y = x @ w.T.
 //
-// Both half types widen to float32 exactly, so the products and sums are float32's: the layer computes what it
-// would with its weight widened, reading half the bytes. 32 half values load at once. float16: vcvtph2ps widens each
-// 256-bit half into 16 floats, columns in order. bfloat16: as 16 int32 lanes, lane i holds column 2i in its low half
-// and column 2i + 1 in its high half; shifting left by 16 gives the even columns as float32, masking off the low
-// half the odd ones, so each input row is split once per call into its even and odd columns per 32
-// (``split_columns``) and both meet their inputs with plain loads. Four weight rows are dotted at once with up to
+// Both half types widen to float32 exactly, so the products are float32's: the layer computes what it would with
+// its weight widened (sums in another order), reading half the bytes. AVX-512 loads 32 half values at once.
+// float16: vcvtph2ps widens each 256-bit half into 16 floats, columns in order. bfloat16: as 16 int32 lanes, lane i
+// holds column 2i in its low half and column 2i + 1 in its high half; shifting left by 16 gives the even columns as
+// float32, masking off the low half the odd ones, so each input row is split once per call into its even and odd
+// columns per 32 (``split_columns``) and both meet their inputs with plain loads. AVX2 loads 16 half values, the
+// first or second half of each 32: its even columns are the split's first 8 (or next 8) values, its odd ones
+// those 16 further on, so both instruction sets read one split. Four weight rows are dotted at once with up to
 // four input rows (16 accumulators); decode is one row, speculative verification a few. Built into the library of
-// cpu_int.cpp (a third source; the op joins lmpress_cpu).
+// cpu_int.cpp (a third source; the op joins lmpress_cpu). ``isa``: 2 AVX-512, 1 AVX2 (cpu_int.py's levels).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +22,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define HALF_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+#define HALF_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace {
 
@@ -73,6 +76,47 @@ HALF_AVX512 inline void dot_rows(const float* xs, const uint16_t* w, int64_t K, 
     for (int r = 0; r < R; ++r) y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
+HALF_AVX2 inline float sum_lanes(__m256 v) {
+  const __m128 pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 twos = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
+  return _mm_cvtss_f32(_mm_add_ss(twos, _mm_shuffle_ps(twos, twos, 1)));
+}
+
+// dot_rows with 256-bit vectors: each 32 columns in two halves of 16.
+template <bool BF16, int M, int R>
+HALF_AVX2 inline void dot_rows_avx2(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, float* y) {
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t k = 0; k < K; k += COLUMNS) {
+    for (int64_t half = 0; half < 2; ++half) {
+      __m256 first[R], second[R];  // bfloat16: even and odd columns; float16: columns 0-7 and 8-15 of the half
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* at = w + (n0 + r) * K + k + half * (COLUMNS / 2);
+        if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+        if constexpr (BF16) {
+          first[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          second[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        } else {
+          first[r] = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+          second[r] = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+        }
+      }
+      // bfloat16: this half's even columns sit at split offset 8 * half, its odd ones 16 further; float16: in order.
+      const int64_t x0_at = BF16 ? k + half * 8 : k + half * 16, x1_at = BF16 ? x0_at + 16 : x0_at + 8;
+      for (int m = 0; m < M; ++m) {
+        const __m256 x0 = _mm256_loadu_ps(xs + m * K + x0_at), x1 = _mm256_loadu_ps(xs + m * K + x1_at);
+        for (int r = 0; r < R; ++r)
+          acc[m][r] = _mm256_fmadd_ps(second[r], x1, _mm256_fmadd_ps(first[r], x0, acc[m][r]));
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * N + n0 + r] = sum_lanes(acc[m][r]);
+}
+
 template <bool BF16, int M>
 HALF_AVX512 void rows_of(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
@@ -80,11 +124,29 @@ HALF_AVX512 void rows_of(const float* xs, const uint16_t* w, int64_t K, int64_t 
   for (; n < n1; ++n) dot_rows<BF16, M, 1>(xs, w, K, N, n, y);
 }
 
+template <bool BF16, int M>
+HALF_AVX2 void rows_of_avx2(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                            float* y) {
+  int64_t n = n0;
+  for (; n + WROWS <= n1; n += WROWS) dot_rows_avx2<BF16, M, WROWS>(xs, w, K, N, n, y);
+  for (; n < n1; ++n) dot_rows_avx2<BF16, M, 1>(xs, w, K, N, n, y);
+}
+
 using Rows = void (*)(const float*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*);
 constexpr Rows BF16_ROWS[XROWS] = {rows_of<true, 1>, rows_of<true, 2>, rows_of<true, 3>, rows_of<true, 4>};
 constexpr Rows F16_ROWS[XROWS] = {rows_of<false, 1>, rows_of<false, 2>, rows_of<false, 3>, rows_of<false, 4>};
+constexpr Rows BF16_ROWS_AVX2[XROWS] = {rows_of_avx2<true, 1>, rows_of_avx2<true, 2>, rows_of_avx2<true, 3>,
+                                        rows_of_avx2<true, 4>};
+constexpr Rows F16_ROWS_AVX2[XROWS] = {rows_of_avx2<false, 1>, rows_of_avx2<false, 2>, rows_of_avx2<false, 3>,
+                                       rows_of_avx2<false, 4>};
 
-at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
+bool runs(int64_t isa) {
+  if (isa == 2) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return isa == 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t isa) {
+  TORCH_CHECK(runs(isa), "half_linear: this CPU cannot run instruction set level ", isa, " (2 AVX-512, 1 AVX2)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "half_linear: x (M, K) float32");
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kHalf) && weight.is_contiguous(),
@@ -95,7 +157,7 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
   const std::vector<float> split = bf16 ? split_columns(x.data_ptr<float>(), M, K) : std::vector<float>();
   const float* xs = bf16 ? split.data() : x.data_ptr<float>();
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
-  const Rows* rows_of_m = bf16 ? BF16_ROWS : F16_ROWS;
+  const Rows* rows_of_m = isa == 2 ? (bf16 ? BF16_ROWS : F16_ROWS) : (bf16 ? BF16_ROWS_AVX2 : F16_ROWS_AVX2);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += XROWS) {
@@ -108,7 +170,7 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(lmpress_cpu, m) { m.def("half_linear(Tensor x, Tensor weight) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(lmpress_cpu, m) { m.def("half_linear(Tensor x, Tensor weight, int isa) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) { m.impl("half_linear", &half_linear); }
 

@@ -3,7 +3,7 @@
 A half-precision weight widens to float32 exactly, so a float32 CPU build widening it (as the runtime did) gains no
 precision and reads twice the bytes per decode step: SmolLM2's tied head is 113 MB a token in float32, 57 MB in
 bfloat16. ``HalfWeightLinear`` keeps the weight as stored and multiplies up to ``FEW_ROWS`` float32 input rows by
-it with ``torch.ops.lmpress_cpu.half_linear`` (float32 products and sums, AVX-512); more rows (a prefill) run
+it with ``torch.ops.lmpress_cpu.half_linear`` (float32 products and sums, AVX-512 or AVX2); more rows (a prefill) run
 ``F.linear`` on the weight widened for the call, a block of rows at a time. The activations stay float32
 throughout, unlike a bfloat16 build.
 """
@@ -24,8 +24,9 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def available() -> bool:
-    """Whether the op is built and this CPU runs it (AVX-512 hosts: ``cpu_int.host_isa() == 2``)."""
-    return cpu_int.available() and cpu_int.host_isa() == 2 and hasattr(torch.ops.lmpress_cpu, "half_linear")
+    """Whether the op is built and this CPU runs it (AVX2 or AVX-512: ``cpu_int.host_isa() >= 1``)."""
+    return cpu_int.available() and cpu_int.host_isa() >= 1 and hasattr(torch.ops.lmpress_cpu, "half_linear")
+
 
 
 def fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -46,6 +47,7 @@ class HalfWeightLinear(nn.Module):
         # while a step streams them); smaller ones are used as given.
         self.weight = nn.Parameter(cpu_int.huge_pages(weight.detach()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.isa = cpu_int.host_isa() if available() else 0  # the op's vectors: 2 AVX-512, 1 AVX2 (constant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -53,7 +55,7 @@ class HalfWeightLinear(nn.Module):
             block = max(1, self.WIDENED_BYTES // (4 * self.in_features))
             y = torch.cat([F.linear(flat, rows.float()) for rows in self.weight.split(block)], dim=-1)
         else:
-            y = torch.ops.lmpress_cpu.half_linear(flat.contiguous(), self.weight)
+            y = torch.ops.lmpress_cpu.half_linear(flat.contiguous(), self.weight, self.isa)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
