@@ -49,6 +49,22 @@ def test_every_head_width_it_takes(dim):
     torch.testing.assert_close(out.double(), reference(q, keys, values, mask, dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("slots", [64, 100, 256, 520])
+def test_any_split_of_the_slots_over_threads_gives_the_same_attention(threads, slots):
+    """The slots per work item shrink (to 64) where whole chunks leave threads idle: a decode step of 3 KV heads
+    over 256 slots is 9 items on 2 threads, 12 on 4, 3 on 1; every split merges to the softmax."""
+    q, keys, values = case(1, 9, 3, 1, slots, 64, 64, seed=slots)
+    mask = static_slots_mask(torch.tensor([0]), torch.tensor([slots - 3]), slots, None)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, mask, 0.125), rtol=1e-5, atol=1e-5)
+
+
 def test_extreme_scores_neither_overflow_nor_vanish():
     """Scores hundreds apart, and apart across chunks: each chunk's maximum, then the merge's, subtracted first."""
     q, keys, values = case(1, 2, 1, 1, 600, 16, 16, seed=5)

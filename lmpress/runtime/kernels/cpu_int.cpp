@@ -279,39 +279,60 @@ TARGET_AVX2 inline void subtract_zero_term_avx2(const float* sc, const uint8_t* 
   }
 }
 
-template <int M>
-TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
-                              int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y) {
+// R weight rows per pass over the M input rows' activations: decode (M = 1, 2) dots 2 rows at once, sharing each
+// 64-block's activation loads (codes and per-4 scales) between them; more input rows take one weight row at a time
+// (their accumulators fill the 16 registers). Each weight row is prefetched PREFETCH_BYTES ahead.
+template <int M, int R>
+TARGET_AVX2 void w4_rows_avx2_by(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
+                                 int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
+                                 int64_t N, float* y) {
   const int64_t nb = K / BLOCK, spg = nb / G, shift = log2_or_minus1(spg);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq = a.q.data() + m0 * K;
   const float* xf = a.fb.data() + m0 * nb * 16;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = codes + n * (K / 2);
-    const float* sc = scales + n * G;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* row[R];
+    const float* sc[R];
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r) {
+      row[r] = codes + (n + r) * (K / 2);
+      sc[r] = scales + (n + r) * G;
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256 s = _mm256_set1_ps(sc[group_of(b, spg, shift)]);
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
-      const __m256i lo = _mm256_and_si256(w, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-      for (int m = 0; m < M; ++m) {
-        const int8_t* x = xq + m * K + b * BLOCK;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones));
-        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
-        const float* f = xf + (m * nb + b) * 16;  // lane i of d0 sums codes 4i..4i+3: one block of 4
-        const __m256 dot = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), _mm256_mul_ps(d0, _mm256_loadu_ps(f)));
-        acc[m] = _mm256_fmadd_ps(dot, s, acc[m]);
+      for (int r = 0; r < R; ++r) {
+        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row[r] + b * 32) + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256 s = _mm256_set1_ps(sc[r][group_of(b, spg, shift)]);
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + b * 32));
+        const __m256i lo = _mm256_and_si256(w, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = xq + m * K + b * BLOCK;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+          const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones));
+          const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
+          const float* f = xf + (m * nb + b) * 16;  // lane i of d0 sums codes 4i..4i+3: one block of 4
+          const __m256 dot = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), _mm256_mul_ps(d0, _mm256_loadu_ps(f)));
+          acc[r][m] = _mm256_fmadd_ps(dot, s, acc[r][m]);
+        }
       }
     }
-    float tail[M];
-    subtract_zero_term_avx2<M>(sc, zeros + n * G, zsum + m0 * G, G, acc, tail);
-    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = hsum256(acc[m]) - tail[m];
+    for (int r = 0; r < R; ++r) {
+      float tail[M];
+      subtract_zero_term_avx2<M>(sc[r], zeros + (n + r) * G, zsum + m0 * G, G, acc[r], tail);
+      for (int m = 0; m < M; ++m) y[(m0 + m) * N + n + r] = hsum256(acc[r][m]) - tail[m];
+    }
   }
+  if (n < n1) w4_rows_avx2_by<M, 1>(codes, scales, zeros, n, n1, K, G, a, zsum, m0, N, y);
+}
+
+template <int M>
+TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                              int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y) {
+  w4_rows_avx2_by<M, (M <= 2 ? 2 : 1)>(codes, scales, zeros, n0, n1, K, G, a, zsum, m0, N, y);
 }
 
 template <int M>

@@ -3,7 +3,7 @@
 //
 // A decode step at long context reads the whole cache of every layer once: at 4,096 tokens SmolLM2's float32 cache
 // is 189 MB a step, more than its W4 weights; int8 codes are a quarter of that. The work is split over the slots
-// (flash-decoding): each work item is one (batch row, KV head, chunk of CHUNK slots), scores the chunk for every
+// (flash-decoding): each work item is one (batch row, KV head, chunk of slots), scores the chunk for every
 // query row of that KV head (the GQA group's heads times the step's queries), keeps the chunk's maximum, sum of
 // weights and weighted values, and a second pass merges the chunks. So every KV head's codes are read once per
 // step whatever the group size, and there are more work items than threads even for three KV heads. Slots no query
@@ -28,6 +28,16 @@
 namespace {
 
 constexpr int64_t CHUNK = 256;  // slots per work item: a chunk's dequantized keys and values (128 KiB at 64 wide) fit L2
+constexpr int64_t MIN_CHUNK = 64;
+constexpr int64_t SMALL_MERGE = 1 << 15;  // partial values below which the merge runs on the calling thread
+
+// Slots per work item: CHUNK, or fewer (down to MIN_CHUNK) where CHUNK leaves under 4 items per thread: SmolLM2's
+// 3 KV heads over a 256-slot cache were 3 items for 2 threads, one thread idle a third of the op.
+int64_t chunk_for(int64_t L, int64_t heads) {
+  const int64_t wanted = 4 * at::get_num_threads();
+  const int64_t per_head = std::max<int64_t>(1, (wanted + heads - 1) / heads);
+  return std::clamp<int64_t>(((L + per_head - 1) / per_head + 15) / 16 * 16, MIN_CHUNK, CHUNK);
+}
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 KV_AVX2 inline float hsum(__m256 v) {
@@ -134,7 +144,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
                 const float* value_scales, const at::Tensor& mask, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), L = keys.size(2);
-  const int64_t group = H / KV, rows = group * n, chunks = (L + CHUNK - 1) / CHUNK;
+  const int64_t group = H / KV, rows = group * n, size = chunk_for(L, B * KV), chunks = (L + size - 1) / size;
   const ChunkFn kernel = chunk_kernel(D);
   const float* qp = q.data_ptr<float>();
   const T* kp = keys.data_ptr<T>();
@@ -151,7 +161,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
       int64_t first = L, last = 0;  // the slots any row of this chunk sees
       for (int64_t r = 0; r < rows; ++r) {
         const bool* m = mp + (b * n + r % n) * L;
-        int64_t lo = chunk * CHUNK, hi = std::min(L, lo + CHUNK);
+        int64_t lo = chunk * size, hi = std::min(L, lo + size);
         while (hi > lo && !m[hi - 1]) --hi;
         while (lo < hi && !m[lo]) ++lo;
         bounds[2 * r] = lo, bounds[2 * r + 1] = hi;
@@ -184,7 +194,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
     }
   });
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KV * rows, 1, [&](int64_t i0, int64_t i1) {
+  const auto merge = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (KV * rows), kv = i / rows % KV, r = i % rows;
       const int64_t h = kv * group + r / n, query = r % n;
@@ -204,7 +214,11 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
       }
       for (int64_t d = 0; d < D; ++d) o[d] /= total;
     }
-  });
+  };
+  if (static_cast<int64_t>(partial.size()) < SMALL_MERGE)
+    merge(0, B * KV * rows);  // a decode step's few partials: handing them to the threads costs more than merging
+  else
+    at::parallel_for(0, B * KV * rows, 1, merge);
 }
 
 // q (B, H, n, D) float32; keys and values (B, KV, L, D) float32, or int8 with scales (B, KV, L, 1) float32; mask
