@@ -28,7 +28,6 @@ def available() -> bool:
     return cpu_int.available() and cpu_int.host_isa() >= 1 and hasattr(torch.ops.lmpress_cpu, "half_linear")
 
 
-
 def fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a layer with float ``weight`` in a ``dtype`` build on the CPU keeps it as stored, for the op."""
     return dtype == torch.float32 and weight.dtype in HALF_DTYPES and weight.shape[-1] % COLUMNS == 0 and available()
