@@ -1,6 +1,9 @@
 """What a run will need in memory, forecast from the model's config and the recipe before any weight is read.
 
-The forecast is the sum of what stays resident for the whole run and the largest working set of one phase:
+Each phase of a run gets its own forecast, the parts it holds at once; the run's is the largest phase's. The
+phases are those a run reports measured (report.json "phases", the stages' peaks under "stages"): the stages,
+the baseline eval, the read-back of the exports, the runtime agreement check and the candidate eval. The stages
+hold what stays resident for the whole run and the largest working set of one stage:
 
 - ``process``: Python, torch, transformers and lmpress, and the allocator's arenas (measured, a constant);
 - ``weights``: the float model. A safetensors checkpoint read in the dtype it is stored in is memory-mapped:
@@ -16,8 +19,14 @@ The forecast is the sum of what stays resident for the whole run and the largest
   in float32, their log-softmax and the gathered rows), or ``training`` (student weights, gradients and the
   optimizer's two moments in float32, plus a teacher in the run's dtype).
 
+After the stages the run holds the candidate (its float parts and packed codes): the read-back loads each
+export beside it (a dense format is the float model again); the runtime agreement builds lmpress's runtime from
+the first export beside both and compares both sides' float32 logits over the first eval window; the candidate
+eval scores the read-back export alone (the in-memory candidate is dropped first) with the eval's logits.
+
 On a CUDA device the one-shot engine keeps one layer, its statistics and one batch's activations there; the
-slab stays in RAM. The figures are checked against measured peaks by ``bench/scale.py`` (docs/scale.md).
+slab stays in RAM. The figures are checked against measured peaks by ``bench/scale.py`` (docs/scale.md) and by
+each run's report (its forecast per phase beside the measured peak).
 """
 
 from __future__ import annotations
@@ -46,23 +55,34 @@ PROCESS_BYTES = 480 << 20
 # (gate, up, their product, the activation); the allocator keeps their pages after they are freed, so they
 # count beside the solve that follows.
 FORWARD_TENSORS = 4
-# Perplexity holds a batch's logits and one window's log-softmax at a time.
-EVAL_ROW_TOKENS = 2048
-DENSE_FORMATS = ("hf",)
+# Exports read back as a float model: a dense checkpoint, and GGUF (transformers dequantizes it when loading).
+DENSE_FORMATS = ("hf", "gguf")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
 class MemoryForecast:
-    """Bytes by part; ``ram_bytes`` / ``device_bytes`` are what the run's peak is forecast to be."""
+    """Bytes by part of each phase; ``ram_bytes`` / ``device_bytes`` are what the run's peak is forecast to be."""
 
-    parts: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
     device_parts: dict[str, int] = field(default_factory=dict)
-    phase: str = ""  # the phase whose working set is counted (the largest)
+
+    @property
+    def phase(self) -> str:
+        """The phase forecast to hold the most."""
+        return max(self.phases, key=lambda name: sum(self.phases[name].values()))
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """The largest phase's parts."""
+        return self.phases[self.phase]
 
     @property
     def ram_bytes(self) -> int:
         return sum(self.parts.values())
+
+    def phase_bytes(self) -> dict[str, int]:
+        return {name: sum(parts.values()) for name, parts in self.phases.items()}
 
     @property
     def device_bytes(self) -> int:
@@ -151,10 +171,12 @@ def forecast_memory(
     device: torch.device,
     logit_tokens: int = 0,
     exports: Sequence[str] = (),
+    agreement_tokens: int = 512,
 ) -> MemoryForecast:
     """The run's peak memory: ``model`` is the checkpoint's skeleton on the meta device (``model_skeleton``),
     ``stages`` the recipe's stage configs, ``logit_tokens`` the tokens of the largest eval forward (0: no eval),
-    ``exports`` the formats written and read back."""
+    ``exports`` the formats written and read back, ``agreement_tokens`` the eval's window (the read-back's and
+    the runtime agreement check's first window, a perplexity window's log-softmax)."""
     shape = ModelShape.of(model)
     size = DTYPE_BYTES[dtype]
     training = any(s.trains_across_processes for s in stages)
@@ -172,36 +194,48 @@ def forecast_memory(
     mapped = streams and quantizers and all(s.calibrates_layerwise for s in quantizers)
     replaced = sum(rows * cols for rows, cols, _, _ in planned.values()) * size
 
-    forecast = MemoryForecast()
-    forecast.parts["process"] = PROCESS_BYTES
+    process = {"process": PROCESS_BYTES}
     # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized
-    forecast.parts["weights"] = 2 * shape.layer_parameters * size if streams else float_model - replaced
-    forecast.parts["quantized"] = max(by_layer.values(), default=0) if mapped else quantized
-    phases = {
-        "calibration": max(
-            (
-                calibration_bytes(shape, samples, seq_len, s.batch_size, s.hessian_copies)
-                for s in stages
-                if s.calibrates_layerwise
-            ),
-            default=0,
-        ),
-        # the baseline is scored before any stage, on the whole float model
-        "baseline eval": replaced + eval_bytes(shape, logit_tokens, size) if logit_tokens else 0,
-        # each export is read back beside the candidate: a dense format is the float model again
-        "export read-back": max(
-            (float_model if fmt in DENSE_FORMATS or not quantized else float_model - replaced + quantized)
-            for fmt in exports
-        )
-        if exports
-        else 0,
-        "training": (4 * 4 + size) * shape.parameters if training else 0,
+    resident = {
+        "weights": 2 * shape.layer_parameters * size if streams else float_model - replaced,
+        "quantized": max(by_layer.values(), default=0) if mapped else quantized,
     }
-    forecast.phase = max(phases, key=phases.get)
-    forecast.parts[forecast.phase] = phases[forecast.phase]
+    calibration = max(
+        (
+            calibration_bytes(shape, samples, seq_len, s.batch_size, s.hessian_copies)
+            for s in stages
+            if s.calibrates_layerwise
+        ),
+        default=0,
+    )
+    work = {"training": (4 * 4 + size) * shape.parameters} if training else {"calibration": calibration}
+    forecast = MemoryForecast()
+    forecast.phases["stages"] = process | resident | work
+    eval_work = eval_bytes(shape, logit_tokens, size, agreement_tokens) if logit_tokens else 0
+    if logit_tokens:  # the baseline is scored before any stage, on the whole float model
+        forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work}
+    candidate = float_model - replaced + quantized  # the stages' result: its float parts and its packed codes
+    if exports:
+        sizes = [float_model if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
+        read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked
+        forecast.phases["read-back"] = process | {
+            "candidate": candidate,
+            "read-back": read_back + max(sizes[1:], default=0),
+            "logits": agreement_tokens * shape.vocab * 4,  # one side's first-window forward at a time
+        }
+        forecast.phases["runtime agreement"] = process | {
+            "candidate": candidate,
+            "read-back": read_back,
+            "runtime model": candidate,
+            "logits": 2 * agreement_tokens * shape.vocab * 4,  # both sides', float32 (compared in float64 by blocks)
+        }
+        if logit_tokens:
+            forecast.phases["candidate eval"] = process | {"read-back": read_back, "eval": eval_work}
+    elif logit_tokens:
+        forecast.phases["candidate eval"] = process | {"candidate": candidate, "eval": eval_work}
     if device.type == "cuda":
         layer = 4 * shape.layer_parameters
-        forecast.device_parts = {"layer": layer, "work": phases["calibration"] or phases["training"]}
+        forecast.device_parts = {"layer": layer, "work": next(iter(work.values()))}
     return forecast
 
 
@@ -215,13 +249,17 @@ def quantized_linears(model: nn.Module, quantizers: Sequence) -> dict[str, tuple
     return planned
 
 
-def eval_bytes(shape: ModelShape, logit_tokens: int, size: int) -> int:
-    """One eval forward's logits in float32 (plus the model's own 16-bit logits) and one row's log-softmax."""
-    return logit_tokens * shape.vocab * (4 + (size if size < 4 else 0)) + EVAL_ROW_TOKENS * shape.vocab * 4
+def eval_bytes(shape: ModelShape, logit_tokens: int, size: int, row_tokens: int) -> int:
+    """One eval forward's logits in float32 (plus the model's own 16-bit logits) and one window's log-softmax
+    (``row_tokens`` long)."""
+    return logit_tokens * shape.vocab * (4 + (size if size < 4 else 0)) + row_tokens * shape.vocab * 4
 
 
 def forecast_recipe(recipe: Recipe, model: nn.Module, checkpoint: Path, device: torch.device) -> MemoryForecast:
     """``forecast_memory`` for a recipe run (``model``: the checkpoint's skeleton)."""
+    from lmpress.evals.perplexity import PerplexityConfig
+
+    perplexity = recipe.eval.evals.get("perplexity")  # the agreement check's window is its first (pipeline.py)
     return forecast_memory(
         model,
         checkpoint,
@@ -232,6 +270,7 @@ def forecast_recipe(recipe: Recipe, model: nn.Module, checkpoint: Path, device: 
         device,
         logit_tokens=max((e.logit_tokens() for e in recipe.eval.evals.values()), default=0),
         exports=recipe.export.formats,
+        agreement_tokens=perplexity.seq_len if isinstance(perplexity, PerplexityConfig) else 512,
     )
 
 

@@ -222,16 +222,18 @@ def run_stages(
         with track_peak_rss() as peak, stage_placement(index, stage.method, device, check_placement):
             summary = stage_handler_for(stage)(loaded.model, stage, ctx)
         settings = ", ".join(f"{k}={v}" for k, v in stage.model_dump(exclude={"method"}).items())
-        summaries.append(
-            {
-                "method": stage.method,
-                "settings": settings,
-                "seconds": time.perf_counter() - began,
-                "device": device.type,
-                "peak_rss_mb": peak.mb,  # this stage's own peak, not the process's so far
-                "summary": summary,
-            }
-        )
+        record = {
+            "method": stage.method,
+            "settings": settings,
+            "seconds": time.perf_counter() - began,
+            "device": device.type,
+            "peak_rss_mb": peak.mb,  # this stage's own peak, not the process's so far
+            "summary": summary,
+        }
+        if isinstance(summary, dict) and "earlier_seconds" in summary:  # resumed: the earlier runs' time too
+            record["resumed_at_layer"] = summary["resumed_at_layer"]
+            record["seconds_all_runs"] = record["seconds"] + summary["earlier_seconds"]
+        summaries.append(record)
     return summaries
 
 
@@ -411,6 +413,7 @@ def run_recipe(
         "peak_rss_mb": process_peak_mb(),
         "phases": phases.measured,  # each phase's seconds and peak RSS (the stages': under "stages")
         "memory_forecast_mb": {k: round(v / 2**20, 1) for k, v in forecast.parts.items()},
+        "memory_forecast_phases_mb": {k: round(v / 2**20, 1) for k, v in forecast.phase_bytes().items()},
         "kv_cache": None if kv is None else kv_cache_report(kv, scored.model),
     }
     if recipe.speed is not None:

@@ -145,8 +145,8 @@ import os, signal, sys
 from lmpress.calib.state import LayerState
 from lmpress.cli import main
 save_layer = LayerState.save_layer
-def save_then_die(self, session, inputs, *carried):
-    save_layer(self, session, inputs, *carried)
+def save_then_die(self, session, inputs, *carried, **seconds):
+    save_layer(self, session, inputs, *carried, **seconds)
     if session.index == 1 and os.environ["RANK"] == "1":
         os.kill(os.getpid(), signal.SIGKILL)
 LayerState.save_layer = save_then_die

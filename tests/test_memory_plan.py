@@ -14,7 +14,7 @@ from lmpress.api import quantize_model
 from lmpress.calib.statistics import inverse_hessian_factor, invert_upper_triangular_, reverse_storage_
 from lmpress.cli import main
 from lmpress.loader import load_model, model_skeleton
-from lmpress.memory_plan import forecast_memory, packed_bytes
+from lmpress.memory_plan import PROCESS_BYTES, forecast_memory, packed_bytes
 from lmpress.registry import stage_config
 from lmpress.weights.qlinear import QuantizedLinear
 
@@ -109,7 +109,7 @@ def test_streamed_layers_hold_one_layer_of_packed_weights(tiny_llama_dir):
     whole = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, cpu)
     scored = forecast_memory(skeleton, tiny_llama_dir, "float32", [gptq], 4, 32, cpu, 4 * 64)
     layers = len(skeleton.model.layers)
-    assert layers > 1 and whole.parts["quantized"] == scored.parts["quantized"]
+    assert layers > 1 and whole.parts["quantized"] == scored.phases["stages"]["quantized"]
     assert streamed.parts["quantized"] * layers == whole.parts["quantized"]  # alike layers; lm_head is not planned
 
 
@@ -127,9 +127,9 @@ def test_forecast_streams_a_mapped_checkpoint_without_eval(tiny_llama_dir):
     layer = max(sum(p.numel() for p in layer.parameters()) for layer in skeleton.model.layers)
     whole = sum(p.numel() for p in skeleton.parameters()) * 4
     assert streamed.parts["weights"] == 2 * layer * 4 < whole
-    assert streamed.phase == "calibration"
+    assert streamed.phase == "stages"
     assert scored.phase == "baseline eval"
-    assert scored.parts["weights"] + scored.parts["baseline eval"] > whole  # the model and the eval's logits
+    assert scored.parts["weights"] + scored.parts["eval"] > whole  # the model and the eval's logits
 
 
 def test_a_rotation_holds_the_whole_float_model(tiny_llama_dir):
@@ -171,7 +171,31 @@ def test_run_prints_and_reports_its_forecast(tiny_llama_dir, tmp_path, capsys):
     assert main(["run", str(recipe), "--out", str(tmp_path / "out")]) == 0
     assert "memory forecast:" in capsys.readouterr().err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert set(report["memory_forecast_mb"]) >= {"process", "weights", "quantized"}
+    assert set(report["memory_forecast_phases_mb"]) == {"stages", "baseline eval", "candidate eval"}
+    assert sum(report["memory_forecast_mb"].values()) == pytest.approx(
+        max(report["memory_forecast_phases_mb"].values()), abs=0.5
+    )
+
+
+def test_every_phase_after_the_stages_is_forecast(tiny_llama_dir):
+    """With exports, the read-back holds the candidate and the export, the runtime agreement the candidate, the
+    read-back export, the runtime's model and both sides' logits over the first window, the candidate eval the
+    read-back export and the eval's logits; a dense export reads back the whole float model."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    rtn = stage_config("rtn")(method="rtn", bits=4, group_size=32)
+    cpu = torch.device("cpu")
+    packed = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, cpu, 4 * 64, ["compressed-tensors"], 64)
+    dense = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, cpu, 4 * 64, ["hf"], 64)
+    whole = sum(p.numel() for p in skeleton.parameters()) * 4
+    vocab = skeleton.config.vocab_size
+    agreement = packed.phases["runtime agreement"]
+    assert agreement["logits"] == 2 * 64 * vocab * 4
+    assert agreement["candidate"] == agreement["read-back"] == agreement["runtime model"] < whole
+    assert dense.phases["read-back"]["read-back"] == whole == dense.phases["runtime agreement"]["read-back"]
+    assert packed.phases["candidate eval"] == {"process": PROCESS_BYTES} | {
+        "read-back": agreement["read-back"],
+        "eval": packed.phases["baseline eval"]["eval"],
+    }
 
 
 def test_each_phase_of_a_run_reports_its_own_time_and_peak(tiny_llama_dir, tmp_path):

@@ -203,6 +203,7 @@ def run_calibration(
     rank, world = calibration_ranks()
     state = LayerState(ctx.state_dir, ctx.fingerprint, world)
     done = state.done_layers() if ctx.resume else 0
+    earlier = state.seconds_spent() if done else 0.0  # the stage's time in the runs before this one
     if not ctx.resume:
         state.clear()
     calibration = ctx.calibration()
@@ -270,7 +271,8 @@ def run_calibration(
                 layer.to("cpu")
                 quantized += len(session.quantized)
                 rewritten += len(session.rewritten - set(session.quantized))
-            state.save_layer(session, inputs, {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()})
+            carried = {f"{m.name}.{k}": v for m in methods for k, v in m.carried().items()}
+            state.save_layer(session, inputs, carried, seconds=earlier + time.perf_counter() - start_time)
             state.map_layer(index, layer)  # the finished layer's packed weights leave RAM for its state file
 
     return {
@@ -278,6 +280,7 @@ def run_calibration(
         "quantized_linears": quantized,
         **({"rewritten_linears": rewritten} if rewritten else {}),
         "resumed_at_layer": done if ctx.resume else None,
+        **({"earlier_seconds": round(earlier, 2)} if done else {}),  # spent on the finished layers before resuming
         "seconds": round(time.perf_counter() - start_time, 2),
         "calibration": shape,
         **({"processes": ranks} if ranks > 1 else {}),  # each replayed its share of the samples

@@ -74,6 +74,12 @@ class LayerState:
             )
         return int(progress["done_layers"])
 
+    def seconds_spent(self) -> float:
+        """The stage's seconds up to its last finished layer, over every run that wrote this state (0 if unknown)."""
+        if not self.progress_path.exists():
+            return 0.0
+        return float(json.loads(self.progress_path.read_text()).get("seconds", 0.0))
+
     def clear(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         for p in self.dir.iterdir():
@@ -81,9 +87,14 @@ class LayerState:
                 p.unlink()
 
     def save_layer(
-        self, session: LayerSession, next_inputs: LayerInputs, carried: dict[str, torch.Tensor] | None = None
+        self,
+        session: LayerSession,
+        next_inputs: LayerInputs,
+        carried: dict[str, torch.Tensor] | None = None,
+        seconds: float = 0.0,
     ) -> None:
-        """Write finished layer ``session.index``, the next layer's inputs and the methods' ``carried`` tensors."""
+        """Write finished layer ``session.index``, the next layer's inputs and the methods' ``carried`` tensors;
+        ``seconds``: the stage's time so far, over every run (a resumed run's report adds the earlier runs')."""
         tensors, meta = {}, {}
         for name, q in session.quantized.items():
             module = session.layer.get_submodule(name)
@@ -121,6 +132,7 @@ class LayerState:
                     "fingerprint": self.fingerprint,
                     "done_layers": session.index + 1,
                     "processes": self.processes,
+                    "seconds": round(seconds, 2),
                 }
             )
         )

@@ -40,6 +40,15 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _stage_seconds(stage: dict[str, Any]) -> str:
+    if "seconds_all_runs" not in stage:
+        return _fmt(stage["seconds"])
+    return (
+        f"{_fmt(stage['seconds_all_runs'])} over every run (resumed at layer {stage['resumed_at_layer']}; "
+        f"{_fmt(stage['seconds'])} in this one)"
+    )
+
+
 def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -> str:
     gates = report["gates"]
     failed = [g for g in gates if not g["passed"]]
@@ -55,12 +64,19 @@ def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -
         parts.append(f"- gate `{g['gate']}` failed: value {value}, off by {_fmt(abs(g['margin'] or 0))}")
     if report["stages"]:
         parts += ["", "## Stages", ""]
-        rows = [[s["method"], s["settings"], _fmt(s["seconds"]), _fmt(s["peak_rss_mb"])] for s in report["stages"]]
+        rows = [[s["method"], s["settings"], _stage_seconds(s), _fmt(s["peak_rss_mb"])] for s in report["stages"]]
         parts.append(markdown_table(["method", "settings", "seconds", "peak RSS (MB)"], rows))
     if report.get("phases"):
+        forecast = report.get("memory_forecast_phases_mb") or {}
         parts += ["", f"Other phases (the run's peak RSS: {_fmt(report['peak_rss_mb'])} MB):", ""]
-        rows = [[name, _fmt(m["seconds"]), _fmt(m["peak_rss_mb"])] for name, m in report["phases"].items()]
-        parts.append(markdown_table(["phase", "seconds", "peak RSS (MB)"], rows))
+        rows = [
+            [name, _fmt(m["seconds"]), _fmt(m["peak_rss_mb"]), _fmt(forecast[name]) if name in forecast else ""]
+            for name, m in report["phases"].items()
+        ]
+        if "stages" in forecast and report["stages"]:
+            peak = max(s["peak_rss_mb"] for s in report["stages"])
+            rows.insert(1, ["stages (their largest)", "", _fmt(peak), _fmt(forecast["stages"])])
+        parts.append(markdown_table(["phase", "seconds", "peak RSS (MB)", "forecast (MB)"], rows))
     parts += ["", "## Metrics", ""]
     measured_on = report.get("measured_on") or {}
     if measured_on:

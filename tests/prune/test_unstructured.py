@@ -200,6 +200,9 @@ def _resume_recipe(model_dir: Path, tmp_path: Path) -> Path:
 def _assert_resumed_identically(out: Path, ref: Path) -> None:
     report = yaml.safe_load((out / "report.json").read_text())
     assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
+    stage = report["stages"][0]  # its time over both runs: the first run's two layers and this run's
+    assert stage["resumed_at_layer"] == 2 and stage["seconds_all_runs"] > stage["seconds"] > 0
+    assert "resumed at layer 2" in (out / "report.md").read_text()
     assert _sha256_dir(out / "hf") == _sha256_dir(ref / "hf")
     assert _sha256_dir(out / "compressed-tensors") == _sha256_dir(ref / "compressed-tensors")
     from lmpress.export.inspect import inspect_artifact
@@ -217,8 +220,8 @@ def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, 
 
     save_layer = LayerState.save_layer
 
-    def interrupt_after_layer_1(self, session, inputs, *carried):
-        save_layer(self, session, inputs, *carried)
+    def interrupt_after_layer_1(self, session, inputs, *carried, **seconds):
+        save_layer(self, session, inputs, *carried, **seconds)
         if session.index == 1:
             raise KeyboardInterrupt
 
@@ -237,8 +240,8 @@ import os, signal, sys
 from lmpress.calib.state import LayerState
 from lmpress.cli import main
 save_layer = LayerState.save_layer
-def save_then_die(self, session, inputs, *carried):
-    save_layer(self, session, inputs, *carried)
+def save_then_die(self, session, inputs, *carried, **seconds):
+    save_layer(self, session, inputs, *carried, **seconds)
     if session.index == 1:
         os.kill(os.getpid(), signal.SIGKILL)
 LayerState.save_layer = save_then_die
