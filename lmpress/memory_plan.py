@@ -13,13 +13,13 @@ hold what stays resident for the whole run and the largest working set of one st
 - ``quantized``: the packed codes, scales and zero points of every linear a quantization stage replaces; where
   the layers stream through the layer-wise engine, only the largest layer's (the engine reads each finished
   layer's back from its state file, memory-mapped);
-- the largest phase: ``calibration`` (the engine's float16 activation slab of samples x seq_len x hidden, one
-  forward's float32 temporaries, and the largest linear's statistics and GPTQ/SparseGPT working copies: its
-  Hessian, the damped inverse's factor and float32 copies of the weight), ``eval`` (a perplexity batch's logits
-  in float32, their log-softmax and the gathered rows), or ``training`` (student weights, gradients and the
-  optimizer's two moments in float32, plus a teacher in the run's dtype).
+- the stages' largest working set: ``calibration`` (the engine's float16 activation slab of samples x seq_len x
+  hidden, one forward's float32 temporaries, and the largest linear's statistics and GPTQ/SparseGPT working
+  copies: its Hessian, the damped inverse's factor and float32 copies of the weight) or ``training`` (student
+  weights, gradients and the optimizer's two moments in float32, plus a teacher in the run's dtype).
 
-After the stages the run holds the candidate (its float parts and packed codes): the read-back loads each
+An eval holds the model and ``eval``: a batch's float32 logits and one window's log-softmax. After the stages
+the run holds the candidate (its float parts and packed codes): the read-back loads each
 export beside it (a dense format is the float model again); the runtime agreement builds lmpress's runtime from
 the first export beside both and compares both sides' float32 logits over the first eval window; the candidate
 eval scores the read-back export alone (the in-memory candidate is dropped first) with the eval's logits.
