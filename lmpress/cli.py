@@ -389,6 +389,11 @@ def quiet_transformers() -> None:
     every command, `generate`'s first token among them, which never needs it."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # imported already (lmpress called from Python): its defaults are read
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
 
 
 def main(argv: list[str] | None = None) -> int:
