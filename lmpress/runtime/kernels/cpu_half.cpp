@@ -29,8 +29,9 @@ namespace {
 constexpr int64_t COLUMNS = 32;  // half-precision columns per 512-bit load; in_features is a multiple of it
 constexpr int64_t WROWS = 4;     // weight rows dotted at once
 constexpr int64_t XROWS = 4;     // input rows per pass over the weight
-// How far ahead of each load its weight row is prefetched: streaming SmolLM2's head from memory (not cache), one row
-// at 17.8 GB/s without and 27.4 GB/s with 4.5 KiB (a one-off experiment, 2 threads on the Xeon of docs/runtime.md).
+// How far ahead of each load its weight row is prefetched (the op's "prefetch"; 0: not at all), probed per host
+// (cpu_probe.py). The default: streaming SmolLM2's head from memory (not cache), one row at 17.8 GB/s without and
+// 27.4 GB/s with 4.5 KiB (a one-off experiment, 2 threads on the Xeon of docs/runtime.md).
 constexpr int64_t PREFETCH_BYTES = 4608;
 
 // Row m of x as, per 32 columns, its 16 even columns then its 16 odd ones.
@@ -47,7 +48,8 @@ std::vector<float> split_columns(const float* x, int64_t M, int64_t K) {
 
 // y[m, n0 .. n0 + R) for the M rows at xs (bfloat16: split) against the R weight rows at w.
 template <bool BF16, int M, int R>
-HALF_AVX512 inline void dot_rows(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, float* y) {
+HALF_AVX512 inline void dot_rows(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, float* y,
+                                 int64_t ahead) {
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -56,7 +58,7 @@ HALF_AVX512 inline void dot_rows(const float* xs, const uint16_t* w, int64_t K, 
     __m512 first[R], second[R];  // bfloat16: even and odd columns; float16: columns 0-15 and 16-31
     for (int r = 0; r < R; ++r) {
       const uint16_t* at = w + (n0 + r) * K + k;
-      _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES, _MM_HINT_T0);
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(at) + ahead, _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(at);
       if constexpr (BF16) {
         first[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -84,7 +86,8 @@ HALF_AVX2 inline float sum_lanes(__m256 v) {
 
 // dot_rows with 256-bit vectors: each 32 columns in two halves of 16.
 template <bool BF16, int M, int R>
-HALF_AVX2 inline void dot_rows_avx2(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, float* y) {
+HALF_AVX2 inline void dot_rows_avx2(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, float* y,
+                                    int64_t ahead) {
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -94,7 +97,7 @@ HALF_AVX2 inline void dot_rows_avx2(const float* xs, const uint16_t* w, int64_t 
       __m256 first[R], second[R];  // bfloat16: even and odd columns; float16: columns 0-7 and 8-15 of the half
       for (int r = 0; r < R; ++r) {
         const uint16_t* at = w + (n0 + r) * K + k + half * (COLUMNS / 2);
-        if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES, _MM_HINT_T0);
+        if (ahead && half == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + ahead, _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
         if constexpr (BF16) {
           first[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -118,21 +121,22 @@ HALF_AVX2 inline void dot_rows_avx2(const float* xs, const uint16_t* w, int64_t 
 }
 
 template <bool BF16, int M>
-HALF_AVX512 void rows_of(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+HALF_AVX512 void rows_of(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y,
+                        int64_t ahead) {
   int64_t n = n0;
-  for (; n + WROWS <= n1; n += WROWS) dot_rows<BF16, M, WROWS>(xs, w, K, N, n, y);
-  for (; n < n1; ++n) dot_rows<BF16, M, 1>(xs, w, K, N, n, y);
+  for (; n + WROWS <= n1; n += WROWS) dot_rows<BF16, M, WROWS>(xs, w, K, N, n, y, ahead);
+  for (; n < n1; ++n) dot_rows<BF16, M, 1>(xs, w, K, N, n, y, ahead);
 }
 
 template <bool BF16, int M>
 HALF_AVX2 void rows_of_avx2(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
-                            float* y) {
+                            float* y, int64_t ahead) {
   int64_t n = n0;
-  for (; n + WROWS <= n1; n += WROWS) dot_rows_avx2<BF16, M, WROWS>(xs, w, K, N, n, y);
-  for (; n < n1; ++n) dot_rows_avx2<BF16, M, 1>(xs, w, K, N, n, y);
+  for (; n + WROWS <= n1; n += WROWS) dot_rows_avx2<BF16, M, WROWS>(xs, w, K, N, n, y, ahead);
+  for (; n < n1; ++n) dot_rows_avx2<BF16, M, 1>(xs, w, K, N, n, y, ahead);
 }
 
-using Rows = void (*)(const float*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*);
+using Rows = void (*)(const float*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 constexpr Rows BF16_ROWS[XROWS] = {rows_of<true, 1>, rows_of<true, 2>, rows_of<true, 3>, rows_of<true, 4>};
 constexpr Rows F16_ROWS[XROWS] = {rows_of<false, 1>, rows_of<false, 2>, rows_of<false, 3>, rows_of<false, 4>};
 constexpr Rows BF16_ROWS_AVX2[XROWS] = {rows_of_avx2<true, 1>, rows_of_avx2<true, 2>, rows_of_avx2<true, 3>,
@@ -145,8 +149,9 @@ bool runs(int64_t isa) {
   return isa == 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t isa) {
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t isa, int64_t prefetch) {
   TORCH_CHECK(runs(isa), "half_linear: this CPU cannot run instruction set level ", isa, " (2 AVX-512, 1 AVX2)");
+  TORCH_CHECK(prefetch >= 0 && prefetch <= (int64_t{1} << 20), "prefetch: 0 to 1 MiB ahead, not ", prefetch);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "half_linear: x (M, K) float32");
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kHalf) && weight.is_contiguous(),
@@ -162,7 +167,7 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t is
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += XROWS) {
       const int64_t rows = std::min(XROWS, M - m);
-      rows_of_m[rows - 1](xs + m * K, w, K, N, n0, n1, yp + m * N);
+      rows_of_m[rows - 1](xs + m * K, w, K, N, n0, n1, yp + m * N, prefetch);
     }
   });
   return y;
@@ -170,7 +175,9 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t is
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(lmpress_cpu, m) { m.def("half_linear(Tensor x, Tensor weight, int isa) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(lmpress_cpu, m) {
+  m.def("half_linear(Tensor x, Tensor weight, int isa, int prefetch=4608) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) { m.impl("half_linear", &half_linear); }
 

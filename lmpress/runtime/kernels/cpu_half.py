@@ -39,14 +39,32 @@ class HalfWeightLinear(nn.Module):
     FEW_ROWS = 16  # up to this many rows run the op (one pass over the weight per 4 rows); more widen the weight
     WIDENED_BYTES = 64 * 2**20  # ... a block of its rows at a time, this large at most (an 8B head widened whole: 2 GB)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        isa: int | None = None,
+        prefetch: int | None = None,
+    ) -> None:
+        """Without ``isa``, the op's instruction set level and prefetch distance are this host's probed choice for
+        the weight's shape (``cpu_probe.py``); with it, ``prefetch`` defaults to the op's own."""
+        from lmpress.runtime.kernels import cpu_probe
+
         super().__init__()
+        usable = available() and weight.dtype in HALF_DTYPES  # else F.linear on the weight widened for every call
         self.out_features, self.in_features = weight.shape
         # Large weights are copied into huge pages, as the int8 kernels' are (cpu_int.huge_pages: fewer TLB misses
         # while a step streams them); smaller ones are used as given.
         self.weight = nn.Parameter(cpu_int.huge_pages(weight.detach()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.isa = cpu_int.host_isa() if available() else 0  # the op's vectors: 2 AVX-512, 1 AVX2 (constant)
+        if not usable:
+            choice = cpu_probe.KernelChoice(0, cpu_probe.HALF_DEFAULT_PREFETCH)
+        elif isa is None:
+            choice = cpu_probe.choose_half_kernel(self.out_features, self.in_features, weight.dtype)
+        else:
+            choice = cpu_probe.KernelChoice(isa, cpu_probe.HALF_DEFAULT_PREFETCH)
+        self.isa = choice.isa  # the op's vectors: 2 AVX-512, 1 AVX2
+        self.prefetch = choice.prefetch if prefetch is None else prefetch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -54,7 +72,7 @@ class HalfWeightLinear(nn.Module):
             block = max(1, self.WIDENED_BYTES // (4 * self.in_features))
             y = torch.cat([F.linear(flat, rows.float()) for rows in self.weight.split(block)], dim=-1)
         else:
-            y = torch.ops.lmpress_cpu.half_linear(flat.contiguous(), self.weight, self.isa)
+            y = torch.ops.lmpress_cpu.half_linear(flat.contiguous(), self.weight, self.isa, self.prefetch)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -50,9 +50,13 @@ constexpr int64_t BLOCK = 64;  // weight superblock: W4's groups and K are multi
 constexpr int64_t ABLOCK = 4;  // activation block: one scale d per 4 values (one int32 lane of a dot product)
 constexpr int64_t APER = BLOCK / ABLOCK;  // activation blocks per 64 codes
 constexpr int64_t ROWS = 8;
-constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the row being dotted its weights are prefetched
+// How far ahead of the weights being dotted the SIMD kernels prefetch ("ahead_bytes"; 0: no prefetch instructions),
+// an argument of every op: the best distance differs between hosts and is probed per host (cpu_tuning.py).
+constexpr int64_t PREFETCH_BYTES = 4096;  // the ops' default
 
-inline int64_t rows_ahead(int64_t row_bytes) { return std::max<int64_t>(1, PREFETCH_BYTES / row_bytes); }
+inline int64_t rows_ahead(int64_t row_bytes, int64_t ahead_bytes) {
+  return std::max<int64_t>(1, ahead_bytes / row_bytes);
+}
 
 struct Acts {
   int64_t M = 0, K = 0;
@@ -281,11 +285,11 @@ TARGET_AVX2 inline void subtract_zero_term_avx2(const float* sc, const uint8_t* 
 
 // R weight rows per pass over the M input rows' activations: decode (M = 1, 2) dots 2 rows at once, sharing each
 // 64-block's activation loads (codes and per-4 scales) between them; more input rows take one weight row at a time
-// (their accumulators fill the 16 registers). Each weight row is prefetched PREFETCH_BYTES ahead.
+// (their accumulators fill the 16 registers). Each weight row is prefetched ahead_bytes ahead.
 template <int M, int R>
 TARGET_AVX2 void w4_rows_avx2_by(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                  int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
-                                 int64_t N, float* y) {
+                                 int64_t N, float* y, int64_t ahead_bytes) {
   const int64_t nb = K / BLOCK, spg = nb / G, shift = log2_or_minus1(spg);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -303,7 +307,8 @@ TARGET_AVX2 void w4_rows_avx2_by(const uint8_t* codes, const float* scales, cons
     }
     for (int64_t b = 0; b < nb; ++b) {
       for (int r = 0; r < R; ++r) {
-        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row[r] + b * 32) + PREFETCH_BYTES, _MM_HINT_T0);
+        if (ahead_bytes && (b & 1) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(row[r] + b * 32) + ahead_bytes, _MM_HINT_T0);
         const __m256 s = _mm256_set1_ps(sc[r][group_of(b, spg, shift)]);
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + b * 32));
         const __m256i lo = _mm256_and_si256(w, low);
@@ -326,18 +331,19 @@ TARGET_AVX2 void w4_rows_avx2_by(const uint8_t* codes, const float* scales, cons
       for (int m = 0; m < M; ++m) y[(m0 + m) * N + n + r] = hsum256(acc[r][m]) - tail[m];
     }
   }
-  if (n < n1) w4_rows_avx2_by<M, 1>(codes, scales, zeros, n, n1, K, G, a, zsum, m0, N, y);
+  if (n < n1) w4_rows_avx2_by<M, 1>(codes, scales, zeros, n, n1, K, G, a, zsum, m0, N, y, ahead_bytes);
 }
 
 template <int M>
 TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
-                              int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y) {
-  w4_rows_avx2_by<M, (M <= 2 ? 2 : 1)>(codes, scales, zeros, n0, n1, K, G, a, zsum, m0, N, y);
+                              int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y,
+                              int64_t ahead_bytes) {
+  w4_rows_avx2_by<M, (M <= 2 ? 2 : 1)>(codes, scales, zeros, n0, n1, K, G, a, zsum, m0, N, y, ahead_bytes);
 }
 
 template <int M>
 TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
-                              int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
+                              int64_t K, const Acts& a, int64_t m0, int64_t N, float* y, int64_t ahead_bytes) {
   // maddubs takes unsigned x signed bytes into saturating int16 pairs: 255 * 127 * 2 overflows, so the codes go in
   // as q - 128 (signed) through the sign trick: |w| * sign(x, w) = w * x, at most 128 * 127 * 2 per pair.
   const int64_t nb = K / BLOCK, na = K / ABLOCK;
@@ -353,6 +359,7 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(row + b * BLOCK) + ahead_bytes, _MM_HINT_T0);
       const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK)), flip);
       const __m256i w1 =
           _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK + 32)), flip);
@@ -413,7 +420,7 @@ TARGET_AVX512 inline void reduce_rows(const __m512* acc, float* sums) {
 template <int M>
 TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                   int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
-                                  int64_t N, float* y) {
+                                  int64_t N, float* y, int64_t ahead_bytes) {
   const int64_t nb = K / BLOCK, spg = nb / G, np = nb / 2, shift = log2_or_minus1(spg);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* xq = a.qp.data() + m0 * K;
@@ -425,9 +432,9 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
     const float* sc = scales + n * G;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    const uint8_t* ahead = codes + std::min(n + rows_ahead(K / 2), n1 - 1) * (K / 2);
+    const uint8_t* ahead = codes + std::min(n + rows_ahead(K / 2, ahead_bytes), n1 - 1) * (K / 2);
     for (int64_t p = 0; p < np; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 64), _MM_HINT_T0);
+      if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 64), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(row + p * 64);
       const __m512i lo = _mm512_and_si512(w, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
@@ -469,7 +476,8 @@ TARGET_AVX512 void w4_rows_avx512(const uint8_t* codes, const float* scales, con
 
 template <int M>
 TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
-                                  int64_t n1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
+                                  int64_t n1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y,
+                                  int64_t ahead_bytes) {
   const int64_t nb = K / BLOCK, na = K / ABLOCK;
   float xs[M];
   for (int m = 0; m < M; ++m) {
@@ -482,9 +490,9 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
     const uint8_t* row = codes + n * K;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    const uint8_t* ahead = codes + std::min(n + rows_ahead(K), n1 - 1) * K;
+    const uint8_t* ahead = codes + std::min(n + rows_ahead(K, ahead_bytes), n1 - 1) * K;
     for (int64_t b = 0; b < nb; ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * BLOCK), _MM_HINT_T0);
+      if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(ahead + b * BLOCK), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(row + b * BLOCK);
       for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_loadu_si512(xq + m * K + b * BLOCK);
@@ -507,7 +515,7 @@ TARGET_AVX512 void w8_rows_avx512(const uint8_t* codes, const float* scales, con
 template <int M>
 TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t t0,
                                    int64_t t1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
-                                   int64_t N, float* y) {
+                                   int64_t N, float* y, int64_t ahead_bytes) {
   const int64_t nb = K / BLOCK, na = K / ABLOCK, spg = nb / G, shift = log2_or_minus1(spg);
   const int64_t tile_bytes = nb * 8 * 64;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -516,7 +524,7 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
   const float* zs = zsum + m0 * G;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = codes + t * tile_bytes;
-    const int64_t t_ahead = std::min(t + std::max<int64_t>(1, PREFETCH_BYTES / tile_bytes), t1 - 1);
+    const int64_t t_ahead = std::min(t + rows_ahead(tile_bytes, ahead_bytes), t1 - 1);
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -527,7 +535,7 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
       for (int m = 0; m < M; ++m) part[m] = part_hi[m] = _mm512_setzero_ps();
       const uint8_t* blk = tile + b * 512;
       for (int64_t j = 0; j < 8; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + j * 64), _MM_HINT_T0);
+        if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead_bytes + j * 64), _MM_HINT_T0);
         const __m512i w = _mm512_loadu_si512(blk + j * 64);
         const __m512i lo = _mm512_and_si512(w, low);
         const __m512i hi = _mm512_andnot_si512(low, w);
@@ -544,8 +552,10 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
         }
       }
       const int64_t g = group_of(b, spg, shift);
-      _mm_prefetch(reinterpret_cast<const char*>(scales + (t_ahead * G + g) * 16), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(zeros + (t_ahead * G + g) * 16), _MM_HINT_T0);
+      if (ahead_bytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(scales + (t_ahead * G + g) * 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(zeros + (t_ahead * G + g) * 16), _MM_HINT_T0);
+      }
       const __m512 sv = _mm512_loadu_ps(scales + (t * G + g) * 16);
       const bool last = spg == 1 || (b + 1) % spg == 0;  // the group's zero term once, after its last block
       const __m512 sz = last ? _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
@@ -568,7 +578,8 @@ TARGET_AVX512 void w4_tiles_avx512(const uint8_t* codes, const float* scales, co
 // (tiles, 16).
 template <int M>
 TARGET_AVX512 void w8_tiles_avx512(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t t0,
-                                   int64_t t1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y) {
+                                   int64_t t1, int64_t K, const Acts& a, int64_t m0, int64_t N, float* y,
+                                   int64_t ahead_bytes) {
   const int64_t nb = K / BLOCK, na = K / ABLOCK, tile_bytes = nb * 16 * 64;
   float xs[M];  // sum of d * sum(q) over the row's blocks: the zero point's term
   for (int m = 0; m < M; ++m) {
@@ -579,11 +590,11 @@ TARGET_AVX512 void w8_tiles_avx512(const uint8_t* codes, const float* scales, co
   const float* xd = a.d.data() + m0 * na;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = codes + t * tile_bytes;
-    const uint8_t* ahead = tile + PREFETCH_BYTES;  // tiles follow each other in memory (a prefetch never faults)
+    const uint8_t* ahead = tile + ahead_bytes;  // tiles follow each other in memory (a prefetch never faults)
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb * 16; ++j) {  // 4 codes of the 16 rows per step
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64), _MM_HINT_T0);
+      if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(tile + j * 64);
       for (int m = 0; m < M; ++m) {
         int32_t x4;
@@ -670,7 +681,8 @@ int64_t best_isa() {
 }
 
 void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-           int64_t isa) {
+           int64_t isa, int64_t prefetch) {
+  TORCH_CHECK(prefetch >= 0 && prefetch <= (int64_t{1} << 20), "prefetch: 0 to 1 MiB ahead, not ", prefetch);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 (M, K)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: contiguous uint8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales: contiguous float32");
@@ -680,8 +692,8 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
 }
 
 at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t isa) {
-  check(x, codes, scales, zeros, isa);
+                     int64_t isa, int64_t prefetch) {
+  check(x, codes, scales, zeros, isa, prefetch);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
   TORCH_CHECK(codes.size(1) == K / 2 && scales.size(0) == N && zeros.sizes() == scales.sizes(), "w4 shapes");
   TORCH_CHECK(G > 0 && (K / BLOCK) % G == 0, "w4 groups must be multiples of 64 columns");
@@ -703,11 +715,11 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       const int64_t rows = std::min(ROWS, M - m0);
 #ifdef LMPRESS_X86
       if (isa == 2) {
-        by_rows<W4Avx512>(rows, c, s, z, n0, n1, K, G, acts, zsum, m0, N, out);
+        by_rows<W4Avx512>(rows, c, s, z, n0, n1, K, G, acts, zsum, m0, N, out, prefetch);
         continue;
       }
       if (isa == 1) {
-        by_rows<W4Avx2>(rows, c, s, z, n0, n1, K, G, acts, zsum, m0, N, out);
+        by_rows<W4Avx2>(rows, c, s, z, n0, n1, K, G, acts, zsum, m0, N, out, prefetch);
         continue;
       }
 #endif
@@ -720,8 +732,8 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // W4 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 8, 64), scales (tiles, G, 16) float32, zeros
 // (tiles, G, 16) uint8, rows past out_features padded (scale 0).
 at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& zeros, int64_t out_features) {
-  check(x, codes, scales, zeros, 2);
+                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch) {
+  check(x, codes, scales, zeros, 2, prefetch);
   const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), G = scales.size(1), N = out_features;
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 8 && codes.size(3) == 64,
               "w4 t16 codes: (tiles, K / 64, 8, 64)");
@@ -742,15 +754,15 @@ at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
 #ifdef LMPRESS_X86
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += ROWS)
-      by_rows<W4TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, G, acts, zsum, m0, N, out);
+      by_rows<W4TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, G, acts, zsum, m0, N, out, prefetch);
   });
 #endif
   return y;
 }
 
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t isa) {
-  check(x, codes, scales, zeros, isa);
+                     int64_t isa, int64_t prefetch) {
+  check(x, codes, scales, zeros, isa, prefetch);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
   at::Tensor y = at::empty({M, N}, x.options());
@@ -766,11 +778,11 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       const int64_t rows = std::min(ROWS, M - m0);
 #ifdef LMPRESS_X86
       if (isa == 2) {
-        by_rows<W8Avx512>(rows, c, s, z, n0, n1, K, acts, m0, N, out);
+        by_rows<W8Avx512>(rows, c, s, z, n0, n1, K, acts, m0, N, out, prefetch);
         continue;
       }
       if (isa == 1) {
-        by_rows<W8Avx2>(rows, c, s, z, n0, n1, K, acts, m0, N, out);
+        by_rows<W8Avx2>(rows, c, s, z, n0, n1, K, acts, m0, N, out, prefetch);
         continue;
       }
 #endif
@@ -783,8 +795,8 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // W8 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 16, 64), scales (tiles, 16) float32, zeros
 // (tiles, 16) uint8, rows past out_features padded.
 at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& zeros, int64_t out_features) {
-  check(x, codes, scales, zeros, 2);
+                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch) {
+  check(x, codes, scales, zeros, 2, prefetch);
   const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), N = out_features;
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 16 && codes.size(3) == 64,
               "w8 t16 codes: (tiles, K / 64, 16, 64)");
@@ -802,7 +814,7 @@ at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
 #ifdef LMPRESS_X86
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += ROWS)
-      by_rows<W8TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, acts, m0, N, out);
+      by_rows<W8TilesAvx512>(std::min(ROWS, M - m0), c, s, z, t0, t1, K, acts, m0, N, out, prefetch);
   });
 #endif
   return y;
@@ -845,10 +857,12 @@ int64_t cpu_isa() { return best_isa(); }
 }  // namespace
 
 TORCH_LIBRARY(lmpress_cpu, m) {
-  m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
-  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa) -> Tensor");
-  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor");
-  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor");
+  m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096) -> Tensor");
+  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096) -> "
+        "Tensor");
+  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096) -> "
+        "Tensor");
   m.def("quantize_activations(Tensor x, int isa) -> (Tensor, Tensor)");
   m.def("huge_page_copy(Tensor t) -> Tensor");
   m.def("cpu_isa", &cpu_isa);

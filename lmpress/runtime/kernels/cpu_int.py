@@ -77,10 +77,10 @@ def load_library() -> None:
 
 
 def _register_fakes() -> None:
-    def fake_linear(x, codes, scales, zeros, isa):  # noqa: ANN001, ANN202 - torch.library's signature
+    def fake_linear(x, codes, scales, zeros, isa, prefetch=4096):  # noqa: ANN001, ANN202 - torch.library's signature
         return x.new_empty(x.shape[0], codes.shape[0])
 
-    def fake_tiled(x, codes, scales, zeros, out_features):  # noqa: ANN001, ANN202 - torch.library's signature
+    def fake_tiled(x, codes, scales, zeros, out_features, prefetch=4096):  # noqa: ANN001, ANN202 - torch.library's
         return x.new_empty(x.shape[0], out_features)
 
     for op in ("w4_linear", "w8_linear"):
@@ -107,7 +107,7 @@ def _register_fakes() -> None:
             return q.new_empty(q.shape)
 
         @torch.library.register_fake("lmpress_cpu::half_linear")
-        def fake_half_linear(x, weight, isa):  # noqa: ANN001, ANN202 - torch.library's signature
+        def fake_half_linear(x, weight, isa, prefetch=4608):  # noqa: ANN001, ANN202 - torch.library's signature
             return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -207,7 +207,9 @@ def w8_fits(in_features: int, group_width: int, act_order: bool) -> bool:
 
 class Int8ActivationLinear(nn.Module):
     """``(q - zero) * scale`` weight codes times activations quantized to int8 per 4, through the torch op ``OP``;
-    subclasses lay the weight out for it (``layout``)."""
+    subclasses lay the weight out for it (``layout``). Without ``isa``, the instruction set level and prefetch
+    distance are this host's probed choice for the weight's shape (``cpu_probe.py``); with it, ``prefetch``
+    defaults to the ops' own."""
 
     KERNEL = ""
     OP = ""
@@ -219,11 +221,19 @@ class Int8ActivationLinear(nn.Module):
         zeros: torch.Tensor,
         bias: torch.Tensor | None,
         isa: int | None = None,
+        prefetch: int | None = None,
     ) -> None:
+        from lmpress.runtime.kernels import cpu_probe
+
         super().__init__()
         load_library()
         self.out_features, self.in_features = codes.shape
-        self.isa = host_isa() if isa is None else isa
+        if isa is None:
+            choice = cpu_probe.choose_int8_kernel(type(self), *codes.shape, scales.reshape(len(codes), -1).shape[1])
+        else:
+            choice = cpu_probe.KernelChoice(isa, cpu_probe.DEFAULT_PREFETCH)
+        self.isa = choice.isa
+        self.prefetch = choice.prefetch if prefetch is None else prefetch
         codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
         self.register_buffer("codes", huge_pages(codes))
         self.register_buffer("scales", scales)
@@ -241,8 +251,10 @@ class Int8ActivationLinear(nn.Module):
         """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
         if self.isa == 2:  # outputs in lanes: OP's "_t16" twin, which takes the output count instead of the ISA
             tiled = getattr(torch.ops.lmpress_cpu, f"{self.OP}_t16")
-            return tiled(flat, self.codes, self.scales, self.zeros, self.out_features)
-        return getattr(torch.ops.lmpress_cpu, self.OP)(flat, self.codes, self.scales, self.zeros, self.isa)
+            return tiled(flat, self.codes, self.scales, self.zeros, self.out_features, self.prefetch)
+        return getattr(torch.ops.lmpress_cpu, self.OP)(
+            flat, self.codes, self.scales, self.zeros, self.isa, self.prefetch
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
@@ -265,7 +277,10 @@ class W4A8Linear(Int8ActivationLinear):
 
     def extra_repr(self) -> str:
         group = self.in_features // self.scales.shape[1]
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{group}, {ISA_NAMES[self.isa]}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int4 g{group}, {ISA_NAMES[self.isa]}, "
+            f"prefetch {self.prefetch}"
+        )
 
 
 class W8A8RowLinear(Int8ActivationLinear):
@@ -290,10 +305,13 @@ class W8A8RowLinear(Int8ActivationLinear):
         if self.isa == 2:
             codes = unpack_w8_t16(codes, self.out_features)
             scales, zeros = scales.reshape(-1)[: self.out_features], zeros.reshape(-1)[: self.out_features]
-        return W8A8RowLinear(codes[rows], scales[rows], zeros[rows].float(), bias, self.isa)
+        return W8A8RowLinear(codes[rows], scales[rows], zeros[rows].float(), bias, self.isa, self.prefetch)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}, "
+            f"prefetch {self.prefetch}"
+        )
 
 
 def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""The per-host probe of lmpress's int8-activation CPU kernels, timed on SmolLM2-135M's weight shapes (issue 55).
+
+Runs ``kernels/cpu_probe.choose_int8_kernel`` on each shape with an empty tuning cache, as the first load of a
+model on a new host does: how long the probe takes (the goal: <= 10 s for the model), what it chose, and each
+candidate's time per product of one input row beside the default's. Results go to
+``bench/results/cpu_probe.{json,md}``, one entry per host (``bench/runtime_hosts.py``'s name); a run replaces only
+its own host's.
+
+    python bench/cpu_probe.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_hosts import cpu_identity  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# SmolLM2-135M's linear layers (hidden 576, 3 key-value heads of 64, feed-forward 1536, vocabulary 49152): W4 g64
+# everywhere; the head 8-bit (bench/serve.py's --head w8 artifact) or bfloat16 (--head float --float-dtype bfloat16).
+SHAPES = {
+    "q, o (w4)": ("w4", 576, 576),
+    "k, v (w4)": ("w4", 192, 576),
+    "gate, up (w4)": ("w4", 1536, 576),
+    "down (w4)": ("w4", 576, 1536),
+    "head (w8)": ("w8", 49152, 576),
+    "head (bf16)": ("half", 49152, 576),
+}
+
+
+def probe(kind: str, out: int, k: int) -> dict[str, Any]:
+    from lmpress.runtime.kernels import cpu_int, cpu_probe
+
+    recorded: dict[tuple[int, int], float] = {}
+    probed_with: list[Any] = []
+    timer = cpu_probe.time_candidates
+
+    def recording(*args: Any) -> dict[tuple[int, int], float]:
+        probed_with.extend(args[:3])
+        recorded.update(timer(*args))
+        return recorded
+
+    cpu_probe.time_candidates = recording
+    try:
+        began = time.perf_counter()
+        if kind == "half":
+            choice = cpu_probe.choose_half_kernel(out, k, torch.bfloat16)
+            default_prefetch = cpu_probe.HALF_DEFAULT_PREFETCH
+        else:
+            kernel = cpu_int.W4A8Linear if kind == "w4" else cpu_int.W8A8RowLinear
+            choice = cpu_probe.choose_int8_kernel(kernel, out, k, k // 64 if kind == "w4" else 1)
+            default_prefetch = cpu_probe.DEFAULT_PREFETCH
+        seconds = time.perf_counter() - began
+    finally:
+        cpu_probe.time_candidates = timer
+    tried = cpu_probe.candidates(cpu_int.host_isa(), default_prefetch)
+    # The choice against the default (the host's best level, the op's own distance), timed again side by side.
+    chosen, default = (choice.isa, choice.prefetch), tuple(tried[0])
+    again = timer(*probed_with, [list(chosen), list(default)]) if chosen != default else {chosen: 1.0}
+    return {
+        "probe_s": seconds,
+        "candidates": tried,
+        "us": [1e6 * recorded[tuple(candidate)] for candidate in tried],
+        "chosen": list(chosen),
+        "speedup_over_default": again[default] / again[chosen],
+    }
+
+
+def label(candidate: list[int], tried: list[list[int]]) -> str:
+    from lmpress.runtime.kernels import cpu_int
+
+    isa, prefetch = candidate
+    return f"{cpu_int.ISA_NAMES[isa]}, {prefetch} B" + (" (default)" if candidate == tried[0] else "")
+
+
+def render(hosts: dict[str, Any]) -> str:
+    pages = [
+        "Measured by `python bench/cpu_probe.py`: microseconds per product of one input row, for each candidate "
+        "(instruction set level; prefetch distance the op's default, none, 1 KiB, 4x and 16x the default).\n"
+    ]
+    for key, entry in hosts.items():
+        meta = entry["meta"]
+        pages.append(
+            f"## {key}\n\n{meta['threads']} threads, {meta['when']}, load average {meta['load']}; the probe of the "
+            f"shapes below took **{meta['total_s']:.2f} s** together (a model probes its own: SmolLM2 W4 with one head "
+            f"kind, {meta['model_s']:.2f} s at most).\n"
+        )
+        for shape, row in entry["shapes"].items():
+            tried = row["candidates"]
+            cells = ", ".join(f"{label(c, tried)} {us:.1f}" for c, us in zip(tried, row["us"], strict=True))
+            pages.append(
+                f"- **{shape}** (probe {row['probe_s']:.2f} s): chose {label(row['chosen'], tried)}, "
+                f"{row['speedup_over_default']:.2f}x the default timed again beside it. {cells}"
+            )
+        pages.append("")
+    return "\n".join(pages) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from lmpress.runtime.kernels import cpu_int, tuning
+
+    cpu_int.load_library()
+    with tempfile.TemporaryDirectory() as empty:
+        os.environ["LMPRESS_TUNE_CACHE"] = str(Path(empty) / "kernel_tuning.json")  # a first load on this host
+        tuning.forget_in_memory()
+        shapes = {name: probe(*shape) for name, shape in SHAPES.items()}
+    host = cpu_identity()
+    meta = {
+        "host": host,
+        "threads": args.threads,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load": f"{os.getloadavg()[0]:.2f}",
+        "total_s": sum(row["probe_s"] for row in shapes.values()),
+        "model_s": sum(row["probe_s"] for name, row in shapes.items() if "head" not in name)
+        + max(row["probe_s"] for name, row in shapes.items() if "head" in name),
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / "cpu_probe.json"
+    hosts = json.loads(path.read_text()) if path.is_file() else {}
+    hosts[host["key"]] = {"meta": meta, "shapes": shapes}
+    path.write_text(json.dumps(hosts, indent=2) + "\n")
+    (args.results / "cpu_probe.md").write_text(render(hosts))
+    print(render({host["key"]: hosts[host["key"]]}))
+
+
+if __name__ == "__main__":
+    main()

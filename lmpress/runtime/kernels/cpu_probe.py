@@ -1,0 +1,140 @@
+"""Per-host choices for lmpress's CPU kernels (``cpu_int.cpp``'s int8-activation ones, ``cpu_half.cpp``'s
+half-precision weights), probed at first use.
+
+Two hosts with the same instruction sets want different kernels: AVX-512's outputs-in-lanes tiles were tuned on
+Intel Xeons, where 512-bit operations run at full width, while AMD's cores before Zen 5 split them in two; and
+how far ahead of the weights a kernel should prefetch depends on the memory system. So the first load of a
+weight shape on a host times every candidate (instruction set level, prefetch distance) on that shape, for
+decode's one input row, over copies of the weight totalling ``PROBE_BYTES`` (past a core's caches, though a
+large shared last-level cache may hold part of them, as it holds part of a small model in decode), rounds
+interleaved. The fastest is kept in lmpress's tuning cache (``kernels/tuning.py``) under the CPU model and flags,
+thread count and versions, and later loads read it; the defaults (the host's best level, the op's own distance)
+stay unless another candidate is ``MARGIN`` faster. Every candidate computes the same outputs as the others of its
+instruction set level, bit for bit (prefetching moves no arithmetic), and within the kernels' tolerance of the
+other level (tests/runtime/test_cpu_probe.py). What the probe costs and chooses per host: bench/cpu_probe.py.
+
+Weights under ``PROBED_MIN_BYTES`` (the tiny test models') and the ``off`` tune space take the defaults: the
+host's best level and the op's default distance.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmpress.runtime.kernels import cpu_int
+from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
+from lmpress.runtime.kernels.tuning import tune_space, tuned_choice
+
+DEFAULT_PREFETCH = 4096  # bytes ahead: cpu_int.cpp's PREFETCH_BYTES, its ops' default
+HALF_DEFAULT_PREFETCH = 4608  # cpu_half.cpp's
+# The default wins unless another candidate is this much faster: rounds on a shared virtual machine differ by a few
+# percent, and distances within a few KiB of each other time alike on the hosts measured (bench/cpu_probe.py).
+MARGIN = 0.05
+PROBE_BYTES = 64 * 2**20  # the copies of a weight one timed round streams: well past a core's L2
+PROBED_MIN_BYTES = 32 * 2**10  # the tiny test models' weights are smaller; SmolLM2's smallest (k, v) 54 KiB
+MAX_COPIES = 256  # a small weight's copies stop here (SmolLM2's k and v: 14 of the 64 MiB): each is a call of
+# some microseconds of Python and dispatch, and timing 1,200 of them per candidate and round cost 2.4 s of the probe
+ROUNDS = 6  # the first warms up; the median of the rest counts
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """How a kernel runs: instruction set level (``cpu_int.ISA_NAMES``) and prefetch distance in bytes."""
+
+    isa: int
+    prefetch: int
+
+
+def candidates(host_isa: int, default_prefetch: int = DEFAULT_PREFETCH) -> list[list[int]]:
+    """``[isa, prefetch]`` pairs a host of level ``host_isa`` tries, the default first: AVX-512 hosts also their
+    AVX2 kernels; distances none, 1 KiB, the op's default and 4 and 16 times it; the portable C++ path has no
+    prefetch to choose."""
+    levels = (2, 1) if host_isa == 2 else (host_isa,)
+    distances = (default_prefetch, 0, 1024, 4 * default_prefetch, 16 * default_prefetch)
+    return [[isa, prefetch] for isa in levels for prefetch in (distances if isa else (default_prefetch,))]
+
+
+def choose_kernel(
+    kernel: str, shape: dict[str, int], weight_bytes: int, make: Callable[[int], nn.Module], default_prefetch: int
+) -> KernelChoice:
+    """The fastest variant of ``kernel`` on this host for a weight of ``shape``: from this process's memory, the
+    tuning cache, or probed now on modules ``make(isa)`` builds."""
+    if tune_space() == "off" or weight_bytes < PROBED_MIN_BYTES:
+        return KernelChoice(cpu_int.host_isa(), default_prefetch)
+    from lmpress.runtime.kernels.cpu import cpu_model  # cpu.py imports this module's callers
+
+    tried = candidates(cpu_int.host_isa(), default_prefetch)
+    shape = shape | {"threads": torch.get_num_threads()}
+    times = functools.cache(lambda: time_candidates(make, shape["in"], weight_bytes, tried))
+
+    def seconds(candidate: list[int]) -> float:
+        return times()[tuple(candidate)] * ((1 - MARGIN) if candidate == tried[0] else 1)
+
+    isa, prefetch = tuned_choice(cpu_model(), f"{kernel}-probe", shape, tried, seconds)
+    return KernelChoice(isa, prefetch)
+
+
+def choose_int8_kernel(
+    kernel: type[cpu_int.Int8ActivationLinear], out_features: int, in_features: int, groups: int
+) -> KernelChoice:
+    """``choose_kernel`` for an ``(out_features, in_features)`` weight of ``kernel`` (W4A8 or W8A8) with ``groups``
+    scales per row."""
+    bits = 4 if kernel is cpu_int.W4A8Linear else 8
+
+    def make(isa: int) -> nn.Module:
+        generator = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 2**bits, (out_features, in_features), generator=generator, dtype=torch.uint8)
+        scales = torch.rand(out_features, groups, generator=generator) * 0.01
+        return kernel(codes, scales, torch.full((out_features, groups), float(2 ** (bits - 1))), None, isa=isa)
+
+    shape = {"out": out_features, "in": in_features, "groups": groups}
+    return choose_kernel(kernel.KERNEL, shape, out_features * in_features * bits // 8, make, DEFAULT_PREFETCH)
+
+
+def choose_half_kernel(out_features: int, in_features: int, dtype: torch.dtype) -> KernelChoice:
+    """``choose_kernel`` for an ``(out_features, in_features)`` bfloat16 or float16 weight of ``HalfWeightLinear``."""
+
+    def make(isa: int) -> nn.Module:
+        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return HalfWeightLinear(weight, isa=isa)
+
+    shape = {"out": out_features, "in": in_features, "dtype": str(dtype).removeprefix("torch.")}
+    return choose_kernel("cpu-half", shape, out_features * in_features * 2, make, HALF_DEFAULT_PREFETCH)
+
+
+@torch.no_grad()
+def time_candidates(
+    make: Callable[[int], nn.Module], in_features: int, weight_bytes: int, tried: list[list[int]]
+) -> dict[tuple[int, int], float]:
+    """Seconds per product of one input row for each ``[isa, prefetch]`` in ``tried``: the median of ``ROUNDS``
+    rounds (the first dropped), each over copies of ``make(isa)``'s weight totalling ``PROBE_BYTES`` (at most
+    ``MAX_COPIES``)."""
+    copies_needed = min(MAX_COPIES, max(1, -(-PROBE_BYTES // weight_bytes)))
+    layers = {}
+    for isa in dict.fromkeys(isa for isa, _ in tried):
+        first = make(isa)
+        layers[isa] = [first, *(copy.deepcopy(first) for _ in range(copies_needed - 1))]
+    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(1))
+    samples: dict[tuple[int, int], list[float]] = {(isa, prefetch): [] for isa, prefetch in tried}
+    order = random.Random(0)
+    for _ in range(ROUNDS):
+        # In an order of its own each round: a candidate timed right after another level's copies finds fewer of
+        # its own in a shared last-level cache than one timed after its own level's (a fixed order favoured the
+        # later candidates of each level by up to 25% on a 260 MiB-L3 Xeon).
+        for isa, prefetch in order.sample(tried, len(tried)):
+            for layer in layers[isa]:
+                layer.prefetch = prefetch
+            began = time.perf_counter()
+            for layer in layers[isa]:
+                layer(x)
+            samples[isa, prefetch].append((time.perf_counter() - began) / copies_needed)
+    return {candidate: statistics.median(seconds[1:]) for candidate, seconds in samples.items()}

@@ -1,0 +1,86 @@
+"""The per-host probe of the CPU kernels (kernels/cpu_probe.py): every candidate it may choose computes what the
+others do, the choice is one of them and is kept per host, and small weights are not timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.runtime.kernels import cpu_half, cpu_int, cpu_probe, tuning
+
+pytestmark = pytest.mark.skipif(not cpu_int.available(), reason="the C++ kernels do not build on this host")
+
+
+def layer(kind: str, out: int, k: int, **variant: int) -> torch.nn.Module:
+    if kind == "half":
+        w = torch.randn(out, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+        return cpu_half.HalfWeightLinear(w, **variant)
+    kernel = cpu_int.W4A8Linear if kind == "w4" else cpu_int.W8A8RowLinear
+    return kernel(*weight(kind, out, k), None, **variant)
+
+
+def weight(kind: str, out: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    bits, groups = (4, k // 64) if kind == "w4" else (8, 1)
+    codes = torch.randint(0, 2**bits, (out, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(out, groups, generator=g) * 0.05 + 0.01
+    zeros = torch.randint(0, 2**bits, (out, groups), generator=g).float()
+    return codes, scales, zeros
+
+
+@pytest.mark.parametrize("kind", ["w4", "w8", "half"])
+def test_every_candidate_computes_the_same_outputs(kind):
+    # Rows of weights past one prefetch distance and a partial last tile: a prefetch past the end never faults,
+    # and within a level the distance moves no arithmetic, so the outputs are equal bit for bit.
+    if kind == "half" and not cpu_half.available():
+        pytest.skip("the half-precision op needs AVX2")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for isa, prefetch in cpu_probe.candidates(cpu_int.host_isa()):
+        variant = layer(kind, 200, 512, isa=isa, prefetch=prefetch)
+        for rows in (1, 3):
+            outputs[isa, prefetch, rows] = variant(x[:rows])
+    for (isa, prefetch, rows), y in outputs.items():
+        same_level = outputs[isa, cpu_probe.DEFAULT_PREFETCH, rows]
+        assert torch.equal(y, same_level), (isa, prefetch, rows)
+        first = outputs[cpu_int.host_isa(), cpu_probe.DEFAULT_PREFETCH, rows]
+        torch.testing.assert_close(y, first, rtol=1e-4, atol=1e-4)
+
+
+def test_the_ops_reject_a_negative_prefetch():
+    wrong = layer("w4", 16, 64, isa=1 if cpu_int.host_isa() >= 1 else 0, prefetch=-1)
+    with pytest.raises(RuntimeError, match="prefetch: 0 to 1 MiB ahead"):
+        wrong(torch.randn(1, 64))
+
+
+def test_the_probe_chooses_a_candidate_once_per_host_and_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMPRESS_TUNE_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(cpu_probe, "PROBE_BYTES", 2**20)  # a short probe: the choice, not its speed, is tested
+    tuning.forget_in_memory()
+    timed = []
+    real = cpu_probe.time_candidates
+    monkeypatch.setattr(cpu_probe, "time_candidates", lambda *a: timed.append(a[1:3]) or real(*a))
+    probed = layer("w4", 1024, 576)  # 288 KiB of codes: probed
+    assert [probed.isa, probed.prefetch] in cpu_probe.candidates(cpu_int.host_isa())
+    assert timed == [(576, 1024 * 576 // 2)]
+    assert tuning.cache_path() == tmp_path / "tuning.json" and tuning.cache_path().is_file()
+    tuning.forget_in_memory()  # a new process: read from the cache, not timed again
+    again = layer("w4", 1024, 576)
+    assert (again.isa, again.prefetch) == (probed.isa, probed.prefetch)
+    assert timed == [(576, 1024 * 576 // 2)]
+    x = torch.randn(1, 576)
+    assert torch.equal(probed(x), layer("w4", 1024, 576, isa=probed.isa)(x))
+    if cpu_half.available():  # the half-precision head's own probe, kept beside it
+        head = layer("half", 256, 576)
+        assert [head.isa, head.prefetch] in cpu_probe.candidates(cpu_int.host_isa(), cpu_probe.HALF_DEFAULT_PREFETCH)
+        assert timed[-1] == (576, 256 * 576 * 2)
+    tuning.forget_in_memory()
+
+
+def test_small_weights_and_the_off_space_take_the_defaults(monkeypatch):
+    monkeypatch.setattr(cpu_probe, "time_candidates", lambda *a: pytest.fail("timed"))
+    small = layer("w8", 64, 128)
+    assert (small.isa, small.prefetch) == (cpu_int.host_isa(), cpu_probe.DEFAULT_PREFETCH)
+    monkeypatch.setattr(tuning, "_space", "off")
+    big = cpu_probe.choose_int8_kernel(cpu_int.W8A8RowLinear, 4096, 576, 1)
+    assert big == cpu_probe.KernelChoice(cpu_int.host_isa(), cpu_probe.DEFAULT_PREFETCH)
