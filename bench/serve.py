@@ -124,11 +124,12 @@ def engine_lmpress(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, di
 def engine_llama_cpp(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[str, Any]]:
     from llama_cpp import Llama
 
+    threads = None if args.llama_cpp_threads == "own" else args.threads  # None: llama-cpp-python's own defaults
     llm = Llama(
         str(artifact_dir(args) / "gguf" / "model.gguf"),
         n_ctx=1024,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
+        n_threads=threads,
+        n_threads_batch=threads,
         verbose=False,
     )
 
@@ -142,7 +143,7 @@ def engine_llama_cpp(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, 
                 break
         return tokens
 
-    return run, {"threads": args.threads}
+    return run, {"threads": llm.n_threads, "threads_batch": llm.n_threads_batch}
 
 
 def engine_vllm(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[str, Any]]:
@@ -213,7 +214,7 @@ def start_worker(engine: str, batches: list[int], args: argparse.Namespace, prom
     argv = [python, "-P", __file__, "--engine", engine, "--prompt-file", prompt_file]
     argv += ["--batches", *map(str, batches), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
     argv += ["--head", args.head, "--group", str(args.group), "--lmpress-dtype", args.lmpress_dtype]
-    argv += ["--float-dtype", args.float_dtype]
+    argv += ["--float-dtype", args.float_dtype, "--llama-cpp-threads", args.llama_cpp_threads]
     argv += ["--vllm-eager"] * args.vllm_eager + ["--lmpress-eager"] * args.lmpress_eager
     return WorkerProcess(engine, argv, env)
 
@@ -303,7 +304,18 @@ def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
             continue
         rates = f"{row['decode_tok_s']:.1f} [{row['decode_tok_s_q1']:.1f}, {row['decode_tok_s_q3']:.1f}]"
         load = f"{min(row['load_repeats']):.2f}-{max(row['load_repeats']):.2f}"
+        if "threads_batch" in row:  # llama.cpp: what it ran with, the bench's count or its own defaults
+            what += f" ({row['threads']} threads, {row['threads_batch']} for the prompt)"
         lines.append(f"| {name} | {what} | {batch} | {rates} | {row['first_token_s']:.3f} | {load} |")
+    ours, theirs = results.get("lmpress-b1", {}), results.get("llama.cpp-b1", {})
+    if "decode_tok_s" in ours and "decode_tok_s" in theirs:
+        per_round = [a / b for a, b in zip(ours["decode_tok_s_repeats"], theirs["decode_tok_s_repeats"], strict=False)]
+        low, median, high = quartiles(per_round)
+        lines += [
+            "",
+            f"lmpress / llama.cpp at batch 1: {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x (goal >= 1.5x); "
+            f"per round {median:.2f}x [{low:.2f}x, {high:.2f}x].",
+        ]
     for batch in (1, 8):
         ours, theirs = results.get(f"lmpress-b{batch}", {}), results.get(f"vllm-b{batch}", {})
         if "decode_tok_s" in ours and "decode_tok_s" in theirs:
@@ -331,6 +343,13 @@ def main() -> None:
     parser.add_argument("--group", type=int, choices=(32, 64), default=32, help="the 4-bit layers' group size")
     parser.add_argument("--lmpress-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--float-dtype", choices=("float32", "bfloat16"), default="float32", help="the artifact's")
+    parser.add_argument(
+        "--llama-cpp-threads",
+        choices=("same", "own"),
+        default="same",
+        help="llama.cpp's threads: --threads, as the other rows (default), or llama-cpp-python's own defaults "
+        "(half the logical CPUs for decode, all for prompts)",
+    )
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     parser.add_argument("--lmpress-eager", action="store_true", help="lmpress without its compiled decode step")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where serve.json and serve.md go")
