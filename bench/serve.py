@@ -17,8 +17,10 @@ vLLM runs bfloat16).
 Each engine runs in its own worker process, started (loaded, compiled, warmed up) one at a time and kept for
 the whole run, with the same thread count (``--threads``, default every core): lmpress with
 ``torch.set_num_threads``, vLLM with its OpenMP threads bound to cores ``0..threads-1``
-(``VLLM_CPU_OMP_THREADS_BIND``), llama.cpp with ``n_threads``. The rows are then timed in rounds, one repeat
-of each per round, the first row rotating, after a discarded warm-up round (as bench/runtime.py does): the
+(``VLLM_CPU_OMP_THREADS_BIND``); llama.cpp with llama-cpp-python's own defaults, as its users run it
+(half the logical CPUs for decode: 1 on a 2-vCPU host), or ``--llama-cpp-threads same``: ``n_threads``.
+The rows are then timed in rounds, one repeat of each per round, the first row rotating, after a discarded
+warm-up round (as bench/runtime.py does): the
 host's speed drifts by a third within minutes here, and rows timed one after another met it at different
 moments (vLLM's batch-1 rate read 43.1 and 79.9 tok/s in two such runs). A 128-token prompt (the start of the
 built-in Python docs text), greedy, EOS ignored, batch 1 and batch 8 (the same prompt 8 times; prefix caching
@@ -345,10 +347,10 @@ def main() -> None:
     parser.add_argument("--float-dtype", choices=("float32", "bfloat16"), default="float32", help="the artifact's")
     parser.add_argument(
         "--llama-cpp-threads",
-        choices=("same", "own"),
-        default="same",
-        help="llama.cpp's threads: --threads, as the other rows (default), or llama-cpp-python's own defaults "
-        "(half the logical CPUs for decode, all for prompts)",
+        choices=("own", "same"),
+        default="own",
+        help="llama.cpp's threads: llama-cpp-python's own defaults, as its users run it (half the logical CPUs for "
+        "decode, all for prompts; the default), or --threads, as the other rows",
     )
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     parser.add_argument("--lmpress-eager", action="store_true", help="lmpress without its compiled decode step")
