@@ -63,7 +63,7 @@ def run_generate(artifact: Path, prompt: str, new_tokens: int, compiled: bool, t
         threads=threads,
     )
     wall = time.perf_counter() - began
-    found = SUMMARY.search(done.stderr.replace("\n", " "))
+    found = SUMMARY.search(" ".join(done.stderr.split()))  # the console wraps its lines
     if found is None:
         raise RuntimeError(f"no summary line in lmpress generate's output:\n{done.stderr[-2000:]}")
     return {key: float(value) for key, value in found.groupdict().items()} | {"wall_s": wall}
