@@ -32,8 +32,9 @@ from runtime_hosts import cpu_identity  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVE_ARTIFACT = Path(os.path.expanduser("~/.cache/lmpress/bench/serve-w4g64-headfloat-bf16/ct"))
 SUMMARY = re.compile(
-    r"(?P<tokens>\d+) new tokens after a (?P<prompt>\d+)-token prompt: loaded in (?P<load>[\d.]+) s, first token "
-    r"(?P<first>[\d.]+) s later \((?P<since_start>[\d.]+) s after the command started\), then (?P<rate>[\d.]+) tok/s"
+    r"(?P<tokens>\d+) new tokens after a (?P<prompt>\d+)-token prompt: loaded in (?P<load>[\d.]+) s, "
+    r"(?:compiled its decode step in (?P<compile>[\d.]+) s, )?first token (?P<first>[\d.]+) s later "
+    r"\((?P<since_start>[\d.]+) s after the command started\), then (?P<rate>[\d.]+) tok/s"
 )
 
 
@@ -66,7 +67,7 @@ def run_generate(artifact: Path, prompt: str, new_tokens: int, compiled: bool, t
     found = SUMMARY.search(" ".join(done.stderr.split()))  # the console wraps its lines
     if found is None:
         raise RuntimeError(f"no summary line in lmpress generate's output:\n{done.stderr[-2000:]}")
-    return {key: float(value) for key, value in found.groupdict().items()} | {"wall_s": wall}
+    return {key: float(value or 0) for key, value in found.groupdict().items()} | {"wall_s": wall}
 
 
 def run_bench(artifact: Path, prompt: str, new_tokens: int, compiled: bool, threads: int) -> dict[str, Any]:
@@ -103,13 +104,14 @@ def render(hosts: dict[str, Any]) -> str:
             f"{meta['runs']} runs each, {meta['when']}, load average {meta['load']}.\n"
         )
         pages.append(
-            "| step | generate: command start to first token s (goal <= 5) | generate: load s | generate tok/s | "
-            "bench tok/s | generate / bench (goal within 15%) |"
+            "| step | generate: command start to first token s (goal <= 5) | generate: load s | generate: compile s | "
+            "generate tok/s | bench tok/s | generate / bench (goal within 15%) |"
         )
-        pages.append("| --- | --- | --- | --- | --- | --- |")
+        pages.append("| --- | --- | --- | --- | --- | --- | --- |")
         for step, row in entry["steps"].items():
             pages.append(
-                f"| {step} | {row['since_start_s']:.2f} | {row['load_s']:.2f} | {row['generate_tok_s']:.1f} | "
+                f"| {step} | {row['since_start_s']:.2f} | {row['load_s']:.2f} | {row.get('compile_s', 0):.1f} | "
+                f"{row['generate_tok_s']:.1f} | "
                 f"{row['bench_tok_s']:.1f} | {row['generate_tok_s'] / row['bench_tok_s']:.2f}x |"
             )
         pages.append("")
@@ -140,6 +142,7 @@ def main() -> None:
         steps["compiled" if compiled else "eager"] = {
             "since_start_s": statistics.median(g["since_start"] for g in generated),
             "load_s": statistics.median(g["load"] for g in generated),
+            "compile_s": statistics.median(g["compile"] for g in generated),
             "first_token_s": statistics.median(g["first"] for g in generated),
             "generate_tok_s": statistics.median(g["rate"] for g in generated),
             "bench_tok_s": statistics.median(benched),

@@ -22,7 +22,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
 from lmpress.memory import return_freed_memory
 from lmpress.runtime.eagle3 import Eagle3Head, load_draft_head
-from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
+from lmpress.runtime.generate import compile_reads, decode_with, decoding_forward, generate_tokens
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, check_cpu_activations
 from lmpress.runtime.model import MOE_TYPES, Transformer
 from lmpress.runtime.sample import SamplingConfig
@@ -44,6 +44,7 @@ class GenerationResult:
     seconds: float = 0.0  # from the prompt's prefill to the last token
     speculative: SpeculativeStats | None = None
     load_seconds: float = 0.0  # reading the model (and any draft) before the prefill
+    compile_seconds: float = 0.0  # compiling the decode step (--compile), once, before the prefill
     first_token_seconds: float = 0.0  # the prefill and the first token, after loading
     since_start: float | None = None  # from the process's start to the first token
 
@@ -56,7 +57,9 @@ class GenerationResult:
     def summary(self) -> str:
         line = (
             f"{len(self.tokens)} new tokens after a {self.prompt_tokens}-token prompt: loaded in "
-            f"{self.load_seconds:.1f} s, first token {self.first_token_seconds:.2f} s later"
+            f"{self.load_seconds:.1f} s, "
+            + (f"compiled its decode step in {self.compile_seconds:.1f} s, " if self.compile_seconds else "")
+            + f"first token {self.first_token_seconds:.2f} s later"
         )
         if self.since_start is not None:
             line += f" ({self.since_start:.1f} s after the command started)"
@@ -272,10 +275,14 @@ def generate_text(
     )
     head = draft_head_for(draft_head, source, model)
     forward = decoding_forward(model.device, compile)
-    result = GenerationResult(prompt_tokens=len(ids))
+    result = GenerationResult(prompt_tokens=len(ids), load_seconds=time.perf_counter() - loading)
+    speculative = draft is not None or prompt_lookup or head is not None
+    if compile and not speculative:  # speculative_decode compiles its reads itself, before its first round
+        compiling = time.perf_counter()
+        compile_reads(forward, model, min(len(ids) + max_new_tokens - 1, model.args.max_seq_len), (1,))
+        result.compile_seconds = time.perf_counter() - compiling
     began = time.perf_counter()
-    result.load_seconds = began - loading
-    if draft is not None or prompt_lookup or head is not None:
+    if speculative:
         result.speculative = SpeculativeStats()
         tokens = speculative_decode(
             model,
