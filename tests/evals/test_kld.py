@@ -324,3 +324,19 @@ def test_smollm2_w8_exact_kld_matches_reference_and_top64_reads_low(smollm2_dir,
     assert torch.all(stored <= exact_kld(p, q) + 1e-5)
     # Measured: top-64 misses ~20% of W8's mean KLD (the tail holds ~12% of the mass and most of the noise).
     assert 0.7 * exact[:2047].mean().item() < stored.mean().item() <= exact[:2047].mean().item()
+
+
+def test_forward_windows_keeps_no_batch_alive_once_the_caller_drops_it(tiny, docs_text, tmp_path):
+    """An eval's peak is one batch's logits, not two: a batch handed out and dropped by the caller is freed before
+    the next forward (a generator decorated with ``torch.inference_mode()`` held it until the next one)."""
+    import weakref
+
+    model, tokenizer = tiny
+    windows = _windows(PerplexityConfig(seq_len=64, windows=4), tokenizer, docs_text, tmp_path)
+    batches = forward_windows(model, windows, 2)
+    start, logits = next(batches)
+    assert start == 0 and logits.shape[:2] == (2, 64) and logits.dtype == torch.float32
+    dropped = weakref.ref(logits)
+    del logits
+    assert dropped() is None
+    assert next(batches)[0] == 2
