@@ -10,6 +10,9 @@ hold what stays resident for the whole run and the largest working set of one st
   a run that only streams layers (one-shot stages, no eval, no training) keeps about one decoder layer of it
   resident at a time (the engine drops a finished layer's pages); anything that reads the whole model (an eval,
   a training stage) or converts its dtype holds all of it;
+- ``mapped float pages``: where the checkpoint is mapped and read whole, the pages of the quantized linears'
+  float weights, which stay resident beside their codes to the end of the run (the mapping lives as long as any
+  tensor of it does);
 - ``quantized``: the packed codes, scales and zero points of every linear a quantization stage replaces; where
   the layers stream through the layer-wise engine, only the largest layer's (the engine reads each finished
   layer's back from its state file, memory-mapped);
@@ -195,11 +198,17 @@ def forecast_memory(
     replaced = sum(rows * cols for rows, cols, _, _ in planned.values()) * size
 
     process = {"process": PROCESS_BYTES}
+    # A checkpoint stored in the run's dtype is memory-mapped, and the mapping lives as long as any of its tensors
+    # (the embedding, the norms): the pages of the quantized linears' float weights, once read whole (a baseline
+    # eval, RTN, a rotation), stay resident beside their codes to the end of the run (the quickstart's phases after
+    # its baseline eval measured 500-600 MB over a forecast without them). Only the layer-wise engine's streaming
+    # drops a layer's pages once it is quantized.
+    float_pages = {"mapped float pages": replaced} if stored_dtype(checkpoint) == dtype and not streams else {}
     # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized
     resident = {
         "weights": 2 * shape.layer_parameters * size if streams else float_model - replaced,
         "quantized": max(by_layer.values(), default=0) if mapped else quantized,
-    }
+    } | float_pages
     calibration = max(
         (
             calibration_bytes(shape, samples, seq_len, s.batch_size, s.hessian_copies)
@@ -222,17 +231,17 @@ def forecast_memory(
             "candidate": candidate,
             "read-back": read_back + max(sizes[1:], default=0),
             "logits": agreement_tokens * shape.vocab * 4,  # one side's first-window forward at a time
-        }
+        } | float_pages
         forecast.phases["runtime agreement"] = process | {
             "candidate": candidate,
             "read-back": read_back,
             "runtime model": candidate,
             "logits": 2 * agreement_tokens * shape.vocab * 4,  # both sides', float32 (compared in float64 by blocks)
-        }
+        } | float_pages
         if logit_tokens:
-            forecast.phases["candidate eval"] = process | {"read-back": read_back, "eval": eval_work}
+            forecast.phases["candidate eval"] = process | {"read-back": read_back, "eval": eval_work} | float_pages
     elif logit_tokens:
-        forecast.phases["candidate eval"] = process | {"candidate": candidate, "eval": eval_work}
+        forecast.phases["candidate eval"] = process | {"candidate": candidate, "eval": eval_work} | float_pages
     if device.type == "cuda":
         layer = 4 * shape.layer_parameters
         forecast.device_parts = {"layer": layer, "work": next(iter(work.values()))}

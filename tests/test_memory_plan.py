@@ -128,8 +128,9 @@ def test_forecast_streams_a_mapped_checkpoint_without_eval(tiny_llama_dir):
     whole = sum(p.numel() for p in skeleton.parameters()) * 4
     assert streamed.parts["weights"] == 2 * layer * 4 < whole
     assert streamed.phase == "stages"
-    assert scored.phase == "baseline eval"
-    assert scored.parts["weights"] + scored.parts["eval"] > whole  # the model and the eval's logits
+    baseline = scored.phases["baseline eval"]
+    assert baseline["weights"] == whole and baseline["eval"] > 0  # the model and the eval's logits
+    assert scored.phase in ("baseline eval", "candidate eval")
 
 
 def test_a_rotation_holds_the_whole_float_model(tiny_llama_dir):
@@ -147,6 +148,26 @@ def test_a_rotation_holds_the_whole_float_model(tiny_llama_dir):
     # the model is held whole: what is not quantized stays float, and every layer's codes are held
     assert rotated.parts["weights"] == whole - 4 * linears
     assert rotated.parts["quantized"] > streamed.parts["quantized"]
+    # ... and the quantized linears' float pages stay mapped beside their codes; streamed layers' are dropped
+    assert rotated.parts["mapped float pages"] == 4 * linears and "mapped float pages" not in streamed.parts
+
+
+def test_float_pages_stay_resident_only_where_the_checkpoint_is_mapped(tiny_llama_dir):
+    """A checkpoint read in its stored dtype is memory-mapped: after the baseline eval (or any whole read) the
+    quantized linears' float pages stay resident through every later phase, which the forecast counts; a run in
+    another dtype converts the weights into memory of its own and frees them as they are quantized."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    rtn = stage_config("rtn")(method="rtn", bits=4, group_size=32)
+    cpu = torch.device("cpu")
+    mapped = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, cpu, 4 * 64, ["compressed-tensors"])
+    converted = forecast_memory(skeleton, tiny_llama_dir, "bfloat16", [rtn], 4, 32, cpu, 4 * 64, ["gguf"])
+    linears = sum(
+        m.weight.numel() for n, m in skeleton.named_modules() if ".layers." in n and hasattr(m, "in_features")
+    )
+    for phase in ("stages", "read-back", "runtime agreement", "candidate eval"):
+        assert mapped.phases[phase]["mapped float pages"] == 4 * linears
+        assert "mapped float pages" not in converted.phases[phase]
+    assert "mapped float pages" not in mapped.phases["baseline eval"]  # there the whole model is "weights"
 
 
 def rtn_recipe(model, tmp_path, formats: list[str]):
@@ -195,6 +216,7 @@ def test_every_phase_after_the_stages_is_forecast(tiny_llama_dir):
     assert packed.phases["candidate eval"] == {"process": PROCESS_BYTES} | {
         "read-back": agreement["read-back"],
         "eval": packed.phases["baseline eval"]["eval"],
+        "mapped float pages": agreement["mapped float pages"],
     }
 
 
