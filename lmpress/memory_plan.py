@@ -227,17 +227,28 @@ def forecast_memory(
     if exports:
         sizes = [float_model if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
         read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked
-        forecast.phases["read-back"] = process | {
-            "candidate": candidate,
-            "read-back": read_back + max(sizes[1:], default=0),
-            "logits": agreement_tokens * shape.vocab * 4,  # one side's first-window forward at a time
-        } | float_pages
-        forecast.phases["runtime agreement"] = process | {
-            "candidate": candidate,
-            "read-back": read_back,
-            "runtime model": candidate,
-            "logits": 2 * agreement_tokens * shape.vocab * 4,  # both sides', float32 (compared in float64 by blocks)
-        } | float_pages
+        forecast.phases["read-back"] = (
+            process
+            | {
+                "candidate": candidate,
+                "read-back": read_back + max(sizes[1:], default=0),
+                "logits": agreement_tokens * shape.vocab * 4,  # one side's first-window forward at a time
+            }
+            | float_pages
+        )
+        forecast.phases["runtime agreement"] = (
+            process
+            | {
+                "candidate": candidate,
+                "read-back": read_back,
+                "runtime model": candidate,
+                "logits": 2
+                * agreement_tokens
+                * shape.vocab
+                * 4,  # both sides', float32 (compared in float64 by blocks)
+            }
+            | float_pages
+        )
         if logit_tokens:
             forecast.phases["candidate eval"] = process | {"read-back": read_back, "eval": eval_work} | float_pages
     elif logit_tokens:
