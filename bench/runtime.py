@@ -16,7 +16,10 @@ reports the median and quartiles over repeats, with the load average at each. By
 
 llama.cpp runs through llama-cpp-python in two builds where both exist: the one installed (``.ci/run``
 builds it for AVX2) and a native one (``-march=native`` without AMX; ``--build-llama-cpp`` builds it
-once into ~/.cache/lmpress/llama-cpp/, about 5 minutes on 2 cores). The faster one is the reference.
+once into ~/.cache/lmpress/llama-cpp/, about 5 minutes on 2 cores). The faster one is the reference. Its
+threads are llama-cpp-python's own defaults, as its users run it (``--llama-cpp-threads same``: ``--threads``).
+The ``*-same-*`` rows run identical codes in both engines: bench/serve.py's W4 g64 artifact with its 8-bit head,
+as compressed-tensors for lmpress and as lmpress's GGUF (Q4_0, Q8_0 head) for llama.cpp (issue 55).
 Results are filed per host kind (CPU model + instruction sets, ``runtime_hosts.py``).
 
 The speculative rows decode a grounded prompt (rewrite a given block of code), where
@@ -61,6 +64,9 @@ LLAMA_CPP_NATIVE_CMAKE_ARGS = (
     "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 )
 DEFAULT_ROWS = [
+    "lmpress-same-w4-head8-compile",
+    "llama.cpp-same-w4-head8",
+    "llama.cpp-same-w4-head8-native",
     "lmpress-w4-head8-compile",
     "llama.cpp-q4_1",
     "llama.cpp-q4_1-native",
@@ -143,6 +149,15 @@ def artifact(label: str) -> Path:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         (Path(scratch) / "out").rename(path)
     return path
+
+
+def same_artifact() -> Path:
+    """bench/serve.py's artifact: SmolLM2 W4 g64 symmetric with an 8-bit head, float tensors in bfloat16, as
+    compressed-tensors (ct/) and as lmpress's GGUF of the same codes (gguf/: Q4_0, the head Q8_0), for the rows
+    where lmpress and llama.cpp run identical codes (issue 55)."""
+    import serve
+
+    return serve.artifact(argparse.Namespace(group=64, head="w8", float_dtype="bfloat16"))
 
 
 def q4_1_gguf() -> Path:
@@ -296,7 +311,7 @@ def timed_llama_cpp(
     path = gguf()
     tokenizer = lmpress.load_model(SMOLLM2).tokenizer  # the same token ids the other rows read
     prompt = plain_prompt(tokenizer, args.prompt_tokens)
-    threads = torch.get_num_threads()
+    threads = None if args.llama_cpp_threads == "own" else torch.get_num_threads()  # None: llama-cpp-python's
     n_ctx = max(1024, len(prompt) + args.new_tokens + 16)
     cache = {}  # its own f16 cache by default; q8_0 K and V caches as its users set them (V needs flash attention)
     if kv_cache == "q8_0":
@@ -326,6 +341,7 @@ def timed_llama_cpp(
     info = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "bytes_per_token": weights + kv}
     info["kv_cache"] = kv_cache or "f16"
     info["llama_cpp"] = {"build": build, "path": llama_cpp.__file__, "system_info": system_info(llama_cpp)}
+    info["threads"] = {"decode": llm.n_threads, "prompt": llm.n_threads_batch}
     return run, info
 
 
@@ -357,6 +373,18 @@ TIMED = {
     "lmpress-w4-head8-compile-kv8": (
         "lmpress W4 g64, head W8 + torch.compile, INT8 KV cache",
         lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True, "int8"),
+    ),
+    "lmpress-same-w4-head8-compile": (
+        "lmpress W4 g64 sym, head W8, bfloat16 float tensors + torch.compile (the llama.cpp-same rows' codes)",
+        lambda a: timed_runtime(a, str(same_artifact() / "ct"), "float32", True),
+    ),
+    "llama.cpp-same-w4-head8": (
+        "llama.cpp on lmpress's GGUF of the same codes (Q4_0, Q8_0 head), AVX2 build",
+        lambda a: timed_llama_cpp(a, lambda: same_artifact() / "gguf" / "model.gguf", "avx2"),
+    ),
+    "llama.cpp-same-w4-head8-native": (
+        "llama.cpp on lmpress's GGUF of the same codes (Q4_0, Q8_0 head), native build",
+        lambda a: timed_llama_cpp(a, lambda: same_artifact() / "gguf" / "model.gguf", "native"),
     ),
     "llama.cpp-q4_1": ("llama.cpp Q4_1 (SmolLM2's GGUF), AVX2 build", lambda a: timed_llama_cpp(a, q4_1_gguf, "avx2")),
     "llama.cpp-q4_1-kv8": (
@@ -441,7 +469,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
 def start_worker(name: str, args: argparse.Namespace) -> WorkerProcess:
     argv = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
     argv += ["--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
-    argv += ["--activations", args.activations]
+    argv += ["--activations", args.activations, "--llama-cpp-threads", args.llama_cpp_threads]
     return WorkerProcess(name, argv, worker_environment(dict(os.environ), REPO, args.omp_wait_policy))
 
 
@@ -536,6 +564,13 @@ def main() -> None:
         choices=["int8", "bf16"],
         default="int8",
         help="lmpress rows: weight-only layers' CPU activations (int8 per 4 values: lmpress's kernels; bf16: torch's)",
+    )
+    parser.add_argument(
+        "--llama-cpp-threads",
+        choices=("own", "same"),
+        default="own",
+        help="llama.cpp rows: llama-cpp-python's own thread defaults, as its users run it (half the logical CPUs "
+        "for decode; the default), or --threads, as lmpress's rows",
     )
     parser.add_argument("--warmup-rounds", type=int, default=1, help="timed rounds run first and discarded")
     parser.add_argument(
