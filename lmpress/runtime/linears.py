@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_half, linear_kernel
+from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_half, cpu_probe, linear_kernel
 from lmpress.runtime.kernels.dense import linear_over
 from lmpress.weights.float8 import Fp8Linear
 from lmpress.weights.fp4 import Fp4Linear
@@ -54,8 +54,9 @@ class Build:
 
     def dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         """A float layer over ``weight`` (used as it is) and ``bias``, in ``dense_dtype(weight)``."""
-        if self.dense_dtype(weight) != self.dtype:
-            return cpu_half.HalfWeightLinear(weight, bias)
+        if self.dense_dtype(weight) != self.dtype:  # the op's variant probed for this host and shape
+            choice = cpu_probe.choose_half_kernel(*weight.shape, weight.dtype)
+            return cpu_half.HalfWeightLinear(weight, bias, choice.isa, choice.prefetch)
         return linear_over(self.dense_linear, weight.to(self.dtype), bias)
 
     @property

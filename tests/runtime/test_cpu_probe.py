@@ -60,21 +60,45 @@ def test_the_probe_chooses_a_candidate_once_per_host_and_shape(tmp_path, monkeyp
     timed = []
     real = cpu_probe.time_candidates
     monkeypatch.setattr(cpu_probe, "time_candidates", lambda *a: timed.append(a[1:3]) or real(*a))
-    probed = layer("w4", 1024, 576)  # 288 KiB of codes: probed
-    assert [probed.isa, probed.prefetch] in cpu_probe.candidates(cpu_int.host_isa())
+    chosen = cpu_probe.choose_int8_kernel(cpu_int.W4A8Linear, 1024, 576, 9)  # 288 KiB of codes: probed
+    assert [chosen.isa, chosen.prefetch] in cpu_probe.candidates(cpu_int.host_isa())
     assert timed == [(576, 1024 * 576 // 2)]
     assert tuning.cache_path() == tmp_path / "tuning.json" and tuning.cache_path().is_file()
     tuning.forget_in_memory()  # a new process: read from the cache, not timed again
-    again = layer("w4", 1024, 576)
-    assert (again.isa, again.prefetch) == (probed.isa, probed.prefetch)
+    assert cpu_probe.choose_int8_kernel(cpu_int.W4A8Linear, 1024, 576, 9) == chosen
     assert timed == [(576, 1024 * 576 // 2)]
-    x = torch.randn(1, 576)
-    assert torch.equal(probed(x), layer("w4", 1024, 576, isa=probed.isa)(x))
     if cpu_half.available():  # the half-precision head's own probe, kept beside it
-        head = layer("half", 256, 576)
+        head = cpu_probe.choose_half_kernel(256, 576, torch.bfloat16)
         assert [head.isa, head.prefetch] in cpu_probe.candidates(cpu_int.host_isa(), cpu_probe.HALF_DEFAULT_PREFETCH)
         assert timed[-1] == (576, 256 * 576 * 2)
     tuning.forget_in_memory()
+
+
+def test_the_runtime_builds_its_layers_with_the_probed_choice(monkeypatch):
+    """Where the runtime puts a 4-bit layer on the int8 kernel (or keeps a bfloat16 weight for the half op), the
+    module runs the variant the probe chose for its shape."""
+    from lmpress.runtime.kernels.cpu import int8_activation_kernel
+    from lmpress.runtime.linears import Build
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+
+    picked = cpu_probe.KernelChoice(1 if cpu_int.host_isa() >= 1 else 0, 1024)
+    asked = []
+    monkeypatch.setattr(cpu_probe, "choose_int8_kernel", lambda *a: asked.append(a) or picked)
+    monkeypatch.setattr(cpu_probe, "choose_half_kernel", lambda *a: asked.append(a) or picked)
+    import lmpress.runtime.kernels.cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "choose_int8_kernel", cpu_probe.choose_int8_kernel)
+    scheme = QuantScheme(bits=4, group_size=64, symmetric=True)
+    weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))
+    layer = QuantizedLinear.from_quantized_weight(quantize_weight_rtn(weight, scheme))
+    module = int8_activation_kernel(layer, None, "int8")
+    assert (module.isa, module.prefetch) == (picked.isa, picked.prefetch)
+    assert asked[-1] == (cpu_int.W4A8Linear, 128, 256, 4)
+    if cpu_half.available():
+        half = Build(torch.float32).dense(weight.bfloat16(), None)
+        assert (half.isa, half.prefetch) == (picked.isa, picked.prefetch)
+        assert asked[-1] == (128, 256, torch.bfloat16)
 
 
 def test_small_weights_and_the_off_space_take_the_defaults(monkeypatch):

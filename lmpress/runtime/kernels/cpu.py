@@ -11,11 +11,8 @@ keep only the repacked weight, not the original packed codes. Float weights run 
 from __future__ import annotations
 
 import functools
-import hashlib
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +22,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.runtime.kernels import cpu_int
 from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
 from lmpress.runtime.kernels.cpu_int import DEFAULT_CPU_ACTIVATIONS, W4A8Linear, W8A8RowLinear, finish_output
+from lmpress.runtime.kernels.cpu_probe import choose_int8_kernel, cpu_model
 from lmpress.runtime.kernels.dense import dense_linear, linear_over
 from lmpress.runtime.kernels.tuning import default_cache, tune_key
 from lmpress.weights.qlinear import QuantizedLinear
@@ -79,20 +77,6 @@ STREAMED_BYTES = 128 * 2**20  # well past a server CPU's last-level cache per co
 # Smaller weights are not timed and run F.linear: a product of one costs microseconds either way, while
 # streaming 128 MiB of its copies meant hundreds of thousands of timed calls (a MoE router's 1 x 128 gate: 58 s).
 PROBED_MIN_BYTES = 256 * 2**10
-
-
-@functools.cache
-def cpu_model() -> str:
-    """This CPU's model name and a digest of its feature flags (``/proc/cpuinfo`` on Linux; else what
-    ``platform`` says): the host a timed choice was made on. Virtual machines often name only the family
-    ("AMD EPYC"), which covers AVX2-only and AVX-512 hosts alike; the flags tell them apart."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:64] if ":" in line)
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        flags = hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:8]
-        return f"{info.get('model name', platform.machine())} (flags {flags})"
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 @functools.cache
@@ -231,7 +215,9 @@ def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None, ac
     if not int8_activation_kernel_fits(layer, activations):
         return None
     kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
-    return kernel(layer.codes(), layer.scales.detach(), layer.zeros.float(), bias)
+    scales = layer.scales.detach()
+    choice = choose_int8_kernel(kernel, layer.out_features, layer.in_features, scales.reshape(len(scales), -1).shape[1])
+    return kernel(layer.codes(), scales, layer.zeros.float(), bias, choice.isa, choice.prefetch)
 
 
 @torch.no_grad()

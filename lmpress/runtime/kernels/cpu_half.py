@@ -20,6 +20,7 @@ from lmpress.runtime.kernels import cpu_int
 
 COLUMNS = 32  # in_features must be a multiple of it (fixed in cpu_half.cpp)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+DEFAULT_PREFETCH = 4608  # bytes ahead of each weight load: cpu_half.cpp's PREFETCH_BYTES, the op's default
 
 
 @functools.cache
@@ -46,10 +47,8 @@ class HalfWeightLinear(nn.Module):
         isa: int | None = None,
         prefetch: int | None = None,
     ) -> None:
-        """Without ``isa``, the op's instruction set level and prefetch distance are this host's probed choice for
-        the weight's shape (``cpu_probe.py``); with it, ``prefetch`` defaults to the op's own."""
-        from lmpress.runtime.kernels import cpu_probe
-
+        """``isa`` (default: the host's best level) and ``prefetch`` (bytes ahead; default ``DEFAULT_PREFETCH``)
+        choose the op's variant: the runtime passes this host's probed choice (``cpu_probe.choose_half_kernel``)."""
         super().__init__()
         usable = available() and weight.dtype in HALF_DTYPES  # else F.linear on the weight widened for every call
         self.out_features, self.in_features = weight.shape
@@ -57,14 +56,8 @@ class HalfWeightLinear(nn.Module):
         # while a step streams them); smaller ones are used as given.
         self.weight = nn.Parameter(cpu_int.huge_pages(weight.detach()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        if not usable:
-            choice = cpu_probe.KernelChoice(0, cpu_probe.HALF_DEFAULT_PREFETCH)
-        elif isa is None:
-            choice = cpu_probe.choose_half_kernel(self.out_features, self.in_features, weight.dtype)
-        else:
-            choice = cpu_probe.KernelChoice(isa, cpu_probe.HALF_DEFAULT_PREFETCH)
-        self.isa = choice.isa  # the op's vectors: 2 AVX-512, 1 AVX2
-        self.prefetch = choice.prefetch if prefetch is None else prefetch
+        self.isa = 0 if not usable else cpu_int.host_isa() if isa is None else isa  # the op's: 2 AVX-512, 1 AVX2
+        self.prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

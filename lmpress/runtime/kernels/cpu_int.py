@@ -139,6 +139,7 @@ def repack_w4(codes: torch.Tensor) -> torch.Tensor:
 
 
 TILE = 16  # output rows per tile of the AVX-512 layouts
+DEFAULT_PREFETCH = 4096  # bytes ahead of the weights being dotted: cpu_int.cpp's PREFETCH_BYTES, the ops' default
 # Weights from this size on are copied into memory advised for transparent huge pages (``huge_pages``): SmolLM2's
 # W8 head (28 MiB) streamed 7-8% faster that way on a Xeon with THP "madvise"; the layers' weights (under 2 MiB
 # each) would mostly be padding.
@@ -207,9 +208,9 @@ def w8_fits(in_features: int, group_width: int, act_order: bool) -> bool:
 
 class Int8ActivationLinear(nn.Module):
     """``(q - zero) * scale`` weight codes times activations quantized to int8 per 4, through the torch op ``OP``;
-    subclasses lay the weight out for it (``layout``). Without ``isa``, the instruction set level and prefetch
-    distance are this host's probed choice for the weight's shape (``cpu_probe.py``); with it, ``prefetch``
-    defaults to the ops' own."""
+    subclasses lay the weight out for it (``layout``). ``isa`` (default: the host's best level) and ``prefetch``
+    (bytes ahead; default ``DEFAULT_PREFETCH``) choose the variant: the runtime passes this host's probed choice
+    for the weight's shape (``cpu_probe.choose_int8_kernel``)."""
 
     KERNEL = ""
     OP = ""
@@ -223,17 +224,11 @@ class Int8ActivationLinear(nn.Module):
         isa: int | None = None,
         prefetch: int | None = None,
     ) -> None:
-        from lmpress.runtime.kernels import cpu_probe
-
         super().__init__()
         load_library()
         self.out_features, self.in_features = codes.shape
-        if isa is None:
-            choice = cpu_probe.choose_int8_kernel(type(self), *codes.shape, scales.reshape(len(codes), -1).shape[1])
-        else:
-            choice = cpu_probe.KernelChoice(isa, cpu_probe.DEFAULT_PREFETCH)
-        self.isa = choice.isa
-        self.prefetch = choice.prefetch if prefetch is None else prefetch
+        self.isa = host_isa() if isa is None else isa
+        self.prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
         codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
         self.register_buffer("codes", huge_pages(codes))
         self.register_buffer("scales", scales)

@@ -21,21 +21,23 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import platform
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from lmpress.runtime.kernels import cpu_int
-from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
+from lmpress.runtime.kernels import cpu_half, cpu_int
 from lmpress.runtime.kernels.tuning import tune_space, tuned_choice
 
-DEFAULT_PREFETCH = 4096  # bytes ahead: cpu_int.cpp's PREFETCH_BYTES, its ops' default
-HALF_DEFAULT_PREFETCH = 4608  # cpu_half.cpp's
+DEFAULT_PREFETCH = cpu_int.DEFAULT_PREFETCH
+HALF_DEFAULT_PREFETCH = cpu_half.DEFAULT_PREFETCH
 # The default wins unless another candidate is this much faster: rounds on a shared virtual machine differ by a few
 # percent, and distances within a few KiB of each other time alike on the hosts measured (bench/cpu_probe.py).
 MARGIN = 0.05
@@ -44,6 +46,20 @@ PROBED_MIN_BYTES = 32 * 2**10  # the tiny test models' weights are smaller; Smol
 MAX_COPIES = 256  # a small weight's copies stop here (SmolLM2's k and v: 14 of the 64 MiB): each is a call of
 # some microseconds of Python and dispatch, and timing 1,200 of them per candidate and round cost 2.4 s of the probe
 ROUNDS = 6  # the first warms up; the median of the rest counts
+
+
+@functools.cache
+def cpu_model() -> str:
+    """This CPU's model name and a digest of its feature flags (``/proc/cpuinfo`` on Linux; else what
+    ``platform`` says): the host a timed choice was made on. Virtual machines often name only the family
+    ("AMD EPYC"), which covers AVX2-only and AVX-512 hosts alike; the flags tell them apart."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:64] if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        flags = hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:8]
+        return f"{info.get('model name', platform.machine())} (flags {flags})"
+    except OSError:
+        return platform.processor() or platform.machine()
 
 
 @dataclass(frozen=True)
@@ -70,8 +86,6 @@ def choose_kernel(
     tuning cache, or probed now on modules ``make(isa)`` builds."""
     if tune_space() == "off" or weight_bytes < PROBED_MIN_BYTES:
         return KernelChoice(cpu_int.host_isa(), default_prefetch)
-    from lmpress.runtime.kernels.cpu import cpu_model  # cpu.py imports this module's callers
-
     tried = candidates(cpu_int.host_isa(), default_prefetch)
     shape = shape | {"threads": torch.get_num_threads()}
     times = functools.cache(lambda: time_candidates(make, shape["in"], weight_bytes, tried))
@@ -105,7 +119,7 @@ def choose_half_kernel(out_features: int, in_features: int, dtype: torch.dtype) 
 
     def make(isa: int) -> nn.Module:
         weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-        return HalfWeightLinear(weight, isa=isa)
+        return cpu_half.HalfWeightLinear(weight, isa=isa)
 
     shape = {"out": out_features, "in": in_features, "dtype": str(dtype).removeprefix("torch.")}
     return choose_kernel("cpu-half", shape, out_features * in_features * 2, make, HALF_DEFAULT_PREFETCH)
