@@ -21,6 +21,7 @@ from torch import nn
 from lmpress.anatomy import ANATOMIES, get_anatomy, unsupported
 from lmpress.cache import cache_root, files_fingerprint, known_sha256
 from lmpress.errors import LmpressInputError
+from lmpress.memory import return_freed_memory
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -183,32 +184,38 @@ def gguf_to_checkpoint(gguf_path: Path) -> Path:
     target = cache_root() / "gguf" / digest[:20]
     if (target / "config.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
-        kwargs = {"gguf_file": gguf_path.name}
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-        except (ValueError, OSError, KeyError, IndexError, EOFError, struct.error) as e:
-            # transformers' GGUF reader raises struct.error / IndexError on a truncated file
-            raise LmpressInputError(
-                f"transformers cannot read GGUF file {gguf_path}: {e} (truncated or damaged?)"
-            ) from e
-        # The dequantized weights are plain floats now; drop the GGUF quantizer so
-        # the result saves (and later loads) as an ordinary checkpoint.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        write_dequantized_gguf(gguf_path, tmp)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    # The converted model is garbage now, its memory freed to the C heap, which keeps it: hand it back (about 200
+    # MB on SmolLM2's first run, which every later phase of that run carried).
+    return_freed_memory()
     return target
+
+
+def write_dequantized_gguf(gguf_path: Path, out: Path) -> None:
+    """The GGUF file's model dequantized by transformers, saved to ``out`` as a float32 HF checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_path.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    except (ValueError, OSError, KeyError, IndexError, EOFError, struct.error) as e:
+        # transformers' GGUF reader raises struct.error / IndexError on a truncated file
+        raise LmpressInputError(f"transformers cannot read GGUF file {gguf_path}: {e} (truncated or damaged?)") from e
+    # The dequantized weights are plain floats now; drop the GGUF quantizer so
+    # the result saves (and later loads) as an ordinary checkpoint.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def checkpoint_fingerprint(path: Path) -> str:

