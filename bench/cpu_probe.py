@@ -12,7 +12,6 @@ its own host's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_hosts import cpu_identity  # noqa: E402
+from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # SmolLM2-135M's linear layers (hidden 576, 3 key-value heads of 64, feed-forward 1536, vocabulary 49152): W4 g64
@@ -129,13 +128,7 @@ def main() -> None:
         "model_s": sum(row["probe_s"] for name, row in shapes.items() if "head" not in name)
         + max(row["probe_s"] for name, row in shapes.items() if "head" in name),
     }
-    args.results.mkdir(parents=True, exist_ok=True)
-    path = args.results / "cpu_probe.json"
-    hosts = json.loads(path.read_text()) if path.is_file() else {}
-    hosts[host["key"]] = {"meta": meta, "shapes": shapes}
-    path.write_text(json.dumps(hosts, indent=2) + "\n")
-    (args.results / "cpu_probe.md").write_text(render(hosts))
-    print(render({host["key"]: hosts[host["key"]]}))
+    print(file_host_entry(args.results / "cpu_probe.json", host["key"], {"meta": meta, "shapes": shapes}, render))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Each figure is ms per decode step at the prompt's length (``--prompt-tokens``, d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_hosts import cpu_identity  # noqa: E402
+from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FUSED = "Inductor's fused code (the compiled graph's own time)"
@@ -190,14 +189,8 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load": f"{os.getloadavg()[0]:.2f}",
     }
-    args.results.mkdir(parents=True, exist_ok=True)
-    path = args.results / "decode_profile.json"
-    hosts = json.loads(path.read_text()) if path.is_file() else {}
-    hosts[host["key"]] = {"meta": meta, "eager": eager, "compiled": compiled}
-    path.write_text(json.dumps(hosts, indent=2) + "\n")
-    page = render(hosts)
-    (args.results / "decode_profile.md").write_text(page)
-    print(render({host["key"]: hosts[host["key"]]}))
+    entry = {"meta": meta, "eager": eager, "compiled": compiled}
+    print(file_host_entry(args.results / "decode_profile.json", host["key"], entry, render))
 
 
 if __name__ == "__main__":

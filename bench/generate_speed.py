@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_hosts import cpu_identity  # noqa: E402
+from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVE_ARTIFACT = Path(os.path.expanduser("~/.cache/lmpress/bench/serve-w4g64-headfloat-bf16/ct"))
@@ -158,13 +158,8 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load": f"{os.getloadavg()[0]:.2f}",
     }
-    args.results.mkdir(parents=True, exist_ok=True)
-    path = args.results / "generate_speed.json"
-    hosts = json.loads(path.read_text()) if path.is_file() else {}
-    hosts[meta["host"]["key"]] = {"meta": meta, "steps": steps}
-    path.write_text(json.dumps(hosts, indent=2) + "\n")
-    (args.results / "generate_speed.md").write_text(render(hosts))
-    print(render({meta["host"]["key"]: hosts[meta["host"]["key"]]}))
+    entry = {"meta": meta, "steps": steps}
+    print(file_host_entry(args.results / "generate_speed.json", meta["host"]["key"], entry, render))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,17 @@ def goals(rows: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
     if hf and fp32:
         out.append(f"{labels[fp32]} / transformers FP32: {rows[fp32]['decode_tok_s'] / hf['decode_tok_s']:.2f}x")
     return out
+
+
+def file_host_entry(path: Path, key: str, entry: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> str:
+    """File ``entry`` under host ``key`` in ``path`` (JSON; the other hosts' entries kept), write ``render`` of all
+    of them to the Markdown page beside it, and return this host's part of the page."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hosts = json.loads(path.read_text()) if path.is_file() else {}
+    hosts[key] = entry
+    path.write_text(json.dumps(hosts, indent=2) + "\n")
+    path.with_suffix(".md").write_text(render(hosts))
+    return render({key: entry})
 
 
 def record(path: Path, host: dict[str, Any], entry: dict[str, Any], labels: dict[str, str]) -> None:

@@ -94,6 +94,12 @@ class StopCriteria:
         return any(s in tail for s in self.stop_strings)
 
 
+def cache_length(prompt_tokens: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """The KV cache slots a generation of ``max_new_tokens`` after a prompt needs (the last token is not read back),
+    at most the model's context."""
+    return min(prompt_tokens + max_new_tokens - 1, max_seq_len)
+
+
 @trims_heap_after  # the cache and a prefill's activations, freed, are handed back
 def generate_tokens(
     model: Transformer,
@@ -119,7 +125,7 @@ def generate_tokens(
     check_context(tokens.shape[1], model.args.max_seq_len)
     stops = StopCriteria(eos_token_id, stop_strings, tokenizer)
     # Generating n tokens reads the prompt and the first n - 1 of them.
-    max_len = min(tokens.shape[1] + max_new_tokens - 1, model.args.max_seq_len)
+    max_len = cache_length(tokens.shape[1], max_new_tokens, model.args.max_seq_len)
     n_new = max_len - tokens.shape[1] + 1
     cache = model.new_cache(len(batch), max_len, pad)
     history = torch.full((len(batch), tokens.shape[1] + n_new), FINISHED, dtype=torch.long)

@@ -22,7 +22,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
 from lmpress.memory import return_freed_memory
 from lmpress.runtime.eagle3 import Eagle3Head, load_draft_head
-from lmpress.runtime.generate import compile_reads, decode_with, decoding_forward, generate_tokens
+from lmpress.runtime.generate import cache_length, compile_reads, decode_with, decoding_forward, generate_tokens
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, check_cpu_activations
 from lmpress.runtime.model import MOE_TYPES, Transformer
 from lmpress.runtime.sample import SamplingConfig
@@ -279,7 +279,7 @@ def generate_text(
     speculative = draft is not None or prompt_lookup or head is not None
     if compile and not speculative:  # speculative_decode compiles its reads itself, before its first round
         compiling = time.perf_counter()
-        compile_reads(forward, model, min(len(ids) + max_new_tokens - 1, model.args.max_seq_len), (1,))
+        compile_reads(forward, model, cache_length(len(ids), max_new_tokens, model.args.max_seq_len), (1,))
         result.compile_seconds = time.perf_counter() - compiling
     began = time.perf_counter()
     if speculative:

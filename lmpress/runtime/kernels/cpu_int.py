@@ -77,10 +77,10 @@ def load_library() -> None:
 
 
 def _register_fakes() -> None:
-    def fake_linear(x, codes, scales, zeros, isa, prefetch=4096):  # noqa: ANN001, ANN202 - torch.library's signature
+    def fake_linear(x, codes, scales, zeros, isa, prefetch=DEFAULT_PREFETCH):  # noqa: ANN001, ANN202 - torch.library's signature
         return x.new_empty(x.shape[0], codes.shape[0])
 
-    def fake_tiled(x, codes, scales, zeros, out_features, prefetch=4096):  # noqa: ANN001, ANN202 - torch.library's
+    def fake_tiled(x, codes, scales, zeros, out_features, prefetch=DEFAULT_PREFETCH):  # noqa: ANN001, ANN202 - torch.library's
         return x.new_empty(x.shape[0], out_features)
 
     for op in ("w4_linear", "w8_linear"):
