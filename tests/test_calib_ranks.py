@@ -2,8 +2,8 @@
 half of the calibration batches, statistics are summed across them and each GPTQ solve runs on one.
 
 The artifact is bit-identical to one process's: Wanda's input norms and GPTQ's Hessians are float64 sums of the
-same float32 per-batch terms (another grouping moves them by ~1e-16 relative, far below float32's rounding), and
-every pass that does not spread (AWQ) is the same work in each process."""
+same float32 per-batch terms (another grouping moves them by ~1e-16 relative, far below float32's rounding),
+maxima reduce exactly, and searches (AWQ, SmoothQuant's α) score each candidate on the whole gathered recording."""
 
 from __future__ import annotations
 
@@ -70,6 +70,19 @@ def launch(tmp_path, recipe: str, out: str, *options: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def one_thread_run(recipe, out) -> int:
+    """``lmpress run`` in this process with one thread, as each launched process has: LAPACK's factorizations
+    (the Hessian's Cholesky) round differently on another number of threads, and SparseGPT's masks follow them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(["run", str(recipe), "--out", str(out), "--quiet"])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def tensor_digests(export) -> dict[str, str]:
     """sha256 of each stored tensor's bytes (packed codes, scales, everything the export holds)."""
     import torch
@@ -80,13 +93,19 @@ def tensor_digests(export) -> dict[str, str]:
 
 
 STAGES = {
-    # both spread: Wanda's input norms and GPTQ's Hessians summed across the processes, GPTQ's solves shared
+    # Wanda's input norms and GPTQ's Hessians summed across the processes, GPTQ's solves shared
     "wanda-gptq": [
         {"method": "wanda", "sparsity": 0.3},
         {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True, "static_groups": True, "mse": True},
     ],
-    # AWQ's scale search does not reduce across processes: its pass runs in full in each, in step
-    "awq": [{"method": "awq", "bits": 4, "group_size": 32}],
+    # SparseGPT's solves shared; AWQ's 4 search batches recorded 2 + 2 and gathered, its trials and clipping
+    # searches shared
+    "sparsegpt-awq": [
+        {"method": "sparsegpt", "sparsity": 0.3},
+        {"method": "awq", "bits": 4, "group_size": 32, "search_samples": 16},
+    ],
+    # channel maxima reduced by max; the α search's 2 batches are all process 0's, its trials shared
+    "smoothquant": [{"method": "smoothquant", "alpha_search": True}],
 }
 
 
@@ -106,12 +125,12 @@ def test_two_launched_processes_write_the_export_of_one(tiny_llama_dir, tmp_path
         )
     )
     launch(tmp_path, str(recipe), str(tmp_path / "two"))
-    assert main(["run", str(recipe), "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    assert one_thread_run(recipe, tmp_path / "one") == 0
     two, one = (tensor_digests(tmp_path / run / "compressed-tensors") for run in ("two", "one"))
     assert two == one  # every packed code, scale and float tensor
     summaries = [s["summary"] for s in json.loads((tmp_path / "two" / "report.json").read_text())["stages"]]
     spread = [s.get("processes") for s in summaries]
-    assert spread == ([2, 2] if stages == "wanda-gptq" else [None])
+    assert spread == [2] * len(STAGES[stages])
     assert all(s["calibration"] == [16, 64] for s in summaries)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".two")]  # no scratch left behind
 
@@ -131,7 +150,7 @@ def test_wanda_masks_are_the_same_whichever_processes_summed_the_norms(tiny_llam
         )
     )
     launch(tmp_path, str(recipe), str(tmp_path / "two"))
-    assert main(["run", str(recipe), "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    assert one_thread_run(recipe, tmp_path / "one") == 0
     from safetensors.torch import load_file
 
     two, one = (load_file(tmp_path / run / "hf" / "model.safetensors") for run in ("two", "one"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from lmpress.errors import LmpressInputError, LmpressStopped
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 def calibration_ranks() -> tuple[int, int]:
@@ -95,6 +96,16 @@ def _broadcast_objects(box: list, src: int) -> None:
     dist.broadcast_object_list(box, src=src)
 
 
+@collective
+def all_gather_objects(value: T) -> list[T]:
+    """Every rank's ``value`` (picklable, its tensors on the CPU), in rank order."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, value)
+    return parts
+
+
 def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """The elementwise sum of ``tensor`` over every rank, computed in float64, in ``tensor``'s dtype."""
     import torch.distributed as dist
@@ -134,7 +145,7 @@ def count_across_ranks(n: int) -> int:
     return int(sum_across_ranks(torch.tensor([n], dtype=torch.int64, device=_collective_device())).item())
 
 
-def owners_by_cost(names: Sequence[str], cost: Callable[[str], float], world: int) -> dict[str, int]:
+def owners_by_cost(names: Sequence[K], cost: Callable[[K], float], world: int) -> dict[K, int]:
     """Each of ``names`` assigned to a rank: the costliest first, each to the least loaded rank (ties: the lowest
     rank), the same answer on every rank."""
     load = [0.0] * world
@@ -146,9 +157,16 @@ def owners_by_cost(names: Sequence[str], cost: Callable[[str], float], world: in
     return owners
 
 
+def column_solve_cost(weight: torch.Tensor) -> float:
+    """What a GPTQ or SparseGPT solve of ``weight`` costs, relatively: the column loop (rows x columns) and the
+    factorization of the columns x columns Hessian."""
+    rows, columns = weight.shape
+    return rows * columns + columns**3 / 64
+
+
 def solve_across_ranks(
-    names: Sequence[str], cost: Callable[[str], float], solve: Callable[[str], T], world: int
-) -> dict[str, T]:
+    names: Sequence[K], cost: Callable[[K], float], solve: Callable[[K], T], world: int
+) -> dict[K, T]:
     """``solve(name)`` for each of ``names``, each on one rank (``owners_by_cost``), every result broadcast to every
     rank in ``names``' order. With ``world`` 1: every solve here, in order."""
     if world == 1:

@@ -3,12 +3,24 @@
 Searches that score candidates on a block's output (AWQ's scales and clipping,
 SmoothQuant's alpha) record what the block's linears and attention/MLP modules
 receive, then rerun those modules on the recording for each candidate.
+
+Where the layer's calibration batches are shared by launched processes, each records the search batches in its
+share and every process then holds the whole recording (:func:`record_search_batches`), so each can score any
+candidate exactly as one process would; the candidates are then shared out (``ranks.solve_across_ranks``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
+
+from lmpress.calib.activations import map_tensors
+from lmpress.calib.ranks import all_gather_objects, calibration_ranks, count_across_ranks, rank_batches
+
+if TYPE_CHECKING:
+    from lmpress.calib.session import LayerSession
 
 
 def common_parent(names: list[str]) -> str:
@@ -64,3 +76,40 @@ class RecordedInputs:
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in self.inputs[name]])
         step = max(1, x.shape[0] // limit)
         return x[::step][:limit]
+
+
+def record_search_batches(session: LayerSession, watch: list[str], n_batches: int) -> RecordedInputs:
+    """The inputs of ``watch`` on the first ``n_batches`` calibration batches of the whole set. With the batches
+    shared by launched processes (``session.ranks`` > 1), each records the search batches in its share and every
+    process receives every recording, in batch order: the recording one process would make."""
+    recorded = RecordedInputs()
+    if session.ranks == 1:
+        session.forward(watch, recorded, limit=n_batches)
+        return recorded
+    rank, world = calibration_ranks()
+    share = rank_batches(count_across_ranks(len(session.inputs.hidden)), rank, world)
+    mine = max(0, min(n_batches, share.stop) - share.start)
+    if mine:
+        session.forward(watch, recorded, limit=mine)
+    merged = RecordedInputs()
+    parts = all_gather_objects(_moved(recorded.inputs, recorded.kwargs, recorded.as_keyword, device="cpu"))
+    for part in parts:
+        inputs, kwargs, as_keyword = _moved(*part, device=session.device)
+        for name in inputs:
+            merged.inputs.setdefault(name, []).extend(inputs[name])
+            merged.kwargs.setdefault(name, []).extend(kwargs[name])
+        merged.as_keyword.update(as_keyword)
+    return merged
+
+
+def _moved(*values: Any, device: torch.device | str) -> tuple:
+    """``values`` with every tensor on ``device``; a tensor held in several places stays one tensor (the
+    recording stores an input shared by several watched modules once, and ``divide`` scales it once)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            done[id(t)] = t.to(device)
+        return done[id(t)]
+
+    return tuple(map_tensors(v, move) for v in values)

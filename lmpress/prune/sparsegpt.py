@@ -50,6 +50,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
+from lmpress.calib.ranks import column_solve_cost, solve_across_ranks
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import column_loop_threads, group_hessians, inverse_hessian_factor
 from lmpress.prune.masks import nm_mask
@@ -204,23 +205,29 @@ class SparseGPTMethod(CalibrationMethod):
 
     def process_group(self, session: LayerSession, group: list[str]) -> None:
         hessians = group_hessians(session, group)
-        for name in group:
-            target = session.targets[name]
-            if target.sparsity == 0:
-                continue
-            weight, pruned, info = sparsegpt_prune_layer(
+        names = [name for name in group if session.targets[name].sparsity > 0]
+
+        def solve(name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            return sparsegpt_prune_layer(
                 session.linear(name).weight.data,
                 hessians[name].H,
-                target,
+                session.targets[name],
                 block_size=self.config.block_size,
                 damp=self.config.damp_percent,
                 reconstruct=self.config.reconstruct,
             )
+
+        if session.ranks == 1:  # solve and set one linear at a time: one result held at once
+            results = ((name, solve(name)) for name in names)
+        else:  # each linear pruned on one rank, the results broadcast (lmpress.calib.ranks)
+            cost = {n: column_solve_cost(session.linear(n).weight) for n in names}
+            results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks).items())
+        for name, (weight, pruned, info) in results:
             if info["damp"] != self.config.damp_percent:
                 message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"
                 log.warning(message)
                 self.warnings.append(message)
-            session.set_weight(name, weight, pruned)
+            session.set_weight(name, weight.to(session.device), pruned.to(session.device))
 
 
 @register_stage("sparsegpt", SparseGPTConfig)

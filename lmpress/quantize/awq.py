@@ -48,7 +48,8 @@ from torch import nn
 
 from lmpress.anatomy import get_anatomy
 from lmpress.calib.engine import CalibrationMethod
-from lmpress.calib.recorded import RecordedInputs, common_parent
+from lmpress.calib.ranks import solve_across_ranks
+from lmpress.calib.recorded import common_parent, record_search_batches
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import group_input_amax
 from lmpress.quantize.awq_search import apply_clip, fold_scales, search_clip, search_scales
@@ -84,6 +85,9 @@ class AWQMethod(CalibrationMethod):
     pass runs GPTQ after it (a second method of the same pass) and this method only scales and clips."""
 
     name = "awq"
+    # spread: the search batches are recorded across the processes and gathered, the trials and clipping searches
+    # shared out, the NVFP4 activation maxima reduced; every process then holds the same scaled, clipped layer
+    reduces_across_ranks = True
 
     def __init__(self, config: AWQConfig, rounds: bool = True) -> None:
         super().__init__()
@@ -106,9 +110,7 @@ class AWQMethod(CalibrationMethod):
         watch = [block for _, _, block in pairs] + clip_names
         if not watch:
             return
-        recorded = RecordedInputs()
-        n_batches = -(-config.search_samples // config.batch_size)
-        session.forward(watch, recorded, limit=n_batches)
+        recorded = record_search_batches(session, watch, -(-config.search_samples // config.batch_size))
         for prev, linears, block in pairs:
             x_mean = torch.cat([t.reshape(-1, t.shape[-1]) for t in recorded.inputs[block]]).abs().mean(0)
             modules = [session.linear(n) for n in linears]
@@ -119,18 +121,22 @@ class AWQMethod(CalibrationMethod):
                 [session.targets[n] for n in linears],
                 x_mean,
                 config.grid,
+                session.ranks,
             )
             self.alphas.append(losses.index(min(losses)) / config.grid)
             anatomy = get_anatomy(session.model)
             fold_scales(session.layer.get_submodule(prev), modules, s, anatomy.norm_offset, anatomy.rows_feeding(prev))
             recorded.divide(linears + [block], s)
-        for name in clip_names:
-            linear, scheme = session.linear(name), session.targets[name]
-            shrink = search_clip(
-                linear.weight.data, recorded.tokens(name, config.clip_tokens), scheme, config.clip_grid,
-                config.clip_max_shrink,
+
+        def clip(name: str) -> torch.Tensor:
+            return search_clip(
+                session.linear(name).weight.data, recorded.tokens(name, config.clip_tokens), session.targets[name],
+                config.clip_grid, config.clip_max_shrink,
             )  # fmt: skip
-            apply_clip(linear, shrink, scheme)
+
+        cost = {name: session.linear(name).weight.numel() for name in clip_names}
+        for name, shrink in solve_across_ranks(clip_names, cost.__getitem__, clip, session.ranks).items():
+            apply_clip(session.linear(name), shrink.to(session.device), session.targets[name])
 
     def prepare_layer(self, session: LayerSession) -> None:
         self.scale_and_clip(session)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lmpress.calib.ranks import solve_across_ranks
 from lmpress.weights.fp4 import E2M1_MAX, fake_quantize_e2m1, fp4_block_scales, nvfp4_global_scale, quantize_weight_fp4
 from lmpress.weights.kquant import live_groups, snap_to_kquant_grid
 from lmpress.weights.scheme import QuantScheme, compute_qparams, fake_quantize
@@ -60,31 +61,38 @@ def search_scales(
     schemes: Sequence[QuantScheme],
     x_mean: torch.Tensor,
     grid: int,
+    ranks: int = 1,
 ) -> tuple[torch.Tensor, list[float]]:
     """The per-channel scale for ``linears`` minimising the block output error (Eq. 4-5).
 
     ``block()`` runs the block on the search inputs and returns its outputs;
     during each trial the linears hold Q(W·s)/s, the quantized weights mapped back
     to the unscaled inputs. The weights are restored afterwards. Returns the best
-    scale and the loss of every α on the grid.
+    scale (the first of the least losses) and the loss of every α on the grid.
+    ``ranks`` > 1: the launched processes share the grid's trials (``calib.ranks``), every one receives every
+    loss; each must hold the same search inputs.
     """
     reference = block()
     originals = [linear.weight.data for linear in linears]  # each trial assigns new tensors; these stay intact
-    losses: list[float] = []
-    best, best_loss = torch.ones_like(x_mean, dtype=torch.float32), float("inf")
-    try:
-        for i in range(grid):
-            s = candidate_scales(x_mean, i / grid)
+
+    def trial_loss(i: int) -> float:
+        s = candidate_scales(x_mean, i / grid)
+        try:
             for linear, scheme, w in zip(linears, schemes, originals, strict=True):
                 linear.weight.data = fake_quantize_weight(w * s.to(w.dtype), scheme) / s.to(w.dtype)
-            loss = sum(torch.mean((o.float() - r.float()) ** 2).item() for o, r in zip(block(), reference, strict=True))
-            losses.append(loss)
-            if loss < best_loss:
-                best, best_loss = s, loss
-    finally:
-        for linear, w in zip(linears, originals, strict=True):
-            linear.weight.data = w
-    return best, losses
+            return sum(torch.mean((o.float() - r.float()) ** 2).item() for o, r in zip(block(), reference, strict=True))
+        finally:
+            for linear, w in zip(linears, originals, strict=True):
+                linear.weight.data = w
+
+    losses = list(solve_across_ranks(range(grid), lambda i: 1.0, trial_loss, ranks).values())
+    best, best_loss = None, float("inf")
+    for i, loss in enumerate(losses):
+        if loss < best_loss:
+            best, best_loss = i, loss
+    if best is None:  # every trial's loss was NaN or infinite
+        return torch.ones_like(x_mean, dtype=torch.float32), losses
+    return candidate_scales(x_mean, best / grid), losses
 
 
 @torch.no_grad()

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
-from lmpress.calib.ranks import solve_across_ranks
+from lmpress.calib.ranks import column_solve_cost, solve_across_ranks
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator, collect_inputs, group_hessians
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer
@@ -112,14 +112,11 @@ def gptq_group(
             hessian_again=again,
         )
 
-    def cost(name: str) -> float:  # the column loop: rows x columns, plus the columns^3 factorization
-        weight = session.linear(name).weight
-        return weight.shape[0] * weight.shape[1] + weight.shape[1] ** 3 / 64
-
     if session.ranks == 1:  # solve and apply one linear at a time: one result held at once
         results = ((name, solve(name)) for name in names)
     else:  # each linear solved on one rank, the results broadcast (lmpress.calib.ranks)
-        results = iter(solve_across_ranks(names, cost, solve, session.ranks).items())
+        cost = {n: column_solve_cost(session.linear(n).weight) for n in names}
+        results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks).items())
     for name, (quantized, info) in results:
         if info["damp"] != config.damp_percent:
             message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"

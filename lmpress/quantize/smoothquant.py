@@ -53,7 +53,8 @@ from torch import nn
 
 from lmpress.anatomy import get_anatomy
 from lmpress.calib.engine import CalibrationMethod
-from lmpress.calib.recorded import RecordedInputs, common_parent
+from lmpress.calib.ranks import max_across_ranks_, solve_across_ranks
+from lmpress.calib.recorded import RecordedInputs, common_parent, record_search_batches
 from lmpress.calib.session import LayerSession
 from lmpress.quantize.awq_search import fake_quantize_weight, fold_scales
 from lmpress.quantize.scaling_pairs import foldable_pairs, run_scaling_stage
@@ -176,6 +177,9 @@ class SmoothQuantMethod(CalibrationMethod):
     ``rounding: gptq`` the stage's pass runs GPTQ after it and this method only smooths."""
 
     name = "smoothquant"
+    # spread: the channel maxima reduced by max (exact), the α search's batches recorded across the processes and
+    # gathered, its trials shared out
+    reduces_across_ranks = True
 
     def __init__(self, config: SmoothQuantConfig) -> None:
         super().__init__()
@@ -186,23 +190,27 @@ class SmoothQuantMethod(CalibrationMethod):
 
     def search_alpha(
         self, recorded: RecordedInputs, module: nn.Module, block: str, linears: list[nn.Linear], x_max: torch.Tensor,
-        w_max: torch.Tensor,
+        w_max: torch.Tensor, ranks: int = 1,
     ) -> tuple[torch.Tensor, float]:  # fmt: skip
-        """The α on the grid whose simulated W8A8 output of ``block`` is closest (MSE) to its float output."""
+        """The α on the grid whose simulated W8A8 output of ``block`` is closest (MSE) to its float output;
+        ``ranks`` > 1: the launched processes share the trials (each holds the same recording)."""
         reference = recorded.run(module, block)
-        best, best_loss, best_alpha = None, float("inf"), 0.0
-        for i in range(self.config.alpha_grid + 1):
-            alpha = i / self.config.alpha_grid
-            s = smoothing_factors(x_max, w_max, alpha)
-            undo = simulated_w8a8(linears, s, self.config.activations)
+        grid = self.config.alpha_grid
+
+        def trial_loss(i: int) -> float:
+            undo = simulated_w8a8(linears, smoothing_factors(x_max, w_max, i / grid), self.config.activations)
             try:
                 outputs = recorded.run(module, block)
             finally:
                 restore(undo)
-            loss = sum(torch.mean((o.float() - r.float()) ** 2).item() for o, r in zip(outputs, reference, strict=True))
+            return sum(torch.mean((o.float() - r.float()) ** 2).item() for o, r in zip(outputs, reference, strict=True))
+
+        losses = solve_across_ranks(range(grid + 1), lambda i: 1.0, trial_loss, ranks)  # every rank: every loss
+        best, best_loss = 0, float("inf")
+        for i, loss in losses.items():
             if loss < best_loss:
-                best, best_loss, best_alpha = s, loss, alpha
-        return best, best_alpha
+                best, best_loss = i, loss
+        return smoothing_factors(x_max, w_max, best / grid), best / grid
 
     def smooth_layer(self, session: LayerSession) -> None:
         pairs = foldable_pairs(session, self.skipped_pairs)
@@ -210,12 +218,15 @@ class SmoothQuantMethod(CalibrationMethod):
             return
         ranges = _ChannelRanges()
         session.forward([linears[0] for _, linears in pairs], ranges)
+        if session.ranks > 1:  # each process saw its share of the batches: the maxima over all of them
+            for name in sorted(ranges.ranges):
+                ranges.ranges[name] = ranges.ranges[name].to(session.device)
+                max_across_ranks_(ranges.ranges[name])
         recorded = None
         if self.config.alpha_search:
-            recorded = RecordedInputs()
             blocks = list(dict.fromkeys(common_parent(linears) for _, linears in pairs))
             n_batches = -(-self.config.search_samples // self.config.batch_size)
-            session.forward(blocks, recorded, limit=n_batches)
+            recorded = record_search_batches(session, blocks, n_batches)
         for prev, names in pairs:
             linears = [session.linear(n) for n in names]
             x_max = ranges.ranges[names[0]].to(session.device)
@@ -225,7 +236,7 @@ class SmoothQuantMethod(CalibrationMethod):
             else:
                 block = common_parent(names)
                 module = session.layer.get_submodule(block)
-                s, alpha = self.search_alpha(recorded, module, block, linears, x_max, w_max)
+                s, alpha = self.search_alpha(recorded, module, block, linears, x_max, w_max, session.ranks)
                 recorded.divide(names + [block], s)
             anatomy = get_anatomy(session.model)
             fold_scales(
