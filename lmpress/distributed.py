@@ -12,6 +12,7 @@ gives the other processes nothing to do.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,7 +55,12 @@ class Processes:
 
     def scratch_dir(self, out: Path) -> Path:
         """Where a non-main process keeps its stage state: beside ``out``, never inside the main's."""
-        return out.parent / f".{out.name}.partial-rank{self.rank}"
+        return rank_partial_dir(out.parent / f".{out.name}.partial", self.rank)
+
+
+def rank_partial_dir(main_partial: Path, rank: int) -> Path:
+    """Where launched process ``rank`` keeps its stage state, given the main process's partial directory."""
+    return main_partial if rank == 0 else main_partial.with_name(f"{main_partial.name}-rank{rank}")
 
 
 def launched_processes(device: torch.device) -> Processes:
@@ -83,6 +89,14 @@ def stop_when_the_launcher_does(processes: Processes) -> None:
         )
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def remove_departed_states(main_partial: Path, world: int) -> None:
+    """Remove the state directories of the processes a resumed launch no longer has (it had more before)."""
+    for path in main_partial.parent.glob(f"{main_partial.name}-rank*"):
+        rank = path.name.rpartition("-rank")[2]
+        if rank.isdigit() and int(rank) >= world:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def fsdp_requested() -> bool:

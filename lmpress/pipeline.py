@@ -31,7 +31,13 @@ from torch import nn
 from lmpress.cache import sha256_json
 from lmpress.calib.ranks import calibration_ranks, check_shareable
 from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
-from lmpress.distributed import Processes, last_shared_stage, launched_processes, stop_when_the_launcher_does
+from lmpress.distributed import (
+    Processes,
+    last_shared_stage,
+    launched_processes,
+    remove_departed_states,
+    stop_when_the_launcher_does,
+)
 from lmpress.errors import EXIT_GATE_FAILED, EXIT_PASS, LmpressInputError
 from lmpress.evals.agreement import check_runtime_agreement
 from lmpress.evals.perplexity import PerplexityConfig
@@ -207,8 +213,8 @@ def run_stages(
                     "stages": [s.model_dump() for s in recipe.stages[: index + 1]],
                     # a state computed on a GPU is not resumed on the CPU (their float sums differ)
                     **({"device": device.type} if device.type != "cpu" else {}),
-                    # each launched process keeps its own share of the samples' activations
-                    **({"processes": world} if world > 1 else {}),
+                    # training across launched processes resumes with as many (a layer-wise pass with any number)
+                    **({"processes": world} if world > 1 and not stage.calibrates_layerwise else {}),
                 }
             ),
             bars=bars,
@@ -429,5 +435,6 @@ def run_recipe(
     metrics = {side: report[side]["metrics"] for side in ("baseline", "candidate")}
     write_manifest(partial, recipe.as_dict(), metrics)
     finalize_output(partial, out)
+    remove_departed_states(partial, processes.world)
     code = EXIT_PASS if report["passed"] else EXIT_GATE_FAILED
     return RunResult(exit_code=code, out_dir=out, report=report)

@@ -21,6 +21,7 @@ from lmpress.cli import main
 from lmpress.errors import LmpressInputError, LmpressStopped
 
 pytestmark = pytest.mark.usefixtures("private_cache")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def test_ranks_replay_every_batch_once_in_contiguous_shares():
@@ -62,15 +63,39 @@ def test_a_collective_that_loses_its_peers_is_reported_in_one_line():
     assert message.endswith("run the same launch with --resume")
 
 
+def test_a_resume_with_another_number_of_processes_takes_each_batch_from_the_state_that_kept_it(tmp_path):
+    import torch
+
+    from lmpress.calib.resume import SavedStates, rank_state_dir
+    from lmpress.calib.state import LayerState
+
+    main_dir = tmp_path / ".run.partial" / "state" / "0-gptq"
+    batches = [torch.full((2, 3, 4), float(b)) for b in range(5)]  # batch b's values are b
+    for q, (share, done) in enumerate([(range(0, 3), 3), (range(3, 5), 2)]):  # process 0 saved a layer more
+        state = LayerState(rank_state_dir(main_dir, q), "print", processes=2)
+        state.dir.mkdir(parents=True)
+        for layer in range(2, done + 1):  # a launched process keeps its last two layers' inputs
+            state._write(f"inputs_{layer:05d}.safetensors", {f"h.{i}": batches[b] for i, b in enumerate(share)}, {})
+        progress = {"version": 3, "fingerprint": "print", "done_layers": done, "processes": 2, "seconds": 1.0}
+        state.progress_path.write_text(json.dumps(progress))
+    own = LayerState(main_dir, "print", processes=1)
+    saved = SavedStates.find(own, main_dir, rank=0, world=1)
+    assert saved.regrouped and saved.done_layers(own) == 2
+    inputs, carried = saved.load_inputs(2, 5, range(5), [{}] * 5)
+    assert [inputs.hidden[i][0, 0, 0].item() for i in range(5)] == [0, 1, 2, 3, 4] and carried == {}
+    (rank_state_dir(main_dir, 1) / "progress.json").unlink()  # process 1's state is on another machine
+    with pytest.raises(LmpressInputError, match="process 1's state .* is not here"):
+        saved.done_layers(own)
+
+
 def launch(tmp_path, recipe: str, out: str, *options: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += ["-m", "lmpress.cli", "run", recipe, "--out", out, "--quiet", *options]
+    command = [*TORCHRUN, "-m", "lmpress.cli", "run", recipe, "--out", out, "--quiet", *options]
     env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def one_thread_run(recipe, out) -> int:
+def one_thread_run(recipe, out, *options: str) -> int:
     """``lmpress run`` in this process with one thread, as each launched process has: LAPACK's factorizations
     (the Hessian's Cholesky) round differently on another number of threads, and SparseGPT's masks follow them."""
     import torch
@@ -78,7 +103,7 @@ def one_thread_run(recipe, out) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return main(["run", str(recipe), "--out", str(out), "--quiet"])
+        return main(["run", str(recipe), "--out", str(out), "--quiet", *options])
     finally:
         torch.set_num_threads(threads)
 
@@ -157,8 +182,8 @@ def test_wanda_masks_are_the_same_whichever_processes_summed_the_norms(tiny_llam
     assert two.keys() == one.keys() and all(two[k].equal(one[k]) for k in one)
 
 
-# Launched in place of `-m lmpress.cli`: process 1 SIGKILLs itself once its layer 1 is saved, while process 0 goes
-# on into layer 2 and waits there for its share of the Hessians.
+# Run in place of `-m lmpress.cli`: process KILL_RANK SIGKILLs itself once its layer 1 is saved (launched, the
+# other goes on into layer 2 and waits there for its share of the Hessians).
 KILLED_RANK = """
 import os, signal, sys
 from lmpress.calib.state import LayerState
@@ -166,14 +191,24 @@ from lmpress.cli import main
 save_layer = LayerState.save_layer
 def save_then_die(self, session, inputs, *carried, **seconds):
     save_layer(self, session, inputs, *carried, **seconds)
-    if session.index == 1 and os.environ["RANK"] == "1":
+    if session.index == 1 and os.environ.get("RANK", "0") == os.environ["KILL_RANK"]:
         os.kill(os.getpid(), signal.SIGKILL)
 LayerState.save_layer = save_then_die
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_killed_process_stops_the_launch_and_resume_writes_the_unbroken_artifact(tmp_path):
+def killed_run(tmp_path, recipe, out, launched: bool) -> subprocess.CompletedProcess:
+    script = tmp_path / "killed_rank.py"
+    script.write_text(KILLED_RANK)
+    command = [*(TORCHRUN if launched else [sys.executable]), str(script), "run", str(recipe), "--out", str(out)]
+    env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "KILL_RANK": "1"}
+    if not launched:
+        env["KILL_RANK"] = "0"
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def four_layer_gptq_recipe(tmp_path):
     from tests.conftest import save_tiny_model
 
     model = save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=4)
@@ -190,14 +225,13 @@ def test_a_killed_process_stops_the_launch_and_resume_writes_the_unbroken_artifa
             }
         )
     )
-    script = tmp_path / "killed_rank.py"
-    script.write_text(KILLED_RANK)
+    return recipe
+
+
+def test_a_killed_process_stops_the_launch_and_one_process_resumes_it_to_the_unbroken_artifact(tmp_path):
+    recipe = four_layer_gptq_recipe(tmp_path)
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    killed = subprocess.run(
-        [*command, "run", str(recipe), "--out", str(out)], env=env, capture_output=True, text=True, timeout=600
-    )
+    killed = killed_run(tmp_path, recipe, out, launched=True)
     assert killed.returncode != 0 and not out.exists()
     # the launcher names the process that died; the survivor says in one line why it stopped and what to do
     assert "exitcode  : -9" in killed.stderr and "rank      : 1 (local_rank: 1)" in killed.stderr
@@ -208,11 +242,26 @@ def test_a_killed_process_stops_the_launch_and_resume_writes_the_unbroken_artifa
     for state in (tmp_path / ".run.partial", tmp_path / ".run.partial-rank1"):
         assert json.loads((state / "state" / "0-gptq" / "progress.json").read_text())["done_layers"] == 2
 
-    # one process cannot continue what two started (each kept its own share of the activations)
-    assert main(["run", str(recipe), "--out", str(out), "--resume", "--quiet"]) == 2
-    launch(tmp_path, str(recipe), str(out), "--resume")
+    # one process continues what two started: its batches from both processes' saved shares
+    assert one_thread_run(recipe, out, "--resume") == 0
     launch(tmp_path, str(recipe), str(tmp_path / "unbroken"))
     report = json.loads((out / "report.json").read_text())
     assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
+    assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
+    assert not (tmp_path / ".run.partial-rank1").exists()  # the departed process's state is removed
+
+
+def test_two_launched_processes_resume_what_one_process_started(tmp_path):
+    recipe = four_layer_gptq_recipe(tmp_path)
+    out = tmp_path / "run"
+    assert killed_run(tmp_path, recipe, out, launched=False).returncode == -9
+    assert (
+        json.loads((tmp_path / ".run.partial" / "state" / "0-gptq" / "progress.json").read_text())["done_layers"] == 2
+    )
+    launch(tmp_path, str(recipe), str(out), "--resume")
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
+    assert report["stages"][0]["summary"]["processes"] == 2
+    assert one_thread_run(recipe, tmp_path / "unbroken") == 0
     assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
     assert not (tmp_path / ".run.partial-rank1").exists()

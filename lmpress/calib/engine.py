@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -36,7 +37,8 @@ from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy
 from lmpress.calib.activations import BatchStore, LayerInputs
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
-from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_samples
+from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_batches, rank_samples
+from lmpress.calib.resume import SavedStates
 from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
 from lmpress.errors import LmpressInputError
@@ -202,7 +204,8 @@ def run_calibration(
     layers = decoder_layers(model)
     rank, world = calibration_ranks()
     state = LayerState(ctx.state_dir, ctx.fingerprint, world)
-    done = state.done_layers() if ctx.resume else 0
+    saved = SavedStates.find(state, ctx.shared_state_dir or ctx.state_dir, rank, world) if ctx.resume else None
+    done = saved.done_layers(state) if saved else 0
     earlier = state.seconds_spent() if done else 0.0  # the stage's time in the runs before this one
     if not ctx.resume:
         state.clear()
@@ -221,18 +224,24 @@ def run_calibration(
     name = "+".join(m.name for m in methods)
     ranks = world if world > 1 and all(m.reduces_across_ranks for m in methods) else 1
     shape = list(calibration.shape)
+    n_batches = math.ceil(len(calibration) / batch_size)
     if ranks > 1:
         calibration = rank_samples(calibration, batch_size, rank, world)
     if world > 1:  # every rank restarts at the first layer some rank had not finished
         done = min_across_ranks(done)
+    if saved is not None:
+        saved.take_finished_layers(state, done)
     for index in range(done):
         quantized += state.restore_layer(index, layers[index])
     if done < len(layers):
         inputs = capture_first_layer_inputs(model, calibration, batch_size, device)
         if done:
             by_kind = inputs.by_kind
-            inputs, carried = state.load_inputs(done, inputs.kwargs)
+            mine = rank_batches(n_batches, rank, world) if ranks > 1 else range(n_batches)
+            inputs, carried = saved.load_inputs(done, n_batches, mine, inputs.kwargs)
             inputs.by_kind = by_kind
+            if world > 1:  # every process has read the saved inputs before any saves over them
+                min_across_ranks(0)
             for method in methods:
                 prefix = f"{method.name}."
                 method.restore_carried({k.removeprefix(prefix): v for k, v in carried.items() if k.startswith(prefix)})

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmpress.calib.activations import BatchStore, LayerInputs
+from lmpress.calib.activations import LayerInputs
 from lmpress.errors import LmpressInputError
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.float8 import Fp8Weight
@@ -38,7 +38,9 @@ from lmpress.weights.scheme import QuantizedWeight, QuantScheme
 if TYPE_CHECKING:
     from lmpress.calib.session import LayerSession
 
-STATE_VERSION = 2  # 2: quantized linears as QuantizedLinear's packed buffers ("k." keys), mapped back
+# 2: quantized linears as QuantizedLinear's packed buffers ("k." keys), mapped back; 3: the fingerprint no longer
+# holds the number of processes (a pass resumes with another number: calib.resume)
+STATE_VERSION = 3
 PACKED = (QuantizedLinear, Fp4Linear)  # saved as their own buffers and mapped back from the state file
 
 
@@ -51,26 +53,33 @@ class LayerState:
         self.processes = processes  # launched processes sharing the calibration (each saves its share's inputs)
         self.progress_path = self.dir / "progress.json"
 
-    def done_layers(self) -> int:
-        """How many layers a previous run finished (0 when there is no state); refuses a foreign state."""
+    def progress(self) -> dict | None:
+        """What ``progress.json`` says (None when there is no state); refuses a foreign state."""
         if not self.progress_path.exists():
-            return 0
+            return None
         progress = json.loads(self.progress_path.read_text())
         if progress.get("version") != STATE_VERSION:
             raise LmpressInputError(
                 f"cannot resume from {self.dir}: it was written by another lmpress version (state version "
                 f"{progress.get('version')}, this one reads {STATE_VERSION}); run without --resume to start over"
             )
-        if progress.get("processes", self.processes) != self.processes:  # older states: the fingerprint holds it
-            raise LmpressInputError(
-                f"cannot resume from {self.dir}: it was calibrated across {progress['processes']} launched "
-                f"process(es), each keeping its share of the samples; this run has {self.processes}: resume with "
-                "as many, or run without --resume to start over"
-            )
         if progress.get("fingerprint") != self.fingerprint:
             raise LmpressInputError(
                 f"cannot resume from {self.dir}: it was written for a different model, calibration data "
                 "or stage config (fingerprint mismatch); run without --resume to start over"
+            )
+        return progress
+
+    def done_layers(self) -> int:
+        """How many layers a previous run finished (0 when there is no state); refuses a foreign state, and one
+        saved by another number of processes (``calib.resume`` reads those from every process's state)."""
+        progress = self.progress()
+        if progress is None:
+            return 0
+        if progress.get("processes", 1) != self.processes:
+            raise LmpressInputError(
+                f"cannot resume from {self.dir}: it was calibrated across {progress.get('processes', 1)} launched "
+                f"process(es), and this run has {self.processes}; run without --resume to start over"
             )
         return int(progress["done_layers"])
 
@@ -137,8 +146,10 @@ class LayerState:
             )
         )
         os.replace(tmp, self.progress_path)
-        stale = self.dir / f"inputs_{session.index:05d}.safetensors"
-        stale.unlink(missing_ok=True)
+        # launched processes keep the inputs of their last two finished layers: one may have saved a layer more
+        # than another when the launch stopped, and the resume starts every process at the other's
+        stale = session.index - (self.processes > 1)
+        (self.dir / f"inputs_{stale:05d}.safetensors").unlink(missing_ok=True)
 
     def _write(self, filename: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         path = self.dir / filename
@@ -219,13 +230,6 @@ class LayerState:
                     module._kernel_cache = None
                 mapped += 1
         return mapped
-
-    def load_inputs(self, index: int, kwargs: list[dict]) -> tuple[LayerInputs, dict[str, torch.Tensor]]:
-        """Layer ``index``'s saved inputs, and the methods' carried tensors saved with them (by ``method.name``)."""
-        tensors = load_file(self.dir / f"inputs_{index:05d}.safetensors")
-        hidden = [tensors[f"h.{i}"] for i in range(sum(k.startswith("h.") for k in tensors))]
-        carried = {k.removeprefix("m."): v for k, v in tensors.items() if k.startswith("m.")}
-        return LayerInputs(BatchStore.of(hidden), kwargs), carried
 
 
 def _fp4_weight(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, scheme: QuantScheme) -> Fp4Weight:
