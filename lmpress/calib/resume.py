@@ -31,6 +31,8 @@ from lmpress.errors import LmpressInputError
 def rank_state_dir(main_dir: Path, rank: int) -> Path:
     """Process ``rank``'s state directory for the stage whose main-process state directory is ``main_dir``
     (``<partial>/state/<stage>``)."""
+    if rank == 0:
+        return main_dir
     return rank_partial_dir(main_dir.parent.parent, rank) / "state" / main_dir.name
 
 
