@@ -1,16 +1,21 @@
-"""GPTQ W4 g64 on SmolLM2-135M calibrated by one process or spread over two (torchrun, gloo), 1 thread each.
+"""One-shot methods on SmolLM2-135M calibrated by one process or spread over two (torchrun, gloo), 1 thread each.
 
-    python bench/distributed_calibration.py              # bench/results/distributed_calibration.{json,md}
+    python bench/distributed_calibration.py                          # GPTQ
+    python bench/distributed_calibration.py --methods awq smoothquant sparsegpt
+                                       # each method's entry in bench/results/distributed_calibration.{json,md}
 
-Both runs are the same recipe (calibration 128 x 512 tokens of wiki.valid.tokens, seed 0; GPTQ W4 g64 sym,
-act-order with static groups, MSE scales; a short perplexity eval, so the stage's time is not the eval's) in fresh
-processes with ``OMP_NUM_THREADS=1``: ``lmpress run`` alone, then ``torchrun --nproc-per-node 2 -m lmpress.cli
-run``. Reported: the GPTQ stage's wall time from each report.json, its speed-up, the main process's stage peak RSS,
-how many packed codes differ between the two exports and each candidate's perplexity (docs/scale.md).
+Per method both runs are the same recipe (calibration 128 x 512 tokens of wiki.valid.tokens, seed 0; a short
+perplexity eval, so the stage's time is not the eval's) in fresh processes with ``OMP_NUM_THREADS=1``:
+``lmpress run`` alone, then ``torchrun --nproc-per-node 2 -m lmpress.cli run``. The methods: GPTQ W4 g64 sym
+(act-order with static groups, MSE scales); AWQ W4 g64 sym (scale and clipping searches on 16 samples, RTN);
+SmoothQuant W8A8 with its α searched; SparseGPT 50% with GPTQ W4 g64 rounding in the same pass. Reported: the
+stage's wall time from each report.json, its speed-up, the main process's stage peak RSS, how many stored values
+(packed codes, every float tensor) differ between the two exports and each candidate's perplexity (docs/scale.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -29,21 +34,16 @@ RESULTS = REPO / "bench" / "results"
 RECIPE = {
     "model": {"source": SMOLLM2, "dtype": "float32"},
     "data": {"source": "builtin:wikitext2:valid", "samples": 128, "seq_len": 512, "seed": 0},
-    "stages": [
-        {
-            "method": "gptq",
-            "bits": 4,
-            "group_size": 64,
-            "symmetric": True,
-            "act_order": True,
-            "static_groups": True,
-            "mse": True,
-            "ignore": ["lm_head"],
-        },
-    ],  # fmt: skip
     "export": {"formats": ["compressed-tensors"]},
     "eval": {"text": "builtin:wikitext2:test", "perplexity": {"seq_len": 2048, "windows": 4}},
     "gates": ["ppl_ratio <= 2"],
+}
+W4 = {"bits": 4, "group_size": 64, "symmetric": True, "ignore": ["lm_head"]}
+STAGES = {
+    "gptq": {"method": "gptq", **W4, "act_order": True, "static_groups": True, "mse": True},
+    "awq": {"method": "awq", **W4},
+    "smoothquant": {"method": "smoothquant", "alpha_search": True, "ignore": ["lm_head"]},
+    "sparsegpt": {"method": "sparsegpt", "sparsity": 0.5, "quantize": {"bits": 4, "group_size": 64}},
 }
 
 
@@ -66,56 +66,85 @@ def run(out: Path, recipe: Path, processes: int) -> dict:
     }
 
 
-def differing_codes(a: Path, b: Path) -> tuple[int, int]:
-    """(differing 4-bit codes, all codes) between two compressed-tensors exports' packed weights."""
+def differing_values(a: Path, b: Path) -> tuple[int, int]:
+    """(differing stored values, all values) between two compressed-tensors exports: packed 4-bit codes counted
+    one by one, every other tensor element by element."""
     import torch
     from safetensors.torch import load_file
 
     one, two = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     differ = total = 0
-    for key in (k for k in one if k.endswith("weight_packed")):
-        nibbles = [torch.stack([(t >> (4 * i)) & 15 for i in range(8)], -1) for t in (one[key], two[key])]
-        differ += int((nibbles[0] != nibbles[1]).sum())
-        total += nibbles[0].numel()
+    for key in one:
+        x, y = one[key], two[key]
+        if key.endswith("weight_packed"):
+            x, y = (torch.stack([(t >> (4 * i)) & 15 for i in range(8)], -1) for t in (x, y))
+        differ += int((x != y).sum())
+        total += x.numel()
     return differ, total
 
 
-def render(rows: list[dict], differ: int, total: int) -> str:
-    one = rows[0]["stage_seconds"]
+def render(entries: dict[str, dict]) -> str:
     lines = [
-        "| processes x threads | GPTQ stage s | speed-up | main's stage peak RSS (MB) | candidate ppl (4 x 2048) |",
-        "| --- | --- | --- | --- | --- |",
+        "| method | processes x threads | stage s | speed-up | main's stage peak RSS (MB) | candidate ppl (4 x 2048) "
+        "| values differing between the two exports |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in rows:
+    for method, entry in entries.items():
+        one = entry["rows"][0]["stage_seconds"]
+        for r in entry["rows"]:
+            differ = f"{entry['differing']} of {entry['values']:,}" if r["processes"] > 1 else ""
+            lines.append(
+                f"| {method} | {r['processes']} x 1 | {r['stage_seconds']:.0f} | {one / r['stage_seconds']:.2f}x | "
+                f"{r['stage_peak_rss_mb']:.0f} | {r['ppl']:.3f} | {differ} |"
+            )
+    lines.append("")
+    for method, entry in entries.items():
+        loads = ", ".join(f"{r['load_average_after']:.1f}" for r in entry["rows"])
         lines.append(
-            f"| {r['processes']} x 1 | {r['stage_seconds']:.0f} | {one / r['stage_seconds']:.2f}x | "
-            f"{r['stage_peak_rss_mb']:.0f} | {r['ppl']:.3f} |"
+            f"- {method}: {entry['stage']}; CPU: {entry['cpu']}; 1-minute load average after each run: {loads}; "
+            f"{entry['when']}."
         )
-    lines += [
-        "",
-        f"Packed codes that differ between the two exports: {differ} of {total} ({100 * differ / total:.2f}%); "
-        "group scales identical (static groups).",
-        f"SmolLM2-135M-Instruct, calibration 128 x 512 (wiki.valid.tokens, seed 0); CPU: {cpu_description()}, "
-        f"{os.cpu_count()} cores; 1-minute load average after each run: "
-        + ", ".join(f"{r['load_average_after']:.1f}" for r in rows)
-        + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
-    ]
+    lines.append("\nSmolLM2-135M-Instruct, calibration 128 x 512 (wiki.valid.tokens, seed 0).")
     return "\n".join(lines) + "\n"
 
 
+def recorded() -> dict[str, dict]:
+    """The entries recorded so far, by method (a file from before methods were recorded each is GPTQ's)."""
+    path = RESULTS / "distributed_calibration.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if "methods" in data:
+        return data["methods"]
+    return {
+        "gptq": {
+            "rows": data["rows"], "differing": data["differing_codes"], "values": data["codes"],
+            "stage": json.dumps(STAGES["gptq"]), "cpu": "AMD EPYC (avx2), 2 cores", "when": "2026-11-28 21:57 UTC",
+        }
+    }  # fmt: skip
+
+
 def main() -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        recipe = Path(tmp) / "recipe.yaml"
-        recipe.write_text(yaml.safe_dump(RECIPE))
-        rows = [run(Path(tmp) / f"p{n}", recipe, n) for n in (1, 2)]
-        differ, total = differing_codes(*(Path(tmp) / f"p{n}" / "compressed-tensors" for n in (1, 2)))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "distributed_calibration.json").write_text(
-        json.dumps({"rows": rows, "differing_codes": differ, "codes": total}, indent=2) + "\n"
-    )
-    table = render(rows, differ, total)
-    (RESULTS / "distributed_calibration.md").write_text(table)
-    print(table)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", nargs="+", choices=sorted(STAGES), default=["gptq"])
+    args = parser.parse_args()
+    entries = recorded()
+    for method in args.methods:
+        with tempfile.TemporaryDirectory() as tmp:
+            recipe = Path(tmp) / "recipe.yaml"
+            recipe.write_text(yaml.safe_dump({**RECIPE, "stages": [STAGES[method]]}))
+            rows = [run(Path(tmp) / f"p{n}", recipe, n) for n in (1, 2)]
+            differ, total = differing_values(*(Path(tmp) / f"p{n}" / "compressed-tensors" for n in (1, 2)))
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        entries[method] = {
+            "rows": rows, "differing": differ, "values": total, "stage": json.dumps(STAGES[method]),
+            "cpu": f"{cpu_description()}, {os.cpu_count()} cores", "when": when,
+        }  # fmt: skip
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "distributed_calibration.json").write_text(json.dumps({"methods": entries}, indent=2) + "\n")
+        table = render(entries)
+        (RESULTS / "distributed_calibration.md").write_text(table)
+        print(table)
     return 0
 
 
