@@ -112,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--junit", metavar="FILE", help="also write the gates as JUnit XML (one test case per gate)")
 
+    plan = sub.add_parser(
+        "forecast", help="a recipe run's memory, phase by phase, before any weight is read (a config alone will do)"
+    )
+    plan.add_argument("recipe", help="recipe YAML file (model.source may be a directory holding only config.json)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument(
+        "--processes", type=int, default=1, metavar="N", help="as launched with N processes (torchrun): each one's"
+    )
+
     ev = sub.add_parser("eval", help="evaluate a model (or a checkpoint lmpress wrote) with an eval suite")
     ev.add_argument("model", help="hub id, checkpoint directory, .gguf file or pypkg:PACKAGE/FILE")
     ev.add_argument(
@@ -254,6 +263,32 @@ def gates_needing_baseline(recipe) -> list[str]:
 
     candidate_only = {m for config in recipe.eval.evals.values() for m in config.candidate_only}
     return [str(g) for g in recipe.gates if g.metric.endswith(RELATIVE) or g.metric in candidate_only]
+
+
+@command("forecast")
+def cmd_forecast(args: argparse.Namespace) -> int:
+    import torch
+
+    from lmpress.memory_plan import GIB, available_memory, forecast_checkpoint
+    from lmpress.recipe import load_recipe
+
+    if args.processes < 1:
+        raise LmpressInputError(f"--processes {args.processes}: give at least 1")
+    recipe = load_recipe(args.recipe, args.overrides)
+    forecast = forecast_checkpoint(recipe, args.processes)
+    table = Table(title=f"memory forecast: {recipe.model.source}")
+    table.add_column("phase")
+    table.add_column("GiB", justify="right")
+    table.add_column("parts (GiB)")
+    for phase, parts in forecast.phases.items():
+        listed = ", ".join(f"{name} {size / GIB:.2f}" for name, size in parts.items() if size)
+        table.add_row(phase, f"{sum(parts.values()) / GIB:.2f}", listed)
+    console.print(table)
+    console.print(forecast.describe())
+    ram, _ = available_memory(torch.device("cpu"))
+    verdict = "fits" if forecast.ram_bytes <= ram else "does not fit"
+    console.print(f"this machine has {ram / GIB:.1f} GiB of RAM available: the main process {verdict}")
+    return 0
 
 
 @command("eval")

@@ -102,15 +102,17 @@ def load_export_artifact(path: Path, loader, dtype: str, fingerprint: bool) -> L
     return LoadedModel(model, tokenizer, path, digest)
 
 
-def model_skeleton(path: Path, trust_remote_code: bool = False) -> nn.Module:
+def model_skeleton(path: Path, trust_remote_code: bool = False, weights: bool = True) -> nn.Module:
     """The checkpoint's model built on the meta device: module names and shapes, no weights read.
 
     Plans (which layers a stage quantizes, what a format can hold) are checked on
-    it before the weights are loaded.
+    it before the weights are loaded. ``weights=False``: the directory may hold only the config (a shape to
+    forecast), whose files are not checked.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_checkpoint_dir(path)
+    if weights:
+        check_checkpoint_dir(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:

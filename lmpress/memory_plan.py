@@ -69,6 +69,7 @@ class MemoryForecast:
 
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     device_parts: dict[str, int] = field(default_factory=dict)
+    processes: int = 1  # launched processes: the forecast is each one's
 
     @property
     def phase(self) -> str:
@@ -94,6 +95,9 @@ class MemoryForecast:
     def describe(self) -> str:
         parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items() if size)
         line = f"memory forecast: {self.ram_bytes / GIB:.2f} GiB RAM at peak ({parts} GiB; largest phase: {self.phase})"
+        if self.processes > 1:  # the others stop after the stages (lmpress.distributed)
+            stages = sum(self.phases.get("stages", {}).values())
+            line += f"; each of the {self.processes - 1} other launched processes {stages / GIB:.2f} GiB"
         if self.device_parts:
             line += f", {self.device_bytes / GIB:.2f} GiB on the GPU"
         return line
@@ -135,8 +139,11 @@ class ModelShape:
 
 
 def stored_dtype(checkpoint: Path) -> str | None:
-    """The dtype the checkpoint's safetensors files hold (from its config), or None when they are not safetensors."""
-    if not any(checkpoint.glob("*.safetensors")):
+    """The dtype the checkpoint's safetensors files hold (from its config), or None when they are not safetensors.
+    A directory with a config and no weights (a shape to forecast) stands for the safetensors checkpoint it
+    describes."""
+    weights = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+    if not any(checkpoint.glob("*.safetensors")) and any(any(checkpoint.glob(p)) for p in weights):
         return None
     config = json.loads((checkpoint / "config.json").read_text())
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
@@ -146,6 +153,12 @@ def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
     """``QuantizedLinear``'s buffers: int32 words of codes, a float32 scale and a uint8 zero point per group."""
     groups = rows * (1 if group_size <= 0 else cols // group_size)
     return rows * -(-cols * bits // 32) * 4 + groups * (4 + 1)
+
+
+def share_of_samples(samples: int, batch_size: int, processes: int) -> int:
+    """The most calibration samples one of ``processes`` holds when they share the batches out (``calib.ranks``)."""
+    batches = -(-samples // batch_size)
+    return min(samples, -(-batches // processes) * batch_size)
 
 
 def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int, hessian_copies: int = 2) -> int:
@@ -175,11 +188,14 @@ def forecast_memory(
     logit_tokens: int = 0,
     exports: Sequence[str] = (),
     agreement_tokens: int = 512,
+    processes: int = 1,
 ) -> MemoryForecast:
     """The run's peak memory: ``model`` is the checkpoint's skeleton on the meta device (``model_skeleton``),
     ``stages`` the recipe's stage configs, ``logit_tokens`` the tokens of the largest eval forward (0: no eval),
     ``exports`` the formats written and read back, ``agreement_tokens`` the eval's window (the read-back's and
-    the runtime agreement check's first window, a perplexity window's log-softmax)."""
+    the runtime agreement check's first window, a perplexity window's log-softmax); with ``processes`` launched,
+    each one's (the main process's: the others stop after the stages), where a spread pass holds a share of the
+    calibration activations."""
     shape = ModelShape.of(model)
     size = DTYPE_BYTES[dtype]
     training = any(s.trains_across_processes for s in stages)
@@ -211,14 +227,20 @@ def forecast_memory(
     } | float_pages
     calibration = max(
         (
-            calibration_bytes(shape, samples, seq_len, s.batch_size, s.hessian_copies)
+            calibration_bytes(
+                shape,
+                share_of_samples(samples, s.batch_size, processes if s.spreads_across_processes else 1),
+                seq_len,
+                s.batch_size,
+                s.hessian_copies,
+            )
             for s in stages
             if s.calibrates_layerwise
         ),
         default=0,
     )
     work = {"training": (4 * 4 + size) * shape.parameters} if training else {"calibration": calibration}
-    forecast = MemoryForecast()
+    forecast = MemoryForecast(processes=processes)
     forecast.phases["stages"] = process | resident | work
     eval_work = eval_bytes(shape, logit_tokens, size, agreement_tokens) if logit_tokens else 0
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
@@ -275,10 +297,16 @@ def eval_bytes(shape: ModelShape, logit_tokens: int, size: int, row_tokens: int)
     return logit_tokens * shape.vocab * (4 + (size if size < 4 else 0)) + row_tokens * shape.vocab * 4
 
 
-def forecast_recipe(recipe: Recipe, model: nn.Module, checkpoint: Path, device: torch.device) -> MemoryForecast:
-    """``forecast_memory`` for a recipe run (``model``: the checkpoint's skeleton)."""
+def forecast_recipe(
+    recipe: Recipe, model: nn.Module, checkpoint: Path, device: torch.device, processes: int = 1
+) -> MemoryForecast:
+    """``forecast_memory`` for a recipe run (``model``: the checkpoint's skeleton) in each of ``processes``.
+    Fused mixture-of-experts weights are counted as the per-expert linears the run quantizes (``calib.moe``)."""
+    from lmpress.calib.moe import unfuse_experts
     from lmpress.evals.perplexity import PerplexityConfig
 
+    with torch.device("meta"):
+        unfuse_experts(model)
     perplexity = recipe.eval.evals.get("perplexity")  # the agreement check's window is its first (pipeline.py)
     return forecast_memory(
         model,
@@ -291,7 +319,19 @@ def forecast_recipe(recipe: Recipe, model: nn.Module, checkpoint: Path, device: 
         logit_tokens=max((e.logit_tokens() for e in recipe.eval.evals.values()), default=0),
         exports=recipe.export.formats,
         agreement_tokens=perplexity.seq_len if isinstance(perplexity, PerplexityConfig) else 512,
+        processes=processes,
     )
+
+
+def forecast_checkpoint(recipe: Recipe, processes: int = 1) -> MemoryForecast:
+    """``recipe``'s forecast without running it (``lmpress forecast``): its model's skeleton is built from the
+    config alone, so a directory holding only a giant's config.json will do."""
+    from lmpress.loader import model_skeleton, resolve_checkpoint
+
+    path = resolve_checkpoint(recipe.model.source, recipe.model.revision)
+    skeleton = model_skeleton(path, recipe.model.trust_remote_code, weights=False)
+    device = torch.device("cuda" if str(recipe.model.device).startswith("cuda") else "cpu")
+    return forecast_recipe(recipe, skeleton, path, device, processes)
 
 
 def available_memory(device: torch.device) -> tuple[int, int | None]:

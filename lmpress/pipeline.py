@@ -346,7 +346,7 @@ def run_recipe(
         path = resolve_checkpoint(spec.source, spec.revision)
     skeleton = model_skeleton(path, spec.trust_remote_code)
     check_plan(recipe, skeleton)
-    forecast = forecast_recipe(recipe, skeleton, path, device)
+    forecast = forecast_recipe(recipe, skeleton, path, device, processes.world)
     del skeleton
     if not processes.is_main:
         return run_as_launched_worker(recipe, path, out, resume, processes, device)

@@ -67,6 +67,9 @@ class StageConfig(StrictConfig):
     # streams the model through the layer-wise calibration engine (its memory: lmpress.memory_plan); such a
     # stage has a batch_size field (calibration samples per forward pass)
     calibrates_layerwise: ClassVar[bool] = False
+    # its layer-wise pass shares the calibration batches out across launched processes, each holding its share's
+    # activations (every method of the pass reduces what it gathers: lmpress.calib.ranks)
+    spreads_across_processes: ClassVar[bool] = False
     # rewrites every weight of the model at once (rotate): the whole float model is resident, nothing streams
     reads_whole_model: ClassVar[bool] = False
 

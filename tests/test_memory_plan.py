@@ -273,3 +273,54 @@ def test_scale_bench_runs(tmp_path):
     subprocess.run([*command, "--check-layers", "0", "--out", str(tmp_path / "scale.json")], check=True)
     row = json.loads((tmp_path / "scale.json").read_text())["rows"][0]
     assert 0.8 <= row["forecast_vs_peak"] <= 1.2
+
+
+def test_a_spread_pass_forecasts_each_process_its_share_of_the_activations(tiny_llama_dir):
+    skeleton, cpu = model_skeleton(tiny_llama_dir), torch.device("cpu")
+    gptq = stage_config("gptq")(bits=4, group_size=32)  # spreads (lmpress.calib.ranks)
+    learned = stage_config("learned")(bits=4, group_size=32)  # every process replays every batch
+    hidden, seq_len = skeleton.config.hidden_size, 32
+    for stage, share in ((gptq, 8), (learned, 16)):  # 16 samples in batches of 4: 2 of 4 batches each
+        one, two = (
+            forecast_memory(skeleton, tiny_llama_dir, "float32", [stage], 16, seq_len, cpu, processes=n) for n in (1, 2)
+        )
+        slab = one.phases["stages"]["calibration"] - two.phases["stages"]["calibration"]
+        assert slab == (16 - share) * seq_len * hidden * 2  # float16 activations
+    assert "each of the 1 other launched processes" in two.describe()
+
+
+GIANTS = REPO / "tests" / "data" / "giants"
+
+
+def giant_forecast(tmp_path, shape: str, processes: int, capsys) -> str:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model: {{source: {GIANTS / shape}, dtype: bfloat16}}\n"
+        "data: {source: builtin:wikitext2, samples: 128, seq_len: 2048}\n"
+        "stages: [{method: gptq, bits: 4, group_size: 128, ignore: [lm_head]}]\n"
+        "export: {formats: [compressed-tensors]}\n"
+    )
+    assert main(["forecast", str(recipe), "--processes", str(processes)]) == 0
+    return capsys.readouterr().out
+
+
+def test_forecast_from_a_config_alone_counts_every_linear_of_a_giant(tmp_path, capsys):
+    """Llama-3-70B's and Qwen3-235B-A22B's published configs (no weights anywhere): the packed weights of the
+    largest layer, counted by hand from the configs' shapes (the MoE's 128 experts each as 3 linears)."""
+    from lmpress.loader import model_skeleton as skeleton_of
+    from lmpress.memory_plan import forecast_checkpoint
+    from lmpress.recipe import load_recipe
+
+    out = giant_forecast(tmp_path, "llama-3-70b", 8, capsys)
+    assert "each of the 7 other launched processes" in " ".join(out.split())
+    recipe = load_recipe(str(tmp_path / "recipe.yaml"), [])
+    llama = [(8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192), (28672, 8192), (8192, 28672)]
+    forecast = forecast_checkpoint(recipe, 8)
+    assert forecast.phases["stages"]["quantized"] == sum(packed_bytes(r, c, 4, 128) for r, c in llama)
+    layer = sum(r * c for r, c in llama) + 2 * 8192  # its linears and two norms
+    assert forecast.phases["stages"]["weights"] == 2 * layer * 2  # two layers in bfloat16
+    qwen = [(8192, 4096), (512, 4096), (512, 4096), (4096, 8192)] + [(1536, 4096), (1536, 4096), (4096, 1536)] * 128
+    recipe = load_recipe(str(tmp_path / "recipe.yaml"), [f"model.source={GIANTS / 'qwen3-235b-a22b'}"])
+    forecast = forecast_checkpoint(recipe, 1)
+    assert forecast.phases["stages"]["quantized"] == sum(packed_bytes(r, c, 4, 128) for r, c in qwen)
+    assert sum(p.numel() for p in skeleton_of(GIANTS / "qwen3-235b-a22b", weights=False).parameters()) > 235e9

@@ -77,6 +77,7 @@ class JointQuantization(StrictConfig):
 class SparseGPTConfig(PruneConfig):
     method: Literal["sparsegpt"] = "sparsegpt"
     calibrates_layerwise: ClassVar[bool] = True
+    spreads_across_processes: ClassVar[bool] = True
     block_size: int = Field(128, ge=1, le=4096)
     damp_percent: float = Field(0.01, gt=0, le=1)
     reconstruct: bool = Field(True, description="re-solve the kept weights exactly for the final mask")

@@ -37,6 +37,7 @@ from lmpress.registry import StageContext, register_stage
 class WandaConfig(PruneConfig):
     method: Literal["wanda"] = "wanda"
     calibrates_layerwise: ClassVar[bool] = True
+    spreads_across_processes: ClassVar[bool] = True
     true_sequential: bool = True
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
 

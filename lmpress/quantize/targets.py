@@ -165,6 +165,7 @@ class GPTQRounding(WeightQuantConfig):
     """The GPTQ keys, shared by ``method: gptq`` and AWQ's ``rounding: gptq``."""
 
     calibrates_layerwise: ClassVar[bool] = True
+    spreads_across_processes: ClassVar[bool] = True  # GPTQ, AWQ, SmoothQuant
 
     damp_percent: float = Field(0.01, gt=0, le=1)
     block_size: int = Field(128, ge=1, le=4096)
