@@ -161,10 +161,20 @@ def share_of_samples(samples: int, batch_size: int, processes: int) -> int:
     return min(samples, -(-batches // processes) * batch_size)
 
 
-def calibration_bytes(shape: ModelShape, samples: int, seq_len: int, batch_size: int, hessian_copies: int = 2) -> int:
+def calibration_bytes(
+    shape: ModelShape,
+    samples: int,
+    seq_len: int,
+    batch_size: int,
+    hessian_copies: int = 2,
+    activations_ram: int | None = None,
+) -> int:
     """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work
-    (``hessian_copies``: 2 where the Hessian and a working copy are held, 1 where GPTQ factors in the Hessian)."""
+    (``hessian_copies``: 2 where the Hessian and a working copy are held, 1 where GPTQ factors in the Hessian);
+    ``activations_ram``: the slabs' budget of RAM (``data.activations_ram_gb``), beyond which they are files."""
     slab = samples * seq_len * shape.hidden * 2
+    if activations_ram is not None:
+        slab = min(slab, activations_ram)
     batch_tokens = min(batch_size, samples) * seq_len
     forward = FORWARD_TENSORS * batch_tokens * shape.widest_output * 4
     # GPTQ / SparseGPT on one linear: the accumulated Hessian and its working copy, factored in place
@@ -189,6 +199,7 @@ def forecast_memory(
     exports: Sequence[str] = (),
     agreement_tokens: int = 512,
     processes: int = 1,
+    activations_ram: int | None = None,
 ) -> MemoryForecast:
     """The run's peak memory: ``model`` is the checkpoint's skeleton on the meta device (``model_skeleton``),
     ``stages`` the recipe's stage configs, ``logit_tokens`` the tokens of the largest eval forward (0: no eval),
@@ -233,6 +244,7 @@ def forecast_memory(
                 seq_len,
                 s.batch_size,
                 s.hessian_copies,
+                activations_ram,
             )
             for s in stages
             if s.calibrates_layerwise
@@ -320,6 +332,7 @@ def forecast_recipe(
         exports=recipe.export.formats,
         agreement_tokens=perplexity.seq_len if isinstance(perplexity, PerplexityConfig) else 512,
         processes=processes,
+        activations_ram=None if recipe.data.activations_ram_gb is None else int(recipe.data.activations_ram_gb * GIB),
     )
 
 

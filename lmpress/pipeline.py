@@ -209,7 +209,7 @@ def run_stages(
             fingerprint=sha256_json(
                 {
                     "model": loaded.fingerprint,
-                    "data": data.model_dump(),
+                    "data": data.calibration_settings(),
                     "stages": [s.model_dump() for s in recipe.stages[: index + 1]],
                     # a state computed on a GPU is not resumed on the CPU (their float sums differ)
                     **({"device": device.type} if device.type != "cpu" else {}),
@@ -222,6 +222,8 @@ def run_stages(
             tokenizer=tokenizer,
             text_source=data.source,
             teacher=teacher_loader(loaded.path, recipe.model.dtype),
+            activations_ram_bytes=None if data.activations_ram_gb is None else int(data.activations_ram_gb * 2**30),
+            spill_dir=None if data.spill_dir is None else Path(data.spill_dir).expanduser(),
         )
         ctx.state_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()

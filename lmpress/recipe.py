@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, NonNegativeInt, PositiveInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from lmpress.errors import LmpressInputError
 from lmpress.evals.gates import Gate, available_metrics, parse_gate
@@ -59,6 +67,20 @@ class DataSpec(StrictConfig):
     samples: PositiveInt = 128
     seq_len: PositiveInt = 512
     seed: NonNegativeInt = 0
+    # calibration activations beyond this many GiB (per process) go to memory-mapped files in spill_dir, which the
+    # kernel pages in and out as the layer-wise passes read them; none: all in RAM
+    activations_ram_gb: NonNegativeFloat | None = None
+    spill_dir: str | None = None  # default: beside the run's output, in its partial directory
+
+    @model_validator(mode="after")
+    def _spill_dir_needs_a_budget(self) -> DataSpec:
+        if self.spill_dir is not None and self.activations_ram_gb is None:
+            raise ValueError("data.spill_dir needs data.activations_ram_gb (the GiB of activations kept in RAM)")
+        return self
+
+    def calibration_settings(self) -> dict:
+        """What the calibration computes from (a resumable state's fingerprint): not where its activations live."""
+        return self.model_dump(exclude={"activations_ram_gb", "spill_dir"})
 
 
 class ExportSpec(StrictConfig):

@@ -316,6 +316,10 @@ class StageContext:
     # the main process's state_dir for this stage: where launched processes keep what they share (a training
     # checkpoint); None means state_dir
     shared_state_dir: Path | None = None
+    # calibration activations beyond this many bytes go to memory-mapped files in spill_dir (None: all in RAM;
+    # spill_dir None: the stage's state directory)
+    activations_ram_bytes: int | None = None
+    spill_dir: Path | None = None
 
 
 @dataclass

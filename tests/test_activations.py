@@ -61,3 +61,42 @@ def test_stored_values_are_copies():
     before = store[0].clone()
     batch.mul_(3)
     assert torch.equal(store[0], before)
+
+
+def mapped_files() -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line.split(maxsplit=5)[5].strip() for line in maps if len(line.split()) >= 6]
+
+
+def test_slabs_beyond_the_budget_live_in_unlinked_files_and_read_back_the_same(tmp_path):
+    import gc
+
+    from lmpress.calib.activations import Spill
+
+    spill = Spill(tmp_path, ram_bytes=2 * 3 * 8 * 2)  # room for one (2, 3, 8) float16 slab
+    batches = [torch.randn(1, 3, 8) for _ in range(2)]
+    kept = BatchStore([1, 1], spill)  # its slab: 2 x 3 x 8 float16 = the budget
+    spilled = BatchStore([1, 1], spill)
+    for store in (kept, spilled):
+        for i, x in enumerate(batches):
+            store[i] = x
+    assert spill.held == 96 and spill.spilled == 96
+    files = [f for f in mapped_files() if f.startswith(str(tmp_path))]
+    assert len(files) == 1 and files[0].endswith("(deleted)") and not list(tmp_path.iterdir())
+    for i, x in enumerate(batches):
+        assert torch.equal(spilled[i], x.half()) and torch.equal(kept[i], x.half())
+    del kept, spilled, store
+    gc.collect()
+    assert spill.held == 0 and spill.spilled == 0
+    assert not [f for f in mapped_files() if f.startswith(str(tmp_path))]
+
+
+def test_a_spill_directory_without_room_is_refused_before_any_work(tmp_path):
+    import pytest
+
+    from lmpress.calib.activations import Spill
+    from lmpress.errors import LmpressInputError
+
+    Spill(tmp_path, ram_bytes=1 << 40).check_room(1 << 40)  # all of it in RAM: no room needed
+    with pytest.raises(LmpressInputError, match=r"data.spill_dir .* GiB free and the calibration activations"):
+        Spill(tmp_path, ram_bytes=0).check_room(1 << 60)

@@ -288,3 +288,21 @@ def test_a_shared_input_is_one_unmodified_tensor_read_by_every_watched_module():
     for _ in range(2):
         with_kwargs.observe(x, (), {"hidden_states": x, "position_ids": None})
     assert not with_kwargs.complete()
+
+
+def test_activations_spilled_to_files_give_the_same_model(tiny_llama_dir, tmp_path, monkeypatch):
+    from lmpress.calib.activations import Spill
+
+    calibration = calibration_for(load_model(str(tiny_llama_dir)).tokenizer)
+    reference, _ = _quantize_all(tiny_llama_dir, tmp_path / "ram", calibration)
+    spills = []
+    monkeypatch.setattr(Spill, "slab", lambda self, shape, slab=Spill.slab: spills.append(shape) or slab(self, shape))
+    model = load_model(str(tiny_llama_dir)).model
+    ctx = StageContext(
+        calibration=lambda: calibration, state_dir=tmp_path / "state", resume=False, fingerprint="f1",
+        activations_ram_bytes=0, spill_dir=tmp_path / "spill",
+    )  # fmt: skip
+    run_gptq(model, GPTQConfig(**ACT_ORDER), ctx)
+    assert spills and not list((tmp_path / "spill").iterdir())  # every slab in a file, each unlinked once mapped
+    want, got = reference.state_dict(), model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

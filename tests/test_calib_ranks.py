@@ -160,6 +160,30 @@ def test_two_launched_processes_write_the_export_of_one(tiny_llama_dir, tmp_path
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".two")]  # no scratch left behind
 
 
+def test_a_mixture_of_experts_spreads_its_expert_solves_and_writes_the_export_of_one(tmp_path):
+    from tests.conftest import _train_tokenizer
+    from tests.families import save_family_model
+
+    model = save_family_model(tmp_path / "model", "qwen3_moe", _train_tokenizer())
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "data": {"source": "builtin:python-docs", "samples": 16, "seq_len": 64},
+                "stages": [{"method": "gptq", "bits": 4, "group_size": 32}],
+                "export": {"formats": ["compressed-tensors"]},
+            }
+        )
+    )
+    launch(tmp_path, str(recipe), str(tmp_path / "two"))
+    assert one_thread_run(recipe, tmp_path / "one") == 0
+    two, one = (tensor_digests(tmp_path / run / "compressed-tensors") for run in ("two", "one"))
+    assert two == one and sum(".experts." in k and k.endswith("weight_packed") for k in one) >= 12
+    summary = json.loads((tmp_path / "two" / "report.json").read_text())["stages"][0]["summary"]
+    assert summary["processes"] == 2 and summary["moe_blocks_unfused"] >= 1
+
+
 def test_wanda_masks_are_the_same_whichever_processes_summed_the_norms(tiny_llama_dir, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(

@@ -157,3 +157,10 @@ def test_every_shipped_recipe_loads_gates_and_never_calibrates_on_the_eval_text(
     assert recipe.stages and recipe.gates, f"{path.name}: a shipped recipe runs stages and gates them"
     if recipe.data is not None and recipe.eval is not None and recipe.eval.text:
         assert "wiki.test" not in recipe.data.source, f"{path.name} calibrates on the eval text"
+
+
+def test_a_spill_directory_needs_a_ram_budget_and_neither_enters_the_calibration_fingerprint():
+    message = error_of({**BASE, "data": {"spill_dir": "/scratch"}})
+    assert message.startswith("r.yaml: data") and "data.spill_dir needs data.activations_ram_gb" in message
+    spilled = parse_recipe({**BASE, "data": {"activations_ram_gb": 2, "spill_dir": "/scratch"}}, "r.yaml").data
+    assert spilled.calibration_settings() == parse_recipe(BASE, "r.yaml").data.calibration_settings()

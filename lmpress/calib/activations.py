@@ -11,16 +11,28 @@ down_proj pass: 296 MB of free heap pages held, which a peak RSS counts).
 
 A batch whose values float16 cannot hold is kept apart in float32, and so is
 anything that does not line up with the slab (another shape, integer tensors).
+
+With a :class:`Spill`, slabs beyond a budget of RAM live in files instead: mapped shared, so the kernel writes
+their pages out and reads them back as the passes need them, and unlinked as soon as they are mapped, so nothing
+is left on disk once the store is dropped, even after a kill.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from lmpress.errors import LmpressInputError
 
 FLOAT16_LIMIT = 60000.0
 
@@ -51,6 +63,48 @@ def compact(x: torch.Tensor) -> torch.Tensor:
     return x.to("cpu", torch.float16 if fits_float16(x) else torch.float32, copy=True)
 
 
+@dataclass
+class Spill:
+    """Calibration activations beyond ``ram_bytes`` (the slabs alive at once) go to files in ``directory``."""
+
+    directory: Path
+    ram_bytes: int
+    held: int = 0  # bytes of the slabs in RAM now
+    spilled: int = 0  # bytes of the slabs in files now
+
+    def check_room(self, needed: int) -> None:
+        """Refuse, before any work, a directory that cannot take what may spill (``needed``: every slab's bytes)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.directory).free
+        if needed - self.ram_bytes > free:
+            raise LmpressInputError(
+                f"data.spill_dir {self.directory} has {free / 2**30:.1f} GiB free and the calibration activations "
+                f"beyond data.activations_ram_gb need up to {(needed - self.ram_bytes) / 2**30:.1f} GiB: choose a "
+                "directory with more room or raise activations_ram_gb"
+            )
+
+    def slab(self, shape: Sequence[int]) -> torch.Tensor:
+        """An uninitialised float16 tensor of ``shape``: in RAM while the budget allows, else in a file."""
+        size = math.prod(shape) * 2
+        if self.held + size <= self.ram_bytes:
+            slab = torch.empty(*shape, dtype=torch.float16)
+            self.held += size
+            weakref.finalize(slab, self._release, "held", size)
+            return slab
+        fd, path = tempfile.mkstemp(prefix="activations-", suffix=".f16", dir=self.directory)
+        os.close(fd)
+        try:
+            slab = torch.from_file(path, shared=True, size=math.prod(shape), dtype=torch.float16).view(*shape)
+        finally:
+            os.unlink(path)  # the mapping keeps the pages; the disk space goes with the last reference
+        self.spilled += size
+        weakref.finalize(slab, self._release, "spilled", size)
+        return slab
+
+    def _release(self, kind: str, size: int) -> None:
+        setattr(self, kind, getattr(self, kind) - size)
+
+
 class BatchStore:
     """One value per calibration batch (a tensor or a tuple/list/dict of them), indexed by batch.
 
@@ -59,15 +113,16 @@ class BatchStore:
     ``len(store)`` counts the batches stored so far.
     """
 
-    def __init__(self, rows: Sequence[int]) -> None:
+    def __init__(self, rows: Sequence[int], spill: Spill | None = None) -> None:
         self.rows = list(rows)
+        self.spill = spill
         self.offsets = [0, *itertools.accumulate(self.rows)]
         self._slabs: dict[int, torch.Tensor] = {}  # tensor position within a value -> slab over all batches
         self._values: dict[int, Any] = {}
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> BatchStore:
-        store = cls([t.shape[0] for t in tensors])
+    def of(cls, tensors: Sequence[torch.Tensor], spill: Spill | None = None) -> BatchStore:
+        store = cls([t.shape[0] for t in tensors], spill)
         for i, t in enumerate(tensors):
             store[i] = t
         return store
@@ -91,7 +146,9 @@ class BatchStore:
             return compact(x)
         slab = self._slabs.get(position)
         if slab is None:
-            slab = self._slabs[position] = torch.empty(self.offsets[-1], *x.shape[1:], dtype=torch.float16)
+            shape = (self.offsets[-1], *x.shape[1:])
+            slab = self.spill.slab(shape) if self.spill else torch.empty(*shape, dtype=torch.float16)
+            self._slabs[position] = slab
         if slab.shape[1:] != x.shape[1:]:
             return compact(x)
         view = slab[self.offsets[i] : self.offsets[i + 1]]

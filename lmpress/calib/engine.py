@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
-from lmpress.calib.activations import BatchStore, LayerInputs
+from lmpress.calib.activations import BatchStore, LayerInputs, Spill
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_batches, rank_samples
@@ -89,7 +89,7 @@ def layer_kinds(model: nn.Module) -> list[str] | None:
 
 @torch.no_grad()
 def capture_first_layer_inputs(
-    model: nn.Module, calibration: torch.Tensor, batch_size: int, device: torch.device
+    model: nn.Module, calibration: torch.Tensor, batch_size: int, device: torch.device, spill: Spill | None = None
 ) -> LayerInputs:
     """The first decoder layer's inputs for every batch, and, where layer types differ (:func:`layer_kinds`),
     the keyword arguments the first layer of each type receives (the layers before it pass their input through
@@ -99,7 +99,7 @@ def capture_first_layer_inputs(
     kinds = layer_kinds(model)
     first_of = {} if kinds is None else {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}
     batches = calibration.split(batch_size)
-    captured = LayerInputs(BatchStore([len(b) for b in batches]), [], {kind: [] for kind in first_of})
+    captured = LayerInputs(BatchStore([len(b) for b in batches], spill), [], {kind: [] for kind in first_of})
     last = max(first_of.values(), default=0)
 
     def grab_for(index: int) -> Callable:
@@ -186,6 +186,18 @@ def _output_observer(session: LayerSession, methods: Sequence[CalibrationMethod]
     return observe
 
 
+def activation_spill(ctx: StageContext, model: nn.Module, calibration: torch.Size) -> Spill | None:
+    """Where this process's calibration activations beyond ``data.activations_ram_gb`` go (None: all in RAM),
+    its directory's room checked before any work: at most the layer inputs, one block's outputs and the widest
+    linear's inputs are held at once."""
+    if ctx.activations_ram_bytes is None:
+        return None
+    spill = Spill(ctx.spill_dir or ctx.state_dir / "spill", ctx.activations_ram_bytes)
+    widest = max(linear.in_features for layer in decoder_layers(model) for linear in layer_linears(layer).values())
+    spill.check_room(calibration.numel() * (2 * model.config.hidden_size + widest) * 2)
+    return spill
+
+
 def run_calibration(
     model: nn.Module,
     methods: Sequence[CalibrationMethod],
@@ -233,12 +245,13 @@ def run_calibration(
         saved.take_finished_layers(state, done)
     for index in range(done):
         quantized += state.restore_layer(index, layers[index])
+    spill = activation_spill(ctx, model, calibration.shape)
     if done < len(layers):
-        inputs = capture_first_layer_inputs(model, calibration, batch_size, device)
+        inputs = capture_first_layer_inputs(model, calibration, batch_size, device, spill)
         if done:
             by_kind = inputs.by_kind
             mine = rank_batches(n_batches, rank, world) if ranks > 1 else range(n_batches)
-            inputs, carried = saved.load_inputs(done, n_batches, mine, inputs.kwargs)
+            inputs, carried = saved.load_inputs(done, n_batches, mine, inputs.kwargs, spill)
             inputs.by_kind = by_kind
             if world > 1:  # every process has read the saved inputs before any saves over them
                 min_across_ranks(0)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from lmpress.calib.activations import BatchStore, LayerInputs
+from lmpress.calib.activations import BatchStore, LayerInputs, Spill
 from lmpress.calib.ranks import rank_batches
 from lmpress.calib.state import LayerState
 from lmpress.distributed import rank_partial_dir
@@ -94,7 +94,7 @@ class SavedStates:
                 os.replace(tmp, own.dir / name)
 
     def load_inputs(
-        self, done: int, n_batches: int, mine: range, kwargs: list[dict]
+        self, done: int, n_batches: int, mine: range, kwargs: list[dict], spill: Spill | None = None
     ) -> tuple[LayerInputs, dict[str, torch.Tensor]]:
         """Layer ``done``'s inputs for global batches ``mine`` (this process's share, or every batch), each from
         an old state that holds it (this process's own first), and the carried tensors saved with them."""
@@ -123,4 +123,4 @@ class SavedStates:
                 f"here (kept by the {self.processes} process(es) that saved the state); resume where every "
                 "process's state is, or run without --resume"
             )
-        return LayerInputs(BatchStore.of([hidden[b] for b in mine]), kwargs), carried or {}
+        return LayerInputs(BatchStore.of([hidden[b] for b in mine], spill), kwargs), carried or {}

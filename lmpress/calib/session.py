@@ -219,7 +219,7 @@ class LayerSession:
                 replace_forward(module, replay_from(recorded, current, self.device, dtype))
                 replayed.append(block + ".")
             elif record:
-                self._replay[block] = recorded = BatchStore(self.inputs.hidden.rows)
+                self._replay[block] = recorded = BatchStore(self.inputs.hidden.rows, self.inputs.hidden.spill)
                 handles.append(module.register_forward_hook(recorder(recorded, current)))
         for consumer, producers in self.fed_only_by if full_pass else ():
             if not all(p in self.finished for p in producers):
@@ -239,7 +239,7 @@ class LayerSession:
                 if block is not None:
                     handles.extend(shortcut_to_output(self.layer.get_submodule(block), module, replace_forward))
             elif record and (recorded is None or len(recorded) != n_batches):
-                self._fed[consumer] = recorded = BatchStore(self.inputs.hidden.rows)
+                self._fed[consumer] = recorded = BatchStore(self.inputs.hidden.rows, self.inputs.hidden.spill)
                 # Before the calibration hooks, which may end the batch at this linear.
                 handles.append(module.register_forward_pre_hook(input_recorder(recorded, current), prepend=True))
                 keep_rotation_first(module)  # R4: the linear's input is the rotated one
