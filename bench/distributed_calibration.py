@@ -8,7 +8,7 @@ Per method both runs are the same recipe (calibration 128 x 512 tokens of wiki.v
 perplexity eval, so the stage's time is not the eval's) in fresh processes with ``OMP_NUM_THREADS=1``:
 ``lmpress run`` alone, then ``torchrun --nproc-per-node 2 -m lmpress.cli run``. The methods: GPTQ W4 g64 sym
 (act-order with static groups, MSE scales); AWQ W4 g64 sym (scale and clipping searches on 16 samples, RTN);
-SmoothQuant W8A8 with its α searched; SparseGPT 50% with GPTQ W4 g64 rounding in the same pass. Reported: the
+SmoothQuant W8A8 with its α searched; SparseGPT 30% with GPTQ W4 g64 rounding in the same pass. Reported: the
 stage's wall time from each report.json, its speed-up, the main process's stage peak RSS, how many stored values
 (packed codes, every float tensor) differ between the two exports and each candidate's perplexity (docs/scale.md).
 """
@@ -43,7 +43,7 @@ STAGES = {
     "gptq": {"method": "gptq", **W4, "act_order": True, "static_groups": True, "mse": True},
     "awq": {"method": "awq", **W4},
     "smoothquant": {"method": "smoothquant", "alpha_search": True, "ignore": ["lm_head"]},
-    "sparsegpt": {"method": "sparsegpt", "sparsity": 0.5, "quantize": {"bits": 4, "group_size": 64}},
+    "sparsegpt": {"method": "sparsegpt", "sparsity": 0.3, "quantize": {"bits": 4, "group_size": 64}},
 }
 
 
@@ -53,7 +53,9 @@ def run(out: Path, recipe: Path, processes: int) -> dict:
     lmpress = ["-m", "lmpress.cli", "run", str(recipe), "--out", str(out), "--quiet"]
     command = [sys.executable, *(launcher if processes > 1 else []), *lmpress]
     began = time.perf_counter()
-    subprocess.run(command, env=env, check=True, cwd=REPO)
+    done = subprocess.run(command, env=env, check=False, cwd=REPO)
+    if done.returncode not in (0, 1):  # 1: the run finished and its gate failed (the bench times it all the same)
+        raise subprocess.CalledProcessError(done.returncode, command)
     report = json.loads((out / "report.json").read_text())
     stage = report["stages"][0]
     return {

@@ -33,6 +33,7 @@ from lmpress.calib.ranks import calibration_ranks, check_shareable
 from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
 from lmpress.distributed import (
     Processes,
+    check_same_run,
     last_shared_stage,
     launched_processes,
     remove_departed_states,
@@ -199,6 +200,11 @@ def run_stages(
 
     calibration = calibration_of(recipe, tokenizer)
     world = calibration_ranks()[1]
+    if world > 1 and last_shared_stage(recipe.stages) >= 0:  # every launched process must run the same work
+        stages = [s.model_dump() for s in recipe.stages]
+        check_same_run(
+            sha256_json({"model": loaded.fingerprint, "data": data.calibration_settings(), "stages": stages})
+        )
     summaries = []
     for index, stage in enumerate(recipe.stages[: None if stop is None else stop + 1]):
         ctx = StageContext(

@@ -173,6 +173,7 @@ def test_a_mixture_of_experts_spreads_its_expert_solves_and_writes_the_export_of
                 "data": {"source": "builtin:python-docs", "samples": 16, "seq_len": 64},
                 "stages": [{"method": "gptq", "bits": 4, "group_size": 32}],
                 "export": {"formats": ["compressed-tensors"]},
+                "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 3}},
             }
         )
     )
@@ -265,6 +266,8 @@ def test_a_killed_process_stops_the_launch_and_one_process_resumes_it_to_the_unb
     assert not [f for f in frames if "/lmpress/" in f], killed.stderr[-3000:]  # only the launcher's own traceback
     for state in (tmp_path / ".run.partial", tmp_path / ".run.partial-rank1"):
         assert json.loads((state / "state" / "0-gptq" / "progress.json").read_text())["done_layers"] == 2
+        kept = sorted(p.name for p in (state / "state" / "0-gptq").glob("inputs_*"))
+        assert kept == ["inputs_00001.safetensors", "inputs_00002.safetensors"]  # launched: the last two layers'
 
     # one process continues what two started: its batches from both processes' saved shares
     assert one_thread_run(recipe, out, "--resume") == 0
@@ -273,6 +276,27 @@ def test_a_killed_process_stops_the_launch_and_one_process_resumes_it_to_the_unb
     assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
     assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
     assert not (tmp_path / ".run.partial-rank1").exists()  # the departed process's state is removed
+
+
+# Run in place of `-m lmpress.cli` by every launched process: process 1 is given 8-bit weights.
+OTHER_RECIPE = """
+import os, sys
+from lmpress.cli import main
+extra = ["--set", "stages[0].bits=8"] if os.environ["RANK"] == "1" else []
+sys.exit(main(sys.argv[1:] + extra))
+"""
+
+
+def test_processes_given_different_recipes_are_refused_in_one_line(tmp_path):
+    recipe = four_layer_gptq_recipe(tmp_path)
+    script = tmp_path / "other_recipe.py"
+    script.write_text(OTHER_RECIPE)
+    env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [*TORCHRUN, str(script), "run", str(recipe), "--out", str(tmp_path / "run"), "--quiet"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: launched process(es) 1 of 2")]
+    assert len(said) == 2, done.stderr[-3000:]  # each process says it, once, and exits 2
+    assert "exitcode  : 2" in done.stderr and not (tmp_path / "run").exists()
 
 
 def test_two_launched_processes_resume_what_one_process_started(tmp_path):

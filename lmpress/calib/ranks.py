@@ -96,6 +96,13 @@ def _broadcast_objects(box: list, src: int) -> None:
     dist.broadcast_object_list(box, src=src)
 
 
+def broadcast_object(value: T | None, src: int) -> T:
+    """Rank ``src``'s ``value`` (picklable, its tensors on the CPU), on every rank."""
+    box = [value]
+    _broadcast_objects(box, src)
+    return box[0]
+
+
 @collective
 def all_gather_objects(value: T) -> list[T]:
     """Every rank's ``value`` (picklable, its tensors on the CPU), in rank order."""
@@ -178,9 +185,8 @@ def solve_across_ranks(
     mine = {name: solve(name) for name in names if owners[name] == rank}
     results = {}
     for name in names:
-        box = [_tensors_on_cpu(mine.get(name))]  # unpickled where it was saved: another rank's GPU, else
-        _broadcast_objects(box, owners[name])
-        results[name] = box[0]
+        # on the CPU: a tensor is unpickled where it was saved, which would be another rank's GPU
+        results[name] = broadcast_object(_tensors_on_cpu(mine.get(name)), owners[name])
     return results
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lmpress.calib.activations import map_tensors
-from lmpress.calib.ranks import all_gather_objects, calibration_ranks, count_across_ranks, rank_batches
+from lmpress.calib.ranks import broadcast_object, calibration_ranks, count_across_ranks, rank_batches
 
 if TYPE_CHECKING:
     from lmpress.calib.session import LayerSession
@@ -87,14 +87,17 @@ def record_search_batches(session: LayerSession, watch: list[str], n_batches: in
         session.forward(watch, recorded, limit=n_batches)
         return recorded
     rank, world = calibration_ranks()
-    share = rank_batches(count_across_ranks(len(session.inputs.hidden)), rank, world)
-    mine = max(0, min(n_batches, share.stop) - share.start)
-    if mine:
-        session.forward(watch, recorded, limit=mine)
+    total = count_across_ranks(len(session.inputs.hidden))
+    shares = [rank_batches(total, q, world) for q in range(world)]
+    counts = [max(0, min(n_batches, share.stop) - share.start) for share in shares]
+    if counts[rank]:
+        session.forward(watch, recorded, limit=counts[rank])
     merged = RecordedInputs()
-    parts = all_gather_objects(_moved(recorded.inputs, recorded.kwargs, recorded.as_keyword, device="cpu"))
-    for part in parts:
-        inputs, kwargs, as_keyword = _moved(*part, device=session.device)
+    for q in (q for q in range(world) if counts[q]):  # each recording process sends its part to the others
+        own = (recorded.inputs, recorded.kwargs, recorded.as_keyword)
+        part = broadcast_object(_moved(*own, device="cpu") if q == rank else None, q)
+        inputs, kwargs, as_keyword = own if q == rank else _moved(*part, device=session.device)
+        del part
         for name in inputs:
             merged.inputs.setdefault(name, []).extend(inputs[name])
             merged.kwargs.setdefault(name, []).extend(kwargs[name])
