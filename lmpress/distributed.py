@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lmpress.errors import LmpressInputError, LmpressStopped
+from lmpress.errors import LmpressStopped
 
 # The main process scores the baseline before the stages while the others go straight to them, so
 # they can wait that long at the first collective of training (torch's default timeout is 10 minutes).
@@ -89,25 +89,6 @@ def stop_when_the_launcher_does(processes: Processes) -> None:
         )
 
     signal.signal(signal.SIGTERM, stop)
-
-
-def check_same_run(digest: str) -> None:
-    """Refuse (one line, exit 2, in every process) a launch whose processes were given different recipes, data or
-    models: ``digest`` hashes this process's (the stages' fingerprint); every process compares all of them."""
-    import torch.distributed as dist
-
-    from lmpress.calib.ranks import all_gather_objects
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    digests = all_gather_objects(digest)
-    differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
-    if differ:
-        raise LmpressInputError(
-            f"launched process(es) {', '.join(map(str, differ))} of {len(digests)} were given another recipe, "
-            "calibration data or model than process 0 (their hashes differ): launch every process with the same "
-            "recipe, --set options and model"
-        )
 
 
 def remove_departed_states(main_partial: Path, world: int) -> None:

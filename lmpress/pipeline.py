@@ -29,11 +29,10 @@ import torch
 from torch import nn
 
 from lmpress.cache import sha256_json
-from lmpress.calib.ranks import calibration_ranks, check_shareable
+from lmpress.calib.ranks import calibration_ranks, check_same_run, check_shareable
 from lmpress.data import calibration_samples, check_text_source, load_text, same_text, token_windows, tokenize
 from lmpress.distributed import (
     Processes,
-    check_same_run,
     last_shared_stage,
     launched_processes,
     remove_departed_states,

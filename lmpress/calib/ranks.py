@@ -113,6 +113,23 @@ def all_gather_objects(value: T) -> list[T]:
     return parts
 
 
+def check_same_run(digest: str) -> None:
+    """Refuse (one line, exit 2, in every process) a launch whose processes were given different recipes, data or
+    models: ``digest`` hashes this process's (the stages' fingerprint); every process compares all of them."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    digests = all_gather_objects(digest)
+    differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+    if differ:
+        raise LmpressInputError(
+            f"launched process(es) {', '.join(map(str, differ))} of {len(digests)} were given another recipe, "
+            "calibration data or model than process 0 (their hashes differ): launch every process with the same "
+            "recipe, --set options and model"
+        )
+
+
 def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """The elementwise sum of ``tensor`` over every rank, computed in float64, in ``tensor``'s dtype."""
     import torch.distributed as dist
