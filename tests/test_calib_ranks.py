@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -165,18 +166,7 @@ def test_a_mixture_of_experts_spreads_its_expert_solves_and_writes_the_export_of
     from tests.families import save_family_model
 
     model = save_family_model(tmp_path / "model", "qwen3_moe", _train_tokenizer())
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(model),
-                "data": {"source": "builtin:python-docs", "samples": 16, "seq_len": 64},
-                "stages": [{"method": "gptq", "bits": 4, "group_size": 32}],
-                "export": {"formats": ["compressed-tensors"]},
-                "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 3}},
-            }
-        )
-    )
+    recipe = gptq_recipe(tmp_path, model)
     launch(tmp_path, str(recipe), str(tmp_path / "two"))
     assert one_thread_run(recipe, tmp_path / "one") == 0
     two, one = (tensor_digests(tmp_path / run / "compressed-tensors") for run in ("two", "one"))
@@ -233,10 +223,8 @@ def killed_run(tmp_path, recipe, out, launched: bool) -> subprocess.CompletedPro
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 
-def four_layer_gptq_recipe(tmp_path):
-    from tests.conftest import save_tiny_model
-
-    model = save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=4)
+def gptq_recipe(tmp_path, model) -> Path:
+    """A W4 g32 GPTQ recipe over ``model`` exporting compressed-tensors, gated loosely."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         yaml.safe_dump(
@@ -251,6 +239,12 @@ def four_layer_gptq_recipe(tmp_path):
         )
     )
     return recipe
+
+
+def four_layer_gptq_recipe(tmp_path) -> Path:
+    from tests.conftest import save_tiny_model
+
+    return gptq_recipe(tmp_path, save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=4))
 
 
 def test_a_killed_process_stops_the_launch_and_one_process_resumes_it_to_the_unbroken_artifact(tmp_path):
