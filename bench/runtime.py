@@ -2,15 +2,17 @@
 
     python bench/runtime.py                    # the goal rows, 7 repeats: stdout and bench/results/runtime.{json,md}
     python bench/runtime.py --rows lmpress-w4-head8-compile llama.cpp-q4_1 --repeats 5 --new-tokens 128
-    python bench/runtime.py --rows lmpress-w4-head8-compile lmpress-w4-head8-compile-kv8 llama.cpp-q4_1-kv8 \
-        --prompt-tokens 4000 --new-tokens 64 --repeats 3    # long context: float vs INT8 KV, llama.cpp's q8_0 cache
+    python bench/runtime.py --rows lmpress-w4-head8-compile lmpress-w4-head8-compile-kv8 llama.cpp-q4_1 \
+        llama.cpp-q4_1-kv8 --prompt-tokens 4000 --new-tokens 64 --timing after-first --results kv_decode
+        # long context (issue 50): float vs INT8 KV, llama.cpp's f16 and q8_0 caches: bench/results/kv_decode.md
 
 Batch 1, a 128-token prompt (the start of the built-in Python docs text), 256 new tokens, greedy,
 EOS ignored so every row decodes the same number of tokens. Every timed row runs in its own process
 (so its peak RSS is its own), started and warmed up (compiled) first; then the rows are timed in
 turn, one repeat of each per round (A, B, C, A, B, C, ...; the first row of a round rotates), so a
 machine whose speed drifts slows them alike. Each repeat times 1 and N new tokens (decode tok/s =
-(N - 1) / (t(N) - t(1))) and measures the copy bandwidth just before, in the same process; a row
+(N - 1) / (t(N) - t(1)); with ``--timing after-first`` the N - 1 tokens after the first within one N-token
+run, so a long prompt's prefill is not in it) and measures the copy bandwidth just before, in the same process; a row
 reports the median and quartiles over repeats, with the load average at each. Bytes per token follow
 ``lmpress.runtime.throughput``: weights + KV cache at the mean length.
 
@@ -46,7 +48,16 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_hosts import cpu_identity, goals, record, render, round_orders, summarize, worker_environment  # noqa: E402
+from runtime_hosts import (  # noqa: E402
+    cpu_identity,
+    decode_rate,
+    goals,
+    record,
+    render,
+    round_orders,
+    summarize,
+    worker_environment,
+)
 from worker_process import WorkerProcess, reply  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -218,14 +229,14 @@ def grounded_prompt(tokenizer: Any) -> list[int]:
 
 # Timed rows: each builds, in its worker process, a function generating n tokens and the row's fixed facts ----------
 
-Generate = Callable[[int], Any]
+Generate = Callable[[int], float | None]  # generates n tokens; returns when the first came (perf_counter) if it can
 
 
 def timed_runtime(
     args: argparse.Namespace, source: str, dtype: str, compile: bool = False, kv_cache: str | None = None
 ) -> tuple[Generate, dict]:
     from lmpress.cli import kv_quant_flag
-    from lmpress.runtime.generate import decode_with, decoding_forward, generate
+    from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
     from lmpress.runtime.text import load_runtime
     from lmpress.runtime.throughput import kv_cache_bytes, layer_kernels, weight_bytes
 
@@ -234,8 +245,11 @@ def timed_runtime(
     prompt = plain_prompt(tokenizer, args.prompt_tokens)
     decode = decode_with(decoding_forward(model.device, compile))
 
-    def run(n: int) -> list[int]:
-        return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
+    def run(n: int) -> float | None:
+        first = None
+        for _ in generate_tokens(model, [prompt], max_new_tokens=n, decode=decode):
+            first = first or time.perf_counter()
+        return first
 
     kernels = sorted(set(layer_kernels(model).values()))
     per_token = weight_bytes(model) + kv_cache_bytes(model, len(prompt) + args.new_tokens // 2)
@@ -287,9 +301,9 @@ def timed_transformers(args: argparse.Namespace) -> tuple[Generate, dict]:
     model, config = loaded.model, loaded.model.config
     prompt = torch.tensor([plain_prompt(loaded.tokenizer, args.prompt_tokens)])
 
-    def run(n: int) -> Any:
+    def run(n: int) -> None:
         with torch.no_grad():
-            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied parameters once
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -318,14 +332,15 @@ def timed_llama_cpp(
         cache = dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True)
     llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **cache)
 
-    def run(n: int) -> list[int]:
+    def run(n: int) -> float | None:
         llm.reset()  # no prompt reuse between runs: every run prefills
-        tokens = []
-        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            tokens.append(token)  # greedy; EOS is not special here, as in the other rows
-            if len(tokens) == n:
-                return tokens
-        return tokens
+        tokens, first = 0, None
+        for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            first = first or time.perf_counter()
+            tokens += 1  # greedy; EOS is not special here, as in the other rows
+            if tokens == n:
+                break
+        return first
 
     reader = GGUFReader(str(path))
     fields = {f.name: f.parts[f.data[0]][0] for f in reader.fields.values() if f.name.startswith("llama.")}
@@ -455,21 +470,33 @@ def worker(name: str, args: argparse.Namespace) -> None:
     for command in sys.stdin:
         if command.strip() == "time":
             bandwidth = copy_bandwidth_gbs("cpu", megabytes=256, repeats=3)
-            times = []
-            for n in (1, args.new_tokens):
-                began = time.perf_counter()
-                run(n)
-                times.append(time.perf_counter() - began)
-            reply({"t1": times[0], "tn": times[1], "bw": bandwidth, "load": os.getloadavg()[0]})
+            reply({**time_generation(run, args), "bw": bandwidth, "load": os.getloadavg()[0]})
         elif command.strip() == "finish":
             reply({**info, "peak_memory_mb": running_peak_mb(lambda: run(args.new_tokens), torch.device("cpu"))})
             return
 
 
+def time_generation(run: Generate, args: argparse.Namespace) -> dict[str, float]:
+    """One repeat: t(1) and t(N) from two runs, or (``--timing after-first``) one N-token run's first token and the
+    time after it (rows that cannot tell when their first token came fall back to two runs)."""
+    if args.timing == "after-first":
+        began = time.perf_counter()
+        first = run(args.new_tokens)
+        end = time.perf_counter()
+        if first is not None:
+            return {"t1": first - began, "tn": end - began, "after_first": end - first}
+    times = []
+    for n in (1, args.new_tokens):
+        began = time.perf_counter()
+        run(n)
+        times.append(time.perf_counter() - began)
+    return {"t1": times[0], "tn": times[1]}
+
+
 def start_worker(name: str, args: argparse.Namespace) -> WorkerProcess:
     argv = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
     argv += ["--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
-    argv += ["--activations", args.activations, "--llama-cpp-threads", args.llama_cpp_threads]
+    argv += ["--activations", args.activations, "--llama-cpp-threads", args.llama_cpp_threads, "--timing", args.timing]
     return WorkerProcess(name, argv, worker_environment(dict(os.environ), REPO, args.omp_wait_policy))
 
 
@@ -500,7 +527,7 @@ def run_interleaved(names: list[str], args: argparse.Namespace) -> tuple[dict[st
                     continue
                 if counted:
                     samples[name].append(sample)
-                rate = (args.new_tokens - 1) / (sample["tn"] - sample["t1"])
+                rate = decode_rate(sample, args.new_tokens)
                 which = f"round {round_ + 1 - args.warmup_rounds}" if counted else "warm-up round"
                 print(
                     f"  {which}: {name} {rate:.1f} tok/s, copy {sample['bw']:.1f} GB/s, load {sample['load']:.2f}",
@@ -572,6 +599,16 @@ def main() -> None:
         help="llama.cpp rows: llama-cpp-python's own thread defaults, as its users run it (half the logical CPUs "
         "for decode; the default), or --threads, as lmpress's rows",
     )
+    parser.add_argument(
+        "--timing",
+        choices=("two-runs", "after-first"),
+        default="two-runs",
+        help="decode tok/s from t(1) and t(N) over two runs, or from the tokens after the first within one N-token "
+        "run (after-first: for long prompts, whose prefill's spread swamps the decode steps)",
+    )
+    parser.add_argument(
+        "--results", default="runtime", help="the results file's name in bench/results (runtime: the main page)"
+    )
     parser.add_argument("--warmup-rounds", type=int, default=1, help="timed rounds run first and discarded")
     parser.add_argument(
         "--omp-wait-policy",
@@ -631,6 +668,7 @@ def main() -> None:
         "warmup_rounds": args.warmup_rounds,
         "omp_wait_policy": args.omp_wait_policy,
         "cpu_activations": args.activations,
+        "timing": args.timing,
         "interleaved": True,
         "torch": torch.__version__,
         "load_average": os.getloadavg(),
@@ -638,7 +676,7 @@ def main() -> None:
         "llama_cpp_builds": {LABELS[n]: timed[n]["llama_cpp"]["system_info"] for n in timed if "llama_cpp" in timed[n]},
     }
     entry = {"meta": meta, "rows": {**timed, **speculative}, "goals": summary}
-    record(RESULTS / "runtime.json", host, entry, LABELS)
+    record(RESULTS / f"{args.results}.json", host, entry, LABELS)
     return None
 
 

@@ -76,13 +76,22 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def decode_rate(sample: dict[str, float], new_tokens: int) -> float:
+    """Decode tok/s of one repeat: the N - 1 tokens after the first over the time after the first, within the N-token
+    run where the sample has it (``after_first``: no prefill in it, which at long context swamps the steps), else
+    ``(N - 1) / (t(N) - t(1))`` over two runs."""
+    if "after_first" in sample:
+        return (new_tokens - 1) / sample["after_first"] if sample["after_first"] > 0 else float("nan")
+    return (new_tokens - 1) / (sample["tn"] - sample["t1"]) if sample["tn"] > sample["t1"] else float("nan")
+
+
 def summarize(samples: list[dict[str, float]], new_tokens: int, info: dict[str, Any]) -> dict[str, Any]:
-    """One row from its repeats: decode tok/s per repeat from t(1) and t(N), quartiles, copy bandwidth beside."""
-    rates = [(new_tokens - 1) / (s["tn"] - s["t1"]) if s["tn"] > s["t1"] else float("nan") for s in samples]
+    """One row from its repeats: decode tok/s per repeat (``decode_rate``), quartiles, copy bandwidth beside."""
+    rates = [decode_rate(s, new_tokens) for s in samples]
     q1, median, q3 = quartiles(rates)
     bw = statistics.median(s["bw"] for s in samples)
     per_token = info["bytes_per_token"]
-    ttft = statistics.median(s["t1"] for s in samples)
+    ttft = statistics.median(s["t1"] for s in samples)  # --timing after-first: the first token of the N-token run
     return {
         **info,
         "decode_tok_s": median,

@@ -77,12 +77,15 @@ def test_refuses_what_it_cannot_compute():
 
 
 def test_the_compiled_step_attends_through_it_and_matches_eager(monkeypatch):
-    """A float32 CPU model's attention layers take the op; the static step (uncompiled here, the op is what a compiled
-    one calls) gives the growing cache's logits, and calls the op once per layer."""
+    """A float32 CPU model's attention layers that cpu_kv_attention (faster where it fits) cannot take, here all of
+    them, take the op; the static step (uncompiled here, the op is what a compiled one calls) gives the growing
+    cache's logits, and calls the op once per layer."""
     from lmpress.runtime.generate import static_decode
+    from lmpress.runtime.kernels import cpu_kv_attention
     from lmpress.runtime.model import Transformer
     from tests.runtime.conftest import tiny_hf_model
 
+    monkeypatch.setattr(cpu_kv_attention, "fits", lambda *args: False)
     model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
     assert all(layer.attention.slots_kernel for layer in model.layers)
     calls = []

@@ -21,32 +21,48 @@ def as_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return codes, scales, dequantize_kv(codes, scales, INT8, torch.float32)
 
 
-@pytest.mark.parametrize("n", [1, 3])
+def host_runs(isa: int) -> bool:
+    """Whether this CPU runs the op's instruction set level ``isa`` (2 AVX-512, 1 AVX2)."""
+    from lmpress.runtime.kernels import cpu_int
+
+    return cpu_int.host_isa() >= isa
+
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not host_runs(isa), reason="no such CPU")) for isa in (1, 2)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("heads", "kv_heads", "n"), [(9, 3, 1), (9, 3, 3), (8, 1, 3), (2, 2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("stored", ["float32", "int8"])
-def test_matches_a_float64_softmax_over_the_visible_slots(n, window, stored):
-    """Two rows (the second left padded by 7), 9 query heads on 3 KV heads, queries ending at slot 600 of 700 (three
-    chunks of 256 slots, the last never read: its slots hold 1e4 that any weight on them would show)."""
-    q, keys, values = case(2, 9, 3, n, 700, 64, 64)
+def test_matches_a_float64_softmax_over_the_visible_slots(heads, kv_heads, n, window, stored, isa):
+    """Two rows (the second left padded by 7), query heads on fewer KV heads (a group's rows, heads x queries, go
+    4 at a time: 3, 9 and 24 rows), queries ending at slot 600 of 700 (three chunks of 256 slots, the last never
+    read: its slots hold 1e4 that any weight on them would show), on each instruction set this CPU runs."""
+    q, keys, values = case(2, heads, kv_heads, n, 700, 64, 64)
     keys[:, :, 601:] = 1e4
     pos = torch.arange(601 - n, 601)
     mask = static_slots_mask(torch.tensor([0, 7]), pos, 700, window)
     if stored == "int8":
         (keys, k_scales, k_read), (values, v_scales, v_read) = as_codes(keys), as_codes(values)
-        out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, k_scales, v_scales)
+        out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, k_scales, v_scales, isa=isa)
     else:
         k_read, v_read = keys, values
-        out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125)
-    assert out.dtype == torch.float32 and out.shape == (2, 9, n, 64)
+        out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, isa=isa)
+    assert out.dtype == torch.float32 and out.shape == (2, heads, n, 64)
     torch.testing.assert_close(out.double(), reference(q, k_read, v_read, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dim", [16, 32, 48, 96, 128])
-def test_every_head_width_it_takes(dim):
+def test_every_head_width_it_takes(dim, isa):
     q, keys, values = case(1, 4, 2, 2, 300, dim, dim, seed=dim)
     mask = static_slots_mask(torch.tensor([0]), torch.tensor([290, 291]), 300, None)
-    out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, dim**-0.5)
+    (codes, k_scales, k_read), (v_codes, v_scales, v_read) = as_codes(keys), as_codes(values)
+    out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, dim**-0.5, isa=isa)
     torch.testing.assert_close(out.double(), reference(q, keys, values, mask, dim**-0.5), rtol=1e-5, atol=1e-5)
+    out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, dim**-0.5, k_scales, v_scales, isa=isa)
+    torch.testing.assert_close(out.double(), reference(q, k_read, v_read, mask, dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -85,14 +101,16 @@ def test_refuses_what_it_cannot_compute():
         cpu_kv_attention.kv_slots_attention(q, codes, codes, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0)
     assert not cpu_kv_attention.fits(24, 24, torch.float32) and not cpu_kv_attention.fits(64, 64, torch.bfloat16)
     assert cpu_kv_attention.fits(64, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="instruction set level 3"):
+        cpu_kv_attention.kv_slots_attention(q, keys, values, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, isa=3)
 
 
 @pytest.mark.parametrize("kv_cache", [None, "int8"])
 def test_the_static_step_reads_int8_codes_through_it_and_matches_eager(monkeypatch, kv_cache):
-    """A float32 CPU model's static step attends by the op over the cache as stored (int8 codes and their scales;
-    float32 where AVX-512's op does not run), and gives the growing cache's tokens; once per layer and step."""
+    """A float32 CPU model's static step attends by the op over the cache as stored (int8 codes and their scales,
+    or float32 entries: on AVX-512 hosts too, where it is faster than cpu_attention), and gives the growing cache's
+    tokens; once per layer and step."""
     from lmpress.runtime.generate import generate, static_decode
-    from lmpress.runtime.kernels import cpu_attention
     from lmpress.runtime.model import Transformer
     from lmpress.weights.kv_quant import KVQuant
     from tests.runtime.conftest import tiny_hf_model
@@ -110,7 +128,4 @@ def test_the_static_step_reads_int8_codes_through_it_and_matches_eager(monkeypat
     prompts = [[5, 6, 7, 8, 9], [3, 4]]
     expected = generate(model, prompts, max_new_tokens=6)
     assert generate(model, prompts, max_new_tokens=6, decode=static_decode()) == expected
-    if kv_cache == "int8":
-        assert calls == [torch.int8] * 5 * len(model.layers)
-    elif not cpu_attention.available():
-        assert calls == [torch.float32] * 5 * len(model.layers)
+    assert calls == [torch.int8 if kv_cache == "int8" else torch.float32] * 5 * len(model.layers)

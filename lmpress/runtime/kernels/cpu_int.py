@@ -29,6 +29,7 @@ SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # activations, cpu_fp4.py)
 NAMES = ("cpu_attention", "cpu_kv_attention", "cpu_half", "cpu_fp4")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f"{name}.cpp") for name in NAMES))
+HEADERS = (Path(__file__).with_name("cpu_kv_rows.h"),)  # included by the sources: part of the build's digest
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
@@ -58,7 +59,7 @@ def load_library() -> None:
 
     from lmpress.cache import cache_root
 
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + torch.__version__.encode()).hexdigest()[:16]
     name = f"lmpress_cpu_int_{digest}"
     build = cache_root() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,7 @@ def _register_fakes() -> None:
             return q.new_empty(*q.shape[:3], values.shape[-1])
 
         @torch.library.register_fake("lmpress_cpu::kv_slots_attention")
-        def fake_kv_attention(q, keys, key_scales, values, value_scales, mask, scale):  # noqa: ANN001, ANN202
+        def fake_kv_attention(q, keys, key_scales, values, value_scales, mask, scale, isa=-1):  # noqa: ANN001, ANN202
             return q.new_empty(q.shape)
 
         @torch.library.register_fake("lmpress_cpu::half_linear")

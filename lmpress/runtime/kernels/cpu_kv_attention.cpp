@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // slots per work item: a chunk's dequantized keys and values (128 KiB at 64 wide) fit L2
+constexpr int64_t CHUNK = 256;  // slots per work item: a chunk's keys and values (128 KiB float32 at 64 wide) fit L2
 constexpr int64_t MIN_CHUNK = 64;
 constexpr int64_t SMALL_MERGE = 1 << 15;  // partial values below which the merge runs on the calling thread
 
@@ -46,11 +46,6 @@ KV_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-KV_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-KV_AVX2 inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // exp(x) for x <= 0 (scores less their maximum), -inf to 0: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6
 // Taylor polynomial (relative error under 2e-7), 2^n built in the exponent bits (x >= -87: n >= -126, normal).
 KV_AVX2 inline __m256 exp_nonpositive(__m256 x) {
@@ -66,86 +61,160 @@ KV_AVX2 inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(visible, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-// One query row over the float32 keys and values (8 NV wide) of the slots [lo, hi) of a chunk: its scores (masked
-// ones -inf) into sc, then in their place the softmax weights less the chunk's maximum; the maximum and the sum of
-// weights into top_out and sum_out, the weighted values into acc. The query and the accumulator stay in registers.
-template <int NV>
-KV_AVX2 void attend_chunk(const float* q, const float* keys, const float* values, const bool* mask, int64_t lo,
-                          int64_t hi, float scale, float* sc, float* acc, float* top_out, float* sum_out) {
-  __m256 qv[NV], av[NV];
-  for (int j = 0; j < NV; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j), av[j] = _mm256_setzero_ps();
-  float top = NEG_INF;
-  int64_t s = lo;
-  for (; s < hi; ++s) {
-    if (!mask[s]) {
-      sc[s - lo] = NEG_INF;
-      continue;
-    }
-    const float* k = keys + s * 8 * NV;
-    __m256 dot = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-    for (int j = 1; j < NV; ++j) dot = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), dot);
-    sc[s - lo] = hsum(dot) * scale;
-    top = std::max(top, sc[s - lo]);
+// R query rows of one chunk (at most MAX_ROWS; more rows go by groups): their queries, the KV head's keys and
+// values (float32, or int8 codes with a scale per slot), each row's mask and visible slots [lo, hi) (empty: lo >=
+// hi) within the group's [first, last); scratch for the rows' scores (then weights), and where each row's maximum,
+// sum of weights and weighted values go.
+constexpr int MAX_ROWS = 4;
+
+template <typename T>
+struct RowGroup {
+  const float* q[MAX_ROWS];
+  const T* keys;
+  const float* key_scales;  // null for float32 entries
+  const T* values;
+  const float* value_scales;
+  const bool* mask[MAX_ROWS];
+  int64_t lo[MAX_ROWS], hi[MAX_ROWS], first, last;
+  float scale;
+  float* scores[MAX_ROWS];
+  float* acc[MAX_ROWS];
+  float* top[MAX_ROWS];
+  float* total[MAX_ROWS];
+};
+
+template <typename T>
+using RowsFn = void (*)(const RowGroup<T>&);
+
+// Row r's scores over [g.first, g.last) in place: -inf where its mask hides a slot or outside [lo, hi), then the
+// softmax's weights less its maximum (times the slot's value scale for codes); its maximum and sum of weights out.
+template <typename T>
+KV_AVX2 void row_softmax(const RowGroup<T>& g, int r) {
+  float* sc = g.scores[r];
+  const int64_t n = g.last - g.first;
+  const int64_t lo = std::clamp<int64_t>(g.lo[r] - g.first, 0, n), hi = std::clamp<int64_t>(g.hi[r] - g.first, lo, n);
+  const bool* mask = g.mask[r] + g.first;
+  std::fill(sc, sc + lo, NEG_INF);
+  std::fill(sc + hi, sc + n, NEG_INF);
+  __m256 most = _mm256_set1_ps(NEG_INF);
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {  // -inf where the mask hides a slot (bools are 0 or 1)
+    const __m256i shown = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mask + i)));
+    const __m256 hidden = _mm256_castsi256_ps(_mm256_cmpeq_epi32(shown, _mm256_setzero_si256()));
+    const __m256 x = _mm256_blendv_ps(_mm256_loadu_ps(sc + i), _mm256_set1_ps(NEG_INF), hidden);
+    _mm256_storeu_ps(sc + i, x);
+    most = _mm256_max_ps(most, x);
   }
+  float top = NEG_INF;
+  for (; i < hi; ++i) {
+    if (!mask[i]) sc[i] = NEG_INF;
+    top = std::max(top, sc[i]);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  top = std::max(top, _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
   float total = 0.f;
   if (top != NEG_INF) {
     __m256 sum = _mm256_setzero_ps();
-    s = lo;
-    for (; s + 8 <= hi; s += 8) {
-      const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + s - lo), _mm256_set1_ps(top)));
-      _mm256_storeu_ps(sc + s - lo, p);
+    for (i = 0; i + 8 <= n; i += 8) {
+      const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + i), _mm256_set1_ps(top)));
       sum = _mm256_add_ps(sum, p);
+      _mm256_storeu_ps(sc + i, g.value_scales ? _mm256_mul_ps(p, _mm256_loadu_ps(g.value_scales + g.first + i)) : p);
     }
     total = hsum(sum);
-    for (; s < hi; ++s) total += (sc[s - lo] = sc[s - lo] == NEG_INF ? 0.f : std::exp(sc[s - lo] - top));
-    for (s = lo; s < hi; ++s) {
-      if (sc[s - lo] == 0.f) continue;
-      const __m256 p = _mm256_set1_ps(sc[s - lo]);
-      const float* v = values + s * 8 * NV;
-      for (int j = 0; j < NV; ++j) av[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), av[j]);
+    for (; i < n; ++i) {
+      const float p = sc[i] == NEG_INF ? 0.f : std::exp(sc[i] - top);
+      total += p;
+      sc[i] = g.value_scales ? p * g.value_scales[g.first + i] : p;
     }
+  } else {
+    std::fill(sc, sc + n, 0.f);
   }
-  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + 8 * j, av[j]);
-  *top_out = top;
-  *sum_out = total;
+  *g.top[r] = top;
+  *g.total[r] = total;
 }
 
-using ChunkFn = void (*)(const float*, const float*, const float*, const bool*, int64_t, int64_t, float, float*,
-                         float*, float*, float*);
-
-ChunkFn chunk_kernel(int64_t width) {
-  if (width % 16) return nullptr;
-  switch (width / 8) {
-    case 2: return attend_chunk<2>;
-    case 4: return attend_chunk<4>;
-    case 6: return attend_chunk<6>;
-    case 8: return attend_chunk<8>;
-    case 12: return attend_chunk<12>;
-    case 16: return attend_chunk<16>;
-    default: return nullptr;
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+struct V {
+  using vec = __m256;
+  static constexpr int W = 8;
+  static vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static vec load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  static vec zero() { return _mm256_setzero_ps(); }
+  static vec set1(float x) { return _mm256_set1_ps(x); }
+  static vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+  static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+  // lane i: the sum of v[i]'s lanes
+  static vec sum_each(const vec* v) {
+    const vec a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const vec b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  static void store(float* p, vec a) { _mm256_storeu_ps(p, a); }
+};
+#include "cpu_kv_rows.h"
+#pragma GCC pop_options
+}  // namespace avx2
+
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+struct V {
+  using vec = __m512;
+  static constexpr int W = 16;
+  static vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static vec load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static vec zero() { return _mm512_setzero_ps(); }
+  static vec set1(float x) { return _mm512_set1_ps(x); }
+  static vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+  static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  // lane i: the sum of v[i]'s lanes. Within each 128-bit lane, pairs and then quads of vectors are summed into
+  // one vector per 4 (c[k]: lane L holds v[4k..4k+3]'s partial sums over their lane L); then the 4 x 4 lanes of
+  // c[0..3] are transposed and summed.
+  static vec sum_each(const vec* v) {
+    vec c[4];
+    for (int k = 0; k < 4; ++k) {
+      const vec* x = v + 4 * k;
+      const vec a = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+      const vec b = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+      c[k] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+    }
+    const vec e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const vec e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+  }
+  static void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
+};
+#include "cpu_kv_rows.h"
+#pragma GCC pop_options
+}  // namespace avx512
+
+bool runs(int64_t isa) {
+  if (isa == 2)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return isa == 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// int8 codes of the slots [lo, hi) times their scales, as float32 rows into out (8 at a time: widths of 8).
-KV_AVX2 void dequantize_rows(const int8_t* codes, const float* scales, int64_t lo, int64_t hi, int64_t width,
-                             float* out) {
-  for (int64_t s = lo; s < hi; ++s) {
-    const __m256 scale = _mm256_set1_ps(scales[s]);
-    for (int64_t d = 0; d < width; d += 8)
-      _mm256_storeu_ps(out + (s - lo) * width + d, _mm256_mul_ps(load8(codes + s * width + d), scale));
-  }
+template <typename T>
+RowsFn<T> rows_kernel(int64_t isa, int64_t width, int64_t rows) {
+  return isa == 2 ? avx512::rows_kernel<T>(width, rows) : avx2::rows_kernel<T>(width, rows);
 }
 
-// Every query row over every chunk: int8 codes are dequantized a chunk at a time into a float32 scratch that the
-// chunk's query rows (the GQA group's heads times the step's queries) then read from cache: converting each code
-// once, not once per row, is what keeps an int8 cache's step as cheap in instructions as it is in bytes.
+// Every query row over every chunk, MAX_ROWS rows at a time: each group reads the chunk's keys and values once
+// (int8 codes converted in registers) for all of its rows.
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_scales, const at::Tensor& values,
-                const float* value_scales, const at::Tensor& mask, float scale, at::Tensor& out) {
+                const float* value_scales, const at::Tensor& mask, float scale, int64_t isa, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), L = keys.size(2);
   const int64_t group = H / KV, rows = group * n, size = chunk_for(L, B * KV), chunks = (L + size - 1) / size;
-  const ChunkFn kernel = chunk_kernel(D);
   const float* qp = q.data_ptr<float>();
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
@@ -153,43 +222,33 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
   // per (batch row, KV head, chunk, query row): the chunk's maximum, its sum of weights, its weighted values
   std::vector<float> partial(B * KV * chunks * rows * (2 + D));
   at::parallel_for(0, B * KV * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(CHUNK), k_scratch, v_scratch;
-    std::vector<int64_t> bounds(2 * rows);
+    std::vector<float> sc(MAX_ROWS * CHUNK);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / (KV * chunks), kv = item / chunks % KV, chunk = item % chunks;
       const int64_t head_slots = (b * KV + kv) * L;
-      int64_t first = L, last = 0;  // the slots any row of this chunk sees
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool* m = mp + (b * n + r % n) * L;
-        int64_t lo = chunk * size, hi = std::min(L, lo + size);
-        while (hi > lo && !m[hi - 1]) --hi;
-        while (lo < hi && !m[lo]) ++lo;
-        bounds[2 * r] = lo, bounds[2 * r + 1] = hi;
-        if (lo < hi) first = std::min(first, lo), last = std::max(last, hi);
-      }
-      const float *k = nullptr, *v = nullptr;
-      int64_t offset = 0;  // slot s of the chunk is row s - offset of k and v
-      if constexpr (std::is_same_v<T, int8_t>) {
-        if (first < last) {
-          k_scratch.resize((last - first) * D), v_scratch.resize((last - first) * D);
-          dequantize_rows(kp + head_slots * D, key_scales + head_slots, first, last, D, k_scratch.data());
-          dequantize_rows(vp + head_slots * D, value_scales + head_slots, first, last, D, v_scratch.data());
+      RowGroup<T> g;
+      g.keys = kp + head_slots * D, g.values = vp + head_slots * D, g.scale = scale;
+      g.key_scales = key_scales ? key_scales + head_slots : nullptr;
+      g.value_scales = value_scales ? value_scales + head_slots : nullptr;
+      for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+        const int64_t R = std::min<int64_t>(MAX_ROWS, rows - r0);
+        g.first = L, g.last = 0;  // the slots any row of the group sees
+        for (int64_t i = 0; i < R; ++i) {
+          const int64_t r = r0 + i, h = kv * group + r / n, query = r % n;
+          const bool* m = mp + (b * n + query) * L;
+          int64_t lo = chunk * size, hi = std::min(L, lo + size);
+          while (hi > lo && !m[hi - 1]) --hi;
+          while (lo < hi && !m[lo]) ++lo;
+          float* slot = partial.data() + (item * rows + r) * (2 + D);
+          g.q[i] = qp + ((b * H + h) * n + query) * D, g.mask[i] = m, g.lo[i] = lo, g.hi[i] = hi;
+          g.top[i] = slot, g.total[i] = slot + 1, g.acc[i] = slot + 2, g.scores[i] = sc.data() + i * CHUNK;
+          if (lo < hi) g.first = std::min(g.first, lo), g.last = std::max(g.last, hi);
         }
-        k = k_scratch.data(), v = v_scratch.data(), offset = first;
-      } else {
-        k = kp + head_slots * D, v = vp + head_slots * D;
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = kv * group + r / n, query = r % n;
-        const bool* m = mp + (b * n + query) * L;
-        const int64_t lo = bounds[2 * r], hi = bounds[2 * r + 1];
-        float* slot = partial.data() + (item * rows + r) * (2 + D);
-        if (lo >= hi) {  // nothing visible here: an empty partial
-          slot[0] = NEG_INF, slot[1] = 0.f;
+        if (g.first >= g.last) {  // nothing visible to the group here: empty partials
+          for (int64_t i = 0; i < R; ++i) *g.top[i] = NEG_INF, *g.total[i] = 0.f, std::fill(g.acc[i], g.acc[i] + D, 0.f);
           continue;
         }
-        kernel(qp + ((b * H + h) * n + query) * D, k, v, m + offset, lo - offset, hi - offset, scale, sc.data(),
-               slot + 2, slot, slot + 1);
+        rows_kernel<T>(isa, D, R)(g);
       }
     }
   });
@@ -222,11 +281,14 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
 }
 
 // q (B, H, n, D) float32; keys and values (B, KV, L, D) float32, or int8 with scales (B, KV, L, 1) float32; mask
-// (B, 1, n, L) bool; all contiguous. Returns (B, H, n, D) float32.
+// (B, 1, n, L) bool; all contiguous; isa 2 AVX-512, 1 AVX2, -1 the best this CPU runs. Returns (B, H, n, D)
+// float32.
 at::Tensor kv_slots_attention(const at::Tensor& q, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
                               const at::Tensor& values, const std::optional<at::Tensor>& value_scales,
-                              const at::Tensor& mask, double scale) {
-  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "kv_slots_attention: no AVX2 + FMA");
+                              const at::Tensor& mask, double scale, int64_t isa) {
+  if (isa == -1) isa = runs(2) ? 2 : 1;
+  TORCH_CHECK(runs(isa), "kv_slots_attention: this CPU cannot run instruction set level ", isa,
+              " (2 AVX-512, 1 AVX2 + FMA)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.is_contiguous(), "kv_slots_attention: q float32");
   const bool codes = keys.scalar_type() == at::kChar;
   for (const at::Tensor* t : {&keys, &values})
@@ -235,14 +297,14 @@ at::Tensor kv_slots_attention(const at::Tensor& q, const at::Tensor& keys, const
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), L = keys.size(2);
   TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && values.sizes() == keys.sizes() && KV > 0 && H % KV == 0 &&
-                  chunk_kernel(D) != nullptr,
+                  (D == 16 || D == 32 || D == 48 || D == 64 || D == 96 || D == 128),
               "kv_slots_attention: shapes (head dims 16 to 128, multiples of 16, keys as wide as values)");
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 4 && mask.size(0) == B &&
                   mask.size(1) == 1 && mask.size(2) == n && mask.size(3) == L,
               "kv_slots_attention: mask (B, 1, n, L) bool");
   at::Tensor out = at::empty({B, H, n, D}, q.options());
   if (!codes) {
-    attend_all<float>(q, keys, nullptr, values, nullptr, mask, static_cast<float>(scale), out);
+    attend_all<float>(q, keys, nullptr, values, nullptr, mask, static_cast<float>(scale), isa, out);
     return out;
   }
   for (const auto* s : {&key_scales, &value_scales})
@@ -250,7 +312,7 @@ at::Tensor kv_slots_attention(const at::Tensor& q, const at::Tensor& keys, const
                     (*s)->numel() == B * KV * L,
                 "kv_slots_attention: int8 codes take float32 scales (B, KV, L, 1)");
   attend_all<int8_t>(q, keys, key_scales->data_ptr<float>(), values, value_scales->data_ptr<float>(), mask,
-                     static_cast<float>(scale), out);
+                     static_cast<float>(scale), isa, out);
   return out;
 }
 
@@ -259,7 +321,7 @@ at::Tensor kv_slots_attention(const at::Tensor& q, const at::Tensor& keys, const
 TORCH_LIBRARY_FRAGMENT(lmpress_cpu, m) {
   m.def(
       "kv_slots_attention(Tensor q, Tensor keys, Tensor? key_scales, Tensor values, Tensor? value_scales, "
-      "Tensor mask, float scale) -> Tensor");
+      "Tensor mask, float scale, int isa=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) { m.impl("kv_slots_attention", &kv_slots_attention); }

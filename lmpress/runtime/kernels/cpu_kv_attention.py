@@ -37,10 +37,12 @@ def kv_slots_attention(
     scale: float,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    isa: int = -1,
 ) -> torch.Tensor:
     """Queries ``(batch, heads, n, head_dim)`` float32 over ``keys``/``values`` ``(batch, kv_heads, slots, dim)``
     (float32, or int8 codes with float32 ``key_scales``/``value_scales`` ``(batch, kv_heads, slots, 1)``) where
-    ``mask`` ``(batch, 1, n, slots)`` shows them; float32 ``(batch, heads, n, dim)``."""
+    ``mask`` ``(batch, 1, n, slots)`` shows them; float32 ``(batch, heads, n, dim)``. ``isa``: 2 AVX-512, 1 AVX2,
+    -1 the best this CPU runs."""
     return torch.ops.lmpress_cpu.kv_slots_attention(
-        q.contiguous(), keys.contiguous(), key_scales, values.contiguous(), value_scales, mask.contiguous(), scale
+        q.contiguous(), keys.contiguous(), key_scales, values.contiguous(), value_scales, mask.contiguous(), scale, isa
     )
