@@ -124,8 +124,8 @@ def attend(
     """Queries ``(batch, heads, n, head_dim)`` attending over the cache's keys and values, by the function that
     fits: in the compiled static step one of lmpress's CPU ops over the filled slots where the layer has one
     (``slots_kernel``) and the softmax is plain (``cpu_kv_attention``'s over int8 codes or float32 entries, or
-    AVX-512's ``cpu_attention`` over float32 entries for head widths the first does not take), else pointwise; two matmuls for a few queries or where SDPA
-    lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
+    AVX-512's ``cpu_attention`` over float32 entries for head widths the first does not take), else pointwise;
+    two matmuls for a few queries or where SDPA lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
     if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
         scale = scale or q.shape[-1] ** -0.5
         plain = softcap is None and sinks is None and mask is not None and q.device.type == "cpu"

@@ -59,7 +59,8 @@ def load_library() -> None:
 
     from lmpress.cache import cache_root
 
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + torch.__version__.encode()).hexdigest()[:16]
+    text = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
     name = f"lmpress_cpu_int_{digest}"
     build = cache_root() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
