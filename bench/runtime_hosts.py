@@ -194,6 +194,10 @@ def render_page(hosts: dict[str, dict[str, Any]], labels: dict[str, str]) -> str
         if entry.get("note"):
             parts += [entry["note"], ""]
         said = [f"{meta.get('threads', '?')} threads", f"{meta.get('repeats', '?')} repeats"]
+        if "prompt_tokens" in meta:
+            said.append(f"{meta['prompt_tokens']}-token prompt, {meta.get('new_tokens', '?')} new tokens")
+        if meta.get("timing") == "after-first":
+            said.append("decode timed after the first token of one run")
         if meta.get("interleaved"):
             said.append("rows interleaved")
         if "load_average" in meta:

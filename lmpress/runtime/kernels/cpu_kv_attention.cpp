@@ -1,5 +1,5 @@
 // Attention of a few queries over a preallocated KV cache that holds float32 entries or int8 codes with a float32
-// scale per slot and KV head (AVX2 + FMA, so every x86-64 host of the last decade).
+// scale per slot and KV head (AVX-512, or AVX2 + FMA: every x86-64 host of the last decade).
 //
 // A decode step at long context reads the whole cache of every layer once: at 4,096 tokens SmolLM2's float32 cache
 // is 189 MB a step, more than its W4 weights; int8 codes are a quarter of that. The work is split over the slots
@@ -7,7 +7,8 @@
 // query row of that KV head (the GQA group's heads times the step's queries), keeps the chunk's maximum, sum of
 // weights and weighted values, and a second pass merges the chunks. So every KV head's codes are read once per
 // step whatever the group size, and there are more work items than threads even for three KV heads. Slots no query
-// of the chunk sees (the empty end of the cache) are never read.
+// of the chunk sees (the empty end of the cache) are never read. The vector work over a chunk (cpu_kv_rows.h) is
+// compiled once per instruction set from one body, each set's vector type and operations given as `V`.
 // Built into the library of cpu_int.cpp (one of its sources; the op joins the lmpress_cpu namespace).
 
 #include <ATen/ATen.h>
