@@ -126,3 +126,64 @@ def test_product_ratio_feeds_every_linear_its_own_width(monkeypatch):
     expected = [(n, k) for _ in range(2) for n in (1, 4) for k in widths]
     assert seen == expected
     assert 0 < ratio < float("inf")
+
+
+def test_after_first_timing_rates_the_tokens_after_the_first_of_one_run():
+    """--timing after-first: (N - 1) over the time after the first token of one N-token run (a long prefill left
+    out); t(1) is that run's first token; a row that cannot tell when its first token came times two runs."""
+    import argparse
+    import time
+
+    import runtime
+
+    samples = [{"t1": 9.0, "tn": 10.0, "after_first": 1.0, "bw": 20.0, "load": 1.0}] * 3
+    row = runtime_hosts.summarize(samples, 65, INFO)
+    assert row["decode_tok_s"] == pytest.approx(64) and row["ttft_s"] == pytest.approx(9.0)
+    args = argparse.Namespace(timing="after-first", new_tokens=8)
+
+    def run(n: int) -> float:
+        time.sleep(0.05)  # the prefill
+        first = time.perf_counter()
+        time.sleep(0.01 * (n - 1))
+        return first
+
+    timed = runtime.time_generation(run, args)
+    assert set(timed) == {"t1", "tn", "after_first"}
+    assert timed["t1"] >= 0.05 and 0.07 <= timed["after_first"] < timed["tn"] - 0.05
+    two_runs = runtime.time_generation(lambda n: time.sleep(0.01 * n), args)  # no first-token time: two runs
+    assert set(two_runs) == {"t1", "tn"} and two_runs["tn"] > two_runs["t1"]
+
+
+def test_the_recipes_bench_sets_the_forecast_against_the_measured_peaks(tmp_path):
+    import shipped_recipes
+
+    report = {
+        "peak_rss_mb": 2000.0,
+        "memory_forecast_phases_mb": {"stages": 1500.0, "candidate eval": 1800.0},
+        "phases": {"candidate eval": {"seconds": 3.0, "peak_rss_mb": 1900.0}},
+        "stages": [{"method": "rtn", "peak_rss_mb": 1200.0}],
+    }
+    rows = shipped_recipes.memory_rows(report)
+    assert rows["forecast_peak_mb"] == 1800.0 and rows["forecast_over_measured"] == pytest.approx(0.9)
+    assert rows["phases_measured_mb"] == {"candidate eval": 1900.0, "stage rtn": 1200.0}
+    result = {"seconds": 90.0, "exit_code": 0, "log_lines": 12, "longest_silence_s": 31.0, "passed": True, **rows}
+    page = shipped_recipes.render(
+        {"cpu": {"threads": 2, "torch": "2", "when": "now", "recipes": {"quickstart": result}}}
+    )
+    assert "| `quickstart.yaml` | 1.5 min | 0 | PASS | 1800.0 | 2000.0 | 0.90 | 12 | 31 s |" in page
+
+
+def test_the_recipes_bench_times_the_silences_of_a_run_s_log(tmp_path, monkeypatch):
+    """The longest gap between two lines of the run's output (and from the start, and after the last), measured as
+    the lines come, with the output kept in the log file."""
+    import shipped_recipes
+
+    script = "import sys, time; print('a', flush=True); time.sleep(0.3); print('b', flush=True); sys.exit(3)"
+    real_popen = shipped_recipes.subprocess.Popen
+    monkeypatch.setattr(
+        shipped_recipes.subprocess, "Popen", lambda command, **kw: real_popen([sys.executable, "-c", script], **kw)
+    )
+    result = shipped_recipes.run_recipe("quickstart", tmp_path / "out", tmp_path / "run.log")
+    assert result["exit_code"] == 3 and result["log_lines"] == 2
+    assert 0.3 <= result["longest_silence_s"] < result["seconds"]
+    assert (tmp_path / "run.log").read_text() == "a\nb\n"
