@@ -94,6 +94,10 @@ def memory_rows(report: dict) -> dict:
     }
 
 
+def mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def render(hosts: dict) -> str:
     lines = ["# Shipped recipes as a user runs them (bench/shipped_recipes.py), one section per host kind", ""]
     for key, entry in hosts.items():
@@ -108,7 +112,7 @@ def render(hosts: dict) -> str:
             lines.append(
                 f"| `{name}.yaml` | {r['seconds'] / 60:.1f} min | {r['exit_code']} | "
                 f"{'PASS' if r.get('passed') else 'FAIL' if r.get('passed') is False else '-'} | "
-                f"{r.get('forecast_peak_mb') or '-'} | {r.get('measured_peak_mb') or '-'} | "
+                f"{mib(r.get('forecast_peak_mb'))} | {mib(r.get('measured_peak_mb'))} | "
                 f"{f'{ratio:.2f}' if ratio else '-'} | {r['log_lines']} | {r['longest_silence_s']:.0f} s |"
             )
         lines.append("")

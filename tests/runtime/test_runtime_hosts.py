@@ -170,7 +170,7 @@ def test_the_recipes_bench_sets_the_forecast_against_the_measured_peaks(tmp_path
     page = shipped_recipes.render(
         {"cpu": {"threads": 2, "torch": "2", "when": "now", "recipes": {"quickstart": result}}}
     )
-    assert "| `quickstart.yaml` | 1.5 min | 0 | PASS | 1800.0 | 2000.0 | 0.90 | 12 | 31 s |" in page
+    assert "| `quickstart.yaml` | 1.5 min | 0 | PASS | 1800 | 2000 | 0.90 | 12 | 31 s |" in page
 
 
 def test_the_recipes_bench_times_the_silences_of_a_run_s_log(tmp_path, monkeypatch):
