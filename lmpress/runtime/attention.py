@@ -123,7 +123,7 @@ def attend(
 ) -> torch.Tensor:
     """Queries ``(batch, heads, n, head_dim)`` attending over the cache's keys and values, by the function that
     fits: in the compiled static step one of lmpress's CPU ops over the filled slots where the layer has one
-    (``slots_kernel``) and the softmax is plain (``cpu_kv_attention``'s over int8 codes or float32 entries, or
+    (``slots_kernel``) and the softmax is plain (``cpu_kv_attention``'s over int8 / FP8 codes or float32 entries, or
     AVX-512's ``cpu_attention`` over float32 entries for head widths the first does not take), else pointwise;
     two matmuls for a few queries or where SDPA lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
     if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
@@ -132,7 +132,7 @@ def attend(
         if slots_kernel is not None and plain:
             if slots_kernel.codes:
                 stored = cache.stored(layer)
-                if stored is not None and stored[1] is not None:  # int8 codes, read as they are stored
+                if stored is not None and stored[1] is not None:  # int8 or FP8 codes, read as they are stored
                     k, k_scales, v, v_scales = stored
                     return cpu_kv_attention.kv_slots_attention(q, k, v, mask, scale, k_scales, v_scales)
                 return cpu_kv_attention.kv_slots_attention(q, keys, values, mask, scale)  # float32, or dequantized

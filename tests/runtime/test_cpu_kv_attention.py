@@ -8,17 +8,25 @@ import torch
 
 from lmpress.runtime.kernels import cpu_kv_attention
 from lmpress.runtime.kv_cache import static_slots_mask
-from lmpress.weights.kv_quant import KVScheme, dequantize_kv, quantize_kv
+from lmpress.weights.kv_quant import KVScheme, dequantize_kv, fp8_scale_from_amax, quantize_kv
 from tests.runtime.test_cpu_attention import case, reference
 
 pytestmark = pytest.mark.skipif(not cpu_kv_attention.available(), reason="needs the C++ library and AVX2")
 INT8 = KVScheme("int8", "token")
 
 
-def as_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8 codes, their float32 scales and what they dequantize to."""
-    codes, scales = quantize_kv(x, INT8)
-    return codes, scales, dequantize_kv(codes, scales, INT8, torch.float32)
+def as_codes(x: torch.Tensor, scheme: KVScheme = INT8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (int8, or FP8 under a static scale per KV head or per tensor from the entries' maxima), their float32
+    scales and what they dequantize to."""
+    scale = None
+    if scheme.dtype == "fp8":
+        amax = x.abs().amax(dim=(0, 2, 3)) if scheme.scales == "head" else x.abs().amax().reshape(1)
+        scale = fp8_scale_from_amax(amax)
+    codes, scales = quantize_kv(x, scheme, scale)
+    return codes, scales, dequantize_kv(codes, scales, scheme, torch.float32)
+
+
+STORED = {"int8": INT8, "fp8-head": KVScheme("fp8", "head"), "fp8-tensor": KVScheme("fp8", "tensor")}
 
 
 def host_runs(isa: int) -> bool:
@@ -34,7 +42,7 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not host_runs(isa), reason="n
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("heads", "kv_heads", "n"), [(9, 3, 1), (9, 3, 3), (8, 1, 3), (2, 2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("stored", ["float32", "int8"])
+@pytest.mark.parametrize("stored", ["float32", "int8", "fp8-head", "fp8-tensor"])
 def test_matches_a_float64_softmax_over_the_visible_slots(heads, kv_heads, n, window, stored, isa):
     """Two rows (the second left padded by 7), query heads on fewer KV heads (a group's rows, heads x queries, go
     4 at a time: 3, 9 and 24 rows), queries ending at slot 600 of 700 (three chunks of 256 slots, the last never
@@ -43,8 +51,8 @@ def test_matches_a_float64_softmax_over_the_visible_slots(heads, kv_heads, n, wi
     keys[:, :, 601:] = 1e4
     pos = torch.arange(601 - n, 601)
     mask = static_slots_mask(torch.tensor([0, 7]), pos, 700, window)
-    if stored == "int8":
-        (keys, k_scales, k_read), (values, v_scales, v_read) = as_codes(keys), as_codes(values)
+    if stored != "float32":
+        (keys, k_scales, k_read), (values, v_scales, v_read) = (as_codes(x, STORED[stored]) for x in (keys, values))
         out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, k_scales, v_scales, isa=isa)
     else:
         k_read, v_read = keys, values
@@ -58,11 +66,42 @@ def test_matches_a_float64_softmax_over_the_visible_slots(heads, kv_heads, n, wi
 def test_every_head_width_it_takes(dim, isa):
     q, keys, values = case(1, 4, 2, 2, 300, dim, dim, seed=dim)
     mask = static_slots_mask(torch.tensor([0]), torch.tensor([290, 291]), 300, None)
-    (codes, k_scales, k_read), (v_codes, v_scales, v_read) = as_codes(keys), as_codes(values)
     out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, dim**-0.5, isa=isa)
     torch.testing.assert_close(out.double(), reference(q, keys, values, mask, dim**-0.5), rtol=1e-5, atol=1e-5)
-    out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, dim**-0.5, k_scales, v_scales, isa=isa)
-    torch.testing.assert_close(out.double(), reference(q, k_read, v_read, mask, dim**-0.5), rtol=1e-5, atol=1e-5)
+    for scheme in STORED.values():
+        (codes, k_scales, k_read), (v_codes, v_scales, v_read) = as_codes(keys, scheme), as_codes(values, scheme)
+        out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, dim**-0.5, k_scales, v_scales, isa=isa)
+        expected = reference(q, k_read, v_read, mask, dim**-0.5)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_fp8_code_reads_as_torch_casts_it(isa):
+    """All 254 finite E4M3 codes (subnormals, both zeros, +-448) as keys of one slot each: the op's score for a
+    one-hot query is exactly the code's value (torch's cast), whatever denormal flushing the CPU is set to."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # without the two NaNs
+    values = codes.float()
+    keys = torch.zeros(1, 1, len(codes), 16, dtype=torch.float8_e4m3fn)
+    keys[0, 0, :, 0] = codes
+    q = torch.zeros(1, 1, 1, 16)
+    q[..., 0] = 1.0
+    mask = torch.zeros(1, 1, 1, len(codes), dtype=torch.bool)
+    one = torch.ones(1)
+    for slot in (0, 5, 120, len(codes) - 1):  # each code alone, then the value it weights is that code's row
+        mask.zero_()
+        mask[..., slot] = True
+        out = cpu_kv_attention.kv_slots_attention(q, keys, keys, mask, 1.0, one, one, isa=isa)
+        assert out[0, 0, 0, 0].item() == values[slot].item()
+    # every code's score: a softmax of 2 slots (the code and a 0) gives sigmoid(value) weights on known values
+    for slot in range(len(codes)):
+        mask.zero_()
+        mask[..., slot] = True
+        mask[..., 0] = True  # code 0: +0.0
+        out = cpu_kv_attention.kv_slots_attention(q, keys, keys, mask, 1.0, one, one, isa=isa)
+        v = values[slot].double()
+        expected = 0.0 if slot == 0 else (torch.sigmoid(v) * v).item()
+        assert out[0, 0, 0, 0].item() == pytest.approx(expected, rel=1e-5, abs=1e-30), slot
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -99,24 +138,28 @@ def test_refuses_what_it_cannot_compute():
     codes, _, _ = as_codes(keys)
     with pytest.raises(RuntimeError, match="int8 codes take float32 scales"):
         cpu_kv_attention.kv_slots_attention(q, codes, codes, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0)
+    fp8 = keys.to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="FP8 codes take float32 scales"):
+        three = torch.ones(3)  # one KV head here
+        cpu_kv_attention.kv_slots_attention(q, fp8, fp8, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, three, three)
     assert not cpu_kv_attention.fits(24, 24, torch.float32) and not cpu_kv_attention.fits(64, 64, torch.bfloat16)
     assert cpu_kv_attention.fits(64, 64, torch.float32)
     with pytest.raises(RuntimeError, match="instruction set level 3"):
         cpu_kv_attention.kv_slots_attention(q, keys, values, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, isa=3)
 
 
-@pytest.mark.parametrize("kv_cache", [None, "int8"])
-def test_the_static_step_reads_int8_codes_through_it_and_matches_eager(monkeypatch, kv_cache):
-    """A float32 CPU model's static step attends by the op over the cache as stored (int8 codes and their scales,
-    or float32 entries: on AVX-512 hosts too, where it is faster than cpu_attention), and gives the growing cache's
-    tokens; once per layer and step."""
+@pytest.mark.parametrize("kv_cache", [None, "int8", "fp8"])
+def test_the_static_step_reads_the_codes_through_it_and_matches_eager(monkeypatch, kv_cache):
+    """A float32 CPU model's static step attends by the op over the cache as stored (int8 or FP8 codes and their
+    scales, or float32 entries: on AVX-512 hosts too, where it is faster than cpu_attention), and gives the growing
+    cache's tokens; once per layer and step."""
     from lmpress.runtime.generate import generate, static_decode
     from lmpress.runtime.model import Transformer
     from lmpress.weights.kv_quant import KVQuant
     from tests.runtime.conftest import tiny_hf_model
 
     model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
-    model.kv_quant = None if kv_cache is None else KVQuant(INT8)
+    model.kv_quant = None if kv_cache is None else KVQuant(STORED["int8" if kv_cache == "int8" else "fp8-head"])
     calls = []
     real = cpu_kv_attention.kv_slots_attention
 
@@ -128,4 +171,5 @@ def test_the_static_step_reads_int8_codes_through_it_and_matches_eager(monkeypat
     prompts = [[5, 6, 7, 8, 9], [3, 4]]
     expected = generate(model, prompts, max_new_tokens=6)
     assert generate(model, prompts, max_new_tokens=6, decode=static_decode()) == expected
-    assert calls == [torch.int8 if kv_cache == "int8" else torch.float32] * 5 * len(model.layers)
+    stored = {None: torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache]
+    assert calls == [stored] * 5 * len(model.layers)

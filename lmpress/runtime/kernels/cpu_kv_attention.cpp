@@ -72,9 +72,10 @@ template <typename T>
 struct RowGroup {
   const float* q[MAX_ROWS];
   const T* keys;
-  const float* key_scales;  // null for float32 entries
+  const float* key_scales;  // per slot (int8 codes); null for float32 entries and FP8 codes
   const T* values;
   const float* value_scales;
+  float value_scale;  // FP8 codes' static scale of this KV head's values (1 otherwise)
   const bool* mask[MAX_ROWS];
   int64_t lo[MAX_ROWS], hi[MAX_ROWS], first, last;
   float scale;
@@ -137,13 +138,21 @@ KV_AVX2 void row_softmax(const RowGroup<T>& g, int r) {
 
 namespace avx2 {
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 struct V {
   using vec = __m256;
   static constexpr int W = 8;
   static vec load(const float* p) { return _mm256_loadu_ps(p); }
   static vec load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // FP8 E4M3 bytes: sign and the 7 exponent-mantissa bits placed as float16's (exponent bias 15, not 7: times
+  // 2^8 after), converted exactly (subnormals too: the half-precision conversion ignores denormals-are-zero).
+  static vec load(const uint8_t* p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
   }
   static vec zero() { return _mm256_setzero_ps(); }
   static vec set1(float x) { return _mm256_set1_ps(x); }
@@ -170,6 +179,12 @@ struct V {
   static vec load(const float* p) { return _mm512_loadu_ps(p); }
   static vec load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static vec load(const uint8_t* p) {  // FP8 E4M3 bytes, as avx2::V's
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
   }
   static vec zero() { return _mm512_setzero_ps(); }
   static vec set1(float x) { return _mm512_set1_ps(x); }
@@ -200,7 +215,7 @@ bool runs(int64_t isa) {
   if (isa == 2)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return isa == 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return isa == 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 template <typename T>
@@ -208,17 +223,26 @@ RowsFn<T> rows_kernel(int64_t isa, int64_t width, int64_t rows) {
   return isa == 2 ? avx512::rows_kernel<T>(width, rows) : avx2::rows_kernel<T>(width, rows);
 }
 
+// Where a cache's scales live: none (float32 entries), one per slot and KV head (int8 codes), or FP8's static ones:
+// one per KV head, or one for all (count 1).
+struct Scales {
+  const float* data = nullptr;
+  bool per_slot = false;
+  int64_t count = 0;
+  float of_head(int64_t kv) const { return count == 1 ? data[0] : data[kv]; }
+};
+
 // Every query row over every chunk, MAX_ROWS rows at a time: each group reads the chunk's keys and values once
-// (int8 codes converted in registers) for all of its rows.
+// (codes converted in registers) for all of its rows. T: float (float32 entries), int8_t, uint8_t (FP8 E4M3 bytes).
 template <typename T>
-void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_scales, const at::Tensor& values,
-                const float* value_scales, const at::Tensor& mask, float scale, int64_t isa, at::Tensor& out) {
+void attend_all(const at::Tensor& q, const at::Tensor& keys, Scales key_scales, const at::Tensor& values,
+                Scales value_scales, const at::Tensor& mask, float scale, int64_t isa, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), L = keys.size(2);
   const int64_t group = H / KV, rows = group * n, size = chunk_for(L, B * KV), chunks = (L + size - 1) / size;
   const float* qp = q.data_ptr<float>();
-  const T* kp = keys.data_ptr<T>();
-  const T* vp = values.data_ptr<T>();
+  const T* kp = static_cast<const T*>(keys.const_data_ptr());
+  const T* vp = static_cast<const T*>(values.const_data_ptr());
   const bool* mp = mask.data_ptr<bool>();
   // per (batch row, KV head, chunk, query row): the chunk's maximum, its sum of weights, its weighted values
   std::vector<float> partial(B * KV * chunks * rows * (2 + D));
@@ -228,9 +252,12 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
       const int64_t b = item / (KV * chunks), kv = item / chunks % KV, chunk = item % chunks;
       const int64_t head_slots = (b * KV + kv) * L;
       RowGroup<T> g;
-      g.keys = kp + head_slots * D, g.values = vp + head_slots * D, g.scale = scale;
-      g.key_scales = key_scales ? key_scales + head_slots : nullptr;
-      g.value_scales = value_scales ? value_scales + head_slots : nullptr;
+      g.keys = kp + head_slots * D, g.values = vp + head_slots * D;
+      g.key_scales = key_scales.per_slot ? key_scales.data + head_slots : nullptr;
+      g.value_scales = value_scales.per_slot ? value_scales.data + head_slots : nullptr;
+      const bool fixed = key_scales.data && !key_scales.per_slot;  // FP8: the head's scales fold into the sums
+      g.scale = fixed ? scale * key_scales.of_head(kv) : scale;
+      g.value_scale = fixed ? value_scales.of_head(kv) : 1.f;
       for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int64_t R = std::min<int64_t>(MAX_ROWS, rows - r0);
         g.first = L, g.last = 0;  // the slots any row of the group sees
@@ -281,20 +308,21 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const float* key_sc
     at::parallel_for(0, B * KV * rows, 1, merge);
 }
 
-// q (B, H, n, D) float32; keys and values (B, KV, L, D) float32, or int8 with scales (B, KV, L, 1) float32; mask
-// (B, 1, n, L) bool; all contiguous; isa 2 AVX-512, 1 AVX2, -1 the best this CPU runs. Returns (B, H, n, D)
-// float32.
+// q (B, H, n, D) float32; keys and values (B, KV, L, D) float32, int8 with scales (B, KV, L, 1) float32, or FP8
+// E4M3 with static scales (KV) or (1) float32; mask (B, 1, n, L) bool; all contiguous; isa 2 AVX-512, 1 AVX2, -1
+// the best this CPU runs. Returns (B, H, n, D) float32.
 at::Tensor kv_slots_attention(const at::Tensor& q, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
                               const at::Tensor& values, const std::optional<at::Tensor>& value_scales,
                               const at::Tensor& mask, double scale, int64_t isa) {
   if (isa == -1) isa = runs(2) ? 2 : 1;
   TORCH_CHECK(runs(isa), "kv_slots_attention: this CPU cannot run instruction set level ", isa,
-              " (2 AVX-512, 1 AVX2 + FMA)");
+              " (2 AVX-512, 1 AVX2 + FMA + F16C)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.is_contiguous(), "kv_slots_attention: q float32");
-  const bool codes = keys.scalar_type() == at::kChar;
+  const at::ScalarType stored = keys.scalar_type();
   for (const at::Tensor* t : {&keys, &values})
-    TORCH_CHECK(t->scalar_type() == (codes ? at::kChar : at::kFloat) && t->dim() == 4 && t->is_contiguous(),
-                "kv_slots_attention: keys and values both float32 or both int8");
+    TORCH_CHECK(t->scalar_type() == stored && t->dim() == 4 && t->is_contiguous() &&
+                    (stored == at::kFloat || stored == at::kChar || stored == at::kFloat8_e4m3fn),
+                "kv_slots_attention: keys and values both float32, both int8 or both float8_e4m3fn");
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), L = keys.size(2);
   TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && values.sizes() == keys.sizes() && KV > 0 && H % KV == 0 &&
@@ -304,16 +332,26 @@ at::Tensor kv_slots_attention(const at::Tensor& q, const at::Tensor& keys, const
                   mask.size(1) == 1 && mask.size(2) == n && mask.size(3) == L,
               "kv_slots_attention: mask (B, 1, n, L) bool");
   at::Tensor out = at::empty({B, H, n, D}, q.options());
-  if (!codes) {
-    attend_all<float>(q, keys, nullptr, values, nullptr, mask, static_cast<float>(scale), isa, out);
+  const float s = static_cast<float>(scale);
+  if (stored == at::kFloat) {
+    attend_all<float>(q, keys, Scales(), values, Scales(), mask, s, isa, out);
     return out;
   }
-  for (const auto* s : {&key_scales, &value_scales})
-    TORCH_CHECK(s->has_value() && (*s)->scalar_type() == at::kFloat && (*s)->is_contiguous() &&
-                    (*s)->numel() == B * KV * L,
-                "kv_slots_attention: int8 codes take float32 scales (B, KV, L, 1)");
-  attend_all<int8_t>(q, keys, key_scales->data_ptr<float>(), values, value_scales->data_ptr<float>(), mask,
-                     static_cast<float>(scale), isa, out);
+  const bool int8 = stored == at::kChar;
+  Scales scales[2];
+  for (int i = 0; i < 2; ++i) {
+    const auto& given = i == 0 ? key_scales : value_scales;
+    const int64_t count = given.has_value() ? given->numel() : -1;
+    TORCH_CHECK(given.has_value() && given->scalar_type() == at::kFloat && given->is_contiguous() &&
+                    (int8 ? count == B * KV * L : count == KV || count == 1),
+                int8 ? "kv_slots_attention: int8 codes take float32 scales (B, KV, L, 1)"
+                     : "kv_slots_attention: FP8 codes take float32 scales (KV) or (1)");
+    scales[i] = Scales{given->data_ptr<float>(), int8, count};
+  }
+  if (int8)
+    attend_all<int8_t>(q, keys, scales[0], values, scales[1], mask, s, isa, out);
+  else
+    attend_all<uint8_t>(q, keys, scales[0], values, scales[1], mask, s, isa, out);
   return out;
 }
 

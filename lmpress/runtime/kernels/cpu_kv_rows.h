@@ -1,11 +1,12 @@
 // The vector work of cpu_kv_attention.cpp: R query rows (a KV head's GQA group times a step's queries) scored
-// against a chunk of one KV head's cached keys, their softmax, and the values they weight, over float32 entries or
-// int8 codes with a scale per slot. Included once per instruction set by cpu_kv_attention.cpp, inside a namespace
-// compiled for that set which defines `V`: the vector type `vec` of `W` floats and its operations (`load` of W floats
-// or of W int8 codes as floats, `zero`, `set1`, `mul`, `fma`, `sum_each` (W vectors' sums as one), `store`).
+// against a chunk of one KV head's cached keys, their softmax, and the values they weight, over float32 entries,
+// int8 codes with a scale per slot or FP8 codes with a static scale. Included once per instruction set by
+// cpu_kv_attention.cpp, inside a namespace compiled for that set which defines `V`: the vector type `vec` of `W`
+// floats and its operations (`load` of W floats or of W int8 or FP8 codes as floats, `zero`, `set1`, `mul`, `fma`,
+// `sum_each` (W vectors' sums as one), `store`).
 //
 // Each cached row is loaded (and for codes converted) once and used by all R query rows while it is in registers:
-// the GQA group reads a KV head's entries once, and an int8 cache costs one conversion per code, not one per row.
+// the GQA group reads a KV head's entries once, and a cache of codes costs one conversion per code, not one per row.
 
 // The R rows' scores over the slots [lo, hi): q . key x (the slot's scale for codes) x scale, into sc[r][s - lo].
 // W slots at a time: their keys (converted once for codes), each row's W dot products summed across lanes together
@@ -72,6 +73,9 @@ void attend_rows(const RowGroup<T>& g) {
   row_scores<T, NV, R>(g, g.first, g.last);
   for (int r = 0; r < R; ++r) row_softmax(g, r);
   row_values<T, NV, R>(g, g.first, g.last);
+  if (g.value_scale != 1.f)
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < NV * V::W; ++d) g.acc[r][d] *= g.value_scale;
 }
 
 // attend_rows for a head width (NV vectors) and a number of rows (1 to MAX_ROWS); null for other widths.
