@@ -389,6 +389,10 @@ TIMED = {
         "lmpress W4 g64, head W8 + torch.compile, INT8 KV cache",
         lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True, "int8"),
     ),
+    "lmpress-w4-head8-compile-kvfp8": (
+        "lmpress W4 g64, head W8 + torch.compile, FP8 KV cache (E4M3, a scale per tensor)",
+        lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True, "fp8"),
+    ),
     "lmpress-same-w4-head8-compile": (
         "lmpress W4 g64 sym, head W8, bfloat16 float tensors + torch.compile (the llama.cpp-same rows' codes)",
         lambda a: timed_runtime(a, str(same_artifact() / "ct"), "float32", True),
