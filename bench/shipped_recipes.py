@@ -56,13 +56,14 @@ def run_recipe(name: str, out: Path, log: Path) -> dict:
     the longest gap between two lines of its output (from the start to the first line, and after the last)."""
     command = [sys.executable, "-m", "lmpress.cli", "run", str(REPO / "recipes" / f"{name}.yaml"), "--out", str(out)]
     began = time.perf_counter()
-    stamps = [began]
+    stamps, lines = [began], ["(the start)"]
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
         def copy() -> None:
             for line in process.stdout:
                 stamps.append(time.perf_counter())
+                lines.append(line.strip())
                 sink.write(line)
                 sink.flush()
 
@@ -73,7 +74,14 @@ def run_recipe(name: str, out: Path, log: Path) -> dict:
     ended = time.perf_counter()
     stamps.append(ended)
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return {"seconds": ended - began, "exit_code": code, "log_lines": len(stamps) - 2, "longest_silence_s": max(gaps)}
+    longest = max(range(len(gaps)), key=gaps.__getitem__)
+    return {
+        "seconds": ended - began,
+        "exit_code": code,
+        "log_lines": len(stamps) - 2,
+        "longest_silence_s": gaps[longest],
+        "silent_after": lines[longest],  # the line the longest silence followed
+    }
 
 
 def memory_rows(report: dict) -> dict:

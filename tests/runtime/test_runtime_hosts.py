@@ -185,5 +185,5 @@ def test_the_recipes_bench_times_the_silences_of_a_run_s_log(tmp_path, monkeypat
     )
     result = shipped_recipes.run_recipe("quickstart", tmp_path / "out", tmp_path / "run.log")
     assert result["exit_code"] == 3 and result["log_lines"] == 2
-    assert 0.3 <= result["longest_silence_s"] < result["seconds"]
+    assert 0.3 <= result["longest_silence_s"] < result["seconds"] and result["silent_after"] == "a"
     assert (tmp_path / "run.log").read_text() == "a\nb\n"
