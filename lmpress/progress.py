@@ -1,12 +1,14 @@
 """Progress bars with ETA for long work (loading, each stage, each eval).
 
 In a terminal: rich's live bars. Anywhere else (a log file, CI, a pipe), where live bars would only print once the
-run ends: one plain line per step at a bounded rate (every 10% of a task, or at least every 30 s while it moves),
-with the elapsed time and the ETA, written as it happens.
+run ends: one plain line per step at a bounded rate (every 10% of a task, or at least every 30 s), with the elapsed
+time and the ETA, written as it happens; while one step takes longer than 30 s (a layer of a large model), the
+task's line is repeated every 30 s, so a log never looks stalled while work goes on.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
@@ -39,16 +41,34 @@ class PlainTask:
         self.done = self.start_done = completed
         self.began = self.last_time = time.monotonic()
         self.last_step = self.step()
+        self.closed = False
+        self.lock = threading.Lock()  # the heartbeat prints from another thread
 
     def advance(self, description: str | None = None) -> None:
-        self.done += 1
-        if description is not None:
-            self.description = description
-        now, step = time.monotonic(), self.step()
-        if step > self.last_step or now - self.last_time >= PLAIN_EVERY_SECONDS:
-            self.last_time, self.last_step = now, step
-            self.console.print(self.line(now), highlight=False, soft_wrap=True)
-            self.console.file.flush()
+        with self.lock:
+            self.done += 1
+            if description is not None:
+                self.description = description
+            now, step = time.monotonic(), self.step()
+            if step > self.last_step or now - self.last_time >= PLAIN_EVERY_SECONDS:
+                self.last_step = step
+                self.print_line(now)
+
+    def beat(self) -> None:
+        """The task's line again if nothing was printed for ``PLAIN_EVERY_SECONDS`` and it is still open."""
+        with self.lock:
+            now = time.monotonic()
+            if not self.closed and not self.finished and now - self.last_time >= PLAIN_EVERY_SECONDS:
+                self.print_line(now)
+
+    @property
+    def finished(self) -> bool:
+        return self.total is not None and self.done >= self.total
+
+    def print_line(self, now: float) -> None:
+        self.last_time = now
+        self.console.print(self.line(now), highlight=False, soft_wrap=True)
+        self.console.file.flush()
 
     def step(self) -> int:
         """How many tenths of the task are done (the last step: all of it)."""
@@ -75,6 +95,9 @@ class Bars:
         self.enabled = enabled
         console = console or Console(stderr=True)
         self.plain = enabled and not console.is_terminal
+        self.current: PlainTask | None = None  # the plain task the heartbeat repeats (the latest: a run is sequential)
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -88,19 +111,40 @@ class Bars:
 
     def __enter__(self) -> Bars:
         self._progress.start()
+        if self.plain:
+            self._stop.clear()
+            self._heartbeat = threading.Thread(target=self._beat, name="lmpress-progress", daemon=True)
+            self._heartbeat.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._heartbeat is not None:
+            self._stop.set()
+            self._heartbeat.join()
+            self._heartbeat = None
         self._progress.stop()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(1.0, PLAIN_EVERY_SECONDS / 4)):
+            task = self.current
+            if task is not None:
+                task.beat()
+
+    def _plain_task(self, description: str, total: int | None, completed: int = 0) -> PlainTask:
+        self.current = PlainTask(self._progress.console, description, total, completed)
+        return self.current
 
     def track(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
         if self.plain:
-            plain = PlainTask(self._progress.console, description, total)
-            for item in items:
-                yield item
-                plain.advance()
+            plain = self._plain_task(description, total)
+            try:
+                for item in items:
+                    yield item
+                    plain.advance()
+            finally:
+                plain.closed = True
             return
         task = self._progress.add_task(description, total=total)
         for item in items:
@@ -112,7 +156,7 @@ class Bars:
         """A bar advanced by hand: each call moves it one step and replaces its description
         (e.g. with the latest loss and tokens/s)."""
         if self.plain:
-            return PlainTask(self._progress.console, description, total, completed).advance
+            return self._plain_task(description, total, completed).advance
         task = self._progress.add_task(description, total=total, completed=completed)
 
         def advance(new_description: str) -> None:

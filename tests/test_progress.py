@@ -48,3 +48,22 @@ def test_terminal_keeps_live_bars_and_quiet_prints_nothing():
         list(bars.track(range(10), "x"))
     assert out.getvalue() == ""
     assert not Bars(console=Console(file=io.StringIO(), force_terminal=True)).plain
+
+
+def test_a_step_longer_than_the_interval_repeats_its_line_and_a_closed_task_stays_quiet(monkeypatch):
+    """A layer that takes minutes (a large model's) must not leave a CI log silent: the open task's line comes
+    again every interval while the step runs; once the task is over nothing more is printed for it."""
+    import time
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY_SECONDS", 0.2)
+    console, out = log_console()
+    with Bars(console=console) as bars:
+        for _ in bars.track(range(2), "gptq: layers"):
+            time.sleep(0.7)  # one long step
+        after_task = out.getvalue()
+        time.sleep(0.5)  # other work, no task open
+        assert out.getvalue() == after_task
+    lines = out.getvalue().splitlines()
+    beats = [line for line in lines if line.startswith("gptq: layers: 0/2")]
+    assert len(beats) >= 2  # the first step alone: lines while it ran
+    assert lines[-1].startswith("gptq: layers: 2/2 (100%)")

@@ -63,9 +63,9 @@ KV_AVX2 inline __m256 exp_nonpositive(__m256 x) {
 }
 
 // R query rows of one chunk (at most MAX_ROWS; more rows go by groups): their queries, the KV head's keys and
-// values (float32, or int8 codes with a scale per slot), each row's mask and visible slots [lo, hi) (empty: lo >=
-// hi) within the group's [first, last); scratch for the rows' scores (then weights), and where each row's maximum,
-// sum of weights and weighted values go.
+// values (float32, int8 codes with a scale per slot, or FP8 codes), each row's mask and visible slots [lo, hi)
+// (empty: lo >= hi) within the group's [first, last); scratch for the rows' scores (then weights), and where each
+// row's maximum, sum of weights and weighted values go.
 constexpr int MAX_ROWS = 4;
 
 template <typename T>
