@@ -285,8 +285,9 @@ def read_back_exports(
     checks, shipped = [], None
     for fmt in recipe.export.formats:
         bars.log(f"reading back {fmt}/ and checking it against the candidate")
-        artifact = load_model(str(partial / fmt), recipe.model.dtype, fingerprint=False)
-        check = check_export(fmt, loaded.model, artifact.model, window, candidate_ppl)
+        with bars.activity(f"reading back {fmt}/"):
+            artifact = load_model(str(partial / fmt), recipe.model.dtype, fingerprint=False)
+            check = check_export(fmt, loaded.model, artifact.model, window, candidate_ppl)
         checks.append(check)
         if shipped is None:
             shipped = artifact
@@ -381,7 +382,7 @@ def run_recipe(
     from lmpress.distill.draft_head_stage import export_draft_head  # the runtime's modules: only for a run
     from lmpress.runtime.eagle3 import attach_draft_head, draft_head_of
 
-    with phases.phase("export"):
+    with phases.phase("export"), bars.activity(f"exporting {', '.join(recipe.export.formats) or 'nothing'}"):
         exports = export_model(loaded.model, loaded.tokenizer, recipe.export.formats, partial)
         head = draft_head_of(loaded.model)
         if head is not None:
@@ -395,7 +396,7 @@ def run_recipe(
         fmt = recipe.export.formats[0]
         bars.log(f"running {fmt}/ in lmpress's runtime and checking it against the evaluator")
         window = first_eval_window(recipe, shipped.tokenizer)
-        with phases.phase("runtime agreement"):
+        with phases.phase("runtime agreement"), bars.activity(f"running {fmt}/ in lmpress's runtime"):
             agreement = check_runtime_agreement(
                 fmt, partial / fmt, shipped.model, window, recipe.model.dtype, device=device, kv=kv
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from rich.console import Console
@@ -76,8 +77,9 @@ class PlainTask:
 
     def line(self, now: float) -> str:
         elapsed = now - self.began
-        if not self.total:
-            return f"{self.description}: {self.done} elapsed {clock_text(elapsed)}"
+        if not self.total:  # an activity (no steps: "description: elapsed ..."), or steps of unknown number
+            steps = f" {self.done}" if self.done else ""
+            return f"{self.description}:{steps} elapsed {clock_text(elapsed)}"
         steps = self.done - self.start_done
         eta = elapsed / steps * (self.total - self.done) if steps else 0.0
         percent = 100 * self.done / self.total
@@ -163,6 +165,23 @@ class Bars:
             self._progress.update(task, advance=1, description=new_description)
 
         return advance
+
+    @contextmanager
+    def activity(self, description: str) -> Iterator[None]:
+        """Work without steps (an export, reading one back, the runtime check): in a terminal an open-ended bar,
+        elsewhere its line every 30 s while it lasts (nothing if it ends sooner)."""
+        if self.plain:
+            task = self._plain_task(description, None)
+            try:
+                yield
+            finally:
+                task.closed = True
+            return
+        bar = self._progress.add_task(description, total=None)
+        try:
+            yield
+        finally:
+            self._progress.remove_task(bar)
 
     def log(self, message: str) -> None:
         if self.enabled:

@@ -67,3 +67,28 @@ def test_a_step_longer_than_the_interval_repeats_its_line_and_a_closed_task_stay
     beats = [line for line in lines if line.startswith("gptq: layers: 0/2")]
     assert len(beats) >= 2  # the first step alone: lines while it ran
     assert lines[-1].startswith("gptq: layers: 2/2 (100%)")
+
+
+def test_an_activity_without_steps_says_it_is_still_going(monkeypatch):
+    """An export or a runtime check has no steps: in a log its line comes every interval while it lasts (with the
+    time so far) and nothing once it is over; a short one prints nothing; quiet bars take it too."""
+    import time
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY_SECONDS", 0.2)
+    console, out = log_console()
+    with Bars(console=console) as bars:
+        with bars.activity("exporting gguf"):
+            pass
+        assert out.getvalue() == ""
+        with bars.activity("exporting gguf"):
+            time.sleep(0.7)
+        over = out.getvalue()
+        time.sleep(0.5)
+        assert out.getvalue() == over
+    assert len(over.splitlines()) >= 2 and all(
+        line.startswith("exporting gguf: elapsed 0:00:00") for line in over.splitlines()
+    )
+    for bars in (Bars(enabled=False, console=console), Bars(console=Console(file=io.StringIO(), force_terminal=True))):
+        with bars, bars.activity("x"):  # quiet, and a terminal's open-ended bar, removed after
+            assert not bars.plain
+        assert not bars._progress.tasks
