@@ -45,6 +45,8 @@ EXPECTED = {
     "model.distill-speed.recover-24",
     "model.distill-speed.plain-bf16",
     "kernels",
+    "fwht",
+    "attention",
     "decode",
 }
 
@@ -60,7 +62,7 @@ def test_the_dry_run_passes_every_step(tmp_path, cache_dir):
     lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     rows = [r for r in lines if "step" in r]
     tables = {r["bench"] for r in lines if "bench" in r}
-    assert tables == {"triton_kernels", "runtime_gpu"}, tables
+    assert tables == {"triton_kernels", "runtime_gpu", "fwht", "decode_attention"}, tables
     printed = [line for line in run.stdout.splitlines() if re.match(r"(PASS|FAIL|SKIP) [^ ]+ \([0-9.]+ s\)", line)]
     # one printed line per JSON row, in the same order
     assert [line.split(" ")[:2] for line in printed] == [[r["status"], r["step"]] for r in rows]

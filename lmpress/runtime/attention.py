@@ -16,6 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.runtime.kernels import cpu_attention, cpu_kv_attention
+from lmpress.runtime.kernels.cuda import triton_decode_attention
+from lmpress.runtime.kernels.fwht import triton_installed
 from lmpress.runtime.kv_cache import KVCache, StaticSlots
 from lmpress.runtime.linears import Build, copy_norm, fuse_linears
 
@@ -122,14 +124,21 @@ def attend(
     layer: int = 0,
 ) -> torch.Tensor:
     """Queries ``(batch, heads, n, head_dim)`` attending over the cache's keys and values, by the function that
-    fits: in the compiled static step one of lmpress's CPU ops over the filled slots where the layer has one
-    (``slots_kernel``) and the softmax is plain (``cpu_kv_attention``'s over int8 / FP8 codes or float32 entries, or
-    AVX-512's ``cpu_attention`` over float32 entries for head widths the first does not take), else pointwise;
+    fits: in the compiled static step one of lmpress's ops over the filled slots where the layer has one
+    (``slots_kernel``) and the softmax is plain (on the CPU ``cpu_kv_attention``'s over int8 / FP8 codes or float32
+    entries, or AVX-512's ``cpu_attention`` over float32 entries for head widths the first does not take; in CUDA
+    builds the Triton split-K kernel over float entries, int8 or FP8 codes, ``triton_attention.py``), else pointwise;
     two matmuls for a few queries or where SDPA lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
-    if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures
+    if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures (and CUDA graphs replay)
         scale = scale or q.shape[-1] ** -0.5
-        plain = softcap is None and sinks is None and mask is not None and q.device.type == "cpu"
-        if slots_kernel is not None and plain:
+        plain = softcap is None and sinks is None and mask is not None
+        kernel = slots_kernel if plain else None
+        if kernel is not None and kernel.triton:
+            stored = cache.stored(layer)
+            if stored is not None and few_rows(q, keys):  # float entries, int8 or FP8 codes, the filled slots only
+                k, k_scales, v, v_scales = stored
+                return triton_decode_attention(q, k, k_scales, v, v_scales, mask, cache.pos, scale)
+        elif kernel is not None and q.device.type == "cpu":
             if slots_kernel.codes:
                 stored = cache.stored(layer)
                 if stored is not None and stored[1] is not None:  # int8 or FP8 codes, read as they are stored
@@ -145,17 +154,31 @@ def attend(
 
 
 class SlotsKernel(NamedTuple):
-    """Which of lmpress's CPU attention ops a layer can take in the compiled step: AVX-512's over float32 caches
-    (``cpu_attention``), AVX2's or AVX-512's over float32 caches and int8 codes (``cpu_kv_attention``: the faster
-    of the two where both fit, 1.4-1.9x at 1-4k slots on a Xeon)."""
+    """Which of lmpress's attention ops a layer can take in the compiled step: on the CPU, AVX-512's over float32
+    caches (``cpu_attention``), AVX2's or AVX-512's over float32 caches and int8 / FP8 codes (``cpu_kv_attention``:
+    the faster of the two where both fit, 1.4-1.9x at 1-4k slots on a Xeon); in CUDA (and Triton) builds, the
+    Triton kernel over float entries and int8 / FP8 codes (``triton_attention.py``)."""
 
     floats: bool
     codes: bool
+    triton: bool = False
+
+
+TRITON_MAX_ROWS = 64  # query rows per KV head (grouped heads x new tokens) the Triton kernel takes: decode steps
+# and speculative rounds; a static prefill's rows go pointwise
+
+
+def few_rows(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the step's query rows per KV head fit the Triton kernel (``TRITON_MAX_ROWS``)."""
+    return q.shape[2] * (q.shape[1] // keys.shape[1]) <= TRITON_MAX_ROWS
 
 
 def slots_kernel_fits(build: Build, head_dim: int, value_dim: int) -> SlotsKernel | None:
-    """The CPU attention ops a layer built by ``build`` (on the CPU) can attend by in the compiled step (None:
-    neither)."""
+    """The attention ops a layer built by ``build`` can attend by in the compiled step (None: none)."""
+    if build.kernels in ("cuda", "triton") and triton_installed():
+        from lmpress.runtime.kernels import triton_attention
+
+        return SlotsKernel(False, False, True) if triton_attention.fits(head_dim, value_dim) else None
     if build.kernels != "cpu":
         return None
     floats = cpu_attention.fits(head_dim, value_dim, build.dtype)

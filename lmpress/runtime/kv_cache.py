@@ -204,10 +204,10 @@ class StaticSlots:
 
     def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
         """One layer's keys, key scales, values and value scales as stored, for an attention op that reads them:
-        float32 entries (no scales), int8 codes with a float32 scale per slot, or FP8 codes with their static
-        float32 scales (per KV head, or one); None for any other cache (INT4)."""
+        float entries in the model's dtype (no scales), int8 codes with a float32 scale per slot, or FP8 codes with
+        their static float32 scales (per KV head, or one); None for any other cache (INT4)."""
         if self.kv is None:
-            return (self.k[layer], None, self.v[layer], None) if self.k[layer].dtype == torch.float32 else None
+            return self.k[layer], None, self.v[layer], None
         if self.kv.scheme.dtype in ("int8", "fp8"):
             return self.k[layer], self.k_scales[layer], self.v[layer], self.v_scales[layer]
         return None

@@ -15,9 +15,10 @@ from torch.nn import functional as F
 from lmpress.errors import LmpressInputError
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, cpu_half, cpu_probe, linear_kernel
 from lmpress.runtime.kernels.dense import linear_over
+from lmpress.runtime.kernels.fwht import blockwise_hadamard, rotation_path
 from lmpress.weights.float8 import Fp8Linear
 from lmpress.weights.fp4 import Fp4Linear
-from lmpress.weights.online_rotation import blockwise_hadamard, input_rotation_of
+from lmpress.weights.online_rotation import input_rotation_of
 from lmpress.weights.qlinear import QuantizedLinear, trivial_g_idx
 
 
@@ -59,6 +60,11 @@ class Build:
             return cpu_half.HalfWeightLinear(weight, bias, choice.isa, choice.prefetch)
         return linear_over(self.dense_linear, weight.to(self.dtype), bias)
 
+    def rotation_path(self, block: int) -> str:
+        """How this build's layers turn their inputs online in blocks of ``block`` (``kernels/fwht.py``)."""
+        device = {"cpu": "cpu", "cuda": "cuda", "triton": "cuda"}.get(self.kernels, "reference")
+        return rotation_path(device, self.dtype, block)
+
     @property
     def quantized_linear(self) -> Callable[[QuantizedLinear, torch.dtype], nn.Module]:
         return linear_kernel(self.kernels, self.cpu_activations)
@@ -95,14 +101,18 @@ class FusedLinear(nn.Module):
 
 
 class RotatedInputLinear(nn.Module):
-    """A runtime linear whose model layer turns its input first (R4, ``online_rotation.py``): ``linear(x V)``."""
+    """A runtime linear whose model layer turns its input first (R4, ``online_rotation.py``): ``linear(x V)``, the
+    turn by the runtime's kernels (``kernels/fwht.py``)."""
 
-    def __init__(self, block: int, linear: nn.Module) -> None:
+    def __init__(self, block: int, linear: nn.Module, path: str = "torch") -> None:
         super().__init__()
-        self.block, self.linear = block, linear
+        self.block, self.linear, self.path = block, linear, path  # path: fwht.PATHS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(blockwise_hadamard(x, self.block))
+        return self.linear(blockwise_hadamard(x, self.block, self.path))
+
+    def extra_repr(self) -> str:
+        return f"block={self.block}, path={self.path}"
 
 
 def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
@@ -117,7 +127,8 @@ def fuse_linears(layers: list[nn.Module], build: Build) -> FusedLinear:
         raise LmpressInputError("the runtime fuses linears over one input only where they turn it alike")
     block = blocks.pop()
     parts = [
-        part if any(part is layer for layer in layers) else RotatedInputLinear(block, part) for part in fused.parts
+        part if any(part is layer for layer in layers) else RotatedInputLinear(block, part, build.rotation_path(block))
+        for part in fused.parts
     ]
     return FusedLinear(parts, fused.sizes)
 

@@ -25,9 +25,9 @@ from torch import nn
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py),
 # cpu_kv_attention.cpp (the same over float32 or int8 caches on AVX2, cpu_kv_attention.py), cpu_half.cpp (float32
-# rows times bfloat16 or float16 weights, cpu_half.py) and cpu_fp4.cpp (NVFP4 and MXFP4 weights times int8
-# activations, cpu_fp4.py)
-NAMES = ("cpu_attention", "cpu_kv_attention", "cpu_half", "cpu_fp4")
+# rows times bfloat16 or float16 weights, cpu_half.py), cpu_fp4.cpp (NVFP4 and MXFP4 weights times int8
+# activations, cpu_fp4.py) and cpu_hadamard.cpp (the blockwise Walsh-Hadamard transform, hadamard.py)
+NAMES = ("cpu_attention", "cpu_kv_attention", "cpu_half", "cpu_fp4", "cpu_hadamard")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f"{name}.cpp") for name in NAMES))
 HEADERS = (Path(__file__).with_name("cpu_kv_rows.h"),)  # included by the sources: part of the build's digest
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
@@ -97,6 +97,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lmpress_cpu::fp4_linear_t16")
     def fake_fp4_tiled(x, codes, scales, row_scale, block, out_features):  # noqa: ANN001, ANN202 - torch.library's
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("lmpress_cpu::hadamard_blocks")
+    def fake_hadamard(x, block):  # noqa: ANN001, ANN202 - torch.library's signature
+        return torch.empty_like(x)
 
     if hasattr(torch.ops.lmpress_cpu, "slots_attention"):  # x86-64 builds only
 

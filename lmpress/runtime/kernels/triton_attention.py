@@ -1,0 +1,184 @@
+"""Decode attention on a GPU over the filled slots of a fixed-size cache: float entries, int8 codes with a scale per
+slot, or FP8 E4M3 codes with static scales, each read as stored (the CUDA path of the compiled and CUDA-graph
+static step; ``attention.attend``).
+
+Split-K ("flash-decoding"): program ``(row and KV head, split)`` reads ``CHUNK`` slots of one KV head once for all
+the query rows that share it (grouped-query heads x the step's new tokens, padded to ``tl.dot``'s 16), keeps a
+running maximum, sum and weighted values (an online softmax), and writes them; a second kernel merges the splits.
+A split that starts past the last filled slot (``pos[-1]``, read on the device) returns before it reads anything,
+so a step costs the slots held, not the cache's size, and one launch shape serves every step of a CUDA graph.
+
+Codes are converted in registers: int8 and E4M3 values are exact in bfloat16 and float16, so ``q . codes`` is an
+exact product with float32 sums, and the scales are folded in afterwards: a key's scale multiplies its score, a
+value's its softmax weight (per slot) or the result (static).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 256  # slots per split program
+BLOCK_S = 64  # slots per inner step
+MIN_ROWS = 16  # tl.dot's smallest tile side: query rows are padded to it
+SCALES = {"none": 0, "slot": 1, "head": 2, "tensor": 3}
+
+
+@triton.jit
+def _scale_of(ptr, bh, kvh, slots, n_slots, valid, MODE: tl.constexpr):
+    """A cache's scale for ``slots`` of (row x KV head) ``bh`` (per slot), for KV head ``kvh`` or for the tensor."""
+    if MODE == 1:
+        scale = tl.load(ptr + bh.to(tl.int64) * n_slots + slots, mask=valid, other=0.0)
+    elif MODE == 2:
+        scale = tl.load(ptr + kvh)
+    else:
+        scale = tl.load(ptr)
+    return scale
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+    n_slots, splits, sm_scale,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_F32: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    bh, split = tl.program_id(0), tl.program_id(1)
+    limit = tl.load(pos_ptr + N - 1) + 1  # slots filled after this step's writes
+    start = split * CHUNK
+    if start >= limit:
+        return
+    b, kvh = bh // KV_HEADS, bh % KV_HEADS
+    rows = tl.arange(0, R)  # row r: query head kvh * GROUP + r // N, new token r % N
+    live = rows < GROUP * N
+    head, token = kvh * GROUP + rows // N, rows % N
+    d = tl.arange(0, D)
+    q_at = ((b * KV_HEADS * GROUP + head) * N + token).to(tl.int64) * D
+    q = tl.load(q_ptr + q_at[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    m = tl.full((R,), float("-inf"), tl.float32)
+    l = tl.zeros((R,), tl.float32)  # noqa: E741 - the softmax's running sum, as the paper names it
+    acc = tl.zeros((R, D), tl.float32)
+    base = bh.to(tl.int64) * n_slots
+    for s0 in range(start, tl.minimum(start + CHUNK, limit), BLOCK_S):
+        slots = s0 + tl.arange(0, BLOCK_S)
+        valid = slots < limit
+        entries = (base + slots)[:, None] * D + d[None, :]
+        k = tl.load(k_ptr + entries, mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if K_MODE != 0:
+            scores = scores * _scale_of(ks_ptr, bh, kvh, slots, n_slots, valid, K_MODE)
+        shown = tl.load(mask_ptr + (b * N + token)[:, None].to(tl.int64) * n_slots + slots[None, :],
+                        mask=live[:, None] & valid[None, :], other=0)  # fmt: skip
+        scores = tl.where(shown != 0, scores * sm_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        anchor = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing shown yet stays at zero
+        p = tl.exp(scores - anchor[:, None])
+        alpha = tl.exp(m - anchor)
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        if V_MODE == 1:
+            p = p * _scale_of(vs_ptr, bh, kvh, slots, n_slots, valid, V_MODE)[None, :]
+        v = tl.load(v_ptr + entries, mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m = m_new
+    if V_MODE >= 2:
+        acc = acc * _scale_of(vs_ptr, bh, kvh, rows, n_slots, live, V_MODE)
+    at = (bh * splits + split).to(tl.int64) * R + rows
+    tl.store(m_ptr + at, m)
+    tl.store(l_ptr + at, l)
+    tl.store(acc_ptr + at[:, None] * D + d[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(
+    m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, splits,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    used = tl.cdiv(tl.load(pos_ptr + N - 1) + 1, CHUNK)  # the splits that ran
+    rows, d = tl.arange(0, R), tl.arange(0, D)
+    m = tl.full((R,), float("-inf"), tl.float32)
+    l = tl.zeros((R,), tl.float32)  # noqa: E741
+    acc = tl.zeros((R, D), tl.float32)
+    for split in range(0, used):
+        at = (bh * splits + split).to(tl.int64) * R + rows
+        m_i, l_i = tl.load(m_ptr + at), tl.load(l_ptr + at)
+        acc_i = tl.load(acc_ptr + at[:, None] * D + d[None, :])
+        m_new = tl.maximum(m, m_i)
+        anchor = tl.where(m_new == float("-inf"), 0.0, m_new)
+        old, new = tl.exp(m - anchor), tl.exp(m_i - anchor)
+        l = l * old + l_i * new  # noqa: E741
+        acc = acc * old[:, None] + acc_i * new[:, None]
+        m = m_new
+    b, kvh = bh // KV_HEADS, bh % KV_HEADS
+    live = rows < GROUP * N
+    head, token = kvh * GROUP + rows // N, rows % N
+    out_at = ((b * KV_HEADS * GROUP + head) * N + token).to(tl.int64) * D
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + out_at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def fits(head_dim: int, value_dim: int) -> bool:
+    """Whether the kernels take these widths (equal, a power of two from 16 to 256)."""
+    return head_dim == value_dim and 16 <= head_dim <= 256 and not head_dim & (head_dim - 1)
+
+
+def scale_mode(scales: torch.Tensor | None, kv_heads: int) -> str:
+    """How a cache's scales lie (``SCALES``): none (float entries), per slot (int8), per KV head or one (FP8)."""
+    if scales is None:
+        return "none"
+    if scales.dim() == 4:
+        return "slot"
+    return "head" if scales.numel() == kv_heads and kv_heads > 1 else "tensor"
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    values: torch.Tensor,
+    value_scales: torch.Tensor | None,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Queries ``(batch, heads, n, d)`` over a cache's stored ``keys``/``values`` ``(batch, kv_heads, slots, d)``
+    (float, int8 or FP8; scales per slot ``(batch, kv_heads, slots, 1)``, per KV head or one, or None) where
+    ``mask`` ``(batch, 1, n, slots)`` shows them; ``pos`` ``(n,)``: the slots this step wrote, ascending. Returns
+    ``(batch, heads, n, d)`` in ``q``'s dtype."""
+    batch, heads, n, d = q.shape
+    kv_heads, n_slots = keys.shape[1], keys.shape[2]
+    if not fits(d, values.shape[-1]):
+        raise ValueError(f"decode_attention: head width {d} / {values.shape[-1]} (equal powers of two, 16 to 256)")
+    group = heads // kv_heads
+    rows = max(MIN_ROWS, triton.next_power_of_2(group * n))
+    splits = triton.cdiv(n_slots, CHUNK)
+    partial = (batch * kv_heads, splits, rows)
+    m = torch.empty(partial, dtype=torch.float32, device=q.device)
+    l = torch.empty(partial, dtype=torch.float32, device=q.device)  # noqa: E741
+    acc = torch.empty((*partial, d), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    mask = mask.contiguous().view(torch.uint8)
+    k_mode, v_mode = (SCALES[scale_mode(s, kv_heads)] for s in (key_scales, value_scales))
+    ks = key_scales.contiguous().float() if key_scales is not None else m  # an unread pointer where none
+    vs = value_scales.contiguous().float() if value_scales is not None else m
+    shape = dict(KV_HEADS=kv_heads, GROUP=group, N=n, D=d, R=rows)
+    # float32 products where the queries are float32, and in Triton's interpreter, whose tl.dot multiplies
+    # bfloat16 bit patterns as integers (3.9; triton.py's GEMM does the same)
+    dot_f32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    _split_kernel[(batch * kv_heads, splits)](
+        q, keys, values, ks, vs, mask, pos, m, l, acc, n_slots, splits, scale, **shape,
+        K_MODE=k_mode, V_MODE=v_mode, DOT_F32=dot_f32, CHUNK=CHUNK, BLOCK_S=BLOCK_S,
+    )  # fmt: skip
+    _merge_kernel[(batch * kv_heads,)](m, l, acc, pos, out, splits, **shape, CHUNK=CHUNK)
+    return out

@@ -1,0 +1,60 @@
+"""lmpress's newer Triton kernels compile ahead of time for Hopper (sm_90, the H100/H200 a GPU visit meets) down to
+a cubin, with Triton's own ptxas and no GPU: what the interpreter cannot check (types, returns, dot shapes and
+layouts the real compiler refuses) fails here, not on a lent machine.
+
+The compile runs in a fresh process without ``TRITON_INTERPRET`` (test modules set it before importing triton,
+which makes ``triton.jit`` return interpreted functions).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="triton is not installed (lmpress[dev])")
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+ROOT = Path(__file__).resolve().parents[2]
+
+COMPILE = r"""
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmpress.runtime.kernels import triton_attention as ta, triton_fwht as tf
+
+def build(fn, signature, constexprs):
+    source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm.get("cubin"), fn
+    print("compiled", fn.__name__, constexprs)
+
+shape = {"KV_HEADS": 8, "GROUP": 4, "N": 1, "D": 128, "R": 16, "CHUNK": ta.CHUNK}
+for q, codes, k_mode, v_mode in [("*bf16", "*bf16", 0, 0), ("*bf16", "*i8", 1, 1), ("*fp16", "*fp8e4nv", 2, 2),
+                                 ("*bf16", "*fp8e4nv", 3, 3)]:
+    split = {"q_ptr": q, "k_ptr": codes, "v_ptr": codes, "ks_ptr": "*fp32", "vs_ptr": "*fp32", "mask_ptr": "*u8",
+             "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "n_slots": "i32",
+             "splits": "i32", "sm_scale": "fp32"}
+    build(ta._split_kernel, split, {**shape, "K_MODE": k_mode, "V_MODE": v_mode, "DOT_F32": False,
+                                    "BLOCK_S": ta.BLOCK_S})
+merge = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*bf16", "splits": "i32"}
+build(ta._merge_kernel, merge, shape)
+small = {"x_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*bf16", "n_blocks": "i32", "scale": "fp32"}
+for block in (16, 128):
+    build(tf._small_kernel, small, {"B": block, "ROWS": tf.TILE_ROWS})
+kron = {"x_ptr": "*bf16", "h1_ptr": "*fp32", "h2_ptr": "*fp32", "y_ptr": "*bf16", "scale": "fp32"}
+for block in (256, 512, 4096):
+    b1, b2 = tf.factors(block)
+    build(tf._kronecker_kernel, kron, {"B1": b1, "B2": b2})
+"""
+
+
+@pytest.mark.skipif(not PTXAS.is_file(), reason="this triton has no NVIDIA backend with ptxas")
+def test_decode_attention_and_hadamard_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("compiled") == 10
