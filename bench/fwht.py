@@ -18,9 +18,11 @@ Shapes: SmolLM2's R4 input (1,536 values in blocks of 512) and the rotate stage'
 1,536, at 1 row (decode), 4 (a speculative round) and 512 (a prefill chunk).
 
 Decode (CPU, unless ``--no-decode``): two rotated SmolLM2 exports made here by ``lmpress run`` (RTN, so they take
-seconds): W4 g64 with QuaRot's R1 R2 + R4 (down_proj's input turned online in blocks of 512), and NVFP4 W4A4 with
-every linear's input turned in blocks of 16 (``recipes/nvfp4-w4a4-rotated.yaml``'s layout). Each decodes compiled,
-its rotations by the op and by the torch butterfly, interleaved (``throughput.interleaved_generation_times``).
+seconds): W4 g64 with QuaRot's R1 R2 + R4 (down_proj's input turned online in blocks of 512), and MXFP4A16 with
+every linear's input turned in blocks of 32 (the FP4 table's best MXFP4A16 layout, MR-GPTQ's). Each decodes eager
+(``lmpress generate``'s default) and compiled (``--compile``), its rotations by the op and by the torch butterfly,
+interleaved (``throughput.interleaved_generation_times``). W4A4 layers, which the runtime runs through their own
+forward, turn their input by their own hook (the torch butterfly), so they are not rows here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,9 +53,9 @@ DECODE_RECIPES = {
         {"method": "rotate", "rotate_down_proj": True},
         {"method": "rtn", "bits": 4, "group_size": 64, "ignore": ["lm_head"]},
     ],
-    "NVFP4 W4A4, every input in blocks of 16": [
-        {"method": "rotate", "residual": False, "rotate_heads": False, "input_block": 16},
-        {"method": "rtn", "fp4": "nvfp4", "activations": "fp4", "ignore": ["lm_head"]},
+    "MXFP4A16, every input in blocks of 32": [
+        {"method": "rotate", "residual": False, "rotate_heads": False, "input_block": 32},
+        {"method": "rtn", "fp4": "mxfp4", "ignore": ["lm_head"]},
     ],
 }
 
@@ -127,31 +130,36 @@ def make_export(stages: list[dict], work: Path) -> Path:
     return out / "compressed-tensors"
 
 
-def time_decode(export: Path, new_tokens: int, repeats: int) -> dict:
-    from lmpress.runtime.generate import compiled_decode, generate
+def time_decode(export: Path, new_tokens: int, repeats: int) -> list[dict]:
+    """Eager and compiled decode of ``export``, its rotations by the op and by the torch butterfly, interleaved."""
+    return [decode_row(export, compiled, new_tokens, repeats) for compiled in (False, True)]
+
+
+def decode_row(export: Path, compiled: bool, new_tokens: int, repeats: int) -> dict:
+    from lmpress.runtime.generate import compiled_decode, decode_one_token, generate
     from lmpress.runtime.linears import RotatedInputLinear
     from lmpress.runtime.text import load_runtime
     from lmpress.runtime.throughput import bench_prompt, decode_rate, interleaved_generation_times
 
-    models, prompt = {}, None
+    runs, outputs, rotations = {}, {}, 0
     for path in ("cpu-op", "torch"):
         model, tokenizer = load_runtime(str(export))
         rotated = [m for m in model.modules() if isinstance(m, RotatedInputLinear)]
         assert rotated and all(m.path == "cpu-op" for m in rotated), "the build did not take the op"
         for m in rotated:
             m.path = path
-        models[path] = (model, compiled_decode())
-        prompt = prompt or bench_prompt(tokenizer, 128)
-
-    def run(path: str) -> Callable[[int], list[int]]:
-        model, decode = models[path]
-        return lambda n: generate(model, prompt, max_new_tokens=n, decode=decode)[0]
-
-    outputs = {path: run(path)(16) for path in models}
-    times = interleaved_generation_times({p: run(p) for p in models}, new_tokens, repeats, torch.device("cpu"))
+        rotations = len(rotated)
+        prompt = bench_prompt(tokenizer, 128)
+        decode = compiled_decode() if compiled else decode_one_token
+        runs[path] = partial(
+            lambda n, m, p, d: generate(m, p, max_new_tokens=n, decode=d)[0], m=model, p=prompt, d=decode
+        )
+        outputs[path] = runs[path](16)
+    times = interleaved_generation_times(runs, new_tokens, repeats, torch.device("cpu"))
     rates = {path: decode_rate(t, new_tokens) for path, t in times.items()}
     return {
-        "rotations": len([m for m in models["cpu-op"][0].modules() if isinstance(m, RotatedInputLinear)]),
+        "step": "compiled" if compiled else "eager",
+        "rotations": rotations,
         "tok_s_op": rates["cpu-op"],
         "tok_s_torch": rates["torch"],
         "speedup": rates["cpu-op"] / rates["torch"],
@@ -176,14 +184,14 @@ def render(entry: dict) -> list[str]:
     if decode:
         lines += [
             "",
-            "| SmolLM2 export (RTN), compiled decode | rotated inputs | tok/s, op | tok/s, torch butterfly | "
+            "| SmolLM2 export (RTN) | decode step | rotated inputs | tok/s, op | tok/s, torch butterfly | "
             "op / torch | same tokens |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in decode:
             lines.append(
-                f"| {row['export']} | {row['rotations']} | {row['tok_s_op']:.1f} | {row['tok_s_torch']:.1f} | "
-                f"{row['speedup']:.2f}x | {row['same_tokens']} |"
+                f"| {row['export']} | {row['step']} | {row['rotations']} | {row['tok_s_op']:.1f} | "
+                f"{row['tok_s_torch']:.1f} | {row['speedup']:.2f}x | {row['same_tokens']} |"
             )
     return lines + [""]
 
@@ -212,9 +220,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             for i, (name, stages) in enumerate(DECODE_RECIPES.items()):
                 export = make_export(stages, Path(scratch) / str(i))
-                row = {"kind": "decode", "export": name} | time_decode(export, args.new_tokens, args.repeats)
-                print(f"{name}: op {row['tok_s_op']:.1f} vs torch {row['tok_s_torch']:.1f} tok/s", flush=True)
-                rows.append(row)
+                for row in time_decode(export, args.new_tokens, args.repeats):
+                    rows.append({"kind": "decode", "export": name} | row)
+                    print(f"{name}, {row['step']}: op {row['tok_s_op']:.1f} vs torch {row['tok_s_torch']:.1f} tok/s")
     if args.results:
         with args.results.open("a") as f:
             for row in rows:
