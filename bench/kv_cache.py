@@ -4,12 +4,14 @@
     python bench/kv_cache.py --windows 4 --seq-len 4096
     python bench/kv_cache.py --rows float fp8-tensor-rotated   # re-measure rows; the table keeps the others
     python bench/kv_cache.py --rows float int4 --passkey 8192   # also passkey retrieval at 8,192 tokens
+    python bench/kv_cache.py --rows float int8 int4 --passkey 8192 --depths 0 0.25 0.5 0.75 1 --trials 2
 
 Protocol: WikiText-2 test (builtin:wikitext2:test), the first ``--windows`` windows of ``--seq-len`` tokens (8192:
 SmolLM2's whole context), no BOS; the FP32 model, its attention reading each cache as lmpress's runtime holds it
 (``lmpress.quantize.kv_attention.kv_quantized``). FP8's static scales are calibrated on 128 x 512 tokens of
 wiki.valid.tokens (seed 0), the recipe default, and each scheme's Δ is against the float cache of the same model.
-Writes bench/results/kv_cache.md and .json, and the table into docs/results.md ("Quantized KV cache").
+Writes bench/results/kv_cache.md, .json and .png (Δppl per scheme; passkey accuracy by depth per scheme), and the
+table into docs/results.md ("Quantized KV cache").
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
     parser.add_argument("--passkey", type=int, nargs="*", default=[], metavar="LENGTH", help="passkey lengths")
     parser.add_argument("--depths", type=float, nargs="*", default=[0.0, 0.5, 1.0])
+    parser.add_argument("--trials", type=int, default=1, help="passkey prompts (keys) per length and depth")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(SMOLLM2, "float32", fingerprint=False)
@@ -83,8 +86,8 @@ def main() -> None:
             with kv_quantized(model, kv):
                 result = perplexity(model, windows, config, bars)
                 if args.passkey:  # decoded by lmpress's runtime on the same quantized cache
-                    keys = PasskeyConfig(lengths=args.passkey, depths=args.depths)
-                    found, _ = passkey(model, tokenizer, keys, bars)
+                    keys = PasskeyConfig(lengths=args.passkey, depths=args.depths, trials=args.trials)
+                    found, details = passkey(model, tokenizer, keys, bars)
             row = {
                 "row": name,
                 "protocol": protocol,
@@ -95,7 +98,8 @@ def main() -> None:
             }
             if args.passkey:
                 row |= {name: value for name, value in found.items() if name.startswith("passkey_accuracy_")}
-                row["passkey_depths"] = args.depths
+                row |= {"passkey_depths": args.depths, "passkey_trials": args.trials}
+                row["passkey_grid"] = details["passkey_grid"]
             if kv is not None:
                 row |= kv_cache_report(kv, model)
             rows.append(row)
@@ -104,10 +108,12 @@ def main() -> None:
     base = next((r["ppl"] for r in rows if r["row"] == "float"), None)
     keys = sorted({k for r in rows for k in r if k.startswith("passkey_accuracy_")}, key=len)
     depths = next((r["passkey_depths"] for r in rows if "passkey_depths" in r), [])
+    trials = next((r.get("passkey_trials", 1) for r in rows if "passkey_depths" in r), 1)
+    prompts = "one prompt" if trials == 1 else f"{trials} prompts"
     lines = [
         f"SmolLM2-135M-Instruct (FP32), WikiText-2 test, {args.windows} x {args.seq_len} tokens, "
         f"{cpu_description()}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py`"
-        + (f"; passkey at depths {depths}, one prompt each, decoded by lmpress's runtime." if keys else "."),
+        + (f"; passkey at depths {depths}, {prompts} each, decoded by lmpress's runtime." if keys else "."),
         "",
         "| KV cache | ppl | Δ vs float cache | bytes / token | x bf16 |"
         + "".join(f" passkey {k.rsplit('_', 1)[1]} |" for k in keys),
@@ -124,7 +130,33 @@ def main() -> None:
     (RESULTS / "kv_cache.md").write_text("\n".join(lines) + "\n")
     write_readme_block("kv-cache", "Quantized KV cache", "\n".join(lines[2:] + ["", lines[0]]))
     (RESULTS / "kv_cache.json").write_text(json.dumps(rows, indent=1) + "\n")
+    plot(rows, base, RESULTS / "kv_cache.png")
     print("\n".join(lines))
+
+
+def plot(rows: list[dict], base: float | None, path: Path) -> None:
+    """Δppl per scheme beside passkey accuracy by depth per scheme (at the longest length measured)."""
+    from lmpress.evals.plots import plt, save_figure
+
+    graded = [r for r in rows if "passkey_grid" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=(3, 2))
+    names = [r["row"] for r in rows if r["row"] != "float"]
+    if base is not None and names:
+        deltas = [100 * (r["ppl"] / base - 1) for r in rows if r["row"] != "float"]
+        left.barh(names, deltas, color="tab:blue")
+        left.set_xlabel("perplexity vs the float cache (%)")
+        left.invert_yaxis()
+    for r in graded:
+        grid = r["passkey_grid"]
+        longest = len(grid["lengths"]) - 1
+        right.plot(grid["depths"], [row[longest] for row in grid["accuracy"]], marker="o", label=r["row"])
+    if graded:
+        right.set_xlabel(f"depth of the key (passkey at {graded[0]['passkey_grid']['lengths'][-1]:,} tokens)")
+        right.set_ylabel("accuracy")
+        right.set_ylim(-0.05, 1.05)
+        right.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

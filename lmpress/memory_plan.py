@@ -316,11 +316,12 @@ def forecast_recipe(
     Fused mixture-of-experts weights are counted as the per-expert linears the run quantizes (``calib.moe``)."""
     from lmpress.calib.moe import unfuse_experts
     from lmpress.evals.perplexity import PerplexityConfig
+    from lmpress.evals.suite import cache_sensitive
 
     with torch.device("meta"):
         unfuse_experts(model)
     perplexity = recipe.eval.evals.get("perplexity")  # the agreement check's window is its first (pipeline.py)
-    return forecast_memory(
+    forecast = forecast_memory(
         model,
         checkpoint,
         recipe.model.dtype,
@@ -334,6 +335,10 @@ def forecast_recipe(
         processes=processes,
         activations_ram=None if recipe.data.activations_ram_gb is None else int(recipe.data.activations_ram_gb * GIB),
     )
+    if recipe.kv_cache is not None and cache_sensitive(recipe.eval.evals) and "candidate eval" in forecast.phases:
+        # the same model scored once more on a float cache (pipeline.py): the candidate eval's memory, at most
+        forecast.phases["candidate eval, float cache"] = dict(forecast.phases["candidate eval"])
+    return forecast
 
 
 def forecast_checkpoint(recipe: Recipe, processes: int = 1) -> MemoryForecast:

@@ -43,7 +43,7 @@ from lmpress.evals.agreement import check_runtime_agreement
 from lmpress.evals.perplexity import PerplexityConfig
 from lmpress.evals.report import write_report
 from lmpress.evals.speed import size_and_speed
-from lmpress.evals.suite import baseline_identity, run_suite, suite_report
+from lmpress.evals.suite import baseline_identity, cache_sensitive, merged, run_suite, suite_report
 from lmpress.export.formats import check_export_plan, check_recipe_exports
 from lmpress.export.inspect import consumer_warnings
 from lmpress.export.manifest import write_manifest
@@ -63,6 +63,7 @@ from lmpress.quantize.kv_attention import (
     attach_kv_quant,
     attention_configs,
     calibrate_kv_scales,
+    float_cache,
     kv_cache_report,
     kv_quantized,
 )
@@ -412,6 +413,13 @@ def run_recipe(
     attach_draft_head(scored.model, head)  # eval.speculation drafts for the scored model with it
     with phases.phase("candidate eval"), on_device(device, scored.model), kv_quantized(scored.model, kv):
         candidate = run_suite(evals, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars)
+    float_side = cache_sensitive(evals) if kv is not None else {}
+    if float_side:  # the same weights on a float cache: what the quantized cache alone costs
+        bars.log("scoring the candidate once more with a float KV cache")
+        with phases.phase("candidate eval, float cache"), on_device(device, scored.model), float_cache(scored.model):
+            weights_only = run_suite(
+                float_side, recipe.eval.text, scored.model, scored.tokenizer, identity, "candidate", bars
+            )
 
     report = {
         "recipe": recipe.as_dict(),
@@ -430,6 +438,8 @@ def run_recipe(
         "memory_forecast_phases_mb": {k: round(v / 2**20, 1) for k, v in forecast.phase_bytes().items()},
         "kv_cache": None if kv is None else kv_cache_report(kv, scored.model),
     }
+    if float_side:
+        report["candidate_float_cache"] = {k: merged(weights_only, k) for k in ("metrics", "details")}
     if recipe.speed is not None:
         exported = [(f"{fmt}/", partial / fmt) for fmt in recipe.export.formats]
         baseline_model = (f"baseline ({spec.dtype}, as loaded)", loaded.path)

@@ -31,6 +31,9 @@ def save_figure(fig: plt.Figure, path: Path, **kwargs: Any) -> None:
     plt.close(fig)
 
 
+FLOAT_CACHE = "candidate_float_cache"  # the report's side of the candidate re-scored on a float KV cache
+
+
 def _find(report: dict[str, Any], side: str, key: str) -> Any:
     for details in report.get(side, {}).get("details", {}).values():
         if isinstance(details, dict) and key in details:
@@ -38,12 +41,18 @@ def _find(report: dict[str, Any], side: str, key: str) -> Any:
     return None
 
 
-def plot_nll_by_position(baseline: list[dict], candidate: list[dict], path: Path) -> None:
+def plot_nll_by_position(
+    baseline: list[dict], candidate: list[dict], path: Path, float_cache: list[dict] | None = None
+) -> None:
+    """NLL per position bucket, baseline against candidate (and the candidate on a float KV cache, where the run
+    quantized the cache), with the candidate's excess below."""
     labels = [row["bucket"] for row in candidate]
     x = np.arange(len(labels))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=[2, 1])
     if baseline:
         top.plot(x, [row["nll"] for row in baseline], "o-", label="baseline")
+    if float_cache:
+        top.plot(x, [row["nll"] for row in float_cache], "^--", label="candidate, float KV cache")
     top.plot(x, [row["nll"] for row in candidate], "s-", label="candidate")
     top.set_ylabel("mean NLL (nats/token)")
     top.legend()
@@ -128,10 +137,14 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
         baseline = _find(report, "baseline", "nll_by_position") or []
         if baseline and [r["bucket"] for r in baseline] != [r["bucket"] for r in candidate]:
             baseline = []
-        plot_nll_by_position(baseline, candidate, out_dir / "nll_by_position.png")
+        floats = _find(report, FLOAT_CACHE, "nll_by_position")
+        if floats and [r["bucket"] for r in floats] != [r["bucket"] for r in candidate]:
+            floats = None
+        plot_nll_by_position(baseline, candidate, out_dir / "nll_by_position.png", floats)
         written.append(("NLL by position bucket", "nll_by_position.png"))
 
-    grids = {side: _find(report, side, "passkey_grid") for side in ("baseline", "candidate")}
+    grids = {side: _find(report, side, "passkey_grid") for side in ("baseline", FLOAT_CACHE, "candidate")}
+    grids = {"candidate, float KV cache" if side == FLOAT_CACHE else side: grid for side, grid in grids.items()}
     grids = {side: grid for side, grid in grids.items() if grid}
     if grids and any(np.array(g["accuracy"]).size > 1 for g in grids.values()):
         plot_passkey(grids, out_dir / "passkey.png")

@@ -34,6 +34,13 @@ def metric_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def float_cache_rows(report: dict[str, Any]) -> list[list[str]]:
+    """metric | baseline | the candidate on a float cache | on its quantized cache, for the metrics both have."""
+    floats = report["candidate_float_cache"]["metrics"]
+    baseline, candidate = report["baseline"]["metrics"], report["candidate"]["metrics"]
+    return [[name, _fmt(baseline.get(name)), _fmt(value), _fmt(candidate.get(name))] for name, value in floats.items()]
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -83,6 +90,12 @@ def render_markdown(report: dict[str, Any], plots: list[tuple[str, str]] = ()) -
         sides = "; ".join(f"{side}: {what}" for side, what in measured_on.items() if what)
         parts += [f"Measured on {sides}.", ""]
     parts.append(markdown_table(["metric", "baseline", "candidate", "delta", "gate", "verdict"], metric_rows(report)))
+    if report.get("candidate_float_cache"):
+        scheme = (report.get("kv_cache") or {}).get("scheme", "the quantized cache")
+        intro = f"The candidate's weights on a float KV cache beside its {scheme} (what the cache alone costs):"
+        parts += ["", intro, ""]
+        header = ["metric", "baseline", "weights, float cache", f"weights + {scheme}"]
+        parts.append(markdown_table(header, float_cache_rows(report)))
     if report.get("export_checks"):
         parts += ["", "## Export checks", ""]
         parts.append(

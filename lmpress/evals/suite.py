@@ -94,6 +94,17 @@ def run_suite(
     return results
 
 
+def cache_sensitive(evals: dict[str, EvalConfig]) -> dict[str, EvalConfig]:
+    """The evals of a suite whose numbers a quantized KV cache moves and that stand alone (no baseline artifact):
+    perplexity, passkey retrieval and perplexity by position. A run with ``kv_cache:`` scores them once more on the
+    candidate with a float cache, so its report tells the weights' loss from the cache's."""
+    from lmpress.evals.longctx import PasskeyConfig, PositionNLLConfig
+    from lmpress.evals.perplexity import PerplexityConfig
+
+    kinds = (PerplexityConfig, PasskeyConfig, PositionNLLConfig)
+    return {name: config for name, config in evals.items() if isinstance(config, kinds)}
+
+
 def cached_baseline(
     name: str, config: EvalConfig, model: nn.Module, tokenizer, text: Text, store: Path, bars: Bars
 ) -> EvalResult:

@@ -182,6 +182,18 @@ def kv_quantized(model: nn.Module, kv: KVQuant | None) -> Iterator[nn.Module]:
             attach_kv_quant(model, before)
 
 
+@contextmanager
+def float_cache(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with no quantized cache recorded on it, for as long as the block lasts (a read-back export carries
+    its scheme: runtime views of it would quantize their caches); its own attention reads floats already."""
+    before = kv_quant_of(model)
+    attach_kv_quant(model, None)
+    try:
+        yield model
+    finally:
+        attach_kv_quant(model, before)
+
+
 def attach_kv_quant(model: nn.Module, kv: KVQuant | None) -> None:
     """Record on ``model`` the quantized cache it is served with (exports and runtime views read it); its own
     attention is left as it is (``kv_quantized`` changes that)."""

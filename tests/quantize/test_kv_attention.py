@@ -246,6 +246,36 @@ def test_a_recipe_with_an_fp8_kv_cache_scores_and_reports_it(tiny_llama_dir, tmp
     assert "kv_cache" in report["recipe"]
 
 
+@pytest.mark.usefixtures("private_cache")
+def test_a_run_scores_its_weights_on_a_float_cache_beside_its_quantized_one(tiny_llama_dir, tmp_path):
+    """With ``kv_cache:`` the perplexity, passkey and position evals run once more on the candidate with a float
+    cache: the numbers of the same recipe run without ``kv_cache:``, shown and plotted beside the quantized cache's."""
+    long_context = {
+        "text": "builtin:python-docs",
+        "perplexity": {"seq_len": 128, "windows": 2, "batch_size": 2},
+        "ppl_by_position": {"seq_len": 512, "documents": 1, "edges": [0, 128, 256, 512]},
+        "passkey": {"lengths": [256, 512], "depths": [0.0, 1.0]},
+    }
+    runs = {}
+    for name, kv_cache in (("int4", {"dtype": "int4", "scales": "token"}), ("float", None)):
+        (tmp_path / name).mkdir()
+        recipe = kv_recipe(tmp_path / name, tiny_llama_dir, kv_cache, eval=long_context)
+        assert main(["run", recipe, "--out", str(tmp_path / name / "run"), "--quiet"]) in (0, 1)
+        runs[name] = json.loads((tmp_path / name / "run" / "report.json").read_text())
+    quantized, floats = runs["int4"], runs["float"]
+    assert "candidate_float_cache" not in floats
+    side = quantized["candidate_float_cache"]["metrics"]
+    numbers = lambda metrics: {k: v for k, v in metrics.items() if not k.endswith("_per_s")}  # noqa: E731 - not speed
+    assert numbers(side) == numbers(floats["candidate"]["metrics"])  # the same weights, read back, on a float cache
+    assert side["ppl"] != quantized["candidate"]["metrics"]["ppl"]  # the INT4 cache moves it
+    assert set(side) == set(quantized["candidate"]["metrics"])  # every eval here is one a cache moves
+    text = (tmp_path / "int4" / "run" / "report.md").read_text()
+    assert "weights, float cache | weights + INT4 KV, per token and head" in text
+    assert "![NLL by position bucket](nll_by_position.png)" in text
+    assert "candidate eval, float cache" in quantized["phases"]
+    assert "candidate eval, float cache" in quantized["memory_forecast_phases_mb"]
+
+
 @pytest.mark.parametrize(
     ("kv_cache", "message"),
     [
