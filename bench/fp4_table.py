@@ -299,7 +299,14 @@ def render(rows: list[dict]) -> str:
     cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
     if cpus:
         notes.append(f"CPU: {'; '.join(cpus)}, {os.cpu_count()} cores.")
-    loads = [f"{r['row']}: {r['load_average']:.1f}" for r in rows if r.get("load_average") is not None]
+    hosts = {cpu: f"host {i + 1}" for i, cpu in enumerate(cpus)} if len(cpus) > 1 else {}
+    if hosts:
+        notes[-1] = f"CPUs: {'; '.join(f'{tag}: {cpu}' for cpu, tag in hosts.items())}; {os.cpu_count()} cores."
+    loads = [
+        f"{r['row']}: {r['load_average']:.1f}" + (f" ({hosts[r['cpu']]})" if r.get("cpu") in hosts else "")
+        for r in rows
+        if r.get("load_average") is not None
+    ]
     if loads:
         notes.append(f"1-minute load average before each eval ({'; '.join(loads)}).")
     return "\n".join(lines + notes) + "\n"

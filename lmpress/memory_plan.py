@@ -45,6 +45,7 @@ from torch import nn
 
 from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
+from lmpress.metrics import NLL_CHUNK
 from lmpress.quantize.targets import WeightQuantConfig
 
 if TYPE_CHECKING:
@@ -266,7 +267,8 @@ def forecast_memory(
             | {
                 "candidate": candidate,
                 "read-back": read_back + max(sizes[1:], default=0),
-                "logits": agreement_tokens * shape.vocab * 4,  # one side's first-window forward at a time
+                # one side's first-window forward at a time, its log-softmax by chunks (metrics.mean_token_nll)
+                "logits": (agreement_tokens + min(agreement_tokens, NLL_CHUNK)) * shape.vocab * 4,
             }
             | float_pages
         )

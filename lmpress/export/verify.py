@@ -146,11 +146,11 @@ def _same_groups(a: QuantizedLinear, b: QuantizedLinear) -> bool:
 @torch.inference_mode()
 def window_ppl(model: nn.Module, window: torch.Tensor) -> float:
     """Perplexity of ``model`` on one ``(1, seq_len)`` token window (every next token scored)."""
-    from lmpress.metrics import token_nll
+    from lmpress.metrics import mean_token_nll
 
     device = next(model.parameters()).device
-    logits = model(window.to(device), use_cache=False).logits.float()
-    return math.exp(token_nll(logits, window).double().mean().item())
+    logits = model(window.to(device), use_cache=False).logits
+    return math.exp(mean_token_nll(logits, window))
 
 
 def check_export(
