@@ -95,6 +95,7 @@ def main() -> None:
                 "ppl": result["ppl"],
                 "calibration_s": calibrated,
                 "eval_s": time.perf_counter() - began - calibrated,
+                "cpu": cpu_description(),
             }
             if args.passkey:
                 row |= {name: value for name, value in found.items() if name.startswith("passkey_accuracy_")}
@@ -110,9 +111,11 @@ def main() -> None:
     depths = next((r["passkey_depths"] for r in rows if "passkey_depths" in r), [])
     trials = next((r.get("passkey_trials", 1) for r in rows if "passkey_depths" in r), 1)
     prompts = "one prompt" if trials == 1 else f"{trials} prompts"
+    measured_on = {r.get("cpu", "AMD EPYC (avx2)") for r in rows}  # rows before the field: the EPYC's
+    cpus = " and ".join(sorted(measured_on)) + (" (rows from both)" if len(measured_on) > 1 else "")
     lines = [
         f"SmolLM2-135M-Instruct (FP32), WikiText-2 test, {args.windows} x {args.seq_len} tokens, "
-        f"{cpu_description()}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py`"
+        f"{cpus}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py`"
         + (f"; passkey at depths {depths}, {prompts} each, decoded by lmpress's runtime." if keys else "."),
         "",
         "| KV cache | ppl | Δ vs float cache | bytes / token | x bf16 |"

@@ -140,3 +140,25 @@ def test_a_triton_builds_static_step_attends_through_it_and_matches_eager(monkey
     assert generate(model, prompts, max_new_tokens=4, decode=static_decode()) == expected
     stored = {None: torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache]
     assert calls == [stored] * 3 * len(model.layers)  # the prefill's first token comes from the growing cache
+
+
+def test_every_fp8_code_reads_as_torch_casts_it():
+    """E4M3 codes are decoded from their bits (no FP8 type on the GPU): every code but the two NaNs, subnormals
+    included, gives torch's own float8_e4m3fn value."""
+    import triton
+    import triton.language as tl
+
+    from lmpress.runtime.kernels.triton_attention import _entries_f32
+
+    @triton.jit
+    def decode(codes_ptr, out_ptr, N: tl.constexpr):
+        at = tl.arange(0, N)
+        tl.store(out_ptr + at, _entries_f32(tl.load(codes_ptr + at), True))
+
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(256, device=DEVICE)
+    decode[(1,)](codes, out, N=256)
+    want = codes.view(torch.float8_e4m3fn).float()
+    real = ~want.isnan()
+    assert int(real.sum()) == 254
+    assert torch.equal(out[real].cpu(), want[real].cpu())

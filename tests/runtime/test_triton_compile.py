@@ -1,6 +1,6 @@
-"""lmpress's newer Triton kernels compile ahead of time for Hopper (sm_90, the H100/H200 a GPU visit meets) down to
-a cubin, with Triton's own ptxas and no GPU: what the interpreter cannot check (types, returns, dot shapes and
-layouts the real compiler refuses) fails here, not on a lent machine.
+"""lmpress's newer Triton kernels compile ahead of time for Hopper (sm_90, the H100/H200 a GPU visit meets) and
+Ampere (sm_80) down to a cubin, with Triton's own ptxas and no GPU: what the interpreter cannot check (types,
+returns, dot shapes and layouts the real compiler refuses) fails here, not on a lent machine.
 
 The compile runs in a fresh process without ``TRITON_INTERPRET`` (test modules set it before importing triton,
 which makes ``triton.jit`` return interpreted functions).
@@ -32,13 +32,13 @@ def build(fn, signature, constexprs):
     print("compiled", fn.__name__, constexprs)
 
 shape = {"KV_HEADS": 8, "GROUP": 4, "N": 1, "D": 128, "R": 16, "CHUNK": ta.CHUNK}
-for q, codes, k_mode, v_mode in [("*bf16", "*bf16", 0, 0), ("*bf16", "*i8", 1, 1), ("*fp16", "*fp8e4nv", 2, 2),
-                                 ("*bf16", "*fp8e4nv", 3, 3)]:
+for q, codes, k_mode, v_mode in [("*bf16", "*bf16", 0, 0), ("*bf16", "*i8", 1, 1), ("*fp16", "*u8", 2, 2),
+                                 ("*bf16", "*u8", 3, 3)]:
     split = {"q_ptr": q, "k_ptr": codes, "v_ptr": codes, "ks_ptr": "*fp32", "vs_ptr": "*fp32", "mask_ptr": "*u8",
              "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "n_slots": "i32",
              "splits": "i32", "sm_scale": "fp32"}
-    build(ta._split_kernel, split, {**shape, "K_MODE": k_mode, "V_MODE": v_mode, "DOT_F32": False,
-                                    "BLOCK_S": ta.BLOCK_S})
+    build(ta._split_kernel, split, {**shape, "K_MODE": k_mode, "V_MODE": v_mode, "FP8": codes == "*u8",
+                                    "DOT_F32": False, "BLOCK_S": ta.BLOCK_S})
 merge = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*bf16", "splits": "i32"}
 build(ta._merge_kernel, merge, shape)
 small = {"x_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*bf16", "n_blocks": "i32", "scale": "fp32"}
@@ -52,9 +52,11 @@ for block in (256, 512, 4096):
 
 
 @pytest.mark.skipif(not PTXAS.is_file(), reason="this triton has no NVIDIA backend with ptxas")
-def test_decode_attention_and_hadamard_kernels_compile_for_sm90():
+@pytest.mark.parametrize("capability", [90, 80])  # Hopper; Ampere (A100), which has no FP8 types
+def test_decode_attention_and_hadamard_kernels_compile(capability):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    source = COMPILE.replace('GPUTarget("cuda", 90, 32)', f'GPUTarget("cuda", {capability}, 32)')
+    run = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("compiled") == 10

@@ -8,9 +8,9 @@ running maximum, sum and weighted values (an online softmax), and writes them; a
 A split that starts past the last filled slot (``pos[-1]``, read on the device) returns before it reads anything,
 so a step costs the slots held, not the cache's size, and one launch shape serves every step of a CUDA graph.
 
-Codes are converted in registers: int8 and E4M3 values are exact in bfloat16 and float16, so ``q . codes`` is an
-exact product with float32 sums, and the scales are folded in afterwards: a key's scale multiplies its score, a
-value's its softmax weight (per slot) or the result (static).
+Codes are converted in registers (E4M3 from its bits, so GPUs without FP8 types run it too): int8 and E4M3 values
+are exact in bfloat16 and float16, so ``q . codes`` is an exact product with float32 sums, and the scales are folded
+in afterwards: a key's scale multiplies its score, a value's its softmax weight (per slot) or the result (static).
 """
 
 from __future__ import annotations
@@ -40,11 +40,26 @@ def _scale_of(ptr, bh, kvh, slots, n_slots, valid, MODE: tl.constexpr):
 
 
 @triton.jit
+def _entries_f32(codes, FP8: tl.constexpr):
+    """Loaded entries as float32: floats and int8 codes by conversion, E4M3 codes (loaded as bytes) from their bits,
+    so no GPU needs FP8 types (sm_80 has none): sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+    ``m * 2**-9``. Every value is exact; 0x7f / 0xff (NaN) never come out of the cache's quantizer."""
+    if FP8:
+        bits = codes.to(tl.int32)
+        exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+        normal = ((exponent + 120) << 23 | mantissa << 20).to(tl.float32, bitcast=True)
+        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        return tl.where((bits & 0x80) != 0, -value, value)
+    return codes.to(tl.float32)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
     n_slots, splits, sm_scale,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, N: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_F32: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+    K_MODE: tl.constexpr, V_MODE: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     bh, split = tl.program_id(0), tl.program_id(1)
     limit = tl.load(pos_ptr + N - 1) + 1  # slots filled after this step's writes
@@ -66,9 +81,9 @@ def _split_kernel(
         slots = s0 + tl.arange(0, BLOCK_S)
         valid = slots < limit
         entries = (base + slots)[:, None] * D + d[None, :]
-        k = tl.load(k_ptr + entries, mask=valid[:, None], other=0.0)
+        k = _entries_f32(tl.load(k_ptr + entries, mask=valid[:, None], other=0), FP8)
         if DOT_F32:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            scores = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k.to(q.dtype)))
         if K_MODE != 0:
@@ -83,9 +98,9 @@ def _split_kernel(
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
         if V_MODE == 1:
             p = p * _scale_of(vs_ptr, bh, kvh, slots, n_slots, valid, V_MODE)[None, :]
-        v = tl.load(v_ptr + entries, mask=valid[:, None], other=0.0)
+        v = _entries_f32(tl.load(v_ptr + entries, mask=valid[:, None], other=0), FP8)
         if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
@@ -167,7 +182,10 @@ def decode_attention(
     l = torch.empty(partial, dtype=torch.float32, device=q.device)  # noqa: E741
     acc = torch.empty((*partial, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    fp8 = keys.dtype == torch.float8_e4m3fn
     q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    if fp8:  # read as bytes (_entries_f32)
+        keys, values = keys.view(torch.uint8), values.view(torch.uint8)
     mask = mask.contiguous().view(torch.uint8)
     k_mode, v_mode = (SCALES[scale_mode(s, kv_heads)] for s in (key_scales, value_scales))
     ks = key_scales.contiguous().float() if key_scales is not None else m  # an unread pointer where none
@@ -178,7 +196,7 @@ def decode_attention(
     dot_f32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     _split_kernel[(batch * kv_heads, splits)](
         q, keys, values, ks, vs, mask, pos, m, l, acc, n_slots, splits, scale, **shape,
-        K_MODE=k_mode, V_MODE=v_mode, DOT_F32=dot_f32, CHUNK=CHUNK, BLOCK_S=BLOCK_S,
+        K_MODE=k_mode, V_MODE=v_mode, FP8=fp8, DOT_F32=dot_f32, CHUNK=CHUNK, BLOCK_S=BLOCK_S,
     )  # fmt: skip
     _merge_kernel[(batch * kv_heads,)](m, l, acc, pos, out, splits, **shape, CHUNK=CHUNK)
     return out
