@@ -145,15 +145,7 @@ def test_a_triton_builds_static_step_attends_through_it_and_matches_eager(monkey
 def test_every_fp8_code_reads_as_torch_casts_it():
     """E4M3 codes are decoded from their bits (no FP8 type on the GPU): every code but the two NaNs, subnormals
     included, gives torch's own float8_e4m3fn value."""
-    import triton
-    import triton.language as tl
-
-    from lmpress.runtime.kernels.triton_attention import _entries_f32
-
-    @triton.jit
-    def decode(codes_ptr, out_ptr, N: tl.constexpr):
-        at = tl.arange(0, N)
-        tl.store(out_ptr + at, _entries_f32(tl.load(codes_ptr + at), True))
+    from tests.runtime.triton_fp8_decode import decode
 
     codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     out = torch.empty(256, device=DEVICE)
