@@ -55,13 +55,14 @@ _SIGNS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _signs(order: int, device: torch.device) -> torch.Tensor:
-    """The +-1 Sylvester matrix of ``order`` as float32 on ``device`` (built once per order and device)."""
+    """The +-1 Sylvester matrix of ``order`` as float32 on ``device``, built there once per order and device (no
+    copy from the host: a first call inside a CUDA graph's capture stays legal)."""
     key = (order, device)
     if key not in _SIGNS:
-        h = torch.ones(1, 1)
+        h = torch.ones(1, 1, device=device)
         while h.shape[0] < order:
             h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-        _SIGNS[key] = h.to(device).contiguous()
+        _SIGNS[key] = h.contiguous()
     return _SIGNS[key]
 
 
