@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import torch
@@ -173,21 +173,21 @@ def kv_quantized(model: nn.Module, kv: KVQuant | None) -> Iterator[nn.Module]:
     if kv is None:
         yield model
         return
-    with _kernel_in_front(model, QUANTIZED_KV_ATTENTION, quantized_kv_attention, **{_KV: kv}):
-        before = kv_quant_of(model)
-        attach_kv_quant(model, kv)
-        try:
-            yield model
-        finally:
-            attach_kv_quant(model, before)
+    with _kernel_in_front(model, QUANTIZED_KV_ATTENTION, quantized_kv_attention, **{_KV: kv}), _recorded(model, kv):
+        yield model
+
+
+def float_cache(model: nn.Module) -> AbstractContextManager[nn.Module]:
+    """``model`` with no quantized cache recorded on it, for as long as the block lasts (a read-back export carries
+    its scheme: runtime views of it would quantize their caches); its own attention reads floats already."""
+    return _recorded(model, None)
 
 
 @contextmanager
-def float_cache(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` with no quantized cache recorded on it, for as long as the block lasts (a read-back export carries
-    its scheme: runtime views of it would quantize their caches); its own attention reads floats already."""
+def _recorded(model: nn.Module, kv: KVQuant | None) -> Iterator[nn.Module]:
+    """``kv`` recorded on ``model`` (``attach_kv_quant``) while the block lasts, what it had restored after."""
     before = kv_quant_of(model)
-    attach_kv_quant(model, None)
+    attach_kv_quant(model, kv)
     try:
         yield model
     finally:
