@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One visit to a lent CUDA machine (issue 37; docs/gpu.md): two calls, of at most 6 and 7 minutes. Every step has its
+# One visit to a lent CUDA machine (issue 37; docs/gpu.md): two calls, of at most 10 and 6 minutes. Every step has its
 # own time limit, prints its one line the moment it ends (PASS/FAIL with the error's last line, SKIP with why,
 # or its numbers) and appends a JSON line to $OUT/results.jsonl (OUT defaults to ./gpu-results); every step's
 # full output goes to $OUT/log.txt.
@@ -11,11 +11,12 @@
 #       installs the wheels, keeps .gpu/a in /root/keep; the smoke (at most 3 minutes, a tiny random Llama
 #       built there: every stage on cuda, a recipe with a distill stage, exports read back, lmpress eval and
 #       generate eager/compiled/speculative, FP8 and INT8 matmuls, ONNX Runtime's CUDA provider where it has
-#       one); then the kernel table (bench/triton_kernels.py), the online rotations' (bench/fwht.py) and the
-#       decode attention's (bench/decode_attention.py)
+#       one); then the decode table with its profiles and the gpt-fast-style reference (bench/runtime_gpu.py),
+#       the kernel table (bench/triton_kernels.py), the online rotations' (bench/fwht.py) and the decode
+#       attention's (bench/decode_attention.py)
 #   call 2, carry [".gpu/b"]:  bash bench/gpu_check.sh model
 #       joins SmolLM2; recipes/learned-w4-gpu.yaml (ppl and stage seconds against the goals); the recover-24
-#       student's distillation tok/s against a plain bf16 loop; the decode table (bench/runtime_gpu.py)
+#       student's distillation tok/s against a plain bf16 loop
 # Here, on the CPU, before any visit:  bash bench/gpu_check.sh --dry-run   (every step, tiny, a few minutes;
 # tests/test_gpu_check.py runs it)
 set -u
@@ -105,8 +106,9 @@ if [ "$what" = smoke ] || [ "$what" = all ]; then
   setup_site .gpu/b/whl
   if [ -d .gpu/a ] && [ -z "$dry" ]; then mkdir -p /root/keep && cp .gpu/a/part_aa /root/keep/; fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$log" 2>&1 || true
-  # limits: 200 + 90 + 20 + 30 s, with the wheels' install inside call 1's 6 minutes
+  # limits: 200 + 240 + 90 + 20 + 30 s, with the wheels' install inside call 1's 10 minutes
   step smoke 200 python3 bench/gpu_check.py smoke $dry
+  bench_table decode bench/runtime_gpu.py 240      # lmpress vs the gpt-fast-style reference, profiles, context sweep
   bench_table kernels bench/triton_kernels.py 90
   bench_table fwht bench/fwht.py 20                 # the online rotations' Triton kernel vs the torch butterfly
   bench_table attention bench/decode_attention.py 30 # decode attention over bf16 / int8 / FP8 caches
@@ -130,10 +132,9 @@ if [ "$what" = model ] || [ "$what" = all ]; then
     python3 bench/gpu_check.py note model.join FAIL $((SECONDS - began)) \
       "the two halves did not join: was call 1 run on this machine, within its warm window?"
   fi
-  # limits: 290 + 55 + 60 s, with the join inside call 2's 7 minutes
+  # limits: 290 + 55 s, with the join inside call 2's 6 minutes
   step model.learned-w4-gpu 290 python3 bench/gpu_check.py learned-w4 $dry
   step model.distill-speed 55 python3 bench/gpu_check.py distill-speed $dry
-  bench_table decode bench/runtime_gpu.py 60
 fi
 
 echo "results: $out/results.jsonl (log: $log)"

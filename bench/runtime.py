@@ -236,18 +236,18 @@ def timed_runtime(
     args: argparse.Namespace, source: str, dtype: str, compile: bool = False, kv_cache: str | None = None
 ) -> tuple[Generate, dict]:
     from lmpress.cli import kv_quant_flag
-    from lmpress.runtime.generate import decode_with, decoding_forward, generate_tokens
+    from lmpress.runtime.generate import decoding_step, generate_tokens
     from lmpress.runtime.text import load_runtime
     from lmpress.runtime.throughput import kv_cache_bytes, layer_kernels, weight_bytes
 
     model, tokenizer = load_runtime(source, "cpu", dtype, args.activations)
     model.kv_quant = kv_quant_flag(kv_cache)
     prompt = plain_prompt(tokenizer, args.prompt_tokens)
-    decode = decode_with(decoding_forward(model.device, compile))
+    step = decoding_step(model.device, compile)  # the step lmpress generate and lmpress bench run
 
     def run(n: int) -> float | None:
         first = None
-        for _ in generate_tokens(model, [prompt], max_new_tokens=n, decode=decode):
+        for _ in generate_tokens(model, [prompt], max_new_tokens=n, step=step):
             first = first or time.perf_counter()
         return first
 

@@ -1,19 +1,23 @@
-"""Decode of a Llama-3-8B-shaped model (random weights), batch 1, on lmpress's runtime: W4 against bf16, bf16
-against the copy bandwidth (issue 37's decode goals). Every row prints the moment it ends.
+"""Decode of a Llama-3-8B-shaped model (random weights), batch 1: lmpress's runtime against a gpt-fast-style
+reference in the same process (``bench/gpt_fast_reference.py``), bf16 and W4 g128, with the profile that explains
+the numbers (issue 51). Every row prints the moment it ends.
 
-    python bench/runtime_gpu.py --results results.jsonl      # CUDA: 32 layers, CUDA graphs
-    python bench/runtime_gpu.py --dry-run                    # a tiny model on the CPU (eager)
+    python bench/runtime_gpu.py --results results.jsonl      # CUDA: 32 layers, compiled steps in CUDA graphs
+    python bench/runtime_gpu.py --dry-run                    # a tiny model on the CPU (dynamo only, no Inductor)
 
-Each row times the runtime's fixed-shape decode step (``Transformer.forward_static``, what
-``lmpress generate --compile`` compiles) captured once in a CUDA graph and replayed per token: no
-compile time, no launch overhead; decode tok/s = tokens / seconds of the replays. Bytes per token
-follow ``lmpress.runtime.throughput`` (every weight once, the embedding's one row, the KV cache's slots the
-static step reads), GB/s = bytes x tok/s, against a device-to-device copy timed in the same run.
-Rows: bf16 (goal: >= 70% of the copy bandwidth) and W4 g128 symmetric RTN on the kernels
-``lmpress.runtime.kernels.select`` picks, each layer's kernel named (goal: >= 2.0x bf16; issue 37 measured
-bf16 140 tok/s before). ``--compile`` adds the runtime's own ``torch.compile`` path
-(``lmpress.runtime.throughput``, CUDA graphs through Inductor), ``--transformers`` transformers' eager generate.
-``--layers`` shortens the model (the unquantized 1 GB head then weighs more in the W4/bf16 ratio).
+lmpress's rows time the step ``lmpress generate --compile`` and ``lmpress bench --compile`` run
+(``generate.compiled_step``: the one-token read and the greedy choice of the next token, compiled whole with
+``mode="reduce-overhead"``), fed its own output tokens with no host sync until the last; the reference's rows time
+gpt-fast's ``decode_one_token`` compiled the same way over its own cache (sized to the run, as gpt-fast sizes it).
+Bytes per token follow ``lmpress.runtime.throughput`` (each weight once, the embedding's one row, the KV cache's
+slots held), GB/s = bytes x tok/s, against a device-to-device copy timed in the same run.
+
+Rows, in order: ``copy``; ``decode`` (lmpress bf16 and W4 g128 symmetric RTN at ``--context`` tokens held, each
+layer's kernel named, against the reference and W4 against bf16); ``reference``; ``profile`` (``torch.profiler``
+over 5 steps of each engine: the 15 kernels with the most device time, launches per token, summed kernel time
+against the step's wall time); ``context`` (lmpress's decode with 160, 512 and 2,048 tokens held in one cache,
+against the first). Goals (issue 51): bf16 >= 75% of the copy bandwidth, W4 >= 2.5x bf16, lmpress >= 1.0x the
+reference, 2,048 tokens held >= 0.85x 160. ``--transformers`` adds transformers' eager generate.
 """
 
 from __future__ import annotations
@@ -41,20 +45,23 @@ SHAPES = {
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, help="append one JSON line per row to this file")
-    parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, eager")
+    parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, traced by dynamo only")
     parser.add_argument("--tune", choices=("small", "full", "off"), default="small", help="Triton autotune space")
     parser.add_argument("--layers", type=int, help="decoder layers (default 32; 2 in a dry run)")
-    parser.add_argument("--context", type=int, default=512, help="KV cache slots the static step reads")
+    parser.add_argument("--context", type=int, default=512, help="tokens held in the cache for the main rows")
+    parser.add_argument("--contexts", type=int, nargs="*", default=[160, 512, 2048], help="the context sweep")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens timed per row")
-    parser.add_argument("--compile", action="store_true", help="also time lmpress's torch.compile decode path")
+    parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler rows")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' eager generate")
     args = parser.parse_args(argv)
     args.shape = "tiny" if args.dry_run else "llama3-8b"
     args.layers = args.layers or (2 if args.dry_run else 32)
     if args.dry_run:
-        args.context, args.new_tokens = min(args.context, 64), min(args.new_tokens, 8)
-    if args.layers < 1 or args.new_tokens < 1 or args.context <= args.new_tokens:
-        parser.error("--layers and --new-tokens must be >= 1 and --context larger than --new-tokens")
+        args.context, args.new_tokens = min(args.context, 48), min(args.new_tokens, 8)
+        args.contexts = [min(c, 16 * (i + 1)) for i, c in enumerate(args.contexts)]
+    if args.layers < 1 or args.new_tokens < 1 or args.context < 1 or any(c < 1 for c in args.contexts):
+        parser.error("--layers, --new-tokens, --context and --contexts must be >= 1")
+    args.backend = "eager" if args.dry_run else "inductor"
     return args
 
 
@@ -78,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = f"{args.shape} x{args.layers} layers"
     emit(args, {"name": "copy", "shape": "-", "rows": 0, "kernel": "copy_", "gb_s": copy_gbs})
     hf = random_llama(args, device)
-    bf16 = decode_row(args, hf, device, "bf16", copy_gbs, shape, None)
+    bf16 = engine_rows(args, hf, device, "bf16", copy_gbs, shape, None)
     if args.transformers:
         emit(args, transformers_row(hf, args, copy_gbs, shape))
     quantize_w4(hf)
     gc.collect()
-    decode_row(args, hf, device, "W4 g128", copy_gbs, shape, bf16)
+    engine_rows(args, hf, device, "W4 g128", copy_gbs, shape, bf16)
     print(f"({time.time() - began:.0f} s)", flush=True)
     return 0
 
@@ -94,12 +101,17 @@ def emit(args: argparse.Namespace, row: dict) -> None:
     gbs = "" if row.get("gb_s") is None else f"{row['gb_s']:6.0f} GB/s"
     pct = "" if row.get("pct_copy") is None else f"{row['pct_copy']:4.0f}% of copy"
     ratio = "" if row.get("ratio") is None else f"{row['ratio']:.2f}x {row['reference']}"
+    if row["name"] == "profile":
+        rate = f"{row['launches_per_token']:.0f} launches"
+        gbs = f"{row['device_busy']:.0%} busy"
     if args.results is not None:  # on disk before it shows: a killed run keeps every row it printed
         args.results.parent.mkdir(parents=True, exist_ok=True)
         with open(args.results, "a") as f:
             f.write(json.dumps(row) + "\n")
     line = f"{row['name']:<8} {row['shape']:<24} {row['kernel']:<34} {rate:>14} {gbs:>11} {pct:>12}"
     print(f"{line}  {ratio}", flush=True)
+    for kernel in row.get("top", [])[:5]:
+        print(f"    {kernel['us']:9.1f} us  x{kernel['calls_per_token']:<5g} {kernel['kernel'][:90]}", flush=True)
 
 
 def random_llama(args: argparse.Namespace, device):
@@ -149,80 +161,174 @@ def build_runtime(hf, device):
         return Transformer.from_hf(hf, dtype=torch.bfloat16, device=device, kernels=kernels)
 
 
-def static_step_rate(model, args: argparse.Namespace, device) -> float:
-    """Decode tok/s of the fixed-shape step, replayed from one CUDA graph (on the CPU: run eagerly)."""
+def synchronize(device) -> None:
     import torch
 
-    cache = model.new_cache(1, args.context)
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    pos = torch.zeros(1, dtype=torch.long, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def step():
-        return model.forward_static(token, cache.k, cache.v, cache.pad, pos)
+
+def timed_steps(run, steps: int, device) -> float:
+    """Seconds per call of ``run`` over ``steps`` calls after 3 of warm-up, one sync at each end."""
+    for _ in range(3):
+        run()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run()
+    synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+def lmpress_stepper(model, args, held: int):
+    """``run()``: one decode step of lmpress's compiled step from ``held`` tokens on (the cache rewound to ``held``
+    when full), each fed the last one's token; the cache holds the sweep's longest context and the tokens timed."""
+    import torch
+
+    from lmpress.runtime.generate import compiled_step
+    from lmpress.runtime.sample import SamplingConfig
+
+    step = compiled_step("reduce-overhead" if model.device.type == "cuda" else None, backend=args.backend)
+    slots = max([args.context, *args.contexts]) + args.new_tokens + 8
+    cache = model.new_cache(1, slots)
+    greedy = SamplingConfig()
+    token = [torch.zeros(1, dtype=torch.long, device=model.device)]
+
+    def at(n: int):
+        cache.reset()
+        cache.advance(n)
+
+        def run() -> None:
+            if cache.length == cache.max_len:
+                cache.reset()
+                cache.advance(n)
+            token[0] = step(model, token[0], cache, greedy, None, None)
+
+        return run
 
     with torch.no_grad():
-        if device.type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):  # tunes and compiles every kernel before the capture
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            run = graph.replay
-        else:
-            step()
-            run = step
-        for i in range(4):
-            pos.fill_(i)
-            run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for i in range(args.new_tokens):
-            pos.fill_(i)
-            run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return args.new_tokens / (time.perf_counter() - start)
+        at(held)()  # compiles the step for this cache
+    return at
 
 
-def decode_row(args, hf, device, label: str, copy_gbs: float, shape: str, bf16: dict | None) -> dict:
+def reference_stepper(reference, args, held: int):
+    """``at()``: a ``run()`` doing one step of the reference's compiled ``decode_one_token`` from position ``held``
+    on, over a cache of ``held`` + the tokens timed, as gpt-fast sizes its cache to the prompt and the new tokens."""
+    import torch
+    from gpt_fast_reference import decode_one_token
+
+    device = reference.tok_embeddings.weight.device
+    reference.setup_caches(1, held + args.new_tokens + 8)
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    decode = torch.compile(decode_one_token, mode=mode, fullgraph=True, backend=args.backend)
+    token = [torch.zeros(1, 1, dtype=torch.long, device=device)]
+    pos = torch.tensor([held], device=device)
+
+    def at():
+        pos.fill_(held)
+
+        def run() -> None:
+            token[0] = decode(reference, token[0], pos).clone()  # gpt-fast clones each token it keeps
+            pos.add_(1)
+
+        return run
+
+    with torch.no_grad():
+        at()()  # compiles
+    return at
+
+
+def engine_rows(args, hf, device, label: str, copy_gbs: float, shape: str, bf16: dict | None) -> dict:
+    """lmpress's row for ``hf`` as it is (bf16 or W4), the reference's, their profiles, and (W4) the context sweep."""
+    import torch
+    from gpt_fast_reference import reference_from_hf
+
     from lmpress.runtime.throughput import kernel_rows, kv_cache_bytes, layer_kernels, weight_bytes
 
     model = build_runtime(hf, device)
     by_layer = layer_kernels(model)
     counts = {k: list(by_layer.values()).count(k) for k in dict.fromkeys(by_layer.values())}
     kernels = ", ".join(f"{kernel} x{n}" for kernel, n in counts.items())
-    rate = static_step_rate(model, args, device)
     per_token = weight_bytes(model) + kv_cache_bytes(model, args.context)
-    row = {"name": "decode", "shape": shape, "rows": 1, "kernel": f"{label} ({kernels})", "tok_s": rate}
-    row |= {
-        "bytes_per_token": per_token,
-        "gb_s": rate * per_token / 1e9,
-        "pct_copy": 100 * rate * per_token / 1e9 / copy_gbs,
-    }
-    row |= {"graph": device.type == "cuda", "kernels": dict(kernel_rows(by_layer))}
+    reference = reference_from_hf(hf, device)
+    with torch.no_grad():
+        at = lmpress_stepper(model, args, args.context)
+        ours = timed_steps(at(args.context), args.new_tokens, device)
+        reference_at = reference_stepper(reference, args, args.context)
+        theirs = timed_steps(reference_at(), args.new_tokens, device)
+    row = rate_row("decode", shape, f"{label} ({kernels})", 1 / ours, per_token, copy_gbs)
+    row |= {"graph": device.type == "cuda", "kernels": dict(kernel_rows(by_layer)), "context": args.context}
+    row |= {"reference": "gpt-fast-style", "reference_tok_s": 1 / theirs, "ratio": theirs / ours}
     if bf16 is not None:
-        row |= {"reference": "bf16", "reference_tok_s": bf16["tok_s"], "ratio": rate / bf16["tok_s"]}
+        row |= {"bf16_tok_s": bf16["tok_s"], "over_bf16": (1 / ours) / bf16["tok_s"]}
     emit(args, row)
-    if args.compile:
-        emit(args, compiled_row(model, args, label, copy_gbs, shape))
-    del model
+    kernel = f"{label} gpt-fast-style decode_one_token"
+    emit(args, rate_row("reference", shape, kernel, 1 / theirs, per_token, copy_gbs))
+    if not args.no_profile:
+        with torch.no_grad():
+            emit(args, profile_row(at(args.context), device, "lmpress", label, shape, ours))
+            emit(args, profile_row(reference_at(), device, "reference", label, shape, theirs))
+    if bf16 is not None:
+        emit_context_sweep(args, model, at, device, label, shape)
+    del model, reference
     gc.collect()
     return row
 
 
-def compiled_row(model, args, label: str, copy_gbs: float, shape: str) -> dict:
-    """The runtime's own ``torch.compile`` path (``lmpress bench --compile``), for comparison."""
-    from lmpress.runtime.throughput import BenchSettings, benchmark
+def rate_row(name: str, shape: str, kernel: str, tok_s: float, per_token: int, copy_gbs: float) -> dict:
+    gbs = tok_s * per_token / 1e9
+    row = {"name": name, "shape": shape, "rows": 1, "kernel": kernel, "tok_s": tok_s, "bytes_per_token": per_token}
+    return row | {"gb_s": gbs, "pct_copy": 100 * gbs / copy_gbs}
 
-    prompt = list(range(1, 17))
-    plain = benchmark(model, prompt, BenchSettings(new_tokens=args.new_tokens, repeats=1, compile=True))["plain"]
-    row = {"name": "compiled", "shape": shape, "rows": 1, "kernel": f"{label} (lmpress bench --compile)"}
-    return row | {"tok_s": plain["decode_tok_s"], "gb_s": plain["decode_gb_s"], "pct_copy": plain["bandwidth_pct"]}
+
+def emit_context_sweep(args, model, at, device, label: str, shape: str) -> None:
+    """lmpress's decode with each of ``--contexts`` tokens held in one cache (the attention reads what is held)."""
+    import torch
+
+    from lmpress.runtime.throughput import kv_cache_bytes, weight_bytes
+
+    first = None
+    for held in args.contexts:
+        with torch.no_grad():
+            seconds = timed_steps(at(held), args.new_tokens, device)
+        first = first or seconds
+        per_token = weight_bytes(model) + kv_cache_bytes(model, held)
+        row = {"name": "context", "shape": shape, "rows": 1, "kernel": f"{label} at {held} tokens held"}
+        row |= {"tok_s": 1 / seconds, "context": held, "bytes_per_token": per_token}
+        emit(args, row | {"reference": f"{args.contexts[0]} held", "ratio": first / seconds})
+
+
+PROFILED_STEPS = 5
+TOP_KERNELS = 15
+CPU_REGIONS = ("Torch-Compiled Region", "TorchDynamo", "## ")  # profiler events around ops, not ops
+
+
+def profile_row(run, device, engine: str, label: str, shape: str, step_seconds: float) -> dict:
+    """``torch.profiler`` over ``PROFILED_STEPS`` calls of ``run``: the ``TOP_KERNELS`` kernels with the most device
+    time (CPU ops' self time in a dry run), launches per token, their summed time against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            run()
+        synchronize(device)
+    kernels = []
+    for event in prof.key_averages():
+        if cuda:
+            on_device = str(getattr(event, "device_type", "")).endswith("CUDA")
+        else:  # ops, without the regions that hold them
+            on_device = event.self_cpu_time_total > 0 and not event.key.startswith(CPU_REGIONS)
+        us = (event.self_device_time_total if cuda else event.self_cpu_time_total) / PROFILED_STEPS
+        if on_device and us > 0:
+            kernels.append({"kernel": event.key, "calls_per_token": event.count / PROFILED_STEPS, "us": us})
+    kernels.sort(key=lambda k: -k["us"])
+    summed = sum(k["us"] for k in kernels)
+    launches = sum(k["calls_per_token"] for k in kernels)
+    row = {"name": "profile", "shape": shape, "rows": 1, "kernel": f"{engine} {label}", "engine": engine}
+    row |= {"launches_per_token": launches, "kernel_us_per_token": summed, "wall_us_per_token": 1e6 * step_seconds}
+    return row | {"top": kernels[:TOP_KERNELS], "device_busy": summed / (1e6 * step_seconds)}
 
 
 def transformers_row(hf, args, copy_gbs: float, shape: str) -> dict:

@@ -108,16 +108,16 @@ def prompt_ids(args: argparse.Namespace, tokens: int) -> list[int]:
 def engine_lmpress(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[str, Any]]:
     import torch
 
-    from lmpress.runtime.generate import decode_with, decoding_forward, generate
+    from lmpress.runtime.generate import decoding_step, generate
     from lmpress.runtime.text import load_runtime
 
     torch.set_num_threads(args.threads)
     model, _ = load_runtime(str(artifact_dir(args) / "ct"), "cpu", args.lmpress_dtype)
-    decode = decode_with(decoding_forward(model.device, compile=not args.lmpress_eager))
+    step = decoding_step(model.device, compile=not args.lmpress_eager)
 
     def run(n: int, batch: int) -> Any:  # the warm-up run compiles the step for this batch and cache size
         with torch.inference_mode():
-            return generate(model, [prompt] * batch, max_new_tokens=n, decode=decode)
+            return generate(model, [prompt] * batch, max_new_tokens=n, step=step)
 
     head = type(model.output).__name__
     return run, {"threads": torch.get_num_threads(), "head": f"{head}, {model.output.weight.dtype}"}

@@ -98,22 +98,43 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def sample(
+def next_token(
     logits: torch.Tensor,
     config: SamplingConfig,
-    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
     history: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token ids ``(batch,)`` from ``logits`` ``(batch, vocab)``."""
+    """Next token ids ``(batch,)`` from ``logits`` ``(batch, vocab)``, on their device and without reading anything
+    back to the host, so a compiled decode step (and its CUDA graph) can end with it.
+
+    Greedy is the argmax of the (penalized) logits. A sampled token is the exponential race over
+    ``next_token_probs``: with ``noise`` independent Exp(1) draws, ``argmax(p / noise)`` is token ``i`` with
+    probability ``p_i`` (``min_i E_i / p_i`` falls on ``i`` with rate ``p_i`` out of 1), the draw gpt-fast's
+    ``sample`` makes; ``step_noise`` gives the draws."""
     if config.greedy:
         if history is not None:
             logits = apply_repetition_penalty(logits.float(), history, config.repetition_penalty)
         return logits.argmax(dim=-1)
-    return draw(next_token_probs(logits, config, history), generator)
+    if noise is None:
+        raise ValueError("a sampled token needs its noise (step_noise)")
+    probs = next_token_probs(logits, config, history)
+    return (probs / noise).argmax(dim=-1)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
+def step_noise(
+    config: SamplingConfig, shape: tuple[int, ...], generator: torch.Generator, device: torch.device
+) -> torch.Tensor | None:
+    """The Exp(1) draws ``next_token`` samples one step with, drawn on ``device`` (None when greedy)."""
+    if config.greedy:
+        return None
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0 (0 / 0 is NaN); Exp(1) < tiny has p ~ 1e-38
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for draws on ``device``: its own on a GPU (the draws stay there), else the CPU's."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device if device.type == "cuda" else "cpu")
     if seed is None:
         generator.seed()
     else:

@@ -22,7 +22,7 @@ from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
 from lmpress.memory import return_freed_memory
 from lmpress.runtime.eagle3 import Eagle3Head, load_draft_head
-from lmpress.runtime.generate import cache_length, compile_reads, decode_with, decoding_forward, generate_tokens
+from lmpress.runtime.generate import cache_length, compile_steps, decoding_forward, decoding_step, generate_tokens
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, check_cpu_activations
 from lmpress.runtime.model import MOE_TYPES, Transformer
 from lmpress.runtime.sample import SamplingConfig
@@ -274,12 +274,12 @@ def generate_text(
         draft, model, tokenizer, device, None, draft_vocab, draft_vocab_text, cpu_activations=cpu_activations
     )
     head = draft_head_for(draft_head, source, model)
-    forward = decoding_forward(model.device, compile)
     result = GenerationResult(prompt_tokens=len(ids), load_seconds=time.perf_counter() - loading)
     speculative = draft is not None or prompt_lookup or head is not None
+    step = decoding_step(model.device, compile)
     if compile and not speculative:  # speculative_decode compiles its reads itself, before its first round
         compiling = time.perf_counter()
-        compile_reads(forward, model, cache_length(len(ids), max_new_tokens, model.args.max_seq_len), (1,))
+        compile_steps(step, model, cache_length(len(ids), max_new_tokens, model.args.max_seq_len), config)
         result.compile_seconds = time.perf_counter() - compiling
     began = time.perf_counter()
     if speculative:
@@ -291,11 +291,11 @@ def generate_text(
             draft_head=head,
             prompt_lookup=PromptLookupDrafter() if prompt_lookup else None,
             stats=result.speculative,
-            forward=forward,
+            forward=decoding_forward(model.device, compile),
             **common,
         )
     else:
-        steps = generate_tokens(model, ids, decode=decode_with(forward), **common)
+        steps = generate_tokens(model, ids, step=step, **common)
         tokens = (int(step[0]) for step in steps if int(step[0]) >= 0)
     for piece in _text_pieces(tokenizer, _timing_first(tokens, result, began), result.tokens):
         on_text(piece)

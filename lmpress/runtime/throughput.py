@@ -25,7 +25,7 @@ import torch
 from lmpress.errors import LmpressInputError
 from lmpress.memory import track_peak_rss
 from lmpress.runtime.eagle3 import Eagle3Head
-from lmpress.runtime.generate import ForwardFn, decode_with, decoding_forward, generate
+from lmpress.runtime.generate import ForwardFn, StepFn, decoding_forward, decoding_step, generate
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, compile_rounds, speculative_decode
 from lmpress.weights.kv_quant import cache_bytes_per_token
@@ -101,8 +101,12 @@ def weight_bytes(model: Transformer) -> int:
     embedding table, of which a step reads one row (unless it is tied to the output layer, read whole)."""
     seen, total = set(), 0
     tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    # Buffers only a prefill reads (``PREFILL_ONLY``: tinygemm's nibble pairs beside the GPU layout) do not count.
+    prefill_only = {f"{name}.{b}" for name, m in model.named_modules() for b in getattr(m, "PREFILL_ONLY", ())}
     for name, tensor in tensors:
-        if tensor is None or "rope_" in name or name.startswith("tok_embeddings.") or tensor.data_ptr() in seen:
+        if tensor is None or "rope_" in name or name.startswith("tok_embeddings.") or name in prefill_only:
+            continue
+        if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
@@ -179,14 +183,15 @@ def bench_plain(
     prompt: list[int],
     settings: BenchSettings,
     bandwidth_gbs: float | None = None,
-    forward: ForwardFn | None = None,
+    step: StepFn | None = None,
 ) -> dict[str, Any]:
-    """One row: prefill and decode speed of plain decoding, bytes per token, memory."""
+    """One row: prefill and decode speed of plain decoding (``step``: default ``decoding_step``, the step
+    ``lmpress generate`` runs), bytes per token, memory."""
     device = model.device
-    decode = decode_with(forward or decoding_forward(device, settings.compile))
+    step = step or decoding_step(device, settings.compile)
 
     def run(n: int) -> list[int]:
-        return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
+        return generate(model, prompt, max_new_tokens=n, step=step)[0]
 
     times = generation_times(run, settings.new_tokens, settings.repeats, device)
     rate = decode_rate(times, settings.new_tokens)
@@ -216,6 +221,7 @@ def bench_speculative(
     draft: Transformer | None = None,
     forward: ForwardFn | None = None,
     draft_head: Eagle3Head | None = None,
+    step: StepFn | None = None,
 ) -> dict[str, Any]:
     """Greedy speculative decoding (``draft``, an EAGLE-3 ``draft_head``, else prompt lookup) against plain
     decoding, the two timed in turn (``interleaved_generation_times``; ``plain``, the plain row timed before, is
@@ -225,10 +231,10 @@ def bench_speculative(
     as the plain steps are."""
     stats = SpeculativeStats()
     forward = forward or decoding_forward(model.device, settings.compile)
-    decode = decode_with(forward)
+    step = step or decoding_step(model.device, settings.compile)
 
     def run_plain(n: int) -> list[int]:
-        return generate(model, prompt, max_new_tokens=n, decode=decode)[0]
+        return generate(model, prompt, max_new_tokens=n, step=step)[0]
 
     def run(n: int, record: SpeculativeStats | None = None) -> list[int]:
         lookup = None if draft is not None or draft_head is not None else PromptLookupDrafter()
@@ -287,10 +293,12 @@ def benchmark(
     result = {"settings": asdict(settings), "device": str(model.device), "threads": torch.get_num_threads()}
     result["kernels"] = layer_kernels(model)
     result["kv_cache"] = "float" if model.kv_quant is None else model.kv_quant.describe()
-    forward = decoding_forward(model.device, settings.compile)  # one compiled forward per model, shared by both rows
-    result["plain"] = bench_plain(model, prompt, settings, bandwidth, forward)
+    step = decoding_step(model.device, settings.compile)  # plain decoding's compiled step, shared by both rows
+    result["plain"] = bench_plain(model, prompt, settings, bandwidth, step)
     if draft is not None or prompt_lookup or draft_head is not None:
-        result["speculative"] = bench_speculative(model, prompt, settings, result["plain"], draft, forward, draft_head)
+        forward = decoding_forward(model.device, settings.compile)
+        spec = bench_speculative(model, prompt, settings, result["plain"], draft, forward, draft_head, step)
+        result["speculative"] = spec
     return result
 
 

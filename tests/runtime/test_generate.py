@@ -220,3 +220,115 @@ def test_a_generation_hands_its_memory_back_once_its_cache_is_freed(model, monke
         else:
             list(tokens)
     assert caches and cache_alive_at_trim == [False]
+
+
+def family_runtime(family: str) -> Transformer:
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import randomize_norms, tiny_config
+
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(
+        tiny_config(family, 300, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
+    ).eval()
+    randomize_norms(hf, 3)
+    return Transformer.from_hf(hf)
+
+
+RUNTIME_FAMILIES = [family for family in __import__("tests.families").families.FAMILIES if family != "opt"]
+SAMPLED = SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2)
+
+
+@pytest.mark.parametrize("family", RUNTIME_FAMILIES)
+def test_the_sampling_step_traces_whole_and_decodes_eagers_tokens(family):
+    """Plain decoding's step (the one-token read and the choice of the next token) traces as one graph with no
+    break (``fullgraph``) for every family the runtime runs, and its tokens are eager decoding's: greedy, and sampled
+    with top-k, top-p and a repetition penalty from the same seed (the same draws)."""
+    from lmpress.runtime.generate import compiled_step
+    from lmpress.runtime.model import MOE_TYPES
+
+    model = family_runtime(family)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
+    step = compiled_step(backend="eager")
+    if family in MOE_TYPES:  # routing has shapes known only at run time: the step runs eagerly, said once
+        with pytest.warns(UserWarning, match="runs eagerly: its mixture-of-experts layers"):
+            generate(model, prompts, max_new_tokens=2, step=step)
+    assert generate(model, prompts, max_new_tokens=10, step=step) == generate(model, prompts, max_new_tokens=10)
+    sampled = dict(max_new_tokens=10, sampling=SAMPLED, seed=3)
+    assert generate(model, prompts, step=step, **sampled) == generate(model, prompts, **sampled)
+
+
+@pytest.mark.slow
+def test_the_compiled_sampling_step_decodes_eagers_tokens():
+    """The same through Inductor (what ``lmpress generate --compile`` and ``lmpress bench --compile`` run)."""
+    from lmpress.runtime.generate import compiled_step
+
+    model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    step = compiled_step()
+    assert generate(model, prompts, max_new_tokens=12, step=step) == generate(model, prompts, max_new_tokens=12)
+    sampled = dict(max_new_tokens=12, sampling=SAMPLED, seed=5)
+    assert generate(model, prompts, step=step, **sampled) == generate(model, prompts, **sampled)
+
+
+def test_the_exponential_race_draws_from_next_token_probs():
+    """``next_token``'s sampled token (argmax of p / Exp(1) noise, on the device) is distributed as
+    ``next_token_probs`` says, after temperature, top-k and top-p; a chi-square test at p = 0.001 with power
+    (the untempered distribution fails it by far)."""
+    from lmpress.runtime.sample import make_generator, next_token, step_noise
+    from tests.runtime.test_speculative import chi_square
+
+    chi2_critical_999 = {3: 16.266, 4: 18.467, 5: 20.515}  # by degrees of freedom
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]])
+    config = SamplingConfig(temperature=0.7, top_k=6, top_p=0.97)
+    probs = next_token_probs(logits, config)[0]
+    kept = probs > 0
+    generator = make_generator(0)
+    counts = torch.zeros(8)
+    for _ in range(4000):
+        counts[next_token(logits, config, step_noise(config, (1, 8), generator, torch.device("cpu")))] += 1
+    assert counts[~kept].sum() == 0
+    dof = int(kept.sum()) - 1
+    assert chi_square(counts[kept], probs[kept]) < chi2_critical_999[dof]
+    untempered = next_token_probs(logits, SamplingConfig(temperature=1.0, top_k=6, top_p=0.97))[0]
+    assert chi_square(counts[kept], untempered[kept]) > 10 * chi2_critical_999[dof]
+
+
+def test_a_device_decodes_ahead_of_the_host_and_stops_where_eager_does(model):
+    """Read every few tokens (a GPU's default, ``DEVICE_READ_EVERY``), the host sees the same tokens and stops:
+    the steps run ahead of what it has read, an EOS inside a read ends the row there, and nothing after a stop is
+    yielded."""
+    from lmpress.runtime.generate import DEVICE_READ_EVERY, read_every_for, sampled
+
+    assert read_every_for(torch.device("cpu")) == 1 and read_every_for(torch.device("cuda")) == DEVICE_READ_EVERY > 1
+    ids = [prompt(8), prompt(9, 5)]
+    free = generate(model, ids[0], max_new_tokens=20)[0]
+    calls = []
+
+    def counted(model, token, cache, sampling, noise, history):
+        calls.append(1)
+        return sampled()(model, token, cache, sampling, noise, history)
+
+    steps = generate_tokens(model, ids, max_new_tokens=20, step=counted, read_every=4)
+    assert next(steps).tolist()[0] == free[0] and len(calls) == 3  # three steps decoded before the first read
+    for eos in (free[5], free[-1]):
+        rows = [r.tolist() for r in generate_tokens(model, ids, max_new_tokens=20, eos_token_id=eos, read_every=4)]
+        every = generate_tokens(model, ids, max_new_tokens=20, eos_token_id=eos, read_every=1)
+        assert rows == [r.tolist() for r in every]
+    both_stop = list(generate_tokens(model, ids[:1], max_new_tokens=20, eos_token_id=free[5], read_every=4))
+    assert [int(r[0]) for r in both_stop] == free[: free.index(free[5]) + 1]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SAMPLED])
+def test_decoding_on_a_device_keeps_the_tokens_there_and_gives_the_cpus(model, sampling):
+    """On an accelerator (the fake device: any op mixing it with a CPU tensor fails as on CUDA) the history, the
+    noise and every step stay on the device, the host reading them in chunks: the tokens are the CPU's."""
+    from tests.fake_device import fake_accelerator
+
+    hf = tiny_hf_model("llama")
+    ids = [prompt(8), prompt(5, 2)]
+    expected = generate(Transformer.from_hf(hf), ids, max_new_tokens=20, sampling=sampling, seed=1)
+    with fake_accelerator() as device:
+        on_device = Transformer.from_hf(hf, device=device, kernels="cpu")
+        assert generate(on_device, ids, max_new_tokens=20, sampling=sampling, seed=1) == expected

@@ -79,13 +79,55 @@ def test_runtime_gpu_dry_run(dry_runs):
     out, code, rows, appended_when_printed = dry_runs["runtime_gpu.py"]
     assert code == 0, out[-3000:]
     assert appended_when_printed >= 2
-    assert [row["name"] for row in rows] == ["copy", "decode", "decode"]
-    bf16, w4 = rows[1], rows[2]
+    engine = ["decode", "reference", "profile", "profile"]
+    assert [row["name"] for row in rows] == ["copy", *engine, *engine, "context", "context", "context"]
+    bf16, w4 = rows[1], rows[5]
     assert bf16["kernel"].startswith("bf16 (dense x9)") and w4["kernel"].startswith("W4 g128 (cpu-w4a8 x8, dense x1)")
-    assert w4["reference"] == "bf16" and w4["ratio"] == pytest.approx(w4["tok_s"] / bf16["tok_s"])
+    assert w4["over_bf16"] == pytest.approx(w4["tok_s"] / bf16["tok_s"])
+    for ours, theirs in ((bf16, rows[2]), (w4, rows[6])):  # lmpress against the reference timed beside it
+        assert ours["reference"] == "gpt-fast-style" and ours["ratio"] == pytest.approx(ours["tok_s"] / theirs["tok_s"])
     assert w4["bytes_per_token"] < bf16["bytes_per_token"] / 2  # the W4 model reads its packed codes
     assert bf16["pct_copy"] == pytest.approx(100 * bf16["gb_s"] / rows[0]["gb_s"])
     assert w4["kernels"]["kernel of attention.wqkv"] == "cpu-w4a8 (2 layers)"
+    for profile in (rows[3], rows[4], rows[7], rows[8]):
+        assert 0 < len(profile["top"]) <= 15 and profile["launches_per_token"] > 0
+        assert profile["kernel_us_per_token"] >= sum(k["us"] for k in profile["top"]) * (1 - 1e-9)
+    assert {k["kernel"] for k in rows[7]["top"]} >= {"lmpress_cpu::w4_linear_t16"}  # lmpress's W4 kernel ran
+    assert {k["kernel"] for k in rows[8]["top"]} >= {"aten::_weight_int4pack_mm_for_cpu"}  # the reference's
+    sweep = rows[9:]
+    assert [r["context"] for r in sweep] == [16, 32, 48] and sweep[0]["ratio"] == 1.0
+
+
+def test_the_gpt_fast_reference_computes_the_model():
+    """The reference lmpress is timed against is the same model: its logits are transformers' for bf16 weights,
+    and, for W4 codes run by tinygemm's CPU twin, the logits of transformers' forward over lmpress's
+    ``QuantizedLinear`` (which dequantizes its codes): an engine that computed something cheaper would be no
+    yardstick."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import runtime_gpu
+    from gpt_fast_reference import reference_from_hf
+
+    args = runtime_gpu.arguments(["--dry-run"])
+    hf = runtime_gpu.random_llama(args, torch.device("cpu"))
+    with torch.no_grad():
+        for part in ("q_proj", "k_proj"):  # wider than the init, so a wrong rope or mask shows in the logits
+            for layer in hf.model.layers:
+                getattr(layer.self_attn, part).weight.mul_(8)
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    for quantized in (False, True):
+        if quantized:
+            runtime_gpu.quantize_w4(hf)
+        reference = reference_from_hf(hf, torch.device("cpu"))
+        reference.setup_caches(1, 16)
+        with torch.no_grad():
+            want = hf(ids).logits.float()
+            prefill = reference(ids[:, :8], torch.arange(8)).float()
+            steps = [reference(ids[:, i : i + 1], torch.tensor([i])).float() for i in range(8, 12)]
+        got = torch.cat([prefill, *steps], 1)
+        error = (got - want).norm() / want.norm()
+        assert error < 0.03, (quantized, float(error))  # bf16 rounding of two different orders of operations
 
 
 def test_bench_flags_are_checked():

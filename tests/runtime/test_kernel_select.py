@@ -339,3 +339,21 @@ def test_autotune_space_setting(monkeypatch):
 
 def test_sqnr_bound_derivation():
     assert -10 * math.log10(5 * 2.0**-16 / 3) > TINYGEMM_MIN_DB + 3
+
+
+def test_a_decode_step_reads_tinygemms_codes_once():
+    """Bytes per token count what a decode step reads: on a GPU the tensor-core layout, not the nibble pairs kept
+    beside it for prefill (a W4 row would report about 1.7x its bytes); on the CPU the two are one tensor."""
+    from lmpress.runtime.throughput import weight_bytes
+
+    class Holder(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+    module = tinygemm_linear(w4_layer(96, 512, 64, True))
+    codes = module.pairs.numel()
+    sz = module.scale_and_zero.numel() * module.scale_and_zero.element_size()
+    assert module.weight is module.pairs and weight_bytes(Holder(module)) == codes + sz
+    module.weight = torch.zeros(96 // 8, 512 // (16 * 8), 32, 4, dtype=torch.int32)  # as on a GPU: its own layout
+    assert weight_bytes(Holder(module)) == module.weight.numel() * 4 + sz == codes + sz

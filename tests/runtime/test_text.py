@@ -117,13 +117,13 @@ def test_a_compiled_generate_compiles_its_step_before_the_first_token(tiny_llama
     from lmpress.runtime import text
 
     compiled = []
-    real = text.compile_reads
+    real = text.compile_steps
 
     def recording(*args, **kwargs):
         real(*args, **kwargs)
         compiled.append(counters["stats"]["unique_graphs"])
 
-    monkeypatch.setattr(text, "compile_reads", recording)
+    monkeypatch.setattr(text, "compile_steps", recording)
     result = text.generate_text(str(tiny_llama_dir), PROMPT, max_new_tokens=6, compile=True, on_text=lambda _: None)
     assert len(compiled) == 1 and result.compile_seconds > 0
     assert counters["stats"]["unique_graphs"] == compiled[0]

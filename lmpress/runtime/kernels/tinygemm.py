@@ -64,6 +64,7 @@ class TinyGemmLinear(nn.Module):
     """A 4-bit linear layer run by ``_weight_int4pack_mm`` on CUDA (``_weight_int4pack_mm_for_cpu`` on the CPU)."""
 
     KERNEL = "tinygemm"
+    PREFILL_ONLY = ("pairs",)  # what a decode step does not read (``throughput.weight_bytes``)
 
     def __init__(
         self,
