@@ -85,6 +85,18 @@ class RMSNorm(nn.Module):
         # in half precision it scales before the final rounding where transformers rounds first (1 ulp apart).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def add_forward(self, added: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + added), x + added)``: the residual stream's add and this norm (``(norm(x), x)`` for no
+        ``added``), one Triton launch in a CUDA build, the same two ops as unfused elsewhere."""
+        if added is None:
+            return self(x), x
+        if self.fused:
+            from lmpress.runtime.kernels.cuda import triton_add_rms_norm
+
+            return triton_add_rms_norm(x, added, self.weight, self.eps)
+        x = x + added
+        return self(x), x
+
 
 class FusedLinear(nn.Module):
     """Several linears over one input, as one output ``cat(outputs, -1)``: one matmul where they fuse."""

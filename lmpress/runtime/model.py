@@ -371,21 +371,26 @@ class Transformer(nn.Module):
         if self.args.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype, as transformers
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         features = []
+        added = None  # the last sublayer's output, added to the residual stream x by the next norm (add_forward)
         for i, block in enumerate(self.layers):
+            normed, x = block.attention_norm.add_forward(added, x)
             if i in feature_layers:
                 features.append(x)
             cos, sin = ropes[self.rope_of_kind[self.args.kinds[i]] if self.args.kinds else 0]
-            h = block.attention(block.attention_norm(x), cos, sin, masks[block.attention.window], cache, i)
-            x = x + (block.post_attention_norm(h) if block.post_attention_norm is not None else h)
-            h = block.feed_forward(block.ffn_norm(x))
-            x = x + (block.post_ffn_norm(h) if block.post_ffn_norm is not None else h)
-        if len(self.layers) in feature_layers:
+            h = block.attention(normed, cos, sin, masks[block.attention.window], cache, i)
+            h = block.post_attention_norm(h) if block.post_attention_norm is not None else h
+            normed, x = block.ffn_norm.add_forward(h, x)
+            h = block.feed_forward(normed)
+            added = block.post_ffn_norm(h) if block.post_ffn_norm is not None else h
+        final_features = len(self.layers) in feature_layers
+        if last_only and not final_features:  # a prefill: the last position's norm and logits only
+            x, added = x[:, -1:], None if added is None else added[:, -1:]
+        normed, x = self.norm.add_forward(added, x)
+        if final_features:
             features.append(x)
         if len(features) != len(feature_layers):
             raise LmpressInputError(f"feature layers {feature_layers}: the model has layers 0 to {len(self.layers)}")
-        if last_only:
-            x = x[:, -1:]
-        logits = self.output(self.norm(x))
+        logits = self.output(normed[:, -1:] if last_only else normed)
         if self.args.final_softcap is not None:  # Gemma 2: logits bent into (-cap, cap)
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits, torch.cat(features, -1) if features else None

@@ -327,3 +327,29 @@ def test_runtime_model_on_triton_kernels_matches_dequantized_reference(bits, gro
     actual = torch.cat([prefill, *decode], dim=1).float().cpu()
     # fp16 activations between layers: ~3 significant digits per matmul.
     assert sqnr_db(expected, actual) > 30
+
+
+def test_a_cuda_build_adds_the_residual_inside_the_next_norm(monkeypatch):
+    """Each block's two residual adds ride in the norm after them (``lmpress::triton_add_rms_norm``, one launch
+    for the add and the norm): per forward 2 x layers fused launches (the first norm has nothing to add) and one
+    plain norm, and the logits those of the same model on the CPU's unfused ops."""
+    from lmpress.runtime.kernels import cuda
+    from lmpress.runtime.model import Transformer
+    from tests.runtime.conftest import tiny_hf_model
+    from tests.runtime.test_model import sqnr_db
+
+    hf = tiny_hf_model("llama", seed=6, num_hidden_layers=2)
+    calls = {"fused": 0, "plain": 0}
+    fused, plain = cuda.triton_add_rms_norm, cuda.triton_rms_norm
+    monkeypatch.setattr(
+        cuda, "triton_add_rms_norm", lambda *a: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a)
+    )
+    monkeypatch.setattr(cuda, "triton_rms_norm", lambda *a: calls.__setitem__("plain", calls["plain"] + 1) or plain(*a))
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model = Transformer.from_hf(hf, dtype=torch.float16, device=DEVICE, kernels="triton")
+        actual = model(ids, model.new_cache(1, 8)).float().cpu()
+        assert calls == {"fused": 4, "plain": 1}
+        unfused = Transformer.from_hf(hf, dtype=torch.float32)
+        expected = unfused(ids, unfused.new_cache(1, 8))
+    assert sqnr_db(expected, actual) > 35

@@ -71,6 +71,22 @@ def _(x, weight, eps) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("lmpress::triton_add_rms_norm", mutates_args=())
+def triton_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` in one launch of the Triton kernel: a block's residual add and
+    the next norm, read and written once."""
+    from lmpress.runtime.kernels.triton import rms_norm
+
+    return rms_norm(x, weight, eps, residual)
+
+
+@triton_add_rms_norm.register_fake
+def _(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
 @torch.library.custom_op("lmpress::triton_decode_attention", mutates_args=())
 def triton_decode_attention(
     q: torch.Tensor,
