@@ -28,9 +28,15 @@ CHUNK_ELEMENTS = 1 << 24  # a chunk's H_SS blocks hold at most this many floats 
 
 
 @torch.no_grad()
-def masked_least_squares(W: torch.Tensor, H: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
+def masked_least_squares(
+    W: torch.Tensor, H: torch.Tensor, pruned: torch.Tensor, part: tuple[int, int] = (0, 1)
+) -> torch.Tensor:
     """The rows of ``W`` (out, in) re-solved for the mask ``pruned`` (True = zero) against ``H`` (in, in), which
-    must be positive definite (damped); returns float32 weights, exactly zero where pruned."""
+    must be positive definite (damped); returns float32 weights, exactly zero where pruned.
+
+    ``part`` ``(i, n)``: solve only every n-th chunk of rows from the i-th (the other rows stay zero), so ``n``
+    processes share one linear; each chunk is the same computation whichever process runs it, so the rows the
+    parts solve are bit for bit one process's (``solved_rows`` says which a part holds)."""
     rows, cols = W.shape
     W = W.float()
     kept = ~pruned
@@ -46,16 +52,9 @@ def masked_least_squares(W: torch.Tensor, H: torch.Tensor, pruned: torch.Tensor)
     rhs_full = torch.nn.functional.pad(W.masked_fill(kept, 0) @ H.float(), (0, 1))
     W_pad = torch.nn.functional.pad(W, (0, 1))
     out = torch.zeros(rows, cols, dtype=torch.float32, device=W.device)
-    r1 = 0
-    while r1 < rows:
-        width = int(counts[row_order[r1]])
-        r2 = min(rows, r1 + max(1, CHUNK_ELEMENTS // max(width, 1) ** 2))
-        width = int(counts[row_order[r2 - 1]])  # the widest row of the chunk (rows are sorted)
-        r2 = min(r2, r1 + max(1, CHUNK_ELEMENTS // max(width, 1) ** 2))
-        chunk = row_order[r1:r2]
-        r1 = r2
-        if width == 0:
-            continue  # rows that keep nothing stay zero
+    for index, (chunk, width) in enumerate(_row_chunks(counts, row_order)):
+        if width == 0 or index % part[1] != part[0]:
+            continue  # rows that keep nothing stay zero; another part's rows too
         idx = col_order[chunk, :width]
         idx = torch.where(torch.gather(kept[chunk], 1, idx), idx, torch.full_like(idx, cols))
         H_SS = H_pad[idx.unsqueeze(2), idx.unsqueeze(1)]
@@ -67,3 +66,25 @@ def masked_least_squares(W: torch.Tensor, H: torch.Tensor, pruned: torch.Tensor)
         solved.scatter_(1, idx, torch.gather(W_pad[chunk], 1, idx) + delta)
         out[chunk] = solved[:, :cols]
     return out.masked_fill(pruned, 0)
+
+
+def _row_chunks(counts: torch.Tensor, row_order: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The rows (``row_order``: sorted by kept columns) in chunks whose H_SS blocks fit ``CHUNK_ELEMENTS``, each
+    with its widest row's kept count."""
+    chunks, r1, rows = [], 0, len(row_order)
+    while r1 < rows:
+        width = int(counts[row_order[r1]])
+        r2 = min(rows, r1 + max(1, CHUNK_ELEMENTS // max(width, 1) ** 2))
+        width = int(counts[row_order[r2 - 1]])  # the widest row of the chunk (rows are sorted)
+        r2 = min(r2, r1 + max(1, CHUNK_ELEMENTS // max(width, 1) ** 2))
+        chunks.append((row_order[r1:r2], width))
+        r1 = r2
+    return chunks
+
+
+def solved_rows(pruned: torch.Tensor, part: tuple[int, int]) -> torch.Tensor:
+    """The rows ``masked_least_squares(..., part)`` solves, sorted."""
+    counts = (~pruned).sum(1)
+    chunks = _row_chunks(counts, torch.sort(counts, stable=True).indices)
+    mine = [chunk for i, (chunk, _) in enumerate(chunks) if i % part[1] == part[0]]
+    return torch.sort(torch.cat(mine)).values if mine else torch.zeros(0, dtype=torch.long)

@@ -142,16 +142,11 @@ def sparsegpt_prune_layer(
     if target.structured_nm and cols % target.m:
         raise ValueError(f"M={target.m} does not divide in_features {cols}")
     dtype = W.dtype
-    W = W.detach().float().clone()
-    H = H.detach().float().clone()
-    # Inputs that were always zero carry no information: their weights go (and H stays invertible).
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
+    W, H, dead = without_dead_columns(W, H)
     Hinv, used_damp = inverse_hessian_factor(H.clone, damp)
     if reconstruct:
         W_original = W.clone()
-        H.diagonal().add_(used_damp * torch.mean(torch.diag(H)))  # the damped H that Hinv inverts
+        damp_hessian_(H, used_damp)
     else:
         del H
     # Column-major working copies (column c of W is row c of Wt): each step reads contiguous memory.
@@ -196,6 +191,42 @@ def sparsegpt_prune_layer(
     return W, pruned, {"damp": used_damp, "dead_columns": int(dead.sum())}
 
 
+def without_dead_columns(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 copies of ``W`` and ``H`` where inputs that were always zero (no information) lose their weights and
+    get a unit diagonal (H stays invertible), and the mask of those columns."""
+    W = W.detach().float().clone()
+    H = H.detach().float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    return W, H, dead
+
+
+def damp_hessian_(H: torch.Tensor, damp: float) -> None:
+    """``H + damp * mean(diag H) * I`` in place: the damped Hessian the column loop's factor inverts."""
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+
+
+def reconstruct_across_ranks(W: torch.Tensor, H: torch.Tensor, pruned: torch.Tensor, used_damp: float) -> torch.Tensor:
+    """``masked_least_squares`` of ``W`` for the mask ``pruned`` with every process solving its share of the rows
+    (``part``), gathered: the weights one process would solve, bit for bit, in ``W``'s dtype."""
+    import torch.distributed as dist
+
+    from lmpress.calib.ranks import all_gather_objects
+    from lmpress.prune.reconstruct import solved_rows
+
+    dtype = W.dtype
+    W, H, _ = without_dead_columns(W, H)
+    damp_hessian_(H, used_damp)
+    part = (dist.get_rank(), dist.get_world_size())
+    mine = masked_least_squares(W, H, pruned, part)
+    rows = solved_rows(pruned, part)
+    out = torch.zeros_like(mine)
+    for rank, solved in enumerate(all_gather_objects(mine[rows].cpu())):
+        out[solved_rows(pruned, (rank, part[1]))] = solved.to(out.device)
+    return out.masked_fill(pruned, 0).to(dtype)
+
+
 class SparseGPTMethod(CalibrationMethod):
     name = "sparsegpt"
     reduces_across_ranks = True
@@ -208,22 +239,30 @@ class SparseGPTMethod(CalibrationMethod):
         hessians = group_hessians(session, group)
         names = [name for name in group if session.targets[name].sparsity > 0]
 
+        spread = session.ranks > 1
+        # Spread, each mask is chosen on one rank and its exact reconstruction shared out by rows afterwards.
+        reconstruct_here = self.config.reconstruct and not spread
+
         def solve(name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            return sparsegpt_prune_layer(
+            weight, pruned, info = sparsegpt_prune_layer(
                 session.linear(name).weight.data,
                 hessians[name].H,
                 session.targets[name],
                 block_size=self.config.block_size,
                 damp=self.config.damp_percent,
-                reconstruct=self.config.reconstruct,
+                reconstruct=reconstruct_here,
             )
+            return (None if self.config.reconstruct and spread else weight), pruned, info  # spread: the mask alone
 
-        if session.ranks == 1:  # solve and set one linear at a time: one result held at once
+        if not spread:  # solve and set one linear at a time: one result held at once
             results = ((name, solve(name)) for name in names)
-        else:  # each linear pruned on one rank, the results broadcast (lmpress.calib.ranks)
+        else:  # each linear's columns on one rank, the results broadcast (lmpress.calib.ranks)
             cost = {n: column_solve_cost(session.linear(n).weight) for n in names}
             results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks).items())
         for name, (weight, pruned, info) in results:
+            if weight is None:  # every rank solves a share of the rows for the mask
+                original = session.linear(name).weight.data
+                weight = reconstruct_across_ranks(original, hessians[name].H, pruned.to(original.device), info["damp"])
             if info["damp"] != self.config.damp_percent:
                 message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"
                 log.warning(message)

@@ -66,3 +66,24 @@ def test_sparsegpt_reconstruct_keeps_the_mask_and_lowers_the_output_error(target
     assert torch.equal(mask, same_mask)
     assert torch.equal(solved == 0, mask)
     assert output_error(W, solved, X) < 0.98 * output_error(W, published, X)
+
+
+def test_parts_solve_every_row_once_and_as_the_whole_solve(monkeypatch):
+    """Processes sharing one linear's reconstruction (``part``) solve disjoint chunks of rows that cover every
+    row, each bit for bit what one process solves (small chunks here, so three parts each get several)."""
+    from lmpress.prune import reconstruct
+
+    monkeypatch.setattr(reconstruct, "CHUNK_ELEMENTS", 4 * 96 * 96)
+    X = correlated_inputs(tokens=1024, cols=96, seed=4)
+    H = damped(hessian(X))
+    W = torch.randn(40, 96, generator=torch.Generator().manual_seed(4))
+    pruned = torch.rand(40, 96, generator=torch.Generator().manual_seed(5)) < torch.linspace(0.1, 0.9, 40)[:, None]
+    whole = masked_least_squares(W, H, pruned)
+    rows = [reconstruct.solved_rows(pruned, (i, 3)) for i in range(3)]
+    assert sorted(torch.cat(rows).tolist()) == list(range(40)) and all(len(r) for r in rows)
+    for i in range(3):
+        part = masked_least_squares(W, H, pruned, (i, 3))
+        assert torch.equal(part[rows[i]], whole[rows[i]])
+        others = torch.ones(40, dtype=torch.bool)
+        others[rows[i]] = False
+        assert (part[others] == 0).all()
