@@ -211,6 +211,41 @@ def matmul_int8(device_name: str) -> dict:
     return {"int_mm_sqnr_db": round(worst, 1)}
 
 
+def tinygemm_layout(device_name: str) -> dict | str:
+    """lmpress's transcription of tinygemm's tensor-core layout against torch's CUDA packing, for each inner k-tile
+    count; then a W4 layer on the GPU keeps its codes once and its prefill (dequantized from the layout) and decode
+    (tinygemm) agree with the float64 product."""
+    import torch
+
+    from lmpress.runtime.kernels.int4pack_layout import pack_int4_tensor_core
+    from lmpress.runtime.kernels.tinygemm import DEQUANT_MIN_ROWS, nibble_pairs, tinygemm_linear
+    from lmpress.weights.int8_linear import sqnr_db
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+
+    if device_name != "cuda":
+        return "torch packs tinygemm's layout on CUDA only"
+
+    generator = torch.Generator().manual_seed(0)
+    for tiles, (n, k) in {2: (64, 96), 4: (64, 192), 8: (4096, 4096)}.items():
+        pairs = nibble_pairs(torch.randint(0, 16, (n, k), generator=generator)).cuda()
+        theirs = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+        if not torch.equal(pack_int4_tensor_core(pairs, tiles), theirs):
+            raise AssertionError(f"the transcribed layout differs from torch's at {tiles} inner k-tiles")
+    layer = QuantizedLinear.from_quantized_weight(quantize_weight_rtn(torch.randn(512, 1024), QuantScheme(4, 128)))
+    module = tinygemm_linear(layer).cuda()
+    if module.pairs is not None:
+        raise AssertionError("the layer kept its nibble pairs beside tinygemm's layout")
+    worst = float("inf")
+    for rows in (1, DEQUANT_MIN_ROWS):
+        x = torch.randn(rows, 1024, generator=generator)
+        reference = x.double() @ layer.dequantized_weight(torch.float64).T
+        worst = min(worst, sqnr_db(reference, module(x.cuda().bfloat16()).float().cpu()))
+    if worst < 35:
+        raise AssertionError(f"SQNR {worst:.1f} dB against float64 (< 35 dB)")
+    return {"layout": "torch's", "sqnr_db": round(worst, 1)}
+
+
 def onnx_cuda(model_dir: Path, device_name: str, work: Path) -> dict | str:
     """The ONNX export of the tiny model greedy-decoded by ONNX Runtime's CUDA provider, against the CPU's."""
     try:
@@ -296,6 +331,7 @@ def smoke(dry_run: bool) -> None:
     run_step("smoke.generate.fp8", 60, lambda: fp8_generate(runs, device))
     run_step("smoke.matmul.fp8", 30, lambda: matmul_fp8(device))
     run_step("smoke.matmul.int8", 30, lambda: matmul_int8(device))
+    run_step("smoke.tinygemm.layout", 30, lambda: tinygemm_layout(device))
     run_step("smoke.onnx-runtime", 60, lambda: onnx_cuda(model_dir, device, work))
 
 

@@ -39,6 +39,7 @@ EXPECTED = {
     "smoke.generate.fp8",
     "smoke.matmul.fp8",
     "smoke.matmul.int8",
+    "smoke.tinygemm.layout",
     "smoke.onnx-runtime",
     "model.join",
     "model.learned-w4-gpu",
@@ -71,6 +72,8 @@ def test_the_dry_run_passes_every_step(tmp_path, cache_dir):
     for row in rows:
         if row["step"] == "smoke.onnx-runtime" and row["status"] == "SKIP":
             continue  # onnxruntime not installed here: said, not hidden
+        if row["step"] == "smoke.tinygemm.layout" and row["status"] == "SKIP":
+            continue  # torch packs tinygemm's layout on CUDA only (its transcription: test_int4pack_layout.py)
         assert row["status"] == "PASS", row
     assert by_step["model.learned-w4-gpu"]["ppl"] > 1
     assert by_step["model.distill-speed.plain-bf16"]["distill_over_plain"] > 0

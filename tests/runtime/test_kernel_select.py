@@ -357,3 +357,33 @@ def test_a_decode_step_reads_tinygemms_codes_once():
     assert module.weight is module.pairs and weight_bytes(Holder(module)) == codes + sz
     module.weight = torch.zeros(96 // 8, 512 // (16 * 8), 32, 4, dtype=torch.int32)  # as on a GPU: its own layout
     assert weight_bytes(Holder(module)) == module.weight.numel() * 4 + sz == codes + sz
+
+
+def test_on_a_gpu_the_codes_live_once_in_tinygemms_layout(monkeypatch):
+    """Packed for a GPU, a layer keeps only tinygemm's layout (its nibble pairs read back out of it for prefill,
+    checked on its own codes first); had torch packed another way, it would keep the pairs and say so. Here torch's
+    CUDA packing is stood in for by the transcribed layout (``int4pack_layout``, tested against the kernel's
+    source); the GPU visit compares the two on CUDA."""
+    from lmpress.runtime.kernels import int4pack_layout, tinygemm
+    from lmpress.runtime.throughput import weight_bytes
+
+    layer = w4_layer(96, 512, 64, False)
+    module = tinygemm_linear(layer)
+    before = module.dequantized_weight(torch.float32)
+    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", int4pack_layout.pack_int4_tensor_core)
+    module.weight, module.pairs = module.pack_for_gpu(module.pairs)
+    assert module.pairs is None and module.weight.shape == (96 // 8, 512 // 128, 32, 4)
+    assert torch.equal(module.dequantized_weight(torch.float32), before)  # prefill's weight, from the layout
+    sz = module.scale_and_zero.numel() * module.scale_and_zero.element_size()
+    holder = torch.nn.Sequential(module)
+    assert weight_bytes(holder) == module.weight.numel() * 4 + sz == 96 * 256 + sz  # the codes once
+    tinygemm._warn_layout_unread.cache_clear()
+
+    def another_layout(pairs, tiles):
+        return int4pack_layout.pack_int4_tensor_core(pairs.flip(0), tiles)
+
+    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", another_layout)
+    pairs = tinygemm_linear(layer).pairs
+    with pytest.warns(UserWarning, match="keep a second copy of their codes"):
+        _, kept = module.pack_for_gpu(pairs)
+    assert kept is pairs

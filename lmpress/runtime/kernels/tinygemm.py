@@ -10,8 +10,10 @@ Act-order layers keep their codes sorted by group and permute the activations.
 
 tinygemm is a decode kernel: its time grows with the rows (an H200, 28672 x 4096: 39 us for 1-2 rows,
 82 us for 8, 16.4 ms for 2048, 26x bf16 cuBLAS; ``bench/results/gpu_visit_h200``). From ``DEQUANT_MIN_ROWS``
-rows on (prefill), the layer dequantizes its nibble pairs, kept beside the GPU layout, and multiplies with
-the library's GEMM instead: twice the codes' memory on a GPU, for a prefill at cuBLAS speed.
+rows on (prefill), the layer dequantizes its codes and multiplies with the library's GEMM instead. On a GPU the
+codes are kept once, in tinygemm's layout: a prefill reads its nibble pairs back out of it
+(``int4pack_layout.unpack_int4_tensor_core``), which the module checks on its own codes when it packs them (where
+the check fails it keeps the pairs beside, twice the memory, and says so once).
 
 On the CPU (tests, or a module never moved) the same codes and the same scale-and-zero tensor run
 through ``_weight_int4pack_mm_for_cpu``, which is how the conversion is verified without a GPU.
@@ -21,9 +23,13 @@ of 32-256 columns (wider multiples of 32 repeat their scales), sm80 or newer.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch import nn
 
+from lmpress.runtime.kernels.int4pack_layout import unpack_int4_tensor_core
 from lmpress.runtime.kernels.select import TINYGEMM_GROUPS
 from lmpress.weights.qlinear import QuantizedLinear, int4pack_scale_and_zero, trivial_g_idx
 
@@ -77,8 +83,8 @@ class TinyGemmLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = pairs.shape[0], pairs.shape[1] * 2
         self.group, self.inner_k_tiles = group, inner_k_tiles(self.in_features)
-        self.register_buffer("pairs", pairs)  # nibble pairs, on every device: prefill dequantizes them
-        self.register_buffer("weight", pairs)  # the same tensor; the tensor-core layout once on a GPU
+        self.register_buffer("pairs", pairs)  # nibble pairs: the same tensor as weight off a GPU, None on one
+        self.register_buffer("weight", pairs)  # the tensor-core layout once on a GPU
         self.register_buffer("scale_and_zero", scale_and_zero)
         self.register_buffer("perm", perm)
         self.register_buffer("bias", bias)
@@ -88,22 +94,37 @@ class TinyGemmLinear(nn.Module):
     def packed_for_gpu(self) -> bool:
         return self.weight.dim() == 4
 
+    def nibble_pairs(self) -> torch.Tensor:
+        """The codes as ``(N, K / 2)`` nibble pairs (``nibble_pairs``), read out of the GPU layout where only it is
+        kept."""
+        return self.pairs if self.pairs is not None else unpack_int4_tensor_core(self.weight)
+
     def _apply(self, fn, recurse=True):
         # The codes and their bf16 scale-and-zero are the quantized weight: only their device follows
         # the module (a cast to float16 would round the offsets), and a GPU gets its own packing.
-        weight, pairs, scale_and_zero = self.weight, self.pairs, self.scale_and_zero
+        weight, pairs, scale_and_zero = self.weight, self.nibble_pairs(), self.scale_and_zero
         result = super()._apply(fn, recurse)
-        device = self.pairs.device
-        self.pairs = pairs.to(device=device)
+        device = self.scale_and_zero.device
         self.scale_and_zero = scale_and_zero.to(device=device)
         if device.type == "cuda":
             same = weight.dim() == 4 and weight.device == device
-            packed = weight if same else torch.ops.aten._convert_weight_to_int4pack(self.pairs, self.inner_k_tiles)
-            self.weight = packed.to(device=device)
+            self.weight, self.pairs = weight, None
+            if not same:
+                self.weight, self.pairs = self.pack_for_gpu(pairs.to(device=device))
         else:
+            self.pairs = pairs.to(device=device)
             self.weight = self.pairs
         self._cpu_packed = None
         return result
+
+    def pack_for_gpu(self, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tinygemm's tensor-core layout of ``pairs`` (torch's own packing), and the pairs to keep beside it: None
+        where they read back out of the layout exactly (one copy of the codes), else ``pairs``."""
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, self.inner_k_tiles)
+        if torch.equal(unpack_int4_tensor_core(packed), pairs):
+            return packed, None
+        _warn_layout_unread()
+        return packed, pairs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -126,13 +147,22 @@ class TinyGemmLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``(N, K)`` in ``dtype``, its columns in the codes' (act-order sorted) order: ``(q - 8) * scale +
         offset`` per group, as both kernels compute it."""
-        codes = unpaired(self.pairs).to(dtype).view(self.out_features, -1, self.group)
+        codes = unpaired(self.nibble_pairs()).to(dtype).view(self.out_features, -1, self.group)
         scale, offset = self.scale_and_zero.to(dtype).permute(2, 1, 0).unsqueeze(-1)  # (N, K / group, 1) each
         return ((codes - 8) * scale + offset).view(self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         act = ", act-order" if self.perm is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, tinygemm g{self.group}{act}"
+
+
+@functools.cache
+def _warn_layout_unread() -> None:
+    warnings.warn(
+        "this torch's tinygemm layout is not the one lmpress reads codes back from: W4 layers on the GPU keep a "
+        "second copy of their codes for prefill",
+        stacklevel=3,
+    )
 
 
 def tinygemm_linear(layer: QuantizedLinear, dtype: torch.dtype | None = None) -> TinyGemmLinear:
