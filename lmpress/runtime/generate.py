@@ -142,8 +142,8 @@ def generate_tokens(
     yielded; nothing after it. Each token is chosen on the model's device (``next_token``) by ``step``
     (default: ``sampled(decode)``; ``decode`` may be a compiled ``decode_one_token``, ``step`` a
     ``compiled_step``), and the host reads the tokens ``read_every`` steps at a time (default
-    ``read_every_for(device)``: every token on the CPU, every ``DEVICE_READ_EVERY`` on a GPU, so the GPU runs ahead
-    of the host; a stop found in a read ends the generation there, the steps decoded past it unused).
+    ``read_every_for(device)``: every token on the CPU, every ``DEVICE_READ_EVERY`` on a GPU after the first, so the
+    GPU runs ahead of the host; a stop found in a read ends the generation there, the steps decoded past it unused).
     """
     sampling = sampling or SamplingConfig()
     step = step or sampled(decode)
@@ -170,7 +170,7 @@ def generate_tokens(
     for i in range(n_new):
         filled = tokens.shape[1] + i
         history[:, filled] = token
-        if i == n_new - 1 or (i + 1) % read_every == 0:
+        if i == 0 or i == n_new - 1 or (i + 1) % read_every == 0:  # the first token as soon as it exists
             for column in history[:, read : filled + 1].cpu().unbind(1):
                 yield _stopping(column, active, generated, stops)
                 if not any(active):

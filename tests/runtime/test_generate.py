@@ -296,9 +296,9 @@ def test_the_exponential_race_draws_from_next_token_probs():
 
 
 def test_a_device_decodes_ahead_of_the_host_and_stops_where_eager_does(model):
-    """Read every few tokens (a GPU's default, ``DEVICE_READ_EVERY``), the host sees the same tokens and stops:
-    the steps run ahead of what it has read, an EOS inside a read ends the row there, and nothing after a stop is
-    yielded."""
+    """Read every few tokens after the first (a GPU's default, ``DEVICE_READ_EVERY``), the host sees the same tokens
+    and stops: the steps run ahead of what it has read, an EOS inside a read ends the row there, and nothing after a
+    stop is yielded."""
     from lmpress.runtime.generate import DEVICE_READ_EVERY, read_every_for, sampled
 
     assert read_every_for(torch.device("cpu")) == 1 and read_every_for(torch.device("cuda")) == DEVICE_READ_EVERY > 1
@@ -311,7 +311,8 @@ def test_a_device_decodes_ahead_of_the_host_and_stops_where_eager_does(model):
         return sampled()(model, token, cache, sampling, noise, history)
 
     steps = generate_tokens(model, ids, max_new_tokens=20, step=counted, read_every=4)
-    assert next(steps).tolist()[0] == free[0] and len(calls) == 3  # three steps decoded before the first read
+    assert next(steps).tolist()[0] == free[0] and calls == []  # the first token read as soon as it exists
+    assert next(steps).tolist()[0] == free[1] and len(calls) == 3  # then three steps decoded per read
     for eos in (free[5], free[-1]):
         rows = [r.tolist() for r in generate_tokens(model, ids, max_new_tokens=20, eos_token_id=eos, read_every=4)]
         every = generate_tokens(model, ids, max_new_tokens=20, eos_token_id=eos, read_every=1)
