@@ -218,12 +218,12 @@ def reconstruct_across_ranks(W: torch.Tensor, H: torch.Tensor, pruned: torch.Ten
     dtype = W.dtype
     W, H, _ = without_dead_columns(W, H)
     damp_hessian_(H, used_damp)
-    part = (dist.get_rank(), dist.get_world_size())
-    mine = masked_least_squares(W, H, pruned, part)
-    rows = solved_rows(pruned, part)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = [solved_rows(pruned, (r, world)) for r in range(world)]
+    mine = masked_least_squares(W, H, pruned, (rank, world))
     out = torch.zeros_like(mine)
-    for rank, solved in enumerate(all_gather_objects(mine[rows].cpu())):
-        out[solved_rows(pruned, (rank, part[1]))] = solved.to(out.device)
+    for r, solved in enumerate(all_gather_objects(mine[rows[rank]].cpu())):
+        out[rows[r]] = solved.to(out.device)
     return out.masked_fill(pruned, 0).to(dtype)
 
 

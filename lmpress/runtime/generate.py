@@ -403,7 +403,8 @@ def compiled_forward(mode: str | None = None, backend: str = "inductor") -> Forw
 
     def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos, side, feature_layers=()) -> Any:
         if model not in steps:  # the counts' graphs, the symbolic graph
-            steps[model] = (compile_or_not(compile, _static_step, model), compile_or_not(compile, _static_step, model))
+            fixed = compile_or_not(compile, _static_step, model)  # an uncompilable model: both eager, said once
+            steps[model] = (fixed, fixed if fixed is _static_step else compile(_static_step, model.device))
         _keep_in_place(mode, _cache_tensors(k, v, side))
         fixed, symbolic = steps[model]
         if tokens.shape[1] > STATIC_TOKENS:  # symbolic from its first compile: one graph for every longer read

@@ -102,18 +102,18 @@ class TinyGemmLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # The codes and their bf16 scale-and-zero are the quantized weight: only their device follows
         # the module (a cast to float16 would round the offsets), and a GPU gets its own packing.
-        weight, pairs, scale_and_zero = self.weight, self.nibble_pairs(), self.scale_and_zero
+        weight, kept, scale_and_zero = self.weight, self.pairs, self.scale_and_zero
         result = super()._apply(fn, recurse)
         device = self.scale_and_zero.device
         self.scale_and_zero = scale_and_zero.to(device=device)
-        if device.type == "cuda":
-            same = weight.dim() == 4 and weight.device == device
-            self.weight, self.pairs = weight, None
-            if not same:
-                self.weight, self.pairs = self.pack_for_gpu(pairs.to(device=device))
+        if device.type == "cuda" and weight.dim() == 4 and weight.device == device:  # already packed there
+            self.weight, self.pairs = weight, None if kept is None else kept.to(device=device)
         else:
-            self.pairs = pairs.to(device=device)
-            self.weight = self.pairs
+            pairs = (kept if kept is not None else unpack_int4_tensor_core(weight)).to(device=device)
+            if device.type == "cuda":
+                self.weight, self.pairs = self.pack_for_gpu(pairs)
+            else:
+                self.weight = self.pairs = pairs
         self._cpu_packed = None
         return result
 
