@@ -119,8 +119,9 @@ def engine_lmpress(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, di
         with torch.inference_mode():
             return generate(model, [prompt] * batch, max_new_tokens=n, step=step)
 
-    head = type(model.output).__name__
-    return run, {"threads": torch.get_num_threads(), "head": f"{head}, {model.output.weight.dtype}"}
+    weight = getattr(model.output, "weight", None)  # an 8-bit head's kernel (W8A8RowLinear) keeps codes instead
+    head = type(model.output).__name__ + ("" if weight is None else f", {weight.dtype}")
+    return run, {"threads": torch.get_num_threads(), "head": head}
 
 
 def engine_llama_cpp(args: argparse.Namespace, prompt: list[int]) -> tuple[Any, dict[str, Any]]:
