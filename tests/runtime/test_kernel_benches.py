@@ -92,7 +92,8 @@ def test_runtime_gpu_dry_run(dry_runs):
     for profile in (rows[3], rows[4], rows[7], rows[8]):
         assert 0 < len(profile["top"]) <= 15 and profile["launches_per_token"] > 0
         assert profile["kernel_us_per_token"] >= sum(k["us"] for k in profile["top"]) * (1 - 1e-9)
-    assert {k["kernel"] for k in rows[7]["top"]} >= {"lmpress_cpu::w4_linear_t16"}  # lmpress's W4 kernel ran
+    # lmpress's W4 kernel ran: w4_linear_t16 on AVX-512 VNNI, w4_linear on AVX2 (the host's level, or the probe's)
+    assert {k["kernel"] for k in rows[7]["top"]} & {"lmpress_cpu::w4_linear_t16", "lmpress_cpu::w4_linear"}
     assert {k["kernel"] for k in rows[8]["top"]} >= {"aten::_weight_int4pack_mm_for_cpu"}  # the reference's
     sweep = rows[9:]
     assert [r["context"] for r in sweep] == [16, 32, 48] and sweep[0]["ratio"] == 1.0
