@@ -252,7 +252,10 @@ def forecast_memory(
         ),
         default=0,
     )
+    learning = max((s.learning_bytes(shape, seq_len) for s in stages), default=0)
     work = {"training": (4 * 4 + size) * shape.parameters} if training else {"calibration": calibration}
+    if learning > calibration and not training:  # the stages run one at a time: the larger need is the peak
+        work = {"rotation learning": learning}
     forecast = MemoryForecast(processes=processes)
     forecast.phases["stages"] = process | resident | work
     eval_work = eval_bytes(shape, logit_tokens, size, agreement_tokens) if logit_tokens else 0

@@ -78,6 +78,11 @@ class StageConfig(StrictConfig):
         """n x n float32 matrices a layer-wise stage holds per linear at its solve (the memory forecast)."""
         return 2
 
+    def learning_bytes(self, shape: Any, seq_len: int) -> int:
+        """Bytes a whole-model stage holds for backpropagation beside the weights (the memory forecast;
+        ``shape``: ``lmpress.memory_plan.ModelShape``)."""
+        return 0
+
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""
 

@@ -324,3 +324,24 @@ def test_forecast_from_a_config_alone_counts_every_linear_of_a_giant(tmp_path, c
     forecast = forecast_checkpoint(recipe, 1)
     assert forecast.phases["stages"]["quantized"] == sum(packed_bytes(r, c, 4, 128) for r, c in qwen)
     assert sum(p.numel() for p in skeleton_of(GIANTS / "qwen3-235b-a22b", weights=False).parameters()) > 235e9
+
+
+def test_learned_rotations_forecast_their_backpropagation(tiny_llama_dir):
+    """rotate's learn keeps a step's activations for backpropagation: the forecast holds them when they are more
+    than the calibration pass's, and they grow with the tokens of a step."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    gptq = stage_config("gptq")(method="gptq", bits=4, group_size=32)
+    rotate = stage_config("rotate")(method="rotate", learn={"activations": "int8", "batch_size": 2})
+    cpu = torch.device("cpu")
+    plain = forecast_memory(skeleton, tiny_llama_dir, "float32", [stage_config("rotate")(), gptq], 4, 32, cpu)
+    learned = forecast_memory(skeleton, tiny_llama_dir, "float32", [rotate, gptq], 4, 32, cpu)
+    longer = forecast_memory(skeleton, tiny_llama_dir, "float32", [rotate, gptq], 4, 64, cpu)
+    widths = sum(
+        m.in_features + m.out_features
+        for n, m in skeleton.named_modules()
+        if ".layers." in n and hasattr(m, "in_features")
+    )
+    vocab = skeleton.config.vocab_size
+    assert learned.parts["rotation learning"] == 2 * 32 * 4 * (5 * widths + 6 * vocab)
+    assert longer.parts["rotation learning"] == 2 * learned.parts["rotation learning"]
+    assert "rotation learning" not in plain.parts and learned.ram_bytes > plain.ram_bytes

@@ -31,9 +31,12 @@ What the stage does, in place, one decoder layer at a time (float64 per weight, 
    default the largest power of two dividing the MLP width) and its weight takes ``W -> W V``
    (``lmpress/weights/online_rotation.py``; compressed-tensors' ``transform_config``, as vLLM reads it).
 
+5. ``learn`` (SpinQuant, arXiv:2405.16406): R1 and each layer's R2 start from the Hadamard matrices above and are
+   trained on the calibration samples for the activations the quantizing stage will use, then fused as in 2-3
+   (``lmpress/quantize/learned_rotations.py``).
+
 R3, the rotation of queries and keys before a quantized KV cache, is the cache's own (``kv_cache: {rotate: true}``).
-Not done yet: SpinQuant's learned rotations (arXiv:2405.16406); families other than dense Llama, Mistral, Qwen2
-and Qwen3 are refused.
+Families other than dense Llama, Mistral, Qwen2 and Qwen3 are refused.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from torch import nn
 
 from lmpress.anatomy import Anatomy, decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
+from lmpress.quantize.learned_rotations import LearnRotationsConfig, learn_rotations, learning_bytes
 from lmpress.registry import StageConfig, StageContext, register_stage
 from lmpress.weights.hadamard import hadamard_matrix, hadamard_order_refusal, random_hadamard
 from lmpress.weights.online_rotation import (
@@ -96,6 +100,9 @@ class RotateConfig(StageConfig):
         description="every decoder linear's input turned online in blocks of this power of two (the FP4 block: "
         "16 for NVFP4, 32 for MXFP4), its inverse fused into the weight",
     )
+    learn: LearnRotationsConfig | None = Field(
+        None, description="train R1 and R2 from the Hadamard start on the calibration samples (SpinQuant)"
+    )
 
     def check(self, model: nn.Module) -> None:
         """Refuse, before any weight is touched, a family or a width no rotation here fits (``model`` may be a
@@ -111,6 +118,11 @@ class RotateConfig(StageConfig):
                 f"stage rotate: head_dim {head_dim} of {_model_type(model)!r}: {refusal}; or set rotate_heads: false"
             )
 
+        if self.learn is not None and (not self.residual or self.input_block is not None):
+            raise LmpressInputError(
+                "stage rotate: learn trains R1, the residual stream's rotation: it needs residual: true and no "
+                "input_block"
+            )
         if self.input_block is not None:
             if self.rotate_down_proj:
                 raise LmpressInputError("stage rotate: input_block turns down_proj's input too: drop rotate_down_proj")
@@ -123,6 +135,9 @@ class RotateConfig(StageConfig):
             refusal = block_refusal(width, self.down_block(width))
             if refusal:
                 raise LmpressInputError(f"stage rotate: down_proj_block: {refusal}")
+
+    def learning_bytes(self, shape, seq_len: int) -> int:
+        return 0 if self.learn is None else learning_bytes(shape, self.learn.batch_size * seq_len)
 
     def down_block(self, width: int) -> int:
         return self.down_proj_block or largest_power_of_two_block(width)
@@ -298,15 +313,23 @@ def run_rotate(model: nn.Module, config: RotateConfig, ctx: StageContext) -> dic
 
     h = rotation(head_dim) if config.rotate_heads else None
     q = rotation(hidden) if config.residual else None
-    untie = rotate_residual_ends(model, q, device) if q is not None else False
     layers = decoder_layers(model)
+    heads = [h] * len(layers)
     down = next(name for name in parts.writes if name != parts.output)
     block = config.down_block(down_proj_width(model)) if config.rotate_down_proj else None
-    for layer in ctx.bars.track(layers, "rotate: layers", total=len(layers)):
+    learned = None
+    if config.learn is not None and q is not None:
+        untie = fold_norms(model, parts, device)
+        learned = learn_rotations(model, parts, ctx.calibration(), q, h, block, config.learn, ctx.bars)
+        q, heads = learned.residual, learned.heads or heads
+        rotate_residual_ends(model, q, device)
+    else:
+        untie = rotate_residual_ends(model, q, device) if q is not None else False
+    for layer, head in ctx.bars.track(zip(layers, heads, strict=True), "rotate: layers", total=len(layers)):
         if q is not None:
-            rotate_layer(layer, parts, q, h, anatomy.norm_offset, device)
-        elif h is not None:
-            rotate_heads(layer, parts, h, device)
+            rotate_layer(layer, parts, q, head, anatomy.norm_offset, device)
+        elif head is not None:
+            rotate_heads(layer, parts, head, device)
         online = {down: block} if block is not None else {}
         if config.input_block is not None:
             online = dict.fromkeys(layer_linears(layer), config.input_block)
@@ -323,7 +346,17 @@ def run_rotate(model: nn.Module, config: RotateConfig, ctx: StageContext) -> dic
         "untied_head": untie,
         "down_proj_hadamard_block": block,
         "input_hadamard_block": config.input_block,
-    }
+    } | ({} if learned is None else {"learned_steps": len(learned.losses), "learned_loss": learned.loss_summary()})
+
+
+def fold_norms(model: nn.Module, parts: ResidualParts, device: torch.device) -> bool:
+    """Fold every RMSNorm's scale into the linears it feeds (step 1 alone: R1 = I); returns whether the head was
+    untied from the embedding."""
+    eye = torch.eye(rotation_orders(model)[0], dtype=torch.float64, device=device)
+    untie = rotate_residual_ends(model, eye, device)
+    for layer in decoder_layers(model):
+        rotate_layer(layer, parts, eye, None, get_anatomy(model).norm_offset, device)
+    return untie
 
 
 def rotate_residual_ends(model: nn.Module, q: torch.Tensor, device: torch.device) -> bool:

@@ -252,13 +252,24 @@ def fake_quantize_fp4_activations(
     of ``x``, in ``x``'s dtype. NVFP4 uses the layer's static ``input_global_scale`` (per call from ``x`` when
     None)."""
     blocks = _blocks(x, FP4_BLOCK[fmt])
+    gs = None
     if fmt == "nvfp4":
         gs = nvfp4_global_scale(x) if input_global_scale is None else input_global_scale.float().to(x.device)
-        effective = _nvfp4_minmax_scales(blocks.abs().amax(-1), gs) / gs
-    else:
-        effective = _mxfp4_minmax_scales(blocks.abs().amax(-1))
+    effective = activation_block_scales(blocks.abs().amax(-1), fmt, gs)
     q = fake_quantize_e2m1((blocks / effective[..., None]).clamp(-E2M1_MAX, E2M1_MAX)) * effective[..., None]
     return q.reshape(x.shape).to(x.dtype)
+
+
+def activation_block_scales(
+    amax: torch.Tensor, fmt: Fp4Format, global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The effective scale (stored scale over the global one) of each activation block whose largest magnitude is
+    ``amax``: min/max scales, as the presets quantize activations per call."""
+    if fmt == "nvfp4":
+        if global_scale is None:
+            raise ValueError("NVFP4 activation scales need the global scale")
+        return _nvfp4_minmax_scales(amax, global_scale) / global_scale
+    return _mxfp4_minmax_scales(amax)
 
 
 # The layer ----------------------------------------------------------------------------------------
