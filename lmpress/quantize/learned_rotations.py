@@ -116,7 +116,8 @@ def quantize_activations_ste(x: torch.Tensor, kind: LearnedActivations) -> torch
     return (_straight_through(t, fake_quantize_e2m1(t)) * scale).reshape(x.shape)
 
 
-def _per_head(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def per_head(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Each head's block of ``x``'s last dimension times ``h`` (R2 on o_proj's input, or on its weight's columns)."""
     d = h.shape[0]
     return (x.reshape(*x.shape[:-1], -1, d) @ h).reshape(x.shape)
 
@@ -148,7 +149,7 @@ def rotated_quantization_hooks(
             if heads is None:
                 return (quant(args[0], kind),)
             h = heads[index]
-            return (_per_head(quant(_per_head(args[0], h), kind), h.T),)
+            return (per_head(quant(per_head(args[0], h), kind), h.T),)
 
         def down_input(module, args):
             if rotations() is None:

@@ -51,7 +51,7 @@ from torch import nn
 
 from lmpress.anatomy import Anatomy, decoder_layers, get_anatomy, layer_linears
 from lmpress.errors import LmpressInputError
-from lmpress.quantize.learned_rotations import LearnRotationsConfig, learn_rotations, learning_bytes
+from lmpress.quantize.learned_rotations import LearnRotationsConfig, learn_rotations, learning_bytes, per_head
 from lmpress.registry import StageConfig, StageContext, register_stage
 from lmpress.weights.hadamard import hadamard_matrix, hadamard_order_refusal, random_hadamard
 from lmpress.weights.online_rotation import (
@@ -240,16 +240,9 @@ def _rewrite(param: torch.Tensor, transform: Transform, device: torch.device, ch
 
 def _per_head_rows(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``H^T`` applied to each head's block of rows (a 2-D weight) or entries (a bias)."""
-    d = h.shape[0]
     if w.dim() == 1:
-        return (w.view(-1, d) @ h).reshape(-1)
-    return (h.T @ w.reshape(-1, d, w.shape[1])).reshape(w.shape)
-
-
-def _per_head_columns(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """``W H`` on each head's block of input columns."""
-    d = h.shape[0]
-    return (w.reshape(w.shape[0], -1, d) @ h).reshape(w.shape)
+        return per_head(w, h)
+    return (h.T @ w.reshape(-1, h.shape[0], w.shape[1])).reshape(w.shape)
 
 
 def _norm_scale(norm: nn.Module, offset: float, device: torch.device) -> torch.Tensor:
@@ -285,7 +278,7 @@ def rotate_layer(
     for name in parts.writes:
         linear = layer.get_submodule(name)
         if name == parts.output and h is not None:
-            _rewrite(linear.weight, lambda w: q.T @ _per_head_columns(w, h), device)
+            _rewrite(linear.weight, lambda w: q.T @ per_head(w, h), device)
         else:
             _rewrite(linear.weight, lambda w: q.T @ w, device)
         if linear.bias is not None:
@@ -385,4 +378,4 @@ def rotate_heads(layer: nn.Module, parts: ResidualParts, h: torch.Tensor, device
     _rewrite(values.weight, lambda w: _per_head_rows(w, h), device)
     if values.bias is not None:
         _rewrite(values.bias, lambda b: _per_head_rows(b, h), device)
-    _rewrite(output.weight, lambda w: _per_head_columns(w, h), device)
+    _rewrite(output.weight, lambda w: per_head(w, h), device)
