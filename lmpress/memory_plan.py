@@ -156,9 +156,12 @@ def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
     return rows * -(-cols * bits // 32) * 4 + groups * (4 + 1)
 
 
-def share_of_samples(samples: int, batch_size: int, processes: int) -> int:
-    """The most calibration samples one of ``processes`` holds when they share the batches out (``calib.ranks``)."""
+def share_of_samples(samples: int, batch_size: int, processes: int, by_rows: bool = False) -> int:
+    """The most calibration samples one of ``processes`` holds when they share the batches out (``calib.ranks``;
+    ``by_rows``: each batch's samples)."""
     batches = -(-samples // batch_size)
+    if by_rows:
+        return min(samples, batches * -(-batch_size // processes))
     return min(samples, -(-batches // processes) * batch_size)
 
 
@@ -241,7 +244,9 @@ def forecast_memory(
         (
             calibration_bytes(
                 shape,
-                share_of_samples(samples, s.batch_size, processes if s.spreads_across_processes else 1),
+                share_of_samples(
+                    samples, s.batch_size, processes if s.spreads_across_processes else 1, s.shares_batch_rows
+                ),
                 seq_len,
                 s.batch_size,
                 s.hessian_copies,

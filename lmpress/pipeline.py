@@ -350,7 +350,7 @@ def run_recipe(
     for stage in recipe.stages:
         stage.check_processes(processes.world)
         if stage.calibrates_layerwise and processes.world > 1:
-            check_shareable(recipe.data.samples, stage.batch_size, processes.world)
+            check_shareable(recipe.data.samples, stage.batch_size, processes.world, stage.shares_batch_rows)
     with processes.main_first():  # a GGUF source is converted once, by the main process
         path = resolve_checkpoint(spec.source, spec.revision)
     skeleton = model_skeleton(path, spec.trust_remote_code)

@@ -70,6 +70,8 @@ class StageConfig(StrictConfig):
     # its layer-wise pass shares the calibration batches out across launched processes, each holding its share's
     # activations (every method of the pass reduces what it gathers: lmpress.calib.ranks)
     spreads_across_processes: ClassVar[bool] = False
+    # a spread pass shares each batch's samples out instead of whole batches (it steps one batch at a time)
+    shares_batch_rows: ClassVar[bool] = False
     # rewrites every weight of the model at once (rotate): the whole float model is resident, nothing streams
     reads_whole_model: ClassVar[bool] = False
 

@@ -38,7 +38,7 @@ def deep_llama_dir(tmp_path_factory):
 def test_capture_keeps_hidden_states_compact_and_the_layer_kwargs(tiny_llama_dir):
     loaded = load_model(str(tiny_llama_dir))
     calibration = calibration_for(loaded.tokenizer, n=6)
-    captured = capture_first_layer_inputs(loaded.model, calibration, batch_size=4, device=torch.device("cpu"))
+    captured = capture_first_layer_inputs(loaded.model, calibration.split(4), device=torch.device("cpu"))
     assert [h.shape for h in captured.hidden] == [(4, 32, 128), (2, 32, 128)]
     assert all(h.dtype == torch.float16 for h in captured.hidden)
     cos, sin = captured.kwargs[0]["position_embeddings"]
@@ -129,7 +129,7 @@ def test_replayed_blocks_give_the_outputs_of_a_full_recomputation(family_dir, re
 
     monkeypatch.setattr(LayerSession, "outputs", keep_outputs)
     run_gptq(model, GPTQConfig(bits=4, group_size=32, batch_size=4), context(tmp_path, calibration))
-    inputs = capture_first_layer_inputs(model, calibration, 4, torch.device("cpu"))
+    inputs = capture_first_layer_inputs(model, calibration.split(4), torch.device("cpu"))
     layer = decoder_layers(model)[0]
     for hidden, kwargs, got in zip(inputs.hidden, inputs.kwargs, kept[0], strict=True):
         want = layer(hidden.float(), **kwargs)

@@ -307,3 +307,143 @@ def test_two_launched_processes_resume_what_one_process_started(tmp_path):
     assert one_thread_run(recipe, tmp_path / "unbroken") == 0
     assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
     assert not (tmp_path / ".run.partial-rank1").exists()
+
+
+def test_each_batch_shares_its_samples_once_and_a_batch_too_small_to_share_is_refused():
+    import torch
+
+    from lmpress.calib.ranks import rank_batch_rows
+
+    calibration = torch.arange(22).reshape(11, 2)  # batches of 4: 4 + 4 + 3 samples
+    parts = [rank_batch_rows(calibration, 4, r, 2) for r in range(2)]
+    for b, batch in enumerate(calibration.split(4)):
+        assert torch.cat([parts[0][b], parts[1][b]]).equal(batch)
+    assert [len(p) for p in parts[0]] == [2, 2, 2] and [len(p) for p in parts[1]] == [2, 2, 1]
+    check_shareable(12, 4, 4, by_rows=True)
+    with pytest.raises(LmpressInputError, match="leave a batch of 3, fewer samples than the 4 launched processes"):
+        check_shareable(11, 4, 4, by_rows=True)
+    with pytest.raises(LmpressInputError, match="leave a batch of 2, fewer samples than the 3"):
+        check_shareable(2, 8, 3, by_rows=True)
+
+
+def learn_on_part(rank: int, world: int, port: int, out: str) -> None:
+    """One launched process of the test below: its part of every batch, gradients summed over the gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    from lmpress.quantize.learned_rounding import learn_block_rounding
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        block, weights, hidden, targets = learning_problem()
+        parts = [(h[rank_batches(len(h), rank, world)], t[rank_batches(len(t), rank, world)]) for h, t in
+                 zip(hidden, targets, strict=True)]  # fmt: skip
+        best, info = learn_block_rounding(
+            block, weights, lambda i: (parts[i][0], {}), [t for _, t in parts], iterations=12, lr=0.05, seed=3,
+            ranks=world,
+        )  # fmt: skip
+        torch.save({"v": {n: r.v for n, r in best.items()}, "info": info}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def learning_problem():
+    """A two-linear block, its 4-bit weights to round and 3 batches of 5 samples with the float block's outputs."""
+    import torch
+
+    from lmpress.weights.scheme import QuantScheme
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(), torch.nn.Linear(48, 32))
+    scheme = QuantScheme(bits=4, group_size=16, symmetric=False)
+    weights = {name: (block.get_submodule(name).weight.data.clone(), scheme) for name in ("0", "2")}
+    hidden = [torch.randn(5, 7, 32) for _ in range(3)]
+    with torch.no_grad():
+        targets = [block(h) for h in hidden]
+    return block, weights, hidden, targets
+
+
+def test_a_learning_step_shared_by_samples_across_processes_takes_the_one_process_step(tmp_path):
+    """Learned rounding across processes: each step's squared error and gradient summed over the processes' parts
+    of the batch give the whole batch's (the same float sums in another order), so the steps, the kept iterate
+    and its loss are the one process's."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from lmpress.quantize.learned_rounding import learn_block_rounding
+
+    block, weights, hidden, targets = learning_problem()
+    best, info = learn_block_rounding(
+        block, weights, lambda i: (hidden[i], {}), targets, iterations=12, lr=0.05, seed=3
+    )  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(learn_on_part, args=(2, port, str(tmp_path / "part")), nprocs=2)
+    for rank in range(2):
+        shared = torch.load(tmp_path / f"part.{rank}")
+        assert shared["info"]["best_step"] == info["best_step"]
+        assert shared["info"]["start_loss"] == pytest.approx(info["start_loss"], rel=1e-6)
+        assert shared["info"]["best_relative_loss"] == pytest.approx(info["best_relative_loss"], rel=1e-5)
+        for name, r in best.items():
+            assert torch.allclose(shared["v"][name], r.v, atol=1e-6), name
+
+
+def learned_recipe(tmp_path, model) -> Path:
+    recipe = tmp_path / "recipe.yaml"
+    stage = {"method": "learned", "bits": 4, "group_size": 32, "init": "gptq", "iterations": 30, "batch_size": 4}
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "data": {"source": "builtin:python-docs", "samples": 16, "seq_len": 64},
+                "stages": [stage],
+                "export": {"formats": ["compressed-tensors"]},
+                "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 3}},
+                "gates": ["ppl_ratio <= 3"],
+            }
+        )
+    )
+    return recipe
+
+
+def test_learned_rounding_shares_each_step_batch_across_processes(tiny_llama_dir, tmp_path):
+    """Two processes hold half of every batch's samples; GPTQ's start from Hessians summed over them, each step's
+    gradient summed: the artifact is one process's up to the order of float32 sums (docs/scale.md: the bound)."""
+    from safetensors.torch import load_file
+
+    recipe = learned_recipe(tmp_path, tiny_llama_dir)
+    launch(tmp_path, str(recipe), str(tmp_path / "two"))
+    assert one_thread_run(recipe, tmp_path / "one") == 0
+    reports = {run: json.loads((tmp_path / run / "report.json").read_text()) for run in ("two", "one")}
+    summary = reports["two"]["stages"][0]["summary"]
+    assert summary["processes"] == 2 and summary["calibration"] == [16, 64]
+    two, one = (load_file(tmp_path / run / "compressed-tensors" / "model.safetensors") for run in ("two", "one"))
+    assert two.keys() == one.keys()
+    packed = [k for k in one if k.endswith("weight_packed")]
+    codes = sum(one[k].numel() for k in packed)
+    differ = sum(int((two[k] != one[k]).sum()) for k in packed)
+    assert differ <= codes // 1000  # the bound: codes move only where a sum's order tips a rounding or a sign
+    two_ppl, one_ppl = (reports[run]["candidate"]["metrics"]["ppl"] for run in ("two", "one"))
+    assert two_ppl == pytest.approx(one_ppl, rel=1e-3)
+    assert summary["mean_loss_ratio"] == pytest.approx(
+        reports["one"]["stages"][0]["summary"]["mean_loss_ratio"], rel=1e-3
+    )
+
+
+def test_learned_rounding_resumes_only_with_the_processes_that_shared_its_batches(tmp_path):
+    from tests.conftest import save_tiny_model
+
+    recipe = learned_recipe(tmp_path, save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=4))
+    out = tmp_path / "run"
+    assert killed_run(tmp_path, recipe, out, launched=False).returncode == -9
+    env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [*TORCHRUN, "-m", "lmpress.cli", "run", str(recipe), "--out", str(out), "--quiet", "--resume"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: cannot resume learned with 2")]
+    assert len(said) == 2 and "by 1: it shares each batch's samples" in said[0], done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr
+    assert one_thread_run(recipe, out, "--resume") == 0  # the state is kept: one process resumes it

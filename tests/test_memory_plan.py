@@ -278,9 +278,14 @@ def test_scale_bench_runs(tmp_path):
 def test_a_spread_pass_forecasts_each_process_its_share_of_the_activations(tiny_llama_dir):
     skeleton, cpu = model_skeleton(tiny_llama_dir), torch.device("cpu")
     gptq = stage_config("gptq")(bits=4, group_size=32)  # spreads (lmpress.calib.ranks)
-    learned = stage_config("learned")(bits=4, group_size=32)  # every process replays every batch
+    learned = stage_config("learned")(bits=4, group_size=32)  # half of each batch's samples
+    awq_learned = stage_config("learned")(bits=4, group_size=32, init="awq")  # every process, every batch
     hidden, seq_len = skeleton.config.hidden_size, 32
-    for stage, share in ((gptq, 8), (learned, 16)):  # 16 samples in batches of 4: 2 of 4 batches each
+    for stage, share in (
+        (gptq, 8),
+        (learned, 8),
+        (awq_learned, 16),
+    ):  # 16 samples: gptq's 4 batches of 4, learned's 2 of 8
         one, two = (
             forecast_memory(skeleton, tiny_llama_dir, "float32", [stage], 16, seq_len, cpu, processes=n) for n in (1, 2)
         )

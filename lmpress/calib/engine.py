@@ -37,7 +37,7 @@ from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy
 from lmpress.calib.activations import BatchStore, LayerInputs, Spill
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
-from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_batches, rank_samples
+from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_batch_rows, rank_batches, rank_samples
 from lmpress.calib.resume import SavedStates
 from lmpress.calib.session import LayerSession
 from lmpress.calib.state import LayerState
@@ -54,6 +54,9 @@ class CalibrationMethod:
     # everything it gathers goes through lmpress.calib.statistics' accumulators, which sum across ranks: a pass of
     # such methods spreads its batches over launched processes (lmpress.calib.ranks)
     reduces_across_ranks: bool = False
+    # it steps through the batches one at a time (learned rounding): a spread pass of such methods shares each
+    # batch's rows out, not whole batches (lmpress.calib.ranks)
+    spreads_rows: bool = False
 
     def __init__(self) -> None:
         self.warnings: list[str] = []
@@ -89,7 +92,7 @@ def layer_kinds(model: nn.Module) -> list[str] | None:
 
 @torch.no_grad()
 def capture_first_layer_inputs(
-    model: nn.Module, calibration: torch.Tensor, batch_size: int, device: torch.device, spill: Spill | None = None
+    model: nn.Module, batches: Sequence[torch.Tensor], device: torch.device, spill: Spill | None = None
 ) -> LayerInputs:
     """The first decoder layer's inputs for every batch, and, where layer types differ (:func:`layer_kinds`),
     the keyword arguments the first layer of each type receives (the layers before it pass their input through
@@ -98,7 +101,6 @@ def capture_first_layer_inputs(
     layers = decoder_layers(model)
     kinds = layer_kinds(model)
     first_of = {} if kinds is None else {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}
-    batches = calibration.split(batch_size)
     captured = LayerInputs(BatchStore([len(b) for b in batches], spill), [], {kind: [] for kind in first_of})
     last = max(first_of.values(), default=0)
 
@@ -234,23 +236,34 @@ def run_calibration(
     device = ctx.device
     quantized = rewritten = 0
     name = "+".join(m.name for m in methods)
-    ranks = world if world > 1 and all(m.reduces_across_ranks for m in methods) else 1
+    by_rows = all(m.spreads_rows for m in methods)
+    spreads = all(m.reduces_across_ranks for m in methods) and (by_rows or not any(m.spreads_rows for m in methods))
+    ranks = world if world > 1 and spreads else 1
+    if by_rows and saved is not None and saved.regrouped:
+        raise LmpressInputError(
+            f"cannot resume {name} with {world} process(es) from a pass calibrated by {saved.processes}: it shares "
+            f"each batch's samples among its processes; resume with {saved.processes}, or run without --resume"
+        )
     shape = list(calibration.shape)
     n_batches = math.ceil(len(calibration) / batch_size)
-    if ranks > 1:
-        calibration = rank_samples(calibration, batch_size, rank, world)
+    if ranks > 1 and by_rows:
+        batches = rank_batch_rows(calibration, batch_size, rank, world)
+    elif ranks > 1:
+        batches = list(rank_samples(calibration, batch_size, rank, world).split(batch_size))
+    else:
+        batches = list(calibration.split(batch_size))
     if world > 1:  # every rank restarts at the first layer some rank had not finished
         done = min_across_ranks(done)
     if saved is not None:
         saved.take_finished_layers(state, done)
     for index in range(done):
         quantized += state.restore_layer(index, layers[index])
-    spill = activation_spill(ctx, model, calibration.shape)
+    spill = activation_spill(ctx, model, torch.Size([sum(len(b) for b in batches), shape[1]]))
     if done < len(layers):
-        inputs = capture_first_layer_inputs(model, calibration, batch_size, device, spill)
+        inputs = capture_first_layer_inputs(model, batches, device, spill)
         if done:
             by_kind = inputs.by_kind
-            mine = rank_batches(n_batches, rank, world) if ranks > 1 else range(n_batches)
+            mine = rank_batches(n_batches, rank, world) if ranks > 1 and not by_rows else range(n_batches)
             inputs, carried = saved.load_inputs(done, n_batches, mine, inputs.kwargs, spill)
             inputs.by_kind = by_kind
             if world > 1:  # every process has read the saved inputs before any saves over them

@@ -8,7 +8,10 @@ computes its share's outputs for the next layer with them. gloo on CPUs, NCCL on
 collectives, whichever group the launcher's processes joined (``lmpress.distributed``).
 
 A pass spreads only when every method in it reduces what it gathers (``CalibrationMethod.reduces_across_ranks``);
-any other pass runs in full on every rank, the same deterministic work, so the ranks stay in step.
+any other pass runs in full on every rank, the same deterministic work, so the ranks stay in step. A pass whose
+methods step through the batches one at a time (learned rounding: one batch per optimisation step) shares each
+batch's rows instead (``CalibrationMethod.spreads_rows``): every rank holds its part of every batch, so each step's
+forward and backward pass is split across the ranks and its gradient summed.
 """
 
 from __future__ import annotations
@@ -43,8 +46,18 @@ def rank_batches(n_batches: int, rank: int, world: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
-def check_shareable(n_samples: int, batch_size: int, world: int) -> None:
-    """Refuse a calibration set with fewer batches than there are processes to share them."""
+def check_shareable(n_samples: int, batch_size: int, world: int, by_rows: bool = False) -> None:
+    """Refuse a calibration set with fewer batches than there are processes to share them (``by_rows``: a batch
+    with fewer samples than there are processes to share its rows)."""
+    if by_rows:
+        smallest = n_samples % batch_size or min(batch_size, n_samples)
+        if smallest < world:
+            raise LmpressInputError(
+                f"{n_samples} calibration samples in batches of {batch_size} leave a batch of {smallest}, fewer "
+                f"samples than the {world} launched processes that share each batch's samples; make data.samples "
+                "a multiple of batch_size, raise batch_size, or launch fewer processes"
+            )
+        return
     n_batches = math.ceil(n_samples / batch_size)
     if n_batches < world:
         raise LmpressInputError(
@@ -58,6 +71,12 @@ def rank_samples(calibration: torch.Tensor, batch_size: int, rank: int, world: i
     check_shareable(len(calibration), batch_size, world)
     batches = rank_batches(math.ceil(len(calibration) / batch_size), rank, world)
     return calibration[batches.start * batch_size : batches.stop * batch_size]
+
+
+def rank_batch_rows(calibration: torch.Tensor, batch_size: int, rank: int, world: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s part of every batch: its contiguous share of each batch's samples (``spreads_rows``)."""
+    check_shareable(len(calibration), batch_size, world, by_rows=True)
+    return [batch[rank_batches(len(batch), rank, world)] for batch in calibration.split(batch_size)]
 
 
 def collective(function: Callable[..., T]) -> Callable[..., T]:
@@ -137,6 +156,14 @@ def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     total = tensor.double()
     _all_reduce(total, dist.ReduceOp.SUM)
     return total.to(tensor.dtype)
+
+
+def add_across_ranks_(tensor: torch.Tensor) -> None:
+    """``tensor`` replaced in place by its elementwise sum over every rank, in its own dtype (every rank receives
+    the same bits: the collective reduces each element once and sends the result)."""
+    import torch.distributed as dist
+
+    _all_reduce(tensor, dist.ReduceOp.SUM)
 
 
 def max_across_ranks_(tensor: torch.Tensor) -> None:

@@ -72,6 +72,10 @@ rescaled weights; ``init: gptq`` starts from GPTQ's rounding (act-order within s
 groups, MSE-searched scales): α = β from its scales, V from its codes, clamped into
 [−0.5, 0.5]; ``init: awq+gptq``
 does both (GPTQ's codes of the rescaled weights).
+
+Across launched processes (``torchrun``; ``calib.ranks``) each process holds its part of every batch's samples and
+a step's squared error and gradient are summed over the parts before the sign step (docs/scale.md); with
+``init: awq`` the pass runs in full in every process (AWQ's search shares whole batches).
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ from torch.func import functional_call
 
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.hooks import first_input, move_to
+from lmpress.calib.ranks import add_across_ranks_, column_solve_cost, count_across_ranks, solve_across_ranks
 from lmpress.calib.session import LayerSession
 from lmpress.calib.statistics import HessianAccumulator, group_input_amax
 from lmpress.errors import LmpressInputError
@@ -139,6 +144,16 @@ class LearnedRoundingConfig(WeightQuantConfig):
     @property
     def step_size(self) -> float:
         return self.lr if self.lr is not None else 1.0 / self.iterations
+
+    @property
+    def spreads_across_processes(self) -> bool:  # type: ignore[override]
+        """Across launched processes each step's batch is shared out by samples; with AWQ's search in the pass
+        (init: awq), which shares whole batches, the pass runs in full in every process."""
+        return not self.init.startswith("awq")
+
+    @property
+    def shares_batch_rows(self) -> bool:  # type: ignore[override]
+        return self.spreads_across_processes
 
 
 # Tensor math -------------------------------------------------------------------------------------
@@ -303,6 +318,7 @@ def learn_block_rounding(
     seed: int,
     start: dict[str, Rounding] | None = None,
     full_range: bool = False,
+    ranks: int = 1,
 ) -> tuple[dict[str, Rounding], dict]:
     """Sign-gradient descent on the rounding of the linears ``weights`` (name in ``block`` -> (float weight,
     scheme)) against ``targets[i]``, the unquantized block's output on ``batch(i)`` (hidden, kwargs).
@@ -311,6 +327,10 @@ def learn_block_rounding(
     are, so an iterate's loss is compared with the starting rounding's loss on the same batch (computed first,
     one forward pass per batch): returns the rounding whose step had the lowest such ratio (the start's is 1)
     and ``{"start_loss" (mean over the batches), "best_relative_loss", "best_step"}``.
+
+    ``ranks`` > 1: launched processes share each batch's samples (``calib.ranks``), ``batch(i)`` and
+    ``targets[i]`` being this process's part; each step's squared error and its gradient are summed over the
+    parts, so every process takes the same step, the one process's up to the order of the float sums.
     """
     rounding = start or {name: init_rounding(w, scheme, full_range=full_range) for name, (w, scheme) in weights.items()}
     for r in rounding.values():
@@ -320,6 +340,11 @@ def learn_block_rounding(
     frozen = [p for p in block.parameters() if p.requires_grad]
     dtype = next(block.parameters()).dtype
 
+    # elements of each whole batch: a part's squared error over them is its share of the batch's mean
+    sizes = torch.tensor([t.numel() for t in targets], dtype=torch.float64)
+    if ranks > 1:
+        add_across_ranks_(sizes)
+
     def loss_on(index: int) -> torch.Tensor:
         hidden, kwargs = batch(index)
         overrides = {
@@ -327,6 +352,8 @@ def learn_block_rounding(
             for name, (w, scheme) in weights.items()
         }
         out = block_output(functional_call(block, overrides, (hidden,), kwargs))
+        if ranks > 1:
+            return torch.sum((out.float() - targets[index]) ** 2) / sizes[index].item()
         return torch.mean((out.float() - targets[index]) ** 2)  # L = ‖f(X; W) − f(X~; W~)‖²
 
     generator = torch.Generator().manual_seed(seed)
@@ -336,7 +363,10 @@ def learn_block_rounding(
         p.requires_grad_(False)
     try:
         with torch.no_grad():
-            start_losses = [loss_on(i).item() for i in range(len(targets))]
+            start_losses = torch.tensor([loss_on(i).item() for i in range(len(targets))], dtype=torch.float64)
+            if ranks > 1:
+                add_across_ranks_(start_losses)
+            start_losses = start_losses.tolist()
         with torch.enable_grad():
             for step in range(iterations):
                 if not order:
@@ -344,7 +374,10 @@ def learn_block_rounding(
                 index = order.pop()
                 loss = loss_on(index)
                 grads = torch.autograd.grad(loss, learnable, allow_unused=True)
-                relative = loss.item() / max(start_losses[index], torch.finfo(torch.float32).tiny)
+                loss_value = loss.item()
+                if ranks > 1:
+                    grads, loss_value = summed_over_ranks(grads, loss_value)
+                relative = loss_value / max(start_losses[index], torch.finfo(torch.float32).tiny)
                 if relative < best_relative:
                     best, best_relative, best_step = {n: r.clone() for n, r in rounding.items()}, relative, step
                 step_lr = lr * (1 - step / iterations)  # lr_t = lr · (1 − t/T)
@@ -363,14 +396,36 @@ def learn_block_rounding(
     return best, {"start_loss": start_loss, "best_relative_loss": best_relative, "best_step": best_step}
 
 
+def summed_over_ranks(
+    grads: tuple[torch.Tensor | None, ...], loss: float
+) -> tuple[tuple[torch.Tensor | None, ...], float]:
+    """Each gradient and the loss summed over the launched processes' parts of a batch, in one collective."""
+    present = [g for g in grads if g is not None]
+    flat = torch.cat([g.reshape(-1).float() for g in present] + [torch.tensor([loss], device=present[0].device)])
+    add_across_ranks_(flat)
+    summed, offset = [], 0
+    for g in grads:
+        if g is None:
+            summed.append(None)
+            continue
+        summed.append(flat[offset : offset + g.numel()].view_as(g).to(g.dtype))
+        offset += g.numel()
+    return tuple(summed), flat[-1].item()
+
+
 # On the engine -----------------------------------------------------------------------------------
 
 
 @torch.no_grad()
 def layer_hessians(
-    layer: nn.Module, names: list[str], batch: Callable[[int], tuple[torch.Tensor, dict]], n_batches: int
+    layer: nn.Module,
+    names: list[str],
+    batch: Callable[[int], tuple[torch.Tensor, dict]],
+    n_batches: int,
+    ranks: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """H = 2XXᵀ of the inputs of each linear ``names`` of ``layer`` (float weights) over ``n_batches`` batches."""
+    """H = 2XXᵀ of the inputs of each linear ``names`` of ``layer`` (float weights) over ``n_batches`` batches
+    (``ranks`` > 1: over every launched process's part of them)."""
     accumulators: dict[str, HessianAccumulator] = {}
 
     def hook_for(name: str) -> Callable:
@@ -390,6 +445,9 @@ def layer_hessians(
     finally:
         for handle in handles:
             handle.remove()
+    if ranks > 1:
+        for name in names:  # in the same order on every process
+            accumulators[name].reduce_across_ranks()
     return {name: acc.H for name, acc in accumulators.items()}
 
 
@@ -397,6 +455,8 @@ class LearnedRoundingMethod(CalibrationMethod):
     """The whole layer's rounding learned in ``prepare_layer`` (it needs every linear at once), then applied."""
 
     name = "learned"
+    reduces_across_ranks = True
+    spreads_rows = True  # one batch a step: the processes share each step's batch
 
     def __init__(self, config: LearnedRoundingConfig) -> None:
         super().__init__()
@@ -418,6 +478,7 @@ class LearnedRoundingMethod(CalibrationMethod):
         wanted = -(-self.config.samples // self.config.batch_size)
         if wanted > n and not self.warnings:
             rows = sum(session.inputs.hidden.rows)
+            rows = count_across_ranks(rows) if session.ranks > 1 else rows
             self.warnings.append(f"learned: samples {self.config.samples} > the {rows} calibration samples; using all")
         return min(n, wanted)
 
@@ -446,18 +507,26 @@ class LearnedRoundingMethod(CalibrationMethod):
         weights = {name: (session.linear(name).weight.data, session.targets[name]) for name in names}
         start = None
         if config.init.endswith("gptq"):
-            hessians = layer_hessians(session.layer, names, batch, n_batches)
-            start = {}
-            for name, (w, scheme) in weights.items():
+            hessians = layer_hessians(session.layer, names, batch, n_batches, session.ranks)
+
+            def gptq_codes(name: str) -> QuantizedWeight:
                 # lmpress's GPTQ recipe: act-order within static groups (no g_idx), MSE-searched scales
-                codes, _ = gptq_quantize_layer(w, hessians[name], scheme, act_order=True, static_groups=True, mse=True)
-                start[name] = init_rounding(w, scheme, codes, full_range=config.full_range)
+                w, scheme = weights[name]
+                return gptq_quantize_layer(w, hessians[name], scheme, act_order=True, static_groups=True, mse=True)[0]
+
+            cost = {name: column_solve_cost(weights[name][0]) for name in names}
+            codes = solve_across_ranks(names, cost.__getitem__, gptq_codes, session.ranks)
+            start = {
+                name: init_rounding(w, scheme, codes[name], full_range=config.full_range)
+                for name, (w, scheme) in weights.items()
+            }
         # NVFP4 W4A4: each linear's static activation scale from its float inputs on every calibration sample
         calibrated = [name for name in names if needs_input_scale(session.targets[name])]
         amax = group_input_amax(session, calibrated) if calibrated else {}
         best, info = learn_block_rounding(
             session.layer, weights, batch, targets, config.iterations, config.step_size,
             seed=config.seed * 100_003 + session.index, start=start, full_range=config.full_range,
+            ranks=session.ranks,
         )  # fmt: skip
         del targets
         self.losses.append((info["start_loss"], info["best_relative_loss"]))

@@ -37,7 +37,7 @@ def with_salient_channels(model) -> None:
 
 
 def layer0_session(model, calibration, config) -> LayerSession:
-    inputs = capture_first_layer_inputs(model, calibration, batch_size=4, device=torch.device("cpu"))
+    inputs = capture_first_layer_inputs(model, calibration.split(4), device=torch.device("cpu"))
     layer = decoder_layers(model)[0]
     targets = {
         n: config.scheme_for(f"model.layers.0.{n}") for n, m in layer.named_modules() if hasattr(m, "in_features")

@@ -191,7 +191,7 @@ def calibration_for(tokenizer, n: int = 8, seq_len: int = 32) -> torch.Tensor:
 
 
 def layer0_session(model, calibration, config) -> LayerSession:
-    inputs = capture_first_layer_inputs(model, calibration, batch_size=4, device=torch.device("cpu"))
+    inputs = capture_first_layer_inputs(model, calibration.split(4), device=torch.device("cpu"))
     layer = decoder_layers(model)[0]
     targets = {n: config.scheme_for(f"model.layers.0.{n}") for n in layer_linears(layer)}
     groups = expand_groups(get_anatomy(model), targets)
