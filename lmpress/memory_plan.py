@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
+from lmpress.calib.compute_dtype import calibration_compute_dtype
 from lmpress.errors import LmpressInputError
 from lmpress.metrics import NLL_CHUNK
 from lmpress.quantize.targets import WeightQuantConfig
@@ -235,9 +236,15 @@ def forecast_memory(
     # its baseline eval measured 500-600 MB over a forecast without them). Only the layer-wise engine's streaming
     # drops a layer's pages once it is quantized.
     float_pages = {"mapped float pages": replaced} if stored_dtype(checkpoint) == dtype and not streams else {}
-    # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized
+    # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized. A
+    # 16-bit layer calibrated on a CPU without 16-bit matrix units is held in float32, its checkpoint pages given
+    # back meanwhile (calib.compute_dtype; bench/scale.py's 8B layers measured so on an AVX2 EPYC)
+    upcast = any(s.calibrates_layerwise for s in stages) and calibration_compute_dtype(
+        getattr(torch, dtype), device
+    ) != getattr(torch, dtype)
+    streamed_layer = 4 * shape.layer_parameters if upcast else 2 * shape.layer_parameters * size
     resident = {
-        "weights": 2 * shape.layer_parameters * size if streams else float_model - replaced,
+        "weights": streamed_layer if streams else float_model - replaced,
         "quantized": max(by_layer.values(), default=0) if mapped else quantized,
     } | float_pages
     calibration = max(
@@ -259,7 +266,9 @@ def forecast_memory(
     )
     learning = max((s.learning_bytes(shape, seq_len) for s in stages), default=0)
     work = {"training": (4 * 4 + size) * shape.parameters} if training else {"calibration": calibration}
-    if learning > calibration and not training:  # the stages run one at a time: the larger need is the peak
+    if calibration and upcast and not streams and not training:  # the calibrated layer's float32 copy
+        work["float32 layer"] = 4 * shape.layer_parameters
+    if learning > sum(work.values()) and not training:  # the stages run one at a time: the larger need is the peak
         work = {"rotation learning": learning}
     forecast = MemoryForecast(processes=processes)
     forecast.phases["stages"] = process | resident | work

@@ -35,6 +35,7 @@ from torch import nn
 
 from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.calib.activations import BatchStore, LayerInputs, Spill
+from lmpress.calib.compute_dtype import calibration_compute_dtype, restore_layer_dtype, upcast_layer
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_batch_rows, rank_batches, rank_samples
@@ -272,6 +273,10 @@ def run_calibration(
                 prefix = f"{method.name}."
                 method.restore_carried({k.removeprefix(prefix): v for k, v in carried.items() if k.startswith(prefix)})
 
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    compute = calibration_compute_dtype(dtype, device)
+    if compute != dtype and done < len(layers):
+        ctx.bars.log(f"{name}: each layer computes in float32 while calibrated (this CPU has no {dtype} matrix unit)")
     # each layer's transient buffers (Hessians, float copies) go back to the OS when freed, not kept as heap
     with large_frees_unmapped():
         kinds = layer_kinds(model)
@@ -290,6 +295,7 @@ def run_calibration(
                 groups = [[n for g in groups for n in g]]
             with naming_out_of_memory(f"layer {index} ({prefix.rstrip('.')})", device):
                 layer.to(device)
+                originals = upcast_layer(layer, dtype) if compute != dtype else {}
                 blocks = tuple(b for b in anatomy.blocks if has_submodule(layer, b))
                 fed_only_by = tuple(
                     (c, p) for c, p in anatomy.fed_only_by if all(has_submodule(layer, n) for n in (c, *p))
@@ -303,6 +309,7 @@ def run_calibration(
                 observer = _output_observer(session, methods)
                 inputs = session.outputs(observer) if observer else session.outputs()
                 session.finish()
+                restore_layer_dtype(layer, originals, session.biases)
                 layer.to("cpu")
                 quantized += len(session.quantized)
                 rewritten += len(session.rewritten - set(session.quantized))
@@ -318,6 +325,7 @@ def run_calibration(
         **({"earlier_seconds": round(earlier, 2)} if done else {}),  # spent on the finished layers before resuming
         "seconds": round(time.perf_counter() - start_time, 2),
         "calibration": shape,
+        **({"compute_dtype": str(compute).removeprefix("torch.")} if compute != dtype else {}),
         **({"processes": ranks} if ranks > 1 else {}),  # each replayed its share of the samples
         "warnings": [w for m in methods for w in m.warnings],
     }

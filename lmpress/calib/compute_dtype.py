@@ -1,0 +1,67 @@
+"""The dtype a decoder layer computes in while it is calibrated on a CPU.
+
+A 16-bit checkpoint is loaded in its own dtype (half the memory of float32), but a CPU without 16-bit matrix
+instructions (no AVX-512 BF16 / FP16, no AMX: every AVX2-only host, AMD's Zen 2 and Zen 3 among them) multiplies
+bfloat16 matrices on PyTorch's fallback path: 20 GFLOPS against 163 in float32 for a 2048 x 4096 by 4096 x 14336
+product on a 2-vCPU AMD EPYC (AVX2), 8x slower. There each layer computes in float32 while the engine holds it
+(one layer at a time, so its float32 copy is the only memory added) and goes back to its dtype when it is done.
+The quantizers compute in float32 either way (``compute_qparams``, GPTQ's solve); what changes is that the
+layer's activations are no longer rounded to 16 bits between its operations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmpress.calib.pages import drop_file_pages
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def has_16bit_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices through oneDNN (AVX-512 or AMX) rather than the slow path."""
+    check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: nothing better to switch to
+        return True
+
+
+def calibration_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float32 for a 16-bit model calibrated on a CPU without that dtype's matrix instructions, else ``dtype``."""
+    if device.type == "cpu" and dtype in SIXTEEN_BIT and not has_16bit_matmul(dtype):
+        return torch.float32
+    return dtype
+
+
+def upcast_layer(layer: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Turn ``layer``'s ``dtype`` tensors (parameters and buffers) float32 in place; returns the originals by
+    name, for :func:`restore_layer_dtype`. An original in a memory-mapped checkpoint gives its resident pages
+    back meanwhile (read again from the page cache if it is restored)."""
+    originals = {}
+    for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+        if tensor.dtype == dtype:
+            originals[name] = tensor.data
+            tensor.data = tensor.data.float()
+            drop_file_pages(originals[name])
+    return originals
+
+
+def restore_layer_dtype(layer: nn.Module, originals: dict[str, torch.Tensor], biases: dict[str, torch.Tensor]) -> None:
+    """Put ``layer``'s tensors back in their dtype after :func:`upcast_layer`: an unchanged tensor gets its original
+    storage back (a memory-mapped checkpoint's pages stay file pages), a changed one is rounded to the dtype (its
+    original may be a file page dropped since, holding the checkpoint's value, so the comparison decides), and a
+    tensor whose module was replaced (a quantized linear's float weight) is left to go. ``biases`` (the session's
+    saved biases of quantized linears, by linear name) are rounded alike."""
+    current = dict(layer.named_parameters()) | dict(layer.named_buffers())
+    for name, original in originals.items():
+        tensor = current.get(name)
+        if tensor is None or tensor.dtype != torch.float32:  # replaced, or a replacement's own kind (FP8)
+            continue
+        back = tensor.data.to(original.dtype)
+        tensor.data = original if torch.equal(back, original) else back
+    for linear, bias in biases.items():
+        original = originals.get(f"{linear}.bias")
+        if original is not None:
+            biases[linear] = bias.to(original.dtype)

@@ -1,0 +1,76 @@
+"""A 16-bit model's layers compute in float32 while calibrated on a CPU without 16-bit matrix instructions
+(lmpress.calib.compute_dtype), and go back to their dtype after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpress.calib import compute_dtype
+from lmpress.calib.compute_dtype import calibration_compute_dtype, restore_layer_dtype, upcast_layer
+from lmpress.loader import load_model
+from lmpress.quantize.gptq import GPTQConfig, run_gptq
+from tests.test_calib_engine import calibration_for, context
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_only_a_16bit_model_on_a_cpu_without_its_matrix_unit_computes_in_float32(monkeypatch, native):
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: native)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    expected = torch.bfloat16 if native else torch.float32
+    assert calibration_compute_dtype(torch.bfloat16, cpu) == expected
+    assert calibration_compute_dtype(torch.float16, cpu) == (torch.float16 if native else torch.float32)
+    assert calibration_compute_dtype(torch.float32, cpu) == torch.float32
+    assert calibration_compute_dtype(torch.bfloat16, gpu) == torch.bfloat16  # a GPU has its own units
+
+
+def test_a_cpu_without_avx512_has_no_16bit_matrix_path():
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT"):
+        pytest.skip(f"this CPU's level is {torch.backends.cpu.get_cpu_capability()}: oneDNN may have one")
+    assert not compute_dtype.has_16bit_matmul(torch.bfloat16) and not compute_dtype.has_16bit_matmul(torch.float16)
+
+
+def test_a_layer_goes_back_to_its_dtype_keeping_what_it_did_not_change():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)).bfloat16()
+    before = {name: t.data for name, t in layer.named_parameters()}
+    originals = upcast_layer(layer, torch.bfloat16)
+    assert originals.keys() == before.keys() and all(p.dtype == torch.float32 for p in layer.parameters())
+    layer[1].weight.data.mul_(1.001)  # a method rescaled the norm
+    biases = {"2": layer[2].bias.data.clone()}  # the session keeps a quantized linear's bias
+    layer[2] = torch.nn.Identity()  # the linear was replaced (by its quantized module)
+    restore_layer_dtype(layer, originals, biases)
+    assert layer[0].weight.data.data_ptr() == before["0.weight"].data_ptr()  # untouched: the same storage
+    assert layer[1].weight.dtype == torch.bfloat16
+    assert torch.equal(layer[1].weight, (before["1.weight"].float() * 1.001).bfloat16())
+    assert biases["2"].dtype == torch.bfloat16 and torch.equal(biases["2"], before["2.bias"])
+
+
+def test_gptq_on_a_bfloat16_model_computes_in_float32_there_and_leaves_bfloat16_weights(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Float32 compute of a bfloat16 model is the float32 model whose weights are the bfloat16 values (but for the
+    rotary tables, which the model computes in its own dtype)."""
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: False)
+    loaded = load_model(str(tiny_llama_dir), "bfloat16")
+    calibration = calibration_for(loaded.tokenizer)
+    config = GPTQConfig(bits=4, group_size=32)
+    summary = run_gptq(loaded.model, config, context(tmp_path / "a", calibration))
+    assert summary["compute_dtype"] == "float32"
+    floats = [p for p in loaded.model.parameters() if p.is_floating_point()]
+    assert floats and all(p.dtype == torch.bfloat16 for p in floats)
+
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: True)
+    native = load_model(str(tiny_llama_dir), "bfloat16")
+    assert "compute_dtype" not in run_gptq(native.model, config, context(tmp_path / "b", calibration))
+    upcast = load_model(str(tiny_llama_dir), "float32")
+    upcast.model.load_state_dict(
+        {k: v.float() for k, v in load_model(str(tiny_llama_dir), "bfloat16").model.state_dict().items()}
+    )
+    run_gptq(upcast.model, config, context(tmp_path / "c", calibration))
+    # layer 0's q, k and v read the normed embeddings, which no rotary table touches: there float32 compute of the
+    # bfloat16 model is exactly the float32 model's, and bfloat16 compute is not
+    codes, reference, bf16 = (dict(m.model.named_buffers()) for m in (loaded, upcast, native))
+    for linear in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.0.self_attn.{linear}.qweight"
+        assert torch.equal(codes[name], reference[name]) and not torch.equal(codes[name], bf16[name]), name
