@@ -159,8 +159,9 @@ def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def add_across_ranks_(tensor: torch.Tensor) -> None:
-    """``tensor`` replaced in place by its elementwise sum over every rank, in its own dtype (every rank receives
-    the same bits: the collective reduces each element once and sends the result)."""
+    """``tensor`` replaced in place by its elementwise sum over every rank, in its own dtype. Every rank receives
+    the same bits: gloo's and NCCL's ring algorithms reduce each element along one path and send that result to
+    every rank (and the sum of two processes' values does not depend on their order)."""
     import torch.distributed as dist
 
     _all_reduce(tensor, dist.ReduceOp.SUM)
