@@ -276,7 +276,8 @@ def run_calibration(
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     compute = calibration_compute_dtype(dtype, device)
     if compute != dtype and done < len(layers):
-        ctx.bars.log(f"{name}: each layer computes in float32 while calibrated (this CPU has no {dtype} matrix unit)")
+        kind = str(dtype).removeprefix("torch.")
+        ctx.bars.log(f"{name}: each layer computes in float32 while calibrated (this CPU has no {kind} matrix unit)")
     # each layer's transient buffers (Hessians, float copies) go back to the OS when freed, not kept as heap
     with large_frees_unmapped():
         kinds = layer_kinds(model)
