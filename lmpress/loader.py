@@ -72,13 +72,18 @@ def load_model(
             # bitsandbytes exports: transformers' own integration rebuilds bitsandbytes' modules
             from lmpress.quantize.bnb import keep_unpacked
 
-            model = keep_unpacked(AutoModelForCausalLM.from_pretrained(path, device_map="cpu", use_safetensors=True))
+            model = keep_unpacked(
+                AutoModelForCausalLM.from_pretrained(path, device_map="cpu", use_safetensors=True, use_kernels=False)
+            )
         elif method is not None:
             # GPTQ / AWQ / compressed-tensors exports: lmpress's own readers, no kernels package needed.
             model = load_quantized_model(path, DTYPES[dtype])
         else:
+            # use_kernels=False: transformers >= 5.2x swaps hub kernels into the model at load and at every
+            # train() (fetched from the hub where it is reachable); lmpress calibrates, hooks and trains torch's own
+            # modules, the same on every host, and its placement guard moves the model between devices itself.
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=True
+                path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=True, use_kernels=False
             )
     except (OSError, ValueError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

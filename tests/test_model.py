@@ -24,6 +24,15 @@ def test_anatomy_finds_every_linear(request, fixture):
     assert len(loaded.fingerprint) == 64
 
 
+def test_the_loaded_model_keeps_torchs_own_modules(tiny_llama_dir):
+    """transformers >= 5.2x kernelizes a loaded model with hub kernels by default, again at every ``train()``
+    (distillation's student on a second device failed there); lmpress loads with them off."""
+    model = load_model(str(tiny_llama_dir)).model
+    assert getattr(model, "use_kernels", False) is False
+    model.train()
+    model.eval()
+
+
 def test_fingerprint_follows_the_weights(tiny_llama_dir, tmp_path):
     import shutil
 
