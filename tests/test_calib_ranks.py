@@ -135,6 +135,7 @@ STAGES = {
 }
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("stages", sorted(STAGES))
 def test_two_launched_processes_write_the_export_of_one(tiny_llama_dir, tmp_path, stages):
     recipe = tmp_path / "recipe.yaml"
@@ -161,6 +162,7 @@ def test_two_launched_processes_write_the_export_of_one(tiny_llama_dir, tmp_path
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".two")]  # no scratch left behind
 
 
+@pytest.mark.long
 def test_a_mixture_of_experts_spreads_its_expert_solves_and_writes_the_export_of_one(tmp_path):
     from tests.conftest import _train_tokenizer
     from tests.families import save_family_model
@@ -175,6 +177,7 @@ def test_a_mixture_of_experts_spreads_its_expert_solves_and_writes_the_export_of
     assert summary["processes"] == 2 and summary["moe_blocks_unfused"] >= 1
 
 
+@pytest.mark.long
 def test_wanda_masks_are_the_same_whichever_processes_summed_the_norms(tiny_llama_dir, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
@@ -247,6 +250,7 @@ def four_layer_gptq_recipe(tmp_path) -> Path:
     return gptq_recipe(tmp_path, save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=4))
 
 
+@pytest.mark.long
 def test_a_killed_process_stops_the_launch_and_one_process_resumes_it_to_the_unbroken_artifact(tmp_path):
     recipe = four_layer_gptq_recipe(tmp_path)
     out = tmp_path / "run"
@@ -281,6 +285,7 @@ sys.exit(main(sys.argv[1:] + extra))
 """
 
 
+@pytest.mark.long
 def test_processes_given_different_recipes_are_refused_in_one_line(tmp_path):
     recipe = four_layer_gptq_recipe(tmp_path)
     script = tmp_path / "other_recipe.py"
@@ -293,6 +298,7 @@ def test_processes_given_different_recipes_are_refused_in_one_line(tmp_path):
     assert "exitcode  : 2" in done.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.long
 def test_two_launched_processes_resume_what_one_process_started(tmp_path):
     recipe = four_layer_gptq_recipe(tmp_path)
     out = tmp_path / "run"
@@ -410,6 +416,7 @@ def learned_recipe(tmp_path, model) -> Path:
     return recipe
 
 
+@pytest.mark.long
 def test_learned_rounding_shares_each_step_batch_across_processes(tiny_llama_dir, tmp_path):
     """Two processes hold half of every batch's samples; GPTQ's start from Hessians summed over them, each step's
     gradient summed: the artifact is one process's up to the order of float32 sums (docs/scale.md: the bound)."""
@@ -434,6 +441,7 @@ def test_learned_rounding_shares_each_step_batch_across_processes(tiny_llama_dir
     )
 
 
+@pytest.mark.long
 def test_learned_rounding_resumes_only_with_the_processes_that_shared_its_batches(tmp_path):
     from tests.conftest import save_tiny_model
 

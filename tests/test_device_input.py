@@ -84,6 +84,7 @@ def fp8_artifact(tiny_llama_dir, tmp_path):
     return tmp_path / "fp8" / "compressed-tensors"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("command", ["generate", "eval"])
 def test_an_fp8_artifact_on_a_gpu_before_fp8_tensor_cores_exits_2(command, fp8_artifact, old_gpu, capsys, tmp_path):
     capsys.readouterr()
@@ -110,6 +111,7 @@ def fail_in(monkeypatch, layer_index: int, calls_before: int = 0, training: bool
     return calls
 
 
+@pytest.mark.long
 def test_out_of_memory_in_a_layer_names_stage_and_layer_and_the_run_resumes(
     tiny_llama_dir, tmp_path, capsys, monkeypatch
 ):
@@ -136,6 +138,7 @@ def test_out_of_memory_in_a_layer_names_stage_and_layer_and_the_run_resumes(
     assert (out / "hf" / "model.safetensors").read_bytes() == (fresh / "hf" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.long
 def test_out_of_memory_in_a_training_step_names_the_step_and_the_run_resumes(
     tiny_llama_dir, tmp_path, capsys, monkeypatch
 ):

@@ -10,6 +10,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {
     "smoke.environment",
@@ -52,6 +54,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.long
 def test_the_dry_run_passes_every_step(tmp_path, cache_dir):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "LMPRESS_CACHE": str(cache_dir)}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)

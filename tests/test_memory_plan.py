@@ -309,6 +309,7 @@ def giant_forecast(tmp_path, shape: str, processes: int, capsys) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.long
 def test_forecast_from_a_config_alone_counts_every_linear_of_a_giant(tmp_path, capsys):
     """Llama-3-70B's and Qwen3-235B-A22B's published configs (no weights anywhere): the packed weights of the
     largest layer, counted by hand from the configs' shapes (the MoE's 128 experts each as 3 linears)."""

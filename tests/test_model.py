@@ -148,6 +148,7 @@ def test_checkpoint_without_weights_is_refused(tiny_llama_dir, tmp_path):
         check_checkpoint_dir(path)
 
 
+@pytest.mark.long
 def test_a_gguf_source_converts_once_and_hands_the_converted_models_memory_back(private_cache, monkeypatch):
     """The first run of a GGUF source dequantizes it through transformers into a cached checkpoint; that model is
     garbage afterwards, and its memory goes back to the OS before the run goes on (glibc keeps freed heap: about

@@ -218,6 +218,7 @@ def test_python_api_quantize_model(tiny_llama_dir):
         lmpress.quantize_model(loaded.model, method="nope")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("static_groups", [False, True])
 def test_a_run_says_when_vllm_will_not_load_its_export(tiny_llama_dir, tmp_path, capsys, static_groups):
     gptq = {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True, "static_groups": static_groups}

@@ -137,6 +137,7 @@ def vllm_export(vllm_env, exports, tiny_llama_wide_dir, tmp_path_factory) -> Pat
     return out
 
 
+@pytest.mark.long
 def test_vllm_serve_answers_as_lmpress_generates(vllm_env, vllm_export, tmp_path):
     python = vllm_env
     export = vllm_export

@@ -41,6 +41,7 @@ def quickstart_like_recipe(tmp_path: Path, model_dir: Path, **changes) -> str:
     return str(path)
 
 
+@pytest.mark.long
 def test_report_and_console_give_size_and_decode_speed_before_and_after(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", quickstart_like_recipe(tmp_path, tiny_llama_dir), "--out", str(out)]) == 0

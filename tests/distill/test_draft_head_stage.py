@@ -43,6 +43,7 @@ def write_recipe(tmp_path, model_dir, stages, evals=None, gates=()) -> str:
     return str(path)
 
 
+@pytest.mark.long
 def test_a_run_ships_the_head_its_eval_scores_and_generate_drafts_with(eight_layer_dir, tmp_path, capsys):
     rtn = {"method": "rtn", "bits": 4, "group_size": 32, "ignore": ["lm_head"]}
     speculation = {"speculation": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 12}}

@@ -37,6 +37,7 @@ def summary(out) -> dict:
     return json.loads((out / "report.json").read_text())["stages"][1]["summary"]
 
 
+@pytest.mark.long
 def test_two_launched_processes_take_the_steps_of_one_and_only_the_main_one_writes(
     tiny_llama_dir, tmp_path, training_text
 ):
@@ -62,6 +63,7 @@ def test_two_launched_processes_take_the_steps_of_one_and_only_the_main_one_writ
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".two")]  # no partial or scratch left
 
 
+@pytest.mark.long
 def test_a_killed_launch_resumes_to_the_weights_of_an_unbroken_one(tiny_llama_dir, tmp_path, training_text):
     stages = [RTN_W2, distill_stage(text=training_text, steps=100, checkpoint_every=20, eval_every=0)]
     recipe = write_recipe(tmp_path, tiny_llama_dir, stages)
@@ -92,6 +94,7 @@ def test_a_killed_launch_resumes_to_the_weights_of_an_unbroken_one(tiny_llama_di
     assert not (tmp_path / ".killed.partial-rank1").exists()
 
 
+@pytest.mark.long
 def test_a_failed_gate_fails_the_launch(tiny_llama_dir, tmp_path, training_text):
     stages = [RTN_W2, distill_stage(text=training_text, steps=2, eval_every=0)]
     recipe = write_recipe(tmp_path, tiny_llama_dir, stages, gates=["ppl <= 1"])
@@ -102,6 +105,7 @@ def test_a_failed_gate_fails_the_launch(tiny_llama_dir, tmp_path, training_text)
     assert json.loads((tmp_path / "gated" / "report.json").read_text())["passed"] is False
 
 
+@pytest.mark.long
 def test_max_minutes_ends_a_launched_training(tiny_llama_dir, tmp_path, training_text):
     stage = distill_stage(text=training_text, steps=100_000, max_minutes=0.05, eval_every=0, checkpoint_every=0)
     recipe = write_recipe(tmp_path, tiny_llama_dir, [RTN_W2, stage])

@@ -46,6 +46,7 @@ def run(tmp_path, model_dir, stages, out, **changes) -> dict:
     return json.loads((tmp_path / out / "report.json").read_text())
 
 
+@pytest.mark.long
 def test_distillation_recovers_what_quantization_lost_and_ships_in_the_same_format(
     tiny_llama_dir, tmp_path, training_text
 ):
@@ -66,6 +67,7 @@ def test_distillation_recovers_what_quantization_lost_and_ships_in_the_same_form
     assert config["quantization_config"]["bits"] == 2
 
 
+@pytest.mark.long
 def test_training_only_scales_and_norms_keeps_the_latent_weights_and_still_recovers(
     tiny_llama_dir, tmp_path, training_text
 ):
@@ -90,6 +92,7 @@ def _linear_shapes(config: dict) -> list[tuple[int, int]]:
     return [(d, d), (kv, d), (kv, d), (d, d), (ff, d), (ff, d), (d, ff)]
 
 
+@pytest.mark.long
 def test_a_cached_teacher_trains_the_same_way_as_an_online_one_at_full_k(tiny_llama_dir, tmp_path, training_text):
     vocab = json.loads((Path(tiny_llama_dir) / "config.json").read_text())["vocab_size"]
     online = run(tmp_path, tiny_llama_dir, [RTN_W2, distill_stage(text=training_text, steps=6)], "online")
@@ -100,6 +103,7 @@ def test_a_cached_teacher_trains_the_same_way_as_an_online_one_at_full_k(tiny_ll
     assert b == pytest.approx(a, rel=2e-3)  # the cache stores float16 log-probabilities
 
 
+@pytest.mark.long
 def test_bf16_mixed_precision_trains_under_autocast_and_exports_the_same_format(
     tiny_llama_dir, tmp_path, training_text
 ):
@@ -119,6 +123,7 @@ def exported_weights(out: Path) -> dict:
     return load_file(str(out / "gptq" / "model.safetensors"))
 
 
+@pytest.mark.long
 def test_resume_after_a_kill_gives_the_weights_of_an_uninterrupted_run(tiny_llama_dir, tmp_path, training_text):
     stages = [RTN_W2, distill_stage(text=training_text, steps=100, checkpoint_every=20, eval_every=0)]
     recipe = write_recipe(tmp_path, tiny_llama_dir, stages)
@@ -182,6 +187,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path, 
     assert "vocabulary" in err and "differs from the teacher's (500)" in err
 
 
+@pytest.mark.long
 def test_teacher_answers_join_the_training_windows(tiny_llama_dir, tmp_path, training_text):
     import shutil
 

@@ -50,6 +50,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scheme", [s.name for s in SCHEMES])
 def test_every_side_agrees_on_every_pair_lmpress_writes(

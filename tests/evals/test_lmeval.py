@@ -49,6 +49,7 @@ metric_list:
     return tmp_path
 
 
+@pytest.mark.long
 def test_local_multiple_choice_task_through_lm_eval_matches_hflm(tiny, task_dir):
     """The task runs through lm_eval.simple_evaluate; lm-eval's own HF wrapper gives the same scores."""
     import lm_eval
@@ -103,6 +104,7 @@ def test_generate_until_matches_hflm_greedy(tiny):
     )
 
 
+@pytest.mark.long
 def test_unknown_task_is_refused(tiny, docs_text, tmp_path, task_dir):
     model, tokenizer = tiny
     config = LMEvalConfig(tasks=["no_such_task_anywhere"], include_path=str(task_dir))

@@ -13,6 +13,7 @@ from lmpress.evals.suite import baseline_identity
 pytestmark = pytest.mark.usefixtures("private_cache")
 
 
+@pytest.mark.long
 def test_a_bfloat16_run_does_not_reuse_the_float32_baseline(tiny_llama_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

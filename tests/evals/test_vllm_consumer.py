@@ -54,6 +54,7 @@ def vllm_outcomes(tiny_llama_wide_dir, tmp_path_factory):
     return {(o.scheme, o.format): o for o in outcomes}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("scheme", "fmt"), VLLM_PAIRS)
 def test_vllm_runs_each_export_as_lmpress_does_or_refuses_what_inspect_predicts(scheme, fmt, vllm_outcomes):
     outcome = vllm_outcomes[(scheme, fmt)]
@@ -65,6 +66,7 @@ def test_vllm_runs_each_export_as_lmpress_does_or_refuses_what_inspect_predicts(
     assert {(r.side, r.against) for r in outcome.results} == {("vllm", "reference"), ("vllm", "runtime")}
 
 
+@pytest.mark.long
 def test_vllm_runs_a_calibrated_fp8_kv_cache_export_where_its_cpu_build_can(tiny_llama_wide_dir, tmp_path):
     """A W8A8 export with a calibrated FP8 KV cache (kv_cache_scheme, k_scale / v_scale), given to vLLM with no
     flag: vLLM turns its FP8 cache on from the checkpoint and, on AVX-512 or AMX CPUs, agrees with lmpress's

@@ -134,6 +134,7 @@ def dequantized_copy(model):
     return model
 
 
+@pytest.mark.long
 @pytest.mark.integration
 def test_smollm2_q4_0_in_llama_cpp(smollm2_dir, tmp_path):
     from lmpress.loader import load_model

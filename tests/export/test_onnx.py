@@ -179,6 +179,7 @@ def test_unsupported_architecture_is_refused(tiny_opt_dir, tmp_path):
         write_onnx(model, tmp_path / FILE_NAME)
 
 
+@pytest.mark.long
 @pytest.mark.integration
 def test_smollm2_onnx_greedy_generation_is_identical(smollm2_dir, tmp_path):
     from lmpress.quantize.rtn import RTNConfig, run_rtn

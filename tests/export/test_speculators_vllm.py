@@ -55,6 +55,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.long
 def test_vllm_drafts_with_the_head_as_lmpress_does(tmp_path):
     python = vllm_python()
     if python is None:

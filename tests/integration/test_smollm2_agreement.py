@@ -39,6 +39,7 @@ def one_thread():
 
 # The W4 row (three formats, llama.cpp's included) is the slow one: --runslow; the W8A8 and FP8 rows (the
 # runtime defect issue 40 found) run by default.
+@pytest.mark.long
 @pytest.mark.parametrize(
     "scheme", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("W4") else s for s in PAIRS]
 )

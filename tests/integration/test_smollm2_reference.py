@@ -9,6 +9,7 @@ from lmpress.loader import load_model
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.long
 def test_fp32_perplexity_reproduces_reference(smollm2_dir):
     loaded = load_model(str(smollm2_dir))
     config = PerplexityConfig(seq_len=2048, windows=20, batch_size=4)

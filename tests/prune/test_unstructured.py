@@ -142,6 +142,7 @@ def pruned_linears(model) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("run", "config"),
     [
@@ -211,6 +212,7 @@ def _assert_resumed_identically(out: Path, ref: Path) -> None:
     assert layers and all(row["pattern"] == "2:4" for row in layers)
 
 
+@pytest.mark.long
 def test_resume_after_an_interrupt_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
     path = _resume_recipe(deep_llama_dir, tmp_path)
@@ -249,6 +251,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.long
 def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
     path = _resume_recipe(deep_llama_dir, tmp_path)

@@ -160,6 +160,7 @@ def awq_kl_to_float(model_dir, dtype: str, method: str = "awq") -> float:
     ).item()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_awq_works_on_half_precision_models(tiny_llama_dir, dtype):
     """The searches record float32 inputs; a bfloat16/float16 block must still run on them, to the same quality."""
@@ -175,6 +176,7 @@ def test_awq_scale_search_rounds_as_rtn_does_with_kquant_scales():
     assert torch.equal(fake_quantize_weight(w, scheme), quantize_weight_rtn(w, scheme).dequantize())
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "settings", [{"rounding": "rtn"}, {"rounding": "gptq", "act_order": True, "static_groups": True, "mse": True}]
 )

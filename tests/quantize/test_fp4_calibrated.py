@@ -264,6 +264,7 @@ def comparable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "settings",
     [

@@ -270,6 +270,7 @@ print((hwm() - before) / (n * n * 4))
 """
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="reads the kernel's VmHWM")
 def test_a_handed_over_hessian_saves_the_n_by_n_copy():
     """GPTQ on a 3072-wide layer, measured in fresh processes by the kernel's high-water mark: handing H over

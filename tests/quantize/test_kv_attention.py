@@ -138,6 +138,7 @@ def test_the_runtime_cache_stores_codes_and_says_its_bytes_per_token():
     assert keys.abs().amax(-1).eq(127).all()  # every written token's largest entry at ±127
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "kv",
     [
@@ -246,6 +247,7 @@ def test_a_recipe_with_an_fp8_kv_cache_scores_and_reports_it(tiny_llama_dir, tmp
     assert "kv_cache" in report["recipe"]
 
 
+@pytest.mark.long
 @pytest.mark.usefixtures("private_cache")
 def test_a_run_scores_its_weights_on_a_float_cache_beside_its_quantized_one(tiny_llama_dir, tmp_path):
     """With ``kv_cache:`` the perplexity, passkey and position evals run once more on the candidate with a float

@@ -203,6 +203,7 @@ def layer_outputs(session: LayerSession) -> torch.Tensor:
     return torch.cat([session.layer(hidden, **kwargs)[0] for hidden, kwargs in session.batches()])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("init", ["rtn", "awq", "gptq", "awq+gptq"])
 def test_learned_block_output_error_is_below_rtn(tiny_llama_dir, init):
     loaded = load_model(str(tiny_llama_dir))
@@ -352,6 +353,7 @@ def _recipe(model_dir: Path, tmp_path: Path, stage: dict, formats: list[str]) ->
     return path
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("stage", "formats"),
     [
@@ -396,6 +398,7 @@ def _assert_resumed_identically(out: Path, ref: Path) -> None:
         assert _sha256_dir(out / fmt) == _sha256_dir(ref / fmt), fmt
 
 
+@pytest.mark.long
 def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
     path = _recipe(deep_llama_dir, tmp_path, RESUME_STAGE, RESUME_FORMATS)

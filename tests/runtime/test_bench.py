@@ -119,6 +119,7 @@ def test_bench_names_the_kernel_of_every_layer():
     assert rows["kernel of attention.wo"] == "cpu-int4 (2 layers)" and rows["kernel of output"] == "dense (1 layer)"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("activations", "kernel"), [("int8", "cpu-w4a8"), ("bf16", "cpu-int4"), (None, "cpu-w4a8")])
 def test_bench_cli_runs_the_kernel_its_activations_name(tiny_llama_wide_dir, tmp_path, activations, kernel):
     """``lmpress bench --activations``: int8 (the default) runs lmpress's W4 kernel, bf16 torch's packed one."""

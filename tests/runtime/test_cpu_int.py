@@ -120,6 +120,7 @@ def test_several_rows_give_each_rows_own_result():
     torch.testing.assert_close(together, apart, rtol=0, atol=0)
 
 
+@pytest.mark.long
 def test_compiles_in_one_graph():
     w4 = cpu_int.W4A8Linear(*w4_case(37, 128, 64)[:3], None)
     w8 = cpu_int.W8A8RowLinear(*w8_case(37, 128)[:3], None)

@@ -76,6 +76,7 @@ def test_verification_with_features_steps_through_a_static_forward(eight_layers)
     torch.testing.assert_close(got[0], want[0][:, :3], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.long
 def test_sampling_with_a_draft_head_follows_the_target_distribution():
     """With a head whose proposals differ from the target's."""
     hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=4)

@@ -239,6 +239,7 @@ RUNTIME_FAMILIES = [family for family in __import__("tests.families").families.F
 SAMPLED = SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", RUNTIME_FAMILIES)
 def test_the_sampling_step_traces_whole_and_decodes_eagers_tokens(family):
     """Plain decoding's step (the one-token read and the choice of the next token) traces as one graph with no

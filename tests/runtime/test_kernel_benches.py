@@ -59,6 +59,7 @@ def dry_runs(tmp_path_factory):
     return {script: (r["out"], r["code"], r["rows"], r["on_disk"]) for script, r in runs.items()}
 
 
+@pytest.mark.long
 def test_triton_kernels_dry_run(dry_runs):
     out, code, rows, appended_when_printed = dry_runs["triton_kernels.py"]
     assert code == 0, out[-3000:]

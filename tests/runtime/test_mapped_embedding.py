@@ -51,6 +51,7 @@ def test_a_lookup_leaves_none_of_the_table_resident(untied):
     torch.testing.assert_close(rows, F.embedding(TOKENS, table.clone()), rtol=0, atol=0)
 
 
+@pytest.mark.long
 def test_decoding_eager_and_compiled_keeps_the_table_out_and_the_logits(untied):
     hf, model = untied
     with torch.no_grad():
@@ -96,6 +97,7 @@ compiled_forward()(model, torch.tensor([[5, 700]]), model.new_cache(1, 16))
 """
 
 
+@pytest.mark.long
 def test_a_compiled_step_over_a_mapped_table_is_found_in_inductors_cache_by_a_new_process(untied, tmp_path):
     """The table's address is no constant of the graph (it was: every process's key differed, and SmolLM2's step
     compiled for 58 s at every `lmpress generate --compile`; a second process now reuses the first's work)."""

@@ -214,6 +214,7 @@ def assert_first_two_tokens_follow_the_target(target_hf, target: Transformer, ru
     assert chi_square(counts, joint) < CHI2_CRITICAL_999[15]
 
 
+@pytest.mark.long
 def test_speculative_sampling_follows_target_distribution():
     """Against a draft model with a different distribution."""
     target_hf, draft_hf = tiny_hf_model("llama", seed=0, vocab_size=4), tiny_hf_model("llama", seed=1, vocab_size=4)

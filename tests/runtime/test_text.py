@@ -20,6 +20,7 @@ def reference_text(model_dir, new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "mode",
     [

@@ -50,6 +50,7 @@ def attend(q, keys, k_scales, values, v_scales, mask, pos):  # noqa: ANN001, ANN
     return decode_attention(*on, 0.125).cpu()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "n"), [(9, 3, 1), (9, 3, 3), (8, 1, 4), (2, 2, 2)])
 @pytest.mark.parametrize("window", [None, 5])

@@ -51,6 +51,7 @@ for block in (256, 512, 4096):
 """
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not PTXAS.is_file(), reason="this triton has no NVIDIA backend with ptxas")
 @pytest.mark.parametrize("capability", [90, 80])  # Hopper; Ampere (A100), which has no FP8 types
 def test_decode_attention_and_hadamard_kernels_compile(capability):

@@ -105,12 +105,14 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("bits,n,k,group,symmetric,act_order", LAYOUTS)
 @pytest.mark.parametrize("m", [1, 3, 8, 17])
 def test_matmul_matches_dequantized_reference_bf16(bits, n, k, group, symmetric, act_order, m):
     check(make_layer(n, k, QuantScheme(bits, group, symmetric), act_order), m, torch.bfloat16)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("bits,n,k,group,symmetric,act_order", LAYOUTS[::2])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("m", [1, 3])
@@ -297,6 +299,7 @@ def test_gpu_autotuned_split_k_gemv_is_right_every_time(monkeypatch, n, k):
         assert all(torch.equal(o, first) for o in outs), f"{config}: results differ between calls (a race)"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("bits", "group_size", "act_order"), [(4, 32, False), (4, 32, True), (8, -1, False)])
 def test_runtime_model_on_triton_kernels_matches_dequantized_reference(bits, group_size, act_order):
     """The decoder built for CUDA (Triton linears and RMSNorm) against the CPU runtime on dequantized weights."""
