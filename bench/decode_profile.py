@@ -3,6 +3,7 @@
     python bench/decode_profile.py                  # the same-artifact bench's export (bench/serve.py --group 64
                                                     # --head float --float-dtype bfloat16), 2 threads
     python bench/decode_profile.py RUN/compressed-tensors --threads 2 --steps 128
+    python bench/decode_profile.py ARTIFACT --prompt-tokens 4000 --kv-cache int8 --results DIR   # a long cache
 
 One command diagnoses a host kind: results go to ``bench/results/decode_profile.{json,md}``, one entry per host
 (CPU model and instruction sets, as ``bench/runtime_hosts.py`` names it); a run replaces only its own host's.
@@ -60,7 +61,9 @@ def part_timers(model: torch.nn.Module) -> tuple[dict[str, list[float]], list[An
 
         hooks.extend((module.register_forward_pre_hook(before), module.register_forward_hook(after)))
 
-    timed(model.output, f"head ({type(model.output).__name__}, {model.output.weight.dtype})")
+    head_weight = getattr(model.output, "weight", None)  # quantized heads hold codes, not a weight
+    head_dtype = "" if head_weight is None else f", {head_weight.dtype}"
+    timed(model.output, f"head ({type(model.output).__name__}{head_dtype})")
     timed(model.tok_embeddings, "embedding")
     for name, module in model.named_modules():
         if isinstance(module, (Attention, FeedForward, MoEFeedForward)):
@@ -135,6 +138,7 @@ def render(hosts: dict[str, Any]) -> str:
         meta = entry["meta"]
         pages.append(
             f"## {key}\n\n{meta['artifact']}; {meta['threads']} threads, {meta['prompt_tokens']}-token prompt, "
+            f"{meta.get('kv_cache', 'float')} KV cache, "
             f"{meta['steps']} steps, {meta['when']}, load average {meta['load']}.\n"
         )
         eager = entry["eager"]
@@ -163,6 +167,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--kv-cache", choices=("int8", "int4", "fp8"), help="quantize the cache (default float)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not args.artifact.is_dir():
@@ -170,10 +175,12 @@ def main() -> None:
             f"{args.artifact}: no export there (the default is bench/serve.py's: run it with --group 64 "
             "--head float --float-dtype bfloat16 first, or name an export)"
         )
+    from lmpress.cli import kv_quant_flag
     from lmpress.runtime.text import load_runtime
 
     torch.set_num_threads(args.threads)
     model, _ = load_runtime(str(args.artifact), "cpu", "float32")
+    model.kv_quant = kv_quant_flag(args.kv_cache)
     ids = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.args.vocab_size, (1, args.prompt_tokens), generator=ids)
     with torch.inference_mode():
@@ -186,6 +193,7 @@ def main() -> None:
         "threads": args.threads,
         "steps": args.steps,
         "prompt_tokens": args.prompt_tokens,
+        "kv_cache": args.kv_cache or "float",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load": f"{os.getloadavg()[0]:.2f}",
     }

@@ -142,6 +142,7 @@ namespace avx2 {
 struct V {
   using vec = __m256;
   static constexpr int W = 8;
+  static constexpr int REGS = 16;
   static vec load(const float* p) { return _mm256_loadu_ps(p); }
   static vec load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -162,7 +163,10 @@ struct V {
   static vec sum_each(const vec* v) {
     const vec a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const vec b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    // [a.lo, b.lo] + [a.hi, b.hi] by inserts and an extract: vperm2f128 is 8 micro-ops on AMD's Zen 1
+    const vec lows = _mm256_insertf128_ps(a, _mm256_castps256_ps128(b), 1);
+    const vec highs = _mm256_insertf128_ps(b, _mm256_extractf128_ps(a, 1), 0);
+    return _mm256_add_ps(lows, highs);
   }
   static void store(float* p, vec a) { _mm256_storeu_ps(p, a); }
 };
@@ -176,6 +180,7 @@ namespace avx512 {
 struct V {
   using vec = __m512;
   static constexpr int W = 16;
+  static constexpr int REGS = 32;
   static vec load(const float* p) { return _mm512_loadu_ps(p); }
   static vec load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

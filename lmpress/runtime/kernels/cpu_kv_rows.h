@@ -9,35 +9,35 @@
 // the GQA group reads a KV head's entries once, and a cache of codes costs one conversion per code, not one per row.
 
 // The R rows' scores over the slots [lo, hi): q . key x (the slot's scale for codes) x scale, into sc[r][s - lo].
-// W slots at a time: their keys (converted once for codes), each row's W dot products summed across lanes together
-// (V::sum_each), not one horizontal sum per slot.
+// W slots at a time: their keys (converted once for codes, into a block of float32 rows), each row's W dot products
+// summed across lanes together (V::sum_each), not one horizontal sum per slot. A row's W running sums and one query
+// vector are all the registers the inner loop holds (W + 1: 9 of AVX2's 16), so nothing spills: holding every row's
+// query in registers as well (R x NV vectors) spilled on AVX2, two loads per product, which AMD's Zen cores (one
+// 256-bit load a cycle) paid for at every product.
 template <typename T, int NV, int R>
 void row_scores(const RowGroup<T>& g, int64_t lo, int64_t hi) {
   constexpr int D = NV * V::W;
-  typename V::vec qv[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) qv[r][j] = V::load(g.q[r] + j * V::W);
   alignas(64) float converted[V::W * D];
   alignas(64) float sums[V::W];
   for (int64_t s0 = lo; s0 < hi; s0 += V::W) {
     const int count = static_cast<int>(std::min<int64_t>(V::W, hi - s0));
-    const float* block = nullptr;  // the block's keys as float32 rows
+    const float* block = converted;  // the block's keys as W float32 rows (a short last block padded with zeros)
     if constexpr (std::is_same_v<T, float>) {
-      block = g.keys + s0 * D;
+      if (count == V::W)
+        block = g.keys + s0 * D;
+      else
+        std::copy(g.keys + s0 * D, g.keys + (s0 + count) * D, converted);
     } else {
       for (int i = 0; i < count; ++i)
         for (int j = 0; j < NV; ++j) V::store(converted + i * D + j * V::W, V::load(g.keys + (s0 + i) * D + j * V::W));
-      block = converted;
     }
+    if (count < V::W) std::fill(converted + count * D, converted + V::W * D, 0.f);
     for (int r = 0; r < R; ++r) {
       typename V::vec dot[V::W];
-      for (int i = 0; i < V::W; ++i) {
-        if (i >= count) {
-          dot[i] = V::zero();
-          continue;
-        }
-        dot[i] = V::mul(qv[r][0], V::load(block + i * D));
-        for (int j = 1; j < NV; ++j) dot[i] = V::fma(qv[r][j], V::load(block + i * D + j * V::W), dot[i]);
+      for (int i = 0; i < V::W; ++i) dot[i] = V::zero();
+      for (int j = 0; j < NV; ++j) {
+        const typename V::vec qj = V::load(g.q[r] + j * V::W);
+        for (int i = 0; i < V::W; ++i) dot[i] = V::fma(qj, V::load(block + i * D + j * V::W), dot[i]);
       }
       V::store(sums, V::sum_each(dot));
       float* out = g.scores[r] + (s0 - lo);
@@ -46,24 +46,45 @@ void row_scores(const RowGroup<T>& g, int64_t lo, int64_t hi) {
   }
 }
 
+// Vectors of a value row one pass over the slots accumulates: the most (a divisor of NV) whose R x C running sums,
+// C value vectors and a broadcast weight fit the register file.
+template <int NV, int R>
+constexpr int value_columns() {
+  int c = NV;
+  while (c > 1 && (NV % c || (R + 1) * c + 1 > V::REGS)) --c;
+  return c;
+}
+
 // The R rows' weighted values over the slots [lo, hi): sum over s of weights[r][s - lo] x value_s, into g.acc[r]
-// (the weights hold each code row's scale already).
+// (the weights hold each code row's scale already). A pass accumulates C columns of vectors (value_columns), so
+// its running sums stay in registers, over a tile of TILE slots, so the tile's values stay in L1 between the passes
+// (float32 rows of a whole chunk do not: 64 KiB at 64 wide); each value entry is still loaded (and converted) once.
 template <typename T, int NV, int R>
 void row_values(const RowGroup<T>& g, int64_t lo, int64_t hi) {
-  typename V::vec acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = V::zero();
-  for (int64_t s = lo; s < hi; ++s) {
-    const T* value = g.values + s * NV * V::W;
-    typename V::vec v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = V::load(value + j * V::W);
-    for (int r = 0; r < R; ++r) {
-      const typename V::vec p = V::set1(g.scores[r][s - lo]);
-      for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(p, v[j], acc[r][j]);
+  // float32 rows go whole (C = NV: the running sums spill, but the step waits on memory, and whole rows stream;
+  // column passes over float32 rows read each row a cache line at a time and ran slower)
+  constexpr int C = std::is_same_v<T, float> ? NV : value_columns<NV, R>();
+  constexpr int64_t TILE = 32;
+  for (int r = 0; r < R; ++r) std::fill(g.acc[r], g.acc[r] + NV * V::W, 0.f);
+  for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
+    const int64_t t1 = std::min(hi, t0 + TILE);
+    for (int c0 = 0; c0 < NV; c0 += C) {
+      typename V::vec acc[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < C; ++j) acc[r][j] = V::load(g.acc[r] + (c0 + j) * V::W);
+      for (int64_t s = t0; s < t1; ++s) {
+        const T* value = g.values + (s * NV + c0) * V::W;
+        typename V::vec v[C];
+        for (int j = 0; j < C; ++j) v[j] = V::load(value + j * V::W);
+        for (int r = 0; r < R; ++r) {
+          const typename V::vec p = V::set1(g.scores[r][s - lo]);
+          for (int j = 0; j < C; ++j) acc[r][j] = V::fma(p, v[j], acc[r][j]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < C; ++j) V::store(g.acc[r] + (c0 + j) * V::W, acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) V::store(g.acc[r] + j * V::W, acc[r][j]);
 }
 
 // One group of R rows over the slots [g.first, g.last) of a chunk: scores, each row's softmax over what its mask
