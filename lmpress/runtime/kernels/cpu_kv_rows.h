@@ -2,11 +2,14 @@
 // against a chunk of one KV head's cached keys, their softmax, and the values they weight, over float32 entries,
 // int8 codes with a scale per slot or FP8 codes with a static scale. Included once per instruction set by
 // cpu_kv_attention.cpp, inside a namespace compiled for that set which defines `V`: the vector type `vec` of `W`
-// floats and its operations (`load` of W floats or of W int8 or FP8 codes as floats, `zero`, `set1`, `mul`, `fma`,
-// `sum_each` (W vectors' sums as one), `store`).
+// floats, its register count `REGS` and its operations (`load` of W floats or of W int8 or FP8 codes as floats,
+// `zero`, `set1`, `mul`, `fma`, `sum_each` (W vectors' sums as one), `store`).
 //
-// Each cached row is loaded (and for codes converted) once and used by all R query rows while it is in registers:
-// the GQA group reads a KV head's entries once, and a cache of codes costs one conversion per code, not one per row.
+// Each cached entry is loaded (and for codes converted) once for all R query rows: keys into a block of W float32
+// rows in L1 that every row then reads, values in registers used by every row. The GQA group reads a KV head's
+// entries once, and a cache of codes costs one conversion per code, not one per row. The loops are shaped to keep
+// their running sums in registers on AVX2's 16 as well as AVX-512's 32: spills cost AMD's Zen 1 (one 256-bit
+// load and half a 256-bit store a cycle) more than the products themselves.
 
 // The R rows' scores over the slots [lo, hi): q . key x (the slot's scale for codes) x scale, into sc[r][s - lo].
 // W slots at a time: their keys (converted once for codes, into a block of float32 rows), each row's W dot products

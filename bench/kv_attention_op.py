@@ -1,0 +1,143 @@
+"""The CPU cache-attention op alone (``lmpress_cpu::kv_slots_attention``), per layer at SmolLM2's shape (issue 50):
+microseconds per call over float32 entries, int8 codes and FP8 codes, for 1 to 4 query rows per KV head.
+
+    python bench/kv_attention_op.py                       # 4,000 of 4,096 slots filled, 5 rounds
+    python bench/kv_attention_op.py --isa 1 --rounds 3    # the AVX2 body on an AVX-512 host
+
+Each call attends one query token of 3 x R heads over 3 KV heads of 64 (R = 3 is SmolLM2: 9 heads on 3), as the
+compiled decode step calls it; the calls cycle through 30 layers' caches (184 MB in float32), so the caches come
+from memory as in a decode step, not from the last-level cache. Rounds interleave the rows; each row's figure is
+the median over rounds of the median call. ``GB/s``: the filled slots' bytes (codes and scales) over the time.
+Results: ``bench/results/kv_attention_op.{json,md}``, one entry per host kind (a run replaces only its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KV_HEADS, DIM, SLOTS = 3, 64, 4096
+ISAS = {-1: "the op's best level for this CPU", 1: "its AVX2 body", 2: "its AVX-512 body"}
+
+
+def caches(stored: str, fill: int, layers: int) -> list[tuple]:
+    """Each layer's (keys, key scales, values, value scales) as the runtime's cache holds them."""
+    from lmpress.weights.kv_quant import KVScheme, fp8_scale_from_amax, quantize_kv
+
+    g = torch.Generator().manual_seed(0)
+    made = []
+    for _ in range(layers):
+        pair = []
+        for _ in range(2):
+            x = torch.randn(1, KV_HEADS, SLOTS, DIM, generator=g)
+            if stored == "float32":
+                pair.append((x, None))
+            elif stored == "int8":
+                pair.append(quantize_kv(x, KVScheme("int8", "token")))
+            else:
+                scale = fp8_scale_from_amax(x[:, :, :fill].abs().amax(dim=(0, 2, 3)))
+                pair.append(quantize_kv(x, KVScheme("fp8", "head"), scale))
+        (k, ks), (v, vs) = pair
+        made.append((k, ks, v, vs))
+    return made
+
+
+def filled_bytes(layer: tuple, fill: int) -> int:
+    k, ks, v, vs = layer
+    per_slot = sum(t[0, :, 0].numel() * t.element_size() for t in (k, v))
+    per_slot += sum(t[0, :, 0].numel() * t.element_size() for t in (ks, vs) if t is not None and t.dim() == 4)
+    return per_slot * fill
+
+
+def time_row(layers: list[tuple], rows: int, fill: int, isa: int, calls: int) -> float:
+    """Median microseconds per call of ``calls`` calls cycling through the layers."""
+    from lmpress.runtime.kernels.cpu_kv_attention import kv_slots_attention
+
+    q = torch.randn(1, KV_HEADS * rows, 1, DIM, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(1, 1, 1, SLOTS, dtype=torch.bool)
+    mask[..., :fill] = True
+    times = []
+    for i in range(calls):
+        k, ks, v, vs = layers[i % len(layers)]
+        began = time.perf_counter()
+        kv_slots_attention(q, k, v, mask, DIM**-0.5, ks, vs, isa=isa)
+        times.append(time.perf_counter() - began)
+    return 1e6 * statistics.median(times)
+
+
+def render(hosts: dict) -> str:
+    pages = ["Measured by `python bench/kv_attention_op.py` (us per call: one layer of a decode step).\n"]
+    for key, entry in hosts.items():
+        meta = entry["meta"]
+        pages.append(
+            f"## {key}\n\n{ISAS[meta['isa']]}, {meta['threads']} threads, {meta['fill']} of {SLOTS} slots "
+            f"filled, {meta['rounds']} rounds, {meta['when']}.\n"
+        )
+        pages.append("| cache | query rows per KV head | us per layer, median [min, max] over rounds | GB/s |")
+        pages.append("| --- | --- | --- | --- |")
+        for row in entry["rows"]:
+            us = row["us"]
+            pages.append(
+                f"| {row['stored']} | {row['rows']} | {statistics.median(us):.0f} [{min(us):.0f}, {max(us):.0f}] "
+                f"| {row['bytes'] / statistics.median(us) / 1e3:.1f} |"
+            )
+        pages.append("")
+    return "\n".join(pages) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", type=int, default=-1, help="2 AVX-512, 1 AVX2, -1 the best this CPU runs")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=150, help="calls per row and round (5 passes of 30 layers)")
+    parser.add_argument("--fill", type=int, default=4000)
+    parser.add_argument("--layers", type=int, default=30, help="caches to cycle through (SmolLM2's 30 layers)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    from lmpress.runtime.kernels import cpu_kv_attention
+
+    if not cpu_kv_attention.available():
+        print("bench/kv_attention_op.py: the op is not built or this CPU has no AVX2 + FMA", file=sys.stderr)
+        return 2
+    isa = args.isa
+    torch.set_num_threads(args.threads)
+    stores = {name: caches(name, args.fill, args.layers) for name in ("float32", "int8", "fp8")}
+    rows = [
+        {"stored": s, "rows": r, "us": [], "bytes": filled_bytes(stores[s][0], args.fill)}
+        for s in stores
+        for r in args.rows
+    ]
+    for round_ in range(args.rounds):
+        for row in rows:
+            row["us"].append(time_row(stores[row["stored"]], row["rows"], args.fill, isa, args.calls))
+        print(
+            f"round {round_ + 1}/{args.rounds}: "
+            + ", ".join(f"{r['stored']} R{r['rows']} {r['us'][-1]:.0f} us" for r in rows),
+            flush=True,
+        )
+    host = cpu_identity()
+    meta = {
+        "isa": isa,
+        "threads": args.threads,
+        "fill": args.fill,
+        "layers": args.layers,
+        "rounds": args.rounds,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    print(file_host_entry(args.results / "kv_attention_op.json", host["key"], {"meta": meta, "rows": rows}, render))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
