@@ -60,8 +60,8 @@ constexpr int value_columns() {
 
 // The R rows' weighted values over the slots [lo, hi): sum over s of weights[r][s - lo] x value_s, into g.acc[r]
 // (the weights hold each code row's scale already). A pass accumulates C columns of vectors (value_columns), so
-// its running sums stay in registers, over a tile of TILE slots, so the tile's values stay in L1 between the passes
-// (float32 rows of a whole chunk do not: 64 KiB at 64 wide); each value entry is still loaded (and converted) once.
+// its running sums stay in registers, over a tile of TILE slots, so the codes the next pass reads are still in L1
+// at any head width; each value entry is still loaded (and converted) once.
 template <typename T, int NV, int R>
 void row_values(const RowGroup<T>& g, int64_t lo, int64_t hi) {
   // float32 rows go whole (C = NV: the running sums spill, but the step waits on memory, and whole rows stream;
