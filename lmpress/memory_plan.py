@@ -21,7 +21,9 @@ hold what stays resident for the whole run and the largest working set of one st
   copies: its Hessian, the damped inverse's factor and float32 copies of the weight) or ``training`` (student
   weights, gradients and the optimizer's two moments in float32, plus a teacher in the run's dtype).
 
-An eval holds the model and ``eval``: a batch's float32 logits and one window's log-softmax. After the stages
+An eval holds the model and ``eval``: a batch's float32 logits and one window's log-softmax; a 16-bit model on a
+CPU without that dtype's matrix unit also one decoder layer in float32 (``float32 layer``: the evals and the
+read-back and agreement checks compute so, calib.compute_dtype). After the stages
 the run holds the candidate (its float parts and packed codes): the read-back loads each
 export beside it (a dense format is the float model again); the runtime agreement builds lmpress's runtime from
 the first export beside both and compares both sides' float32 logits over the first eval window; the candidate
@@ -273,8 +275,11 @@ def forecast_memory(
     forecast = MemoryForecast(processes=processes)
     forecast.phases["stages"] = process | resident | work
     eval_work = eval_bytes(shape, logit_tokens, size, agreement_tokens) if logit_tokens else 0
+    # where 16-bit matmuls are slow, the evals' forwards widen one decoder layer at a time (layers_in_float32)
+    widened = calibration_compute_dtype(getattr(torch, dtype), device) != getattr(torch, dtype)
+    float32_layer = {"float32 layer": 4 * shape.layer_parameters} if widened else {}
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
-        forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work}
+        forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
     candidate = float_model - replaced + quantized  # the stages' result: its float parts and its packed codes
     if exports:
         sizes = [float_model if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
@@ -288,6 +293,7 @@ def forecast_memory(
                 "logits": (agreement_tokens + min(agreement_tokens, NLL_CHUNK)) * shape.vocab * 4,
             }
             | float_pages
+            | float32_layer
         )
         forecast.phases["runtime agreement"] = (
             process
@@ -301,11 +307,16 @@ def forecast_memory(
                 * 4,  # both sides', float32 (compared in float64 by blocks)
             }
             | float_pages
+            | float32_layer
         )
         if logit_tokens:
-            forecast.phases["candidate eval"] = process | {"read-back": read_back, "eval": eval_work} | float_pages
+            forecast.phases["candidate eval"] = (
+                process | {"read-back": read_back, "eval": eval_work} | float_pages | float32_layer
+            )
     elif logit_tokens:
-        forecast.phases["candidate eval"] = process | {"candidate": candidate, "eval": eval_work} | float_pages
+        forecast.phases["candidate eval"] = (
+            process | {"candidate": candidate, "eval": eval_work} | float_pages | float32_layer
+        )
     if device.type == "cuda":
         layer = 4 * shape.layer_parameters
         forecast.device_parts = {"layer": layer, "work": next(iter(work.values()))}

@@ -74,3 +74,75 @@ def test_gptq_on_a_bfloat16_model_computes_in_float32_there_and_leaves_bfloat16_
     for linear in ("q_proj", "k_proj", "v_proj"):
         name = f"model.layers.0.self_attn.{linear}.qweight"
         assert torch.equal(codes[name], reference[name]) and not torch.equal(codes[name], bf16[name]), name
+
+
+class Bf16Head(torch.nn.Module):
+    """A float32 model's output layer computing as a bfloat16 one does: its input and weight rounded to bfloat16."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.bfloat16(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.bfloat16(), self.weight)
+
+
+def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """The bfloat16 model's weights in a float32 model, its head left in bfloat16: what layers_in_float32 computes."""
+    import copy
+
+    reference = copy.deepcopy(model).float()
+    reference.lm_head = Bf16Head(model.lm_head.weight.data)
+    return reference
+
+
+def test_evals_widen_each_decoder_layer_and_keep_the_head_in_the_model_dtype(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: False)
+    model = load_model(str(tiny_llama_dir), "bfloat16").model
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    storage = {name: p.data_ptr() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        plain = model(ids).logits
+        with compute_dtype.layers_in_float32(model) as widened:
+            logits = model(ids).logits
+        expected = float32_reference(model)(ids).logits
+    assert widened and logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert not torch.equal(plain, expected)  # bfloat16 compute rounds between operations: the widening is seen
+    # afterwards: the same bfloat16 storage everywhere, no hook left
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == storage
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_evals_change_nothing_where_the_cpu_multiplies_16bit_matrices(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: True)
+    model = load_model(str(tiny_llama_dir), "bfloat16").model
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with compute_dtype.layers_in_float32(model) as widened:
+            assert not widened and not any(m._forward_hooks for m in model.modules())
+            assert torch.equal(model(ids).logits, plain)
+
+
+def test_the_perplexity_eval_of_a_bfloat16_model_is_the_widened_model_s(tiny_llama_dir, monkeypatch):
+    """run_suite scores the model as layers_in_float32 computes it (as a candidate: nothing cached), and the
+    baseline's cache key says so (a baseline cached from bfloat16 arithmetic is not reused). On this tiny model
+    bfloat16 arithmetic moves the perplexity by ~7e-5 relative."""
+    from lmpress.evals.suite import baseline_identity, run_suite
+    from lmpress.progress import QUIET
+    from lmpress.recipe import parse_recipe
+
+    evals = parse_recipe(
+        {"model": str(tiny_llama_dir), "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64}}}, "s"
+    ).eval
+    loaded = load_model(str(tiny_llama_dir), "bfloat16")
+    reference = float32_reference(loaded.model)
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: False)
+    assert baseline_identity("m", loaded.model)["compute"] == "torch.float32"
+    widened = run_suite(evals.evals, evals.text, loaded.model, loaded.tokenizer, "a", "candidate", QUIET)
+    expected = run_suite(evals.evals, evals.text, reference, loaded.tokenizer, "b", "candidate", QUIET)
+    assert widened["perplexity"].metrics["ppl"] == pytest.approx(expected["perplexity"].metrics["ppl"], rel=1e-6)
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: True)
+    assert "compute" not in baseline_identity("m", loaded.model)

@@ -170,6 +170,23 @@ def test_float_pages_stay_resident_only_where_the_checkpoint_is_mapped(tiny_llam
     assert "mapped float pages" not in mapped.phases["baseline eval"]  # there the whole model is "weights"
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_16bit_model_s_evals_hold_one_float32_layer_where_its_matmuls_are_slow(tiny_llama_dir, monkeypatch, native):
+    """layers_in_float32 widens one decoder layer at a time in every phase that runs the model's forward (the evals,
+    the read-back's window, the runtime agreement's evaluator); the stages count their own."""
+    from lmpress.calib import compute_dtype
+
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: native)
+    skeleton = model_skeleton(tiny_llama_dir)
+    rtn = stage_config("rtn")(method="rtn", bits=4, group_size=32)
+    cpu = torch.device("cpu")
+    forecast = forecast_memory(skeleton, tiny_llama_dir, "bfloat16", [rtn], 4, 32, cpu, 4 * 64, ["compressed-tensors"])
+    layer = max(sum(p.numel() for p in layer.parameters()) for layer in skeleton.model.layers)
+    for phase in ("baseline eval", "read-back", "runtime agreement", "candidate eval"):
+        assert forecast.phases[phase].get("float32 layer") == (None if native else 4 * layer)
+    assert "float32 layer" not in forecast.phases["stages"]  # RTN reads the whole model: no layer is widened
+
+
 def rtn_recipe(model, tmp_path, formats: list[str]):
     """A short RTN W4 run of ``model`` exporting ``formats``, scored on two 64-token windows."""
     recipe = tmp_path / "recipe.yaml"

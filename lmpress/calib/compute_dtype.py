@@ -7,9 +7,15 @@ product on a 2-vCPU AMD EPYC (AVX2), 8x slower. There each layer computes in flo
 (one layer at a time, so its float32 copy is the only memory added) and goes back to its dtype when it is done.
 The quantizers compute in float32 either way (``compute_qparams``, GPTQ's solve); what changes is that the
 layer's activations are no longer rounded to 16 bits between its operations.
+
+The evals do the same on such a CPU (:func:`layers_in_float32`): each decoder layer is widened to float32 around
+its forward, the output layer keeps the model's dtype.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -35,17 +41,63 @@ def calibration_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch
     return dtype
 
 
-def upcast_layer(layer: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def upcast_layer(layer: nn.Module, dtype: torch.dtype, drop_pages: bool = True) -> dict[str, torch.Tensor]:
     """Turn ``layer``'s ``dtype`` tensors (parameters and buffers) float32 in place; returns the originals by
-    name, for :func:`restore_layer_dtype`. An original in a memory-mapped checkpoint gives its resident pages
-    back meanwhile (read again from the page cache if it is restored)."""
+    name, for :func:`restore_layer_dtype`. With ``drop_pages``, an original in a memory-mapped checkpoint gives its
+    resident pages back meanwhile (read again from the page cache if it is restored)."""
     originals = {}
     for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
         if tensor.dtype == dtype:
             originals[name] = tensor.data
             tensor.data = tensor.data.float()
-            drop_file_pages(originals[name])
+            if drop_pages:
+                drop_file_pages(originals[name])
     return originals
+
+
+def model_dtype(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype of ``model``'s first floating-point parameter (float32 if none) and that parameter's device."""
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return (torch.float32, torch.device("cpu")) if param is None else (param.dtype, param.device)
+
+
+@contextmanager
+def layers_in_float32(model: nn.Module) -> Iterator[bool]:
+    """While the block runs, a 16-bit model on a CPU without that dtype's matrix unit (``calibration_compute_dtype``)
+    computes each decoder layer in float32: the embeddings' output is widened, a layer's 16-bit tensors are float32
+    copies during its forward only (one layer's copy at a time; the originals are put back after it), and the output
+    layer reads its input in the model's dtype again, so the logits are the 16-bit head's own arithmetic, as KLD
+    recomputes them. Yields whether it does; elsewhere (a GPU, a CPU with AVX-512 BF16 or AMX, a float32 model) it
+    changes nothing. ``model`` is a transformers causal LM with an anatomy (``lmpress.anatomy``)."""
+    from lmpress.anatomy import decoder_layers
+
+    dtype, device = model_dtype(model)
+    if calibration_compute_dtype(dtype, device) == dtype:
+        yield False
+        return
+    held: dict[nn.Module, dict[str, torch.Tensor]] = {}
+
+    def widen(layer: nn.Module, args: tuple) -> None:
+        held[layer] = upcast_layer(layer, dtype, drop_pages=False)
+
+    def put_back(layer: nn.Module, args: tuple, output: object) -> None:
+        current = dict(layer.named_parameters()) | dict(layer.named_buffers())
+        for name, original in held.pop(layer).items():
+            current[name].data = original
+
+    hooks = [model.get_input_embeddings().register_forward_hook(lambda m, args, out: out.float())]
+    for layer in decoder_layers(model):
+        hooks += [layer.register_forward_pre_hook(widen), layer.register_forward_hook(put_back)]
+    head = model.get_output_embeddings()
+    if head is not None:
+        hooks.append(head.register_forward_pre_hook(lambda m, args: (args[0].to(dtype), *args[1:])))
+    try:
+        yield True
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for layer in list(held):  # a forward that raised inside a layer
+            put_back(layer, (), None)
 
 
 def restore_layer_dtype(layer: nn.Module, originals: dict[str, torch.Tensor], biases: dict[str, torch.Tensor]) -> None:

@@ -309,11 +309,12 @@ def check_runtime_agreement(
     in ``dtype``), within the unit of what the runtime runs. On the CPU the runtime computes in ``dtype``; on
     CUDA in bfloat16, as its kernels there do (``load_runtime``), so the CPU's kernels are never built there.
     With ``kv`` both read a cache quantized so (the evaluator's attention under ``kv_quantized``)."""
+    from lmpress.calib.compute_dtype import layers_in_float32
     from lmpress.errors import LmpressInputError
     from lmpress.quantize.kv_attention import kv_quantized
     from lmpress.runtime.text import load_runtime
 
-    with kv_quantized(evaluator, kv):
+    with kv_quantized(evaluator, kv), layers_in_float32(evaluator):  # the evaluator computes as the evals do
         want = hf_side("evaluator", evaluator, execution_unit(evaluator, runtime=False)).logits(window)
     scale = float(want.abs().max())
     if torch.device(device).type != "cpu":

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lmpress.cache import cache_root, read_json, sha256_json, write_json_atomic
+from lmpress.calib.compute_dtype import calibration_compute_dtype, layers_in_float32, model_dtype
 from lmpress.data import Text, load_text, tokenize
 from lmpress.evals.gates import Gate, derived_metrics, evaluate_gates
 from lmpress.progress import QUIET, Bars
@@ -31,10 +32,13 @@ def baseline_identity(fingerprint: str, model: nn.Module) -> dict[str, Any]:
     import transformers
 
     param = next(model.parameters())
+    dtype, device = model_dtype(model)
+    compute = calibration_compute_dtype(dtype, device)  # layers_in_float32: float32 where 16-bit matmuls are slow
     return {
         "model": fingerprint,
         "dtype": str(getattr(model, "dtype", param.dtype)),
         "device": param.device.type,
+        **({"compute": str(compute)} if compute != dtype else {}),
         "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -63,7 +67,8 @@ def run_eval(
     device = next(model.parameters()).device
     ctx = EvalContext(text=text, ids=ids, role=role, store=store, bars=bars, device=device)
     handler = EVAL_HANDLERS[type(config)]
-    return handler(model, tokenizer, config, ctx)
+    with layers_in_float32(model):
+        return handler(model, tokenizer, config, ctx)
 
 
 def run_suite(
@@ -83,6 +88,10 @@ def run_suite(
     if isinstance(baseline, str):
         baseline = baseline_identity(baseline, model)
     text = load_text(text_source) if evals else None
+    dtype, device = model_dtype(model)
+    if evals and calibration_compute_dtype(dtype, device) != dtype:
+        kind = str(dtype).removeprefix("torch.")
+        bars.log(f"evals ({role}): each decoder layer computes in float32 (this CPU has no {kind} matrix unit)")
     results = {}
     for name, config in evals.items():
         store = baseline_store(baseline, name, config, text)

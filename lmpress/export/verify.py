@@ -145,11 +145,14 @@ def _same_groups(a: QuantizedLinear, b: QuantizedLinear) -> bool:
 
 @torch.inference_mode()
 def window_ppl(model: nn.Module, window: torch.Tensor) -> float:
-    """Perplexity of ``model`` on one ``(1, seq_len)`` token window (every next token scored)."""
+    """Perplexity of ``model`` on one ``(1, seq_len)`` token window (every next token scored), computed as the evals
+    compute (``layers_in_float32``)."""
+    from lmpress.calib.compute_dtype import layers_in_float32
     from lmpress.metrics import mean_token_nll
 
     device = next(model.parameters()).device
-    logits = model(window.to(device), use_cache=False).logits
+    with layers_in_float32(model):
+        logits = model(window.to(device), use_cache=False).logits
     return math.exp(mean_token_nll(logits, window))
 
 
