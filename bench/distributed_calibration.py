@@ -1,14 +1,17 @@
 """One-shot methods on SmolLM2-135M calibrated by one process or spread over two (torchrun, gloo), 1 thread each.
 
     python bench/distributed_calibration.py                          # GPTQ
-    python bench/distributed_calibration.py --methods awq smoothquant sparsegpt
+    python bench/distributed_calibration.py --methods awq smoothquant sparsegpt learned
                                        # each method's entry in bench/results/distributed_calibration.{json,md}
 
 Per method both runs are the same recipe (calibration 128 x 512 tokens of wiki.valid.tokens, seed 0; a short
 perplexity eval, so the stage's time is not the eval's) in fresh processes with ``OMP_NUM_THREADS=1``:
 ``lmpress run`` alone, then ``torchrun --nproc-per-node 2 -m lmpress.cli run``. The methods: GPTQ W4 g64 sym
 (act-order with static groups, MSE scales); AWQ W4 g64 sym (scale and clipping searches on 16 samples, RTN);
-SmoothQuant W8A8 with its α searched; SparseGPT 30% with GPTQ W4 g64 rounding in the same pass. Reported: the
+SmoothQuant W8A8 with its α searched; SparseGPT 30% with GPTQ W4 g64 rounding in the same pass; learned rounding
+W4 g64 as recipes/learned-w4.yaml (RTN start, batches of 4 samples) cut to 20 steps a layer so a pair of runs fits
+in half an hour (its processes share each step's samples and all-reduce every learnable tensor a step: the
+speed-up is per step, and the same for more steps). Reported: the
 stage's wall time from each report.json, its speed-up, the main process's stage peak RSS, how many stored values
 (packed codes, every float tensor) differ between the two exports and each candidate's perplexity (docs/scale.md).
 """
@@ -44,6 +47,15 @@ STAGES = {
     "awq": {"method": "awq", **W4},
     "smoothquant": {"method": "smoothquant", "alpha_search": True, "ignore": ["lm_head"]},
     "sparsegpt": {"method": "sparsegpt", "sparsity": 0.3, "quantize": {"bits": 4, "group_size": 64}},
+    "learned": {
+        "method": "learned",
+        **W4,
+        "iterations": 20,
+        "batch_size": 4,
+        "init": "rtn",
+        "full_range": True,
+        "seed": 0,
+    },
 }
 
 

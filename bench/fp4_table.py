@@ -41,6 +41,8 @@ ROTATE = {"method": "rotate"}  # R1 (residual stream) and R2 (v/o per head), fus
 ROTATE_R4 = {"method": "rotate", "rotate_down_proj": True}  # and R4: down_proj's input turned online
 # R1 and R2 learned from the Hadamard start for NVFP4 activations (SpinQuant; KL to the float model), R4 as above
 LEARNED_R4_NVFP4 = {**ROTATE_R4, "learn": {"activations": "nvfp4", "steps": 64}}
+# R4 alone (no R1 or R2): only down_proj's input, where the MLP's activation outliers are, turned online
+ROTATE_R4_ONLY = {"method": "rotate", "residual": False, "rotate_heads": False, "rotate_down_proj": True}
 # no R1 or R2: every decoder linear's input turned online in blocks of the FP4 block (MR-GPTQ's rotations)
 BLOCKS16 = {"method": "rotate", "residual": False, "rotate_heads": False, "input_block": 16}
 BLOCKS32 = {**BLOCKS16, "input_block": 32}
@@ -106,6 +108,10 @@ ROWS: dict[str, tuple[str, list[dict] | None]] = {
         "lmpress rotate (R1 R2 learned, 64 steps; R4) + GPTQ NVFP4 W4A4, MSE scale search",
         [LEARNED_R4_NVFP4, gptq(NVFP4)],
     ),
+    "r4-only-gptq-nvfp4": (
+        "lmpress rotate (R4 only: down_proj's input; no R1 R2) + GPTQ NVFP4 W4A4, MSE scale search",
+        [ROTATE_R4_ONLY, gptq(NVFP4)],
+    ),
     # W4A8: integer weights, int8 activations
     "gptq-w4a16-g64": ("lmpress GPTQ W4A16 g64, MSE scales", [gptq(W4_G64)]),
     "gptq-w4a8-g64": ("lmpress GPTQ W4A8 g64 (int8 activations per token), MSE scales", [gptq(W4A8_G64)]),
@@ -130,7 +136,9 @@ ROWS: dict[str, tuple[str, list[dict] | None]] = {
 }
 PEER_ROWS = [name for name in ROWS if name.startswith("llmc-")]
 
-ROTATED_NVFP4 = ["rotate-gptq-nvfp4", "rotate-r4-gptq-nvfp4", "learned-r4-gptq-nvfp4", "blocks-gptq-nvfp4"]
+ROTATED_NVFP4 = [
+    "rotate-gptq-nvfp4", "rotate-r4-gptq-nvfp4", "learned-r4-gptq-nvfp4", "r4-only-gptq-nvfp4", "blocks-gptq-nvfp4",
+]  # fmt: skip
 PEER_W4A4 = ["llmc-nvfp4", "llmc-quip-nvfp4", "llmc-spinquant-nvfp4"]
 
 # (lmpress rows the goal takes the best measured of, goal text, how it is measured: a function of the kept rows'

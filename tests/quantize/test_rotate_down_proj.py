@@ -43,6 +43,21 @@ def test_r4_rotated_model_computes_the_same_logits(case, block, tmp_path, monkey
     assert input_rotation_of(model.model.layers[0].mlp.up_proj) is None
 
 
+def test_r4_alone_turns_only_down_proj_and_computes_the_same_logits(tmp_path, monkeypatch):
+    """R4 without R1 or R2 (bench/fp4_table.py's r4-only rows): only down_proj's input is turned; the residual
+    stream, the embeddings and v/o keep their weights."""
+    model = tiny_model("LlamaConfig", torch.float64, tie_word_embeddings=False)
+    exact_norms(model, monkeypatch)
+    before = logits(model)
+    untouched = {n: p.clone() for n, p in model.named_parameters() if "down_proj" not in n}
+    config = RotateConfig(residual=False, rotate_heads=False, rotate_down_proj=True)
+    info = run_rotate(model, config, context(tmp_path))
+    assert ((logits(model) - before).abs().max() / before.abs().max()).item() < 1e-12
+    assert info["hidden_hadamard"] is None and info["down_proj_hadamard_block"] == 64
+    assert all(torch.equal(p, untouched[n]) for n, p in model.named_parameters() if n in untouched)
+    assert all(input_rotation_of(layer.mlp.down_proj).block == 64 for layer in model.model.layers)
+
+
 def test_an_r4_block_that_does_not_fit_the_mlp_is_refused_before_any_weight_changes(tmp_path):
     model = tiny_model("LlamaConfig")
     before = {n: p.clone() for n, p in model.state_dict().items()}
