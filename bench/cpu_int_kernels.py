@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -57,14 +58,21 @@ def build_base(rev: str) -> None:
     from lmpress.cache import cache_root
 
     repo = Path(__file__).resolve().parents[1]
-    source = subprocess.run(
-        ["git", "show", f"{rev}:lmpress/runtime/kernels/cpu_int.cpp"], cwd=repo, check=True, capture_output=True
-    ).stdout.decode()
+
+    def at_rev(name: str) -> str:
+        path = f"{rev}:lmpress/runtime/kernels/{name}"
+        return subprocess.run(["git", "show", path], cwd=repo, check=True, capture_output=True).stdout.decode()
+
+    source = at_rev("cpu_int.cpp")
     source = source.replace("TORCH_LIBRARY(lmpress_cpu,", "TORCH_LIBRARY(lmpress_cpu_base,")
     source = source.replace("TORCH_LIBRARY_IMPL(lmpress_cpu,", "TORCH_LIBRARY_IMPL(lmpress_cpu_base,")
-    digest = hashlib.sha256(source.encode() + torch.__version__.encode()).hexdigest()[:16]
+    headers = {name: at_rev(name) for name in re.findall(r'^#include "([^"]+)"', source, re.MULTILINE)}
+    text = source + "".join(headers.values())
+    digest = hashlib.sha256(text.encode() + torch.__version__.encode()).hexdigest()[:16]
     build = cache_root() / "kernels" / f"lmpress_cpu_base_{digest}"
     build.mkdir(parents=True, exist_ok=True)
+    for name, header in headers.items():  # the revision's own kernels, beside the source that includes them
+        (build / name).write_text(header)
     path = build / "cpu_int_base.cpp"
     path.write_text(source)
     load(

@@ -1,0 +1,126 @@
+// cpu_int.cpp's AVX2 + FMA kernels (vpmaddubsw): W4 per row in the natural layout, W8 per row. Included once by
+// cpu_int.cpp inside its anonymous namespace (it uses cpu_int.cpp's Acts, group_of and log2_or_minus1); the
+// layouts and the sums they compute are described at the top of cpu_int.cpp.
+
+TARGET_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The zero points' term, scale x zero x (the group's d * sum(q)): subtracted from M rows' lanes 8 groups at a time;
+// what is left of the last 8 (fewer) returned per row in tail[m], to subtract after the lane sum (a scalar loop, as
+// staging it through memory into a vector stalls on the store).
+template <int M>
+TARGET_AVX2 inline void subtract_zero_term_avx2(const float* sc, const uint8_t* zeros, const float* zs, int64_t G,
+                                                __m256* acc, float* tail) {
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) {
+    const __m256 z =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g))));
+    const __m256 sz = _mm256_mul_ps(_mm256_loadu_ps(sc + g), z);
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fnmadd_ps(sz, _mm256_loadu_ps(zs + m * G + g), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    tail[m] = 0.f;
+    for (int64_t i = g; i < G; ++i) tail[m] += sc[i] * static_cast<float>(zeros[i]) * zs[m * G + i];
+  }
+}
+
+// R weight rows per pass over the M input rows' activations: decode (M = 1, 2) dots 2 rows at once, sharing each
+// 64-block's activation loads (codes and per-4 scales) between them; more input rows take one weight row at a time
+// (their accumulators fill the 16 registers). Each weight row is prefetched ahead_bytes ahead.
+template <int M, int R>
+TARGET_AVX2 void w4_rows_avx2_by(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
+                                 int64_t n1, int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0,
+                                 int64_t N, float* y, int64_t ahead_bytes) {
+  const int64_t nb = K / BLOCK, spg = nb / G, shift = log2_or_minus1(spg);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* xf = a.fb.data() + m0 * nb * 16;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* row[R];
+    const float* sc[R];
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r) {
+      row[r] = codes + (n + r) * (K / 2);
+      sc[r] = scales + (n + r) * G;
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < R; ++r) {
+        if (ahead_bytes && (b & 1) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(row[r] + b * 32) + ahead_bytes, _MM_HINT_T0);
+        const __m256 s = _mm256_set1_ps(sc[r][group_of(b, spg, shift)]);
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + b * 32));
+        const __m256i lo = _mm256_and_si256(w, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = xq + m * K + b * BLOCK;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+          const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones));
+          const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
+          const float* f = xf + (m * nb + b) * 16;  // lane i of d0 sums codes 4i..4i+3: one block of 4
+          const __m256 dot = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), _mm256_mul_ps(d0, _mm256_loadu_ps(f)));
+          acc[r][m] = _mm256_fmadd_ps(dot, s, acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float tail[M];
+      subtract_zero_term_avx2<M>(sc[r], zeros + (n + r) * G, zsum + m0 * G, G, acc[r], tail);
+      for (int m = 0; m < M; ++m) y[(m0 + m) * N + n + r] = hsum256(acc[r][m]) - tail[m];
+    }
+  }
+  if (n < n1) w4_rows_avx2_by<M, 1>(codes, scales, zeros, n, n1, K, G, a, zsum, m0, N, y, ahead_bytes);
+}
+
+template <int M>
+TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                              int64_t K, int64_t G, const Acts& a, const float* zsum, int64_t m0, int64_t N, float* y,
+                              int64_t ahead_bytes) {
+  w4_rows_avx2_by<M, (M <= 2 ? 2 : 1)>(codes, scales, zeros, n0, n1, K, G, a, zsum, m0, N, y, ahead_bytes);
+}
+
+template <int M>
+TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                              int64_t K, const Acts& a, int64_t m0, int64_t N, float* y, int64_t ahead_bytes) {
+  // maddubs takes unsigned x signed bytes into saturating int16 pairs: 255 * 127 * 2 overflows, so the codes go in
+  // as q - 128 (signed) through the sign trick: |w| * sign(x, w) = w * x, at most 128 * 127 * 2 per pair.
+  const int64_t nb = K / BLOCK, na = K / ABLOCK;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  float xs[M];  // sum of d * sum(q) over the row's blocks: the zero point's term
+  for (int m = 0; m < M; ++m) {
+    xs[m] = 0.f;
+    for (int64_t b = 0; b < na; ++b) xs[m] += a.s[(m0 + m) * na + b];
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * K;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(row + b * BLOCK) + ahead_bytes, _MM_HINT_T0);
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK)), flip);
+      const __m256i w1 =
+          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK + 32)), flip);
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
+        const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w0);
+        const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)), w1);
+        const float* f = a.fb.data() + ((m0 + m) * nb + b) * 16;
+        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones));
+        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
+        acc[m] = _mm256_fmadd_ps(d0, _mm256_loadu_ps(f), acc[m]);
+        acc[m] = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m)  // sum d * dot(q - 128, x) + 128 * xs = sum d * dot(q, x)
+      y[(m0 + m) * N + n] = scales[n] * (hsum256(acc[m]) + (128.f - static_cast<float>(zeros[n])) * xs[m]);
+  }
+}
