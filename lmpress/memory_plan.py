@@ -22,8 +22,8 @@ hold what stays resident for the whole run and the largest working set of one st
   weights, gradients and the optimizer's two moments in float32, plus a teacher in the run's dtype).
 
 An eval holds the model and ``eval``: a batch's float32 logits and one window's log-softmax; a 16-bit model on a
-CPU without that dtype's matrix unit also one decoder layer in float32 (``float32 layer``: the evals and the
-read-back and agreement checks compute so, calib.compute_dtype). After the stages
+CPU without that dtype's matrix unit also one decoder layer or the output layer in float32 (``float32 layer``: the
+evals and the read-back and agreement checks compute so, calib.compute_dtype). After the stages
 the run holds the candidate (its float parts and packed codes): the read-back loads each
 export beside it (a dense format is the float model again); the runtime agreement builds lmpress's runtime from
 the first export beside both and compares both sides' float32 logits over the first eval window; the candidate
@@ -277,7 +277,7 @@ def forecast_memory(
     eval_work = eval_bytes(shape, logit_tokens, size, agreement_tokens) if logit_tokens else 0
     # where 16-bit matmuls are slow, the evals' forwards widen one decoder layer at a time (layers_in_float32)
     widened = calibration_compute_dtype(getattr(torch, dtype), device) != getattr(torch, dtype)
-    float32_layer = {"float32 layer": 4 * shape.layer_parameters} if widened else {}
+    float32_layer = {"float32 layer": 4 * max(shape.layer_parameters, shape.vocab * shape.hidden)} if widened else {}
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
     candidate = float_model - replaced + quantized  # the stages' result: its float parts and its packed codes

@@ -76,27 +76,14 @@ def test_gptq_on_a_bfloat16_model_computes_in_float32_there_and_leaves_bfloat16_
         assert torch.equal(codes[name], reference[name]) and not torch.equal(codes[name], bf16[name]), name
 
 
-class Bf16Head(torch.nn.Module):
-    """A float32 model's output layer computing as a bfloat16 one does: its input and weight rounded to bfloat16."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight.bfloat16(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.bfloat16(), self.weight)
-
-
 def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
-    """The bfloat16 model's weights in a float32 model, its head left in bfloat16: what layers_in_float32 computes."""
+    """The bfloat16 model's weights in a float32 model: what layers_in_float32 computes."""
     import copy
 
-    reference = copy.deepcopy(model).float()
-    reference.lm_head = Bf16Head(model.lm_head.weight.data)
-    return reference
+    return copy.deepcopy(model).float()
 
 
-def test_evals_widen_each_decoder_layer_and_keep_the_head_in_the_model_dtype(tiny_llama_dir, monkeypatch):
+def test_evals_widen_each_decoder_layer_and_the_head(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: False)
     model = load_model(str(tiny_llama_dir), "bfloat16").model
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -106,9 +93,9 @@ def test_evals_widen_each_decoder_layer_and_keep_the_head_in_the_model_dtype(tin
         with compute_dtype.layers_in_float32(model) as widened:
             logits = model(ids).logits
         expected = float32_reference(model)(ids).logits
-    assert widened and logits.dtype == torch.bfloat16
+    assert widened and logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
-    assert not torch.equal(plain, expected)  # bfloat16 compute rounds between operations: the widening is seen
+    assert not torch.equal(plain.float(), expected)  # bfloat16 compute rounds between operations: widening is seen
     # afterwards: the same bfloat16 storage everywhere, no hook left
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == storage
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -146,3 +133,20 @@ def test_the_perplexity_eval_of_a_bfloat16_model_is_the_widened_model_s(tiny_lla
     assert widened["perplexity"].metrics["ppl"] == pytest.approx(expected["perplexity"].metrics["ppl"], rel=1e-6)
     monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: True)
     assert "compute" not in baseline_identity("m", loaded.model)
+
+
+def test_exact_kld_recomputes_the_widened_head_s_logits(tiny_llama_dir, tmp_path, monkeypatch):
+    """Exact KLD recomputes the baseline's logits from its head's inputs and weight: as the widened forward computed
+    them (float32), so a bfloat16 model against itself scores 0 exactly."""
+    from lmpress.evals.suite import baseline_identity, run_suite
+    from lmpress.progress import QUIET
+    from lmpress.recipe import parse_recipe
+
+    monkeypatch.setattr(compute_dtype, "has_16bit_matmul", lambda dtype: False)
+    perplexity = {"seq_len": 64, "windows": 2, "kld": {}}
+    evals = parse_recipe({"model": str(tiny_llama_dir), "eval": {"perplexity": perplexity}}, "s").eval
+    loaded = load_model(str(tiny_llama_dir), "bfloat16")
+    identity = baseline_identity(str(tmp_path), loaded.model)
+    run_suite(evals.evals, evals.text, loaded.model, loaded.tokenizer, identity, "baseline", QUIET)
+    same = run_suite(evals.evals, evals.text, loaded.model, loaded.tokenizer, identity, "candidate", QUIET)
+    assert same["perplexity"].metrics["kld_max"] == 0 and same["perplexity"].metrics["top1_agreement"] == 1

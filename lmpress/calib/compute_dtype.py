@@ -8,8 +8,8 @@ product on a 2-vCPU AMD EPYC (AVX2), 8x slower. There each layer computes in flo
 The quantizers compute in float32 either way (``compute_qparams``, GPTQ's solve); what changes is that the
 layer's activations are no longer rounded to 16 bits between its operations.
 
-The evals do the same on such a CPU (:func:`layers_in_float32`): each decoder layer is widened to float32 around
-its forward, the output layer keeps the model's dtype.
+The evals do the same on such a CPU (:func:`layers_in_float32`): each decoder layer and the output layer are
+widened to float32 around their forward.
 """
 
 from __future__ import annotations
@@ -61,14 +61,22 @@ def model_dtype(model: nn.Module) -> tuple[torch.dtype, torch.device]:
     return (torch.float32, torch.device("cpu")) if param is None else (param.dtype, param.device)
 
 
+def widened_head(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """An output layer's weight or bias as :func:`layers_in_float32` computes with it: float32 where it widens that
+    dtype on that device, else as it is."""
+    if tensor is None or calibration_compute_dtype(tensor.dtype, tensor.device) == tensor.dtype:
+        return tensor
+    return tensor.float()
+
+
 @contextmanager
 def layers_in_float32(model: nn.Module) -> Iterator[bool]:
     """While the block runs, a 16-bit model on a CPU without that dtype's matrix unit (``calibration_compute_dtype``)
-    computes each decoder layer in float32: the embeddings' output is widened, a layer's 16-bit tensors are float32
-    copies during its forward only (one layer's copy at a time; the originals are put back after it), and the output
-    layer reads its input in the model's dtype again, so the logits are the 16-bit head's own arithmetic, as KLD
-    recomputes them. Yields whether it does; elsewhere (a GPU, a CPU with AVX-512 BF16 or AMX, a float32 model) it
-    changes nothing. ``model`` is a transformers causal LM with an anatomy (``lmpress.anatomy``)."""
+    computes in float32: the embeddings' output is widened, and each decoder layer's and the output layer's 16-bit
+    tensors are float32 copies during that module's forward only (one module's copy at a time; the originals are
+    put back after it). KLD recomputes the logits so (``widened_head``). Yields whether it does; elsewhere (a GPU, a
+    CPU with AVX-512 BF16 or AMX, a float32 model) it changes nothing. ``model`` is a transformers causal LM with an
+    anatomy (``lmpress.anatomy``)."""
     from lmpress.anatomy import decoder_layers
 
     dtype, device = model_dtype(model)
@@ -86,11 +94,9 @@ def layers_in_float32(model: nn.Module) -> Iterator[bool]:
             current[name].data = original
 
     hooks = [model.get_input_embeddings().register_forward_hook(lambda m, args, out: out.float())]
-    for layer in decoder_layers(model):
-        hooks += [layer.register_forward_pre_hook(widen), layer.register_forward_hook(put_back)]
     head = model.get_output_embeddings()
-    if head is not None:
-        hooks.append(head.register_forward_pre_hook(lambda m, args: (args[0].to(dtype), *args[1:])))
+    for module in [*decoder_layers(model), *([head] if head is not None else [])]:
+        hooks += [module.register_forward_pre_hook(widen), module.register_forward_hook(put_back)]
     try:
         yield True
     finally:

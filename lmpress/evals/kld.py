@@ -51,6 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from lmpress.calib.compute_dtype import widened_head
 from lmpress.errors import LmpressInputError
 from lmpress.registry import StrictConfig
 
@@ -118,8 +119,8 @@ class ExactKL:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
-        self.weight = weight.to(device)
-        self.bias = None if bias is None else bias.to(device)
+        self.weight = widened_head(weight.to(device))  # as the model's forward computes it (layers_in_float32)
+        self.bias = widened_head(None if bias is None else bias.to(device))
         vocab = weight.shape[0]
         self.rows = max(MIN_ROWS, CHUNK_BYTES // (4 * vocab))
         self.logits = torch.empty(self.rows, vocab, device=device)
@@ -161,7 +162,8 @@ def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     logits = torch.empty(max(rows, MIN_ROWS), weight.shape[0], device=logprobs.device)
     h = hidden[:rows].to(logprobs.device)
     h = torch.cat([h, h[-1:].expand(logits.shape[0] - rows, -1)])
-    head_logits(h, weight.to(logprobs.device), None if bias is None else bias.to(logprobs.device), logits)
+    bias = widened_head(None if bias is None else bias.to(logprobs.device))
+    head_logits(h, widened_head(weight.to(logprobs.device)), bias, logits)
     error = (torch.log_softmax(logits[:rows], dim=-1) - logprobs[:rows]).abs().max().item()
     if not error <= HEAD_TOLERANCE * max(1.0, logits[:rows].abs().max().item()):
         raise LmpressInputError(
