@@ -62,9 +62,21 @@ def render(rows: list[dict]) -> str:
             f"| {r['shape']} | {r['processes']} | {r['stages_gib']:.1f} | {r['calibration_gib']:.1f} | "
             f"{r['main_peak_gib']:.1f} | {r['main_peak_phase']} |"
         )
+    import torch
+    from quant_table import cpu_description
+
+    from lmpress.calib.compute_dtype import has_16bit_matmul
+
+    widened = (
+        "it has no bfloat16 matrix unit, so the read-back and agreement forwards count a decoder layer or the "
+        "output layer in float32 (calib.compute_dtype)"
+        if not has_16bit_matmul(torch.bfloat16)
+        else "it multiplies bfloat16 natively"
+    )
     lines.append(
         f"\nGPTQ W4 g128, lm_head kept, calibration 128 x 2048 in batches of 4, bfloat16 source, compressed-tensors "
-        f"export, no eval; {time.strftime('%Y-%m-%d', time.gmtime())}."
+        f"export, no eval; forecast for this host's CPU ({cpu_description()}: {widened}); "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}."
     )
     return "\n".join(lines) + "\n"
 
