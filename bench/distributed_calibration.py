@@ -9,10 +9,9 @@ perplexity eval, so the stage's time is not the eval's) in fresh processes with 
 ``lmpress run`` alone, then ``torchrun --nproc-per-node 2 -m lmpress.cli run``. The methods: GPTQ W4 g64 sym
 (act-order with static groups, MSE scales); AWQ W4 g64 sym (scale and clipping searches on 16 samples, RTN);
 SmoothQuant W8A8 with its α searched; SparseGPT 30% with GPTQ W4 g64 rounding in the same pass; learned rounding
-W4 g64 as recipes/learned-w4.yaml (RTN start, batches of 4 samples) cut to 6 steps a layer so a pair of runs fits
-in about half an hour on a 2-vCPU AVX2 EPYC (one process took 1.8 min a layer at 20 steps there; its processes
-share each step's samples and all-reduce every learnable tensor a step, so more steps weigh the steps more than
-the layer's other passes). Reported: the
+W4 g64 as recipes/learned-w4.yaml (RTN start, batches of 4 samples) cut to 6 steps a layer (its processes share
+each step's samples and all-reduce every learnable tensor a step; on a 2-vCPU AVX2 EPYC one process took 1.8 min a
+layer at 20 steps and about 1 min at 6, so its pair of runs takes about 50 minutes there). Reported: the
 stage's wall time from each report.json, its speed-up, the main process's stage peak RSS, how many stored values
 (packed codes, every float tensor) differ between the two exports and each candidate's perplexity (docs/scale.md).
 """
