@@ -91,7 +91,7 @@ def run_suite(
     dtype, device = model_dtype(model)
     if evals and calibration_compute_dtype(dtype, device) != dtype:
         kind = str(dtype).removeprefix("torch.")
-        bars.log(f"evals ({role}): each decoder layer computes in float32 (this CPU has no {kind} matrix unit)")
+        bars.log(f"evals ({role}): each decoder layer and the head compute in float32 (no {kind} matrix unit here)")
     results = {}
     for name, config in evals.items():
         store = baseline_store(baseline, name, config, text)
