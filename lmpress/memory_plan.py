@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
-from lmpress.calib.compute_dtype import calibration_compute_dtype
+from lmpress.calib.compute_dtype import widens_to_float32
 from lmpress.errors import LmpressInputError
 from lmpress.metrics import NLL_CHUNK
 from lmpress.quantize.targets import WeightQuantConfig
@@ -241,9 +241,7 @@ def forecast_memory(
     # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized. A
     # 16-bit layer calibrated on a CPU without 16-bit matrix units is held in float32, its checkpoint pages given
     # back meanwhile (calib.compute_dtype; bench/scale.py's 8B layers measured so on an AVX2 EPYC)
-    upcast = any(s.calibrates_layerwise for s in stages) and calibration_compute_dtype(
-        getattr(torch, dtype), device
-    ) != getattr(torch, dtype)
+    upcast = any(s.calibrates_layerwise for s in stages) and widens_to_float32(getattr(torch, dtype), device)
     streamed_layer = 4 * shape.layer_parameters if upcast else 2 * shape.layer_parameters * size
     resident = {
         "weights": streamed_layer if streams else float_model - replaced,
@@ -276,7 +274,7 @@ def forecast_memory(
     forecast.phases["stages"] = process | resident | work
     eval_work = eval_bytes(shape, logit_tokens, size, agreement_tokens) if logit_tokens else 0
     # where 16-bit matmuls are slow, the evals' forwards widen one decoder layer at a time (layers_in_float32)
-    widened = calibration_compute_dtype(getattr(torch, dtype), device) != getattr(torch, dtype)
+    widened = widens_to_float32(getattr(torch, dtype), device)
     float32_layer = {"float32 layer": 4 * max(shape.layer_parameters, shape.vocab * shape.hidden)} if widened else {}
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer

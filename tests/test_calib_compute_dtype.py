@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from lmpress.calib import compute_dtype
-from lmpress.calib.compute_dtype import calibration_compute_dtype, restore_layer_dtype, upcast_layer
+from lmpress.calib.compute_dtype import (
+    calibration_compute_dtype,
+    restore_layer_dtype,
+    upcast_layer,
+    widens_to_float32,
+)
 from lmpress.loader import load_model
 from lmpress.quantize.gptq import GPTQConfig, run_gptq
 from tests.test_calib_engine import calibration_for, context
@@ -22,6 +27,8 @@ def test_only_a_16bit_model_on_a_cpu_without_its_matrix_unit_computes_in_float32
     assert calibration_compute_dtype(torch.float16, cpu) == (torch.float16 if native else torch.float32)
     assert calibration_compute_dtype(torch.float32, cpu) == torch.float32
     assert calibration_compute_dtype(torch.bfloat16, gpu) == torch.bfloat16  # a GPU has its own units
+    assert widens_to_float32(torch.bfloat16, cpu) is not native
+    assert not widens_to_float32(torch.float32, cpu) and not widens_to_float32(torch.bfloat16, gpu)
 
 
 def test_a_cpu_without_avx512_has_no_16bit_matrix_path():

@@ -41,6 +41,11 @@ def calibration_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch
     return dtype
 
 
+def widens_to_float32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a ``dtype`` model on ``device`` computes in float32 (:func:`calibration_compute_dtype`)."""
+    return calibration_compute_dtype(dtype, device) != dtype
+
+
 def upcast_layer(layer: nn.Module, dtype: torch.dtype, drop_pages: bool = True) -> dict[str, torch.Tensor]:
     """Turn ``layer``'s ``dtype`` tensors (parameters and buffers) float32 in place; returns the originals by
     name, for :func:`restore_layer_dtype`. With ``drop_pages``, an original in a memory-mapped checkpoint gives its
@@ -64,7 +69,7 @@ def model_dtype(model: nn.Module) -> tuple[torch.dtype, torch.device]:
 def widened_head(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """An output layer's weight or bias as :func:`layers_in_float32` computes with it: float32 where it widens that
     dtype on that device, else as it is."""
-    if tensor is None or calibration_compute_dtype(tensor.dtype, tensor.device) == tensor.dtype:
+    if tensor is None or not widens_to_float32(tensor.dtype, tensor.device):
         return tensor
     return tensor.float()
 
@@ -82,7 +87,7 @@ def layers_in_float32(model: nn.Module) -> Iterator[bool]:
 
     dtype, device = model_dtype(model)
     try:
-        layers = decoder_layers(model) if calibration_compute_dtype(dtype, device) != dtype else None
+        layers = decoder_layers(model) if widens_to_float32(dtype, device) else None
     except LmpressInputError:  # a family without an anatomy: it computes as it is
         layers = None
     if layers is None:

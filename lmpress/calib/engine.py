@@ -35,7 +35,7 @@ from torch import nn
 
 from lmpress.anatomy import Anatomy, context_length, decoder_layers, get_anatomy, layer_linears
 from lmpress.calib.activations import BatchStore, LayerInputs, Spill
-from lmpress.calib.compute_dtype import calibration_compute_dtype, restore_layer_dtype, upcast_layer
+from lmpress.calib.compute_dtype import restore_layer_dtype, upcast_layer, widens_to_float32
 from lmpress.calib.hooks import StopForward, check_finite, first_input, has_submodule, move_to
 from lmpress.calib.moe import unfuse_experts
 from lmpress.calib.ranks import calibration_ranks, min_across_ranks, rank_batch_rows, rank_batches, rank_samples
@@ -274,8 +274,8 @@ def run_calibration(
                 method.restore_carried({k.removeprefix(prefix): v for k, v in carried.items() if k.startswith(prefix)})
 
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    compute = calibration_compute_dtype(dtype, device)
-    if compute != dtype and done < len(layers):
+    widen = widens_to_float32(dtype, device)
+    if widen and done < len(layers):
         kind = str(dtype).removeprefix("torch.")
         ctx.bars.log(f"{name}: each layer computes in float32 while calibrated (this CPU has no {kind} matrix unit)")
     # each layer's transient buffers (Hessians, float copies) go back to the OS when freed, not kept as heap
@@ -296,7 +296,7 @@ def run_calibration(
                 groups = [[n for g in groups for n in g]]
             with naming_out_of_memory(f"layer {index} ({prefix.rstrip('.')})", device):
                 layer.to(device)
-                originals = upcast_layer(layer, dtype) if compute != dtype else {}
+                originals = upcast_layer(layer, dtype) if widen else {}
                 blocks = tuple(b for b in anatomy.blocks if has_submodule(layer, b))
                 fed_only_by = tuple(
                     (c, p) for c, p in anatomy.fed_only_by if all(has_submodule(layer, n) for n in (c, *p))
@@ -326,7 +326,7 @@ def run_calibration(
         **({"earlier_seconds": round(earlier, 2)} if done else {}),  # spent on the finished layers before resuming
         "seconds": round(time.perf_counter() - start_time, 2),
         "calibration": shape,
-        **({"compute_dtype": str(compute).removeprefix("torch.")} if compute != dtype else {}),
+        **({"compute_dtype": "float32"} if widen else {}),
         **({"processes": ranks} if ranks > 1 else {}),  # each replayed its share of the samples
         "warnings": [w for m in methods for w in m.warnings],
     }

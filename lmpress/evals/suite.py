@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lmpress.cache import cache_root, read_json, sha256_json, write_json_atomic
-from lmpress.calib.compute_dtype import calibration_compute_dtype, layers_in_float32, model_dtype
+from lmpress.calib.compute_dtype import calibration_compute_dtype, layers_in_float32, model_dtype, widens_to_float32
 from lmpress.data import Text, load_text, tokenize
 from lmpress.evals.gates import Gate, derived_metrics, evaluate_gates
 from lmpress.progress import QUIET, Bars
@@ -89,7 +89,7 @@ def run_suite(
         baseline = baseline_identity(baseline, model)
     text = load_text(text_source) if evals else None
     dtype, device = model_dtype(model)
-    if evals and calibration_compute_dtype(dtype, device) != dtype:
+    if evals and widens_to_float32(dtype, device):
         kind = str(dtype).removeprefix("torch.")
         bars.log(f"evals ({role}): each decoder layer and the head compute in float32 (no {kind} matrix unit here)")
     results = {}
