@@ -165,7 +165,7 @@ class DraftHeadTraining:
     epochs: int = 2
     steps: int = 3  # drafting steps trained (training-time test)
     lr: float = 1e-3
-    batch_size: int = 8
+    batch_size: int = 4
     seed: int = 0
 
 
@@ -219,9 +219,10 @@ def step_accuracies(head: Eagle3Head, target: Transformer, data: DraftData, step
     return [s / count for s in sums]
 
 
-def initialize_from_target(head: Eagle3Head, hf_model: torch.nn.Module) -> None:
+def initialize_from_target(head: Eagle3Head, hf_model: torch.nn.Module) -> bool:
     """The head's output rows and final norm from the target's: its draft tokens' rows of the output layer (as
-    the target computes with it: a quantized head dequantized); the rest stays as initialized."""
+    the target computes with it: a quantized head dequantized); the rest stays as initialized. Returns whether the
+    rows were copied (not where the output layer is neither dense nor dequantizable, or another shape)."""
     output = hf_model.get_output_embeddings()
     if hasattr(output, "dequantized_weight"):  # QuantizedLinear, Fp8Linear, Fp4Linear
         weight = output.dequantized_weight(torch.float32)
@@ -229,8 +230,10 @@ def initialize_from_target(head: Eagle3Head, hf_model: torch.nn.Module) -> None:
         weight = getattr(output, "weight", None)
     with torch.no_grad():
         dense = isinstance(weight, torch.Tensor) and weight.is_floating_point()
-        if dense and weight.shape == (head.config.vocab_size, head.config.hidden_size):
+        copied = dense and weight.shape == (head.config.vocab_size, head.config.hidden_size)
+        if copied:
             head.lm_head.weight.copy_(weight[head.draft_tokens].float())
         norm = getattr(hf_model.model, "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None:
             head.norm.weight.copy_(norm.weight.float())
+    return copied

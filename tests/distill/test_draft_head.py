@@ -77,3 +77,34 @@ def test_a_trained_head_drafts_the_targets_choices_on_held_out_prompts():
         )
         assert got == expected
     assert stats.tokens_per_step > 1.5, stats  # untrained: 1.01
+
+
+@pytest.mark.parametrize("train_lm_head", [False, True])
+def test_the_output_rows_stay_the_targets_unless_the_recipe_trains_them(train_lm_head):
+    from lmpress.distill.draft_head_stage import DraftHeadConfig, train_head_for
+
+    hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=32)
+    target = Transformer.from_hf(hf)
+    prompts = torch.randint(3, 32, (12, 8), generator=torch.Generator().manual_seed(2))
+    config = Eagle3Config.for_target(target, hf.config, 24)
+    data = capture_draft_data(target, prompts, 8, config.feature_layers)
+    stage = DraftHeadConfig(prompts=12, draft_vocab=24, epochs=1, held_out=4, train_lm_head=train_lm_head)
+    head, summary = train_head_for(target, hf, data, stage, config)
+    rows = hf.lm_head.weight[head.draft_tokens].float()
+    assert torch.equal(head.lm_head.weight, rows) is not train_lm_head
+    assert summary["lm_head"] == ("trained" if train_lm_head else "the target's rows, frozen")
+
+
+def test_rows_the_target_could_not_give_are_learned(monkeypatch):
+    from lmpress.distill import draft_head_stage
+    from lmpress.distill.draft_head_stage import DraftHeadConfig, train_head_for
+
+    hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=32)
+    target = Transformer.from_hf(hf)
+    monkeypatch.setattr(draft_head_stage, "initialize_from_target", lambda head, model: False)
+    config = Eagle3Config.for_target(target, hf.config, 24)
+    data = capture_draft_data(target, torch.randint(3, 32, (12, 8)), 8, config.feature_layers)
+    torch.manual_seed(0)
+    untrained = Eagle3Head(config).lm_head.weight.clone()
+    head, summary = train_head_for(target, hf, data, DraftHeadConfig(prompts=12, draft_vocab=24, held_out=4), config)
+    assert summary["lm_head"] == "trained" and not torch.equal(head.lm_head.weight, untrained)
