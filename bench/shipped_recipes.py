@@ -102,8 +102,18 @@ def memory_rows(report: dict) -> dict:
     }
 
 
+def gate_values(report: dict) -> dict[str, float]:
+    """Each recipe gate's metric and the value the run scored (the checks a run adds itself left out)."""
+    return {g["metric"]: g["value"] for g in report.get("gates", []) if "metric" in g and g.get("value") is not None}
+
+
 def mib(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
+
+
+def scored(result: dict) -> str:
+    recipe_gates = {k: v for k, v in result.get("gates", {}).items() if not k.startswith(("export_", "runtime_"))}
+    return "".join(f" ({k} {v:.4g})" for k, v in recipe_gates.items())
 
 
 def render(hosts: dict) -> str:
@@ -119,7 +129,7 @@ def render(hosts: dict) -> str:
             ratio = r.get("forecast_over_measured")
             lines.append(
                 f"| `{name}.yaml` | {r['seconds'] / 60:.1f} min | {r['exit_code']} | "
-                f"{'PASS' if r.get('passed') else 'FAIL' if r.get('passed') is False else '-'} | "
+                f"{'PASS' if r.get('passed') else 'FAIL' if r.get('passed') is False else '-'}{scored(r)} | "
                 f"{mib(r.get('forecast_peak_mb'))} | {mib(r.get('measured_peak_mb'))} | "
                 f"{f'{ratio:.2f}' if ratio else '-'} | {r['log_lines']} | {r['longest_silence_s']:.0f} s |"
             )
@@ -156,7 +166,7 @@ def main() -> None:
             report_path = out / "report.json"
             if report_path.is_file():
                 report = json.loads(report_path.read_text())
-                result |= memory_rows(report) | {"passed": report.get("passed")}
+                result |= memory_rows(report) | {"passed": report.get("passed"), "gates": gate_values(report)}
             result["load_average"] = os.getloadavg()[0]
             entry["recipes"][name] = result
             print(f"{name}: {json.dumps(result)}", file=sys.stderr, flush=True)

@@ -171,6 +171,13 @@ def test_the_recipes_bench_sets_the_forecast_against_the_measured_peaks(tmp_path
         {"cpu": {"threads": 2, "torch": "2", "when": "now", "recipes": {"quickstart": result}}}
     )
     assert "| `quickstart.yaml` | 1.5 min | 0 | PASS | 1800 | 2000 | 0.90 | 12 | 31 s |" in page
+    report["gates"] = [
+        {"metric": "accept_length", "value": 1.3125, "passed": True},
+        {"metric": "runtime_compressed-tensors_max_logit_diff", "value": 0.01, "passed": True},
+    ]
+    scored = result | {"gates": shipped_recipes.gate_values(report)}
+    page = shipped_recipes.render({"cpu": {"threads": 2, "torch": "2", "when": "now", "recipes": {"eagle-w4": scored}}})
+    assert "| `eagle-w4.yaml` | 1.5 min | 0 | PASS (accept_length 1.312) | 1800 |" in page
 
 
 def test_the_recipes_bench_times_the_silences_of_a_run_s_log(tmp_path, monkeypatch):

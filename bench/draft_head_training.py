@@ -1,0 +1,120 @@
+"""Draft-head training settings compared on one capture (issue 53): each variant of the ``draft_head`` stage's
+training trained on the same continuations of SmolLM2-135M's W4 target and scored on the same held-out ones.
+
+    python bench/draft_head_training.py                                  # the stage's defaults
+    python bench/draft_head_training.py --variants '[{"batch_size": 8, "train_lm_head": true}, {"lr": 0.003}]'
+
+Protocol. The target is ``bench/draft_head.py``'s W4 g64 (head W8) SmolLM2, run by lmpress's runtime on this
+machine's threads; it continues ``--prompts`` WikiText-2 valid windows of 64 tokens by 192 (the stage's
+capture, cached in ~/.cache/lmpress/bench/ so every variant and every later run learns from the same tokens).
+Each variant is a set of ``draft_head`` stage keys over the stage's defaults (``train_head_for``: the head
+seeded alike, 16 continuations held out); a row gives each drafting step's held-out accuracy, the tokens per
+target pass they imply for rounds of 3 drafts, each epoch's mean training loss and the training time. Rows are
+appended to bench/results/draft_head_training.jsonl; bench/results/draft_head_training.md is rendered from all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmpress, before an installed one
+from draft_head import W4_HEAD8  # noqa: E402
+from quant_table import SMOLLM2, cpu_description  # noqa: E402
+
+import lmpress  # noqa: E402
+from lmpress.data import calibration_samples, load_text, tokenize  # noqa: E402
+from lmpress.distill.draft_head import DraftData, capture_draft_data  # noqa: E402
+from lmpress.distill.draft_head_stage import DraftHeadConfig, train_head_for  # noqa: E402
+from lmpress.loader import load_model  # noqa: E402
+from lmpress.progress import Bars  # noqa: E402
+from lmpress.runtime.eagle3 import Eagle3Config  # noqa: E402
+from lmpress.runtime.model import Transformer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CACHE = Path.home() / ".cache" / "lmpress" / "bench"
+HELD_OUT = 16
+
+
+def captured(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ...], bars: Bars) -> DraftData:
+    path = CACHE / f"draft-data-w4-{prompts}x64+192.pt"
+    if path.is_file():
+        return DraftData(**torch.load(path, weights_only=True))
+    valid = tokenize(tokenizer, load_text("builtin:wikitext2:valid"))
+    data = capture_draft_data(target, calibration_samples(valid, prompts, 64, 0), 192, layers, bars=bars)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch.save(vars(data), path)
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--variants", default="[{}]", help="a JSON list of draft_head stage keys, one per row")
+    args = parser.parse_args()
+    variants = json.loads(args.variants)
+    loaded = load_model(SMOLLM2, "float32", fingerprint=False)
+    model = copy.deepcopy(loaded.model)
+    lmpress.quantize_model(model, **W4_HEAD8)
+    target = Transformer.from_hf(model)
+    layout = Eagle3Config.for_target(target, model.config, DraftHeadConfig().draft_vocab)
+    RESULTS.mkdir(exist_ok=True)
+    with Bars() as bars:
+        data = captured(target, loaded.tokenizer, args.prompts, layout.feature_layers, bars)
+        for variant in variants:
+            config = DraftHeadConfig(prompts=args.prompts, held_out=HELD_OUT, **variant)
+            head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
+            began = time.perf_counter()
+            _, summary = train_head_for(target, model, data, config, head_config, bars)
+            row = {
+                "host": cpu_description(),
+                "threads": torch.get_num_threads(),
+                "date": time.strftime("%Y-%m-%d"),
+                "prompts": args.prompts,
+                "variant": variant,
+                "train_s": round(time.perf_counter() - began),
+                "held_out_step_accuracy": [round(a, 3) for a in summary["held_out_step_accuracy"]],
+                "expected_accept_length": round(summary["held_out_expected_accept_length"], 3),
+                "epoch_losses": [round(x, 3) for x in summary["epoch_losses"]],
+            }
+            with (RESULTS / "draft_head_training.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    rows = [json.loads(line) for line in (RESULTS / "draft_head_training.jsonl").read_text().splitlines()]
+    (RESULTS / "draft_head_training.md").write_text(render(rows))
+
+
+def render(rows: list[dict]) -> str:
+    defaults = DraftHeadConfig()
+    lines = [
+        "Draft-head training variants on one capture (`python bench/draft_head_training.py --variants ...`):",
+        f"SmolLM2-135M W4 g64 (head W8) target, 240 continuations to train on, {HELD_OUT} held out; each variant's",
+        f"keys over the stage's defaults (today batch_size {defaults.batch_size}, lr {defaults.lr}, epochs "
+        f"{defaults.epochs}, train_lm_head {str(defaults.train_lm_head).lower()}).",
+        "",
+        "| date | host | variant | held-out step accuracy | tokens per pass (3 drafts) | epoch losses | train s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    for r in rows:
+        variant = ", ".join(f"{k}: {json.dumps(v)}" for k, v in r["variant"].items()) or "defaults"
+        if r.get("note"):
+            variant += " " + "*" * (notes.index(r["note"]) + 1)
+        accuracy = " / ".join(f"{a:.3f}" for a in r["held_out_step_accuracy"])
+        losses = " / ".join(f"{x:.2f}" for x in r["epoch_losses"])
+        lines.append(
+            f"| {r['date']} | {r['host']}, {r['threads']} threads | {variant} | {accuracy} | "
+            f"{r['expected_accept_length']:.3f} | {losses} | {r['train_s']} |"
+        )
+    lines += [f"\n{'*' * (i + 1)} {note}." for i, note in enumerate(notes)]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
