@@ -264,12 +264,13 @@ def forecast_memory(
         ),
         default=0,
     )
-    learning = max((s.learning_bytes(shape, seq_len) for s in stages), default=0)
+    learner = max(stages, key=lambda s: s.learning_bytes(shape, seq_len, quantized), default=None)
+    learning = learner.learning_bytes(shape, seq_len, quantized) if learner is not None else 0
     work = {"training": (4 * 4 + size) * shape.parameters} if training else {"calibration": calibration}
     if calibration and upcast and not streams and not training:  # the calibrated layer's float32 copy
         work["float32 layer"] = 4 * shape.layer_parameters
     if learning > sum(work.values()) and not training:  # the stages run one at a time: the larger need is the peak
-        work = {"rotation learning": learning}
+        work = {learner.learning_label: learning}
     forecast = MemoryForecast(processes=processes)
     forecast.phases["stages"] = process | resident | work
     eval_work = eval_bytes(shape, logit_tokens, size, agreement_tokens) if logit_tokens else 0

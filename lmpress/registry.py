@@ -72,17 +72,19 @@ class StageConfig(StrictConfig):
     spreads_across_processes: ClassVar[bool] = False
     # a spread pass shares each batch's samples out instead of whole batches (it steps one batch at a time)
     shares_batch_rows: ClassVar[bool] = False
-    # rewrites every weight of the model at once (rotate): the whole float model is resident, nothing streams
+    # holds the whole model at once (rotate rewrites every weight; the draft head runs the model): nothing streams
     reads_whole_model: ClassVar[bool] = False
+    # the memory forecast's name for what learning_bytes counts
+    learning_label: ClassVar[str] = "learning"
 
     @property
     def hessian_copies(self) -> int:
         """n x n float32 matrices a layer-wise stage holds per linear at its solve (the memory forecast)."""
         return 2
 
-    def learning_bytes(self, shape: Any, seq_len: int) -> int:
-        """Bytes a whole-model stage holds for backpropagation beside the weights (the memory forecast;
-        ``shape``: ``lmpress.memory_plan.ModelShape``)."""
+    def learning_bytes(self, shape: Any, seq_len: int, packed: int = 0) -> int:
+        """Bytes a whole-model stage holds beside the weights while it learns (the memory forecast; ``shape``:
+        ``lmpress.memory_plan.ModelShape``, ``packed``: the bytes of the packed weights the stages make)."""
         return 0
 
     def check(self, model: Any) -> None:

@@ -14,7 +14,7 @@ from lmpress.api import quantize_model
 from lmpress.calib.statistics import inverse_hessian_factor, invert_upper_triangular_, reverse_storage_
 from lmpress.cli import main
 from lmpress.loader import load_model, model_skeleton
-from lmpress.memory_plan import PROCESS_BYTES, forecast_memory, packed_bytes
+from lmpress.memory_plan import PROCESS_BYTES, ModelShape, forecast_memory, packed_bytes
 from lmpress.registry import stage_config
 from lmpress.weights.qlinear import QuantizedLinear
 
@@ -369,3 +369,23 @@ def test_learned_rotations_forecast_their_backpropagation(tiny_llama_dir):
     assert learned.parts["rotation learning"] == 2 * 32 * 4 * (5 * widths + 6 * vocab)
     assert longer.parts["rotation learning"] == 2 * learned.parts["rotation learning"]
     assert "rotation learning" not in plain.parts and learned.ram_bytes > plain.ram_bytes
+
+
+def test_a_draft_head_stage_forecasts_the_runtime_copy_its_capture_and_its_training(tiny_llama_dir):
+    """The draft head runs the whole quantized target in lmpress's runtime (a copy of its packed weights and its
+    embeddings in float32), keeps every captured feature, and then the larger of a features forward and training;
+    nothing streams."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    rtn = stage_config("rtn")(method="rtn", bits=4, group_size=32)
+    head = stage_config("draft_head")(method="draft_head", prompts=16, prompt_tokens=8, new_tokens=24, held_out=2)
+    more = head.model_copy(update={"prompts": 64})
+    cpu = torch.device("cpu")
+    alone = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 16, 32, cpu)
+    drafted = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn, head], 16, 32, cpu)
+    longer = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn, more], 64, 32, cpu)
+    shape = ModelShape.of(skeleton)
+    packed = drafted.phases["stages"]["quantized"]
+    features = 16 * 32 * 3 * shape.hidden * 2
+    assert drafted.phases["stages"]["draft head"] >= 4 * shape.vocab * shape.hidden + packed + features
+    assert longer.phases["stages"]["draft head"] - drafted.phases["stages"]["draft head"] == 3 * features
+    assert "draft head" not in alone.phases["stages"] and drafted.ram_bytes > alone.ram_bytes

@@ -50,6 +50,9 @@ class DraftData:
         return DraftData(*(p[0] for p in parts)), DraftData(*(p[1] for p in parts))
 
 
+FEATURE_ROWS = 4  # sequences per features forward: its logits (rows x length x vocab, float32) are its peak
+
+
 @torch.no_grad()
 def capture_draft_data(
     target: Transformer,
@@ -63,17 +66,20 @@ def capture_draft_data(
     choices at every position of prompt and continuation."""
     if new_tokens < 1:
         raise LmpressInputError(f"a draft head learns from the target's continuations: new_tokens {new_tokens} < 1")
-    tokens, features, choices = [], [], []
+    length = prompts.shape[1] + new_tokens
+    tokens = torch.empty(len(prompts), length, dtype=torch.long)
+    choices = torch.empty(len(prompts), length, dtype=torch.long)
+    features = torch.empty(len(prompts), length, len(feature_layers) * target.args.dim, dtype=torch.bfloat16)
     for start in bars.track(range(0, len(prompts), batch_size), "draft head: target continues", None):
         batch = prompts[start : start + batch_size]
         steps = generate_tokens(target, batch, new_tokens, SamplingConfig(temperature=0.0))
-        text = torch.cat((batch, torch.stack([step.cpu() for step in steps], 1)), 1)
-        cache = target.new_cache(len(text), text.shape[1])
-        logits, seen = target.forward_with_features(text, cache, feature_layers)
-        tokens.append(text)
-        features.append(seen.to(torch.bfloat16).cpu())
-        choices.append(logits.argmax(-1).cpu())
-    return DraftData(torch.cat(tokens), torch.cat(features), torch.cat(choices))
+        tokens[start : start + len(batch)] = torch.cat((batch, torch.stack([step.cpu() for step in steps], 1)), 1)
+        for row in range(start, start + len(batch), FEATURE_ROWS):
+            text = tokens[row : min(row + FEATURE_ROWS, start + len(batch))]
+            logits, seen = target.forward_with_features(text, target.new_cache(len(text), length), feature_layers)
+            features[row : row + len(text)] = seen.to(torch.bfloat16).cpu()
+            choices[row : row + len(text)] = logits.argmax(-1).cpu()
+    return DraftData(tokens, features, choices)
 
 
 def draft_vocabulary(choices: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ from pydantic import Field
 from torch import nn
 
 from lmpress.distill.draft_head import (
+    FEATURE_ROWS,
     DraftData,
     DraftHeadTraining,
     capture_draft_data,
@@ -69,6 +70,21 @@ class DraftHeadConfig(StageConfig):
     speculative_tokens: int = Field(3, ge=1, le=8)  # drafts per round written for vLLM
     seed: int = 0
     last_stage: ClassVar[bool] = True  # the head is trained for the finished model
+    reads_whole_model: ClassVar[bool] = True  # lmpress's runtime runs the whole target
+    learning_label: ClassVar[str] = "draft head"
+
+    def learning_bytes(self, shape: Any, seq_len: int, packed: int = 0) -> int:
+        """The runtime's copy of the target (float32 embeddings, its packed weights), the captured features
+        (bfloat16), and the larger of a features forward (its float32 logits) and training (the head with AdamW's
+        state; each drafting step's draft-vocabulary scores and their log-softmax, kept for the backward pass)."""
+        length = self.prompt_tokens + self.new_tokens
+        width = 3 * shape.hidden  # the three target layers the head reads (default_feature_layers)
+        runtime = 4 * shape.vocab * shape.hidden + packed
+        features = self.prompts * length * width * 2
+        forward = FEATURE_ROWS * length * (shape.vocab + width) * 4
+        head = width * shape.hidden + 2 * shape.layer_parameters + self.draft_vocab * shape.hidden
+        training = 16 * head + self.batch_size * length * (self.steps * 2 * self.draft_vocab + width) * 4
+        return runtime + features + max(forward, training)
 
     def training_texts(self, data_source: str) -> list[str]:
         return [data_source]  # the prompts the target continues

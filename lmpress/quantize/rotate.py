@@ -85,6 +85,7 @@ ROW_CHUNK = 8192
 class RotateConfig(StageConfig):
     method: Literal["rotate"] = "rotate"
     reads_whole_model: ClassVar[bool] = True
+    learning_label: ClassVar[str] = "rotation learning"
     seed: int = Field(0, ge=0, description="seed of the random signs (random: true)")
     random: bool = Field(True, description="randomized Hadamard matrices (QuaRot) rather than plain ones")
     residual: bool = Field(True, description="R1: the residual stream, the norms' scales folded into the linears")
@@ -136,7 +137,7 @@ class RotateConfig(StageConfig):
             if refusal:
                 raise LmpressInputError(f"stage rotate: down_proj_block: {refusal}")
 
-    def learning_bytes(self, shape, seq_len: int) -> int:
+    def learning_bytes(self, shape, seq_len: int, packed: int = 0) -> int:
         return 0 if self.learn is None else learning_bytes(shape, self.learn.batch_size * seq_len)
 
     def down_block(self, width: int) -> int:

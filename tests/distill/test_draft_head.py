@@ -108,3 +108,22 @@ def test_rows_the_target_could_not_give_are_learned(monkeypatch):
     untrained = Eagle3Head(config).lm_head.weight.clone()
     head, summary = train_head_for(target, hf, data, DraftHeadConfig(prompts=12, draft_vocab=24, held_out=4), config)
     assert summary["lm_head"] == "trained" and not torch.equal(head.lm_head.weight, untrained)
+
+
+def test_the_capture_keeps_each_continuations_features_and_choices(eight_layers):
+    """Six prompts in one generation batch, their features read FEATURE_ROWS sequences at a time: each sequence's
+    features and choices are what the target computes over that sequence alone."""
+    from lmpress.distill.draft_head import FEATURE_ROWS
+
+    hf, target = eight_layers
+    layers = Eagle3Config.for_target(target, hf.config, 64).feature_layers
+    prompts = torch.randint(3, 256, (FEATURE_ROWS + 2, 6), generator=torch.Generator().manual_seed(3))
+    data = capture_draft_data(target, prompts, 5, layers, batch_size=8)
+    assert data.tokens.shape == data.choices.shape == (6, 11) and data.features.shape == (6, 11, 3 * target.args.dim)
+    for row, text in enumerate(data.tokens):
+        assert text[:6].tolist() == prompts[row].tolist()
+        assert text[6:].tolist() == generate(target, prompts[row].tolist(), max_new_tokens=5)[0]
+        logits, features = target.forward_with_features(text[None], target.new_cache(1, 11), layers)
+        # a batch of sequences sums in another order: one bfloat16 step apart at most
+        torch.testing.assert_close(data.features[row].float(), features[0].float(), rtol=2**-7, atol=1e-6)
+        assert data.choices[row].tolist() == logits[0].argmax(-1).tolist()
