@@ -60,12 +60,18 @@ DECODE_RECIPES = {
 }
 
 
+def block_diagonal_hadamard(block: int, n: int, device: torch.device) -> torch.Tensor:
+    """The float32 (n, n) matrix that applies a Hadamard transform to each block of ``block`` inputs from the right."""
+    from lmpress.weights.hadamard import hadamard_matrix
+
+    return torch.block_diag(*[hadamard_matrix(block, torch.float32)] * (n // block)).T.to(device)
+
+
 def transform_ways(device: torch.device, dtype: torch.dtype, block: int, n: int, dry_run: bool) -> dict[str, Callable]:
     from lmpress.runtime.kernels import fwht
-    from lmpress.weights.hadamard import hadamard_matrix
     from lmpress.weights.online_rotation import blockwise_hadamard
 
-    dense = torch.block_diag(*[hadamard_matrix(block, torch.float32)] * (n // block)).T.to(device, dtype)
+    dense = block_diagonal_hadamard(block, n, device).to(dtype)
     ways = {"torch butterfly": lambda x: blockwise_hadamard(x, block)}
     if device.type == "cpu" and not dry_run:  # on a GPU visit its compiles would take most of the step's seconds
         compiled = torch.compile(blockwise_hadamard, dynamic=False)
@@ -94,7 +100,7 @@ def time_transforms(device: torch.device, dtype: torch.dtype, rounds: int, calls
         for m in ROWS:
             x = torch.randn(m, n, device=device).to(dtype)
             ways = transform_ways(device, dtype, block, n, dry_run)
-            reference = ways["block-diagonal matmul"](x.float() if dtype != torch.float32 else x)
+            reference = x.float() @ block_diagonal_hadamard(block, n, device)  # in float32 whatever the dtype
             seconds: dict[str, list[float]] = {name: [] for name in ways}
             for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
                 for name, way in ways.items():
@@ -214,7 +220,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.dry_run and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_fwht defines its kernels
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" or args.dry_run else torch.float32  # a dry run: the GPU's dtype
     rows = time_transforms(device, dtype, args.rounds, args.calls, args.dry_run)
     if device.type == "cpu" and not args.no_decode:
         with tempfile.TemporaryDirectory() as scratch:

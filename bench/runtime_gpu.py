@@ -16,8 +16,10 @@ Rows, in order: ``copy``; ``decode`` (lmpress bf16 and W4 g128 symmetric RTN at 
 layer's kernel named, against the reference and W4 against bf16); ``reference``; ``profile`` (``torch.profiler``
 over 5 steps of each engine: the 15 kernels with the most device time, launches per token, summed kernel time
 against the step's wall time); ``context`` (lmpress's decode with 160, 512 and 2,048 tokens held in one cache,
-against the first). Goals (issue 51): bf16 >= 75% of the copy bandwidth, W4 >= 2.5x bf16, lmpress >= 1.0x the
-reference, 2,048 tokens held >= 0.85x 160. ``--transformers`` adds transformers' eager generate.
+against the first); ``generate`` (W4: ``lmpress generate --compile``'s own loop, prefill and read-backs included,
+against the bench's step). Goals (issue 51): bf16 >= 75% of the copy bandwidth, W4 >= 2.5x bf16, lmpress >= 1.0x
+the reference, 2,048 tokens held >= 0.85x 160, generate >= 0.9x the step. ``--transformers`` adds transformers'
+eager generate.
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ def engine_rows(args, hf, device, label: str, copy_gbs: float, shape: str, bf16:
             emit(args, profile_row(reference_at(), device, "reference", label, shape, theirs))
     if bf16 is not None:
         emit_context_sweep(args, model, at, device, label, shape)
+        emit(args, generate_row(args, model, device, label, shape, 1 / ours))
     del model, reference
     gc.collect()
     return row
@@ -296,6 +299,28 @@ def emit_context_sweep(args, model, at, device, label: str, shape: str) -> None:
         row = {"name": "context", "shape": shape, "rows": 1, "kernel": f"{label} at {held} tokens held"}
         row |= {"tok_s": 1 / seconds, "context": held, "bytes_per_token": per_token}
         emit(args, row | {"reference": f"{args.contexts[0]} held", "ratio": first / seconds})
+
+
+def generate_row(args, model, device, label: str, shape: str, step_tok_s: float) -> dict:
+    """``lmpress generate --compile``'s loop on the same model: ``generate`` with the step ``decoding_step`` gives
+    it (its own cache sized to the prompt and the new tokens, tokens read back every ``DEVICE_READ_EVERY`` on a
+    GPU) after a prompt of ``--context`` tokens; decode tok/s from 1 and ``--new-tokens`` tokens (the prefill
+    cancels), against the bench's step at the same context (goal >= 0.9x: no host sync per token)."""
+    import torch
+
+    from lmpress.runtime.generate import compile_mode, compiled_step, generate
+    from lmpress.runtime.throughput import decode_rate, generation_times
+
+    step = compiled_step(compile_mode(device), backend=args.backend)  # decoding_step(device, compile=True)
+    prompt = torch.randint(0, model.args.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+
+    def run(n: int) -> list[list[int]]:
+        with torch.no_grad():
+            return generate(model, [prompt.tolist()], max_new_tokens=n, step=step)
+
+    rate = decode_rate(generation_times(run, args.new_tokens, 3, device), args.new_tokens)
+    row = {"name": "generate", "shape": shape, "rows": 1, "kernel": f"{label} lmpress generate --compile"}
+    return row | {"tok_s": rate, "context": args.context, "reference": "bench step", "ratio": rate / step_tok_s}
 
 
 PROFILED_STEPS = 5

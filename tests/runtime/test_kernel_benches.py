@@ -81,7 +81,7 @@ def test_runtime_gpu_dry_run(dry_runs):
     assert code == 0, out[-3000:]
     assert appended_when_printed >= 2
     engine = ["decode", "reference", "profile", "profile"]
-    assert [row["name"] for row in rows] == ["copy", *engine, *engine, "context", "context", "context"]
+    assert [row["name"] for row in rows] == ["copy", *engine, *engine, "context", "context", "context", "generate"]
     bf16, w4 = rows[1], rows[5]
     assert bf16["kernel"].startswith("bf16 (dense x9)") and w4["kernel"].startswith("W4 g128 (cpu-w4a8 x8, dense x1)")
     assert w4["over_bf16"] == pytest.approx(w4["tok_s"] / bf16["tok_s"])
@@ -96,8 +96,11 @@ def test_runtime_gpu_dry_run(dry_runs):
     # lmpress's W4 kernel ran: w4_linear_t16 on AVX-512 VNNI, w4_linear on AVX2 (the host's level, or the probe's)
     assert {k["kernel"] for k in rows[7]["top"]} & {"lmpress_cpu::w4_linear_t16", "lmpress_cpu::w4_linear"}
     assert {k["kernel"] for k in rows[8]["top"]} >= {"aten::_weight_int4pack_mm_for_cpu"}  # the reference's
-    sweep = rows[9:]
+    sweep = rows[9:12]
     assert [r["context"] for r in sweep] == [16, 32, 48] and sweep[0]["ratio"] == 1.0
+    generated = rows[12]  # lmpress generate --compile's own loop on the W4 model, against the bench's step
+    assert generated["kernel"] == "W4 g128 lmpress generate --compile" and generated["context"] == 48
+    assert generated["tok_s"] > 0 and generated["ratio"] == pytest.approx(generated["tok_s"] / w4["tok_s"])
 
 
 def test_the_gpt_fast_reference_computes_the_model():
