@@ -14,15 +14,12 @@ timed interleaved with today's, the W4 layers and the W8 head apart as well (``-
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import re
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
+from kernel_at_rev import build_at_rev
 
 from lmpress.runtime.kernels import cpu_int
 from lmpress.weights.qlinear import int4pack_scale_and_zero
@@ -51,40 +48,6 @@ def build(isa: int | None) -> tuple[list, list, dict]:
     return ours, theirs, heads
 
 
-def build_base(rev: str) -> None:
-    """``cpu_int.cpp`` at git revision ``rev``, built and loaded as the ops ``torch.ops.lmpress_cpu_base``."""
-    from torch.utils.cpp_extension import load
-
-    from lmpress.cache import cache_root
-
-    repo = Path(__file__).resolve().parents[1]
-
-    def at_rev(name: str) -> str:
-        path = f"{rev}:lmpress/runtime/kernels/{name}"
-        return subprocess.run(["git", "show", path], cwd=repo, check=True, capture_output=True).stdout.decode()
-
-    source = at_rev("cpu_int.cpp")
-    source = source.replace("TORCH_LIBRARY(lmpress_cpu,", "TORCH_LIBRARY(lmpress_cpu_base,")
-    source = source.replace("TORCH_LIBRARY_IMPL(lmpress_cpu,", "TORCH_LIBRARY_IMPL(lmpress_cpu_base,")
-    headers = {name: at_rev(name) for name in re.findall(r'^#include "([^"]+)"', source, re.MULTILINE)}
-    text = source + "".join(headers.values())
-    digest = hashlib.sha256(text.encode() + torch.__version__.encode()).hexdigest()[:16]
-    build = cache_root() / "kernels" / f"lmpress_cpu_base_{digest}"
-    build.mkdir(parents=True, exist_ok=True)
-    for name, header in headers.items():  # the revision's own kernels, beside the source that includes them
-        (build / name).write_text(header)
-    path = build / "cpu_int_base.cpp"
-    path.write_text(source)
-    load(
-        f"lmpress_cpu_base_{digest}",
-        [str(path)],
-        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -109,7 +72,7 @@ def main() -> None:
     isa = cpu_int.host_isa() if args.isa is None else args.isa
     kernels = {f"lmpress int8 ({cpu_int.ISA_NAMES[isa]})": run_ours, "torch bf16 packed": run_theirs}
     if args.against:
-        build_base(args.against)
+        build_at_rev(args.against, "cpu_int.cpp", "lmpress_cpu_base")
         base, now = torch.ops.lmpress_cpu_base, torch.ops.lmpress_cpu
         flat = {(k, n): xs[k][:n].contiguous() for k in xs for n in (1, 4)}
         tiled_base = isa == 2 and hasattr(base, "w4_linear_t16")  # a revision with AVX-512's outputs-in-lanes W4

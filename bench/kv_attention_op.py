@@ -3,12 +3,16 @@ microseconds per call over float32 entries, int8 codes and FP8 codes, for 1 to 4
 
     python bench/kv_attention_op.py                       # 4,000 of 4,096 slots filled, 5 rounds
     python bench/kv_attention_op.py --isa 1 --rounds 3    # the AVX2 body on an AVX-512 host
+    python bench/kv_attention_op.py --against HEAD~1      # today's op against a revision's, interleaved
 
 Each call attends one query token of 3 x R heads over 3 KV heads of 64 (R = 3 is SmolLM2: 9 heads on 3), as the
 compiled decode step calls it; the calls cycle through 30 layers' caches (184 MB in float32), so the caches come
 from memory as in a decode step, not from the last-level cache. Rounds interleave the rows; each row's figure is
 the median over rounds of the median call. ``GB/s``: the filled slots' bytes (codes and scales) over the time.
 Results: ``bench/results/kv_attention_op.{json,md}``, one entry per host kind (a run replaces only its own).
+``--against REV`` adds each row as ``cpu_kv_attention.cpp`` at that git revision computes it (built once into
+lmpress's cache, its op under ``torch.ops.lmpress_cpu_base``), in the same rounds, prints today's time over the
+revision's per row, and files nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_at_rev import build_at_rev  # noqa: E402
 from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,10 +63,9 @@ def filled_bytes(layer: tuple, fill: int) -> int:
     return per_slot * fill
 
 
-def time_row(layers: list[tuple], rows: int, fill: int, isa: int, calls: int) -> float:
-    """Median microseconds per call of ``calls`` calls cycling through the layers."""
-    from lmpress.runtime.kernels.cpu_kv_attention import kv_slots_attention
-
+def time_row(layers: list[tuple], rows: int, fill: int, isa: int, calls: int, ops: str = "lmpress_cpu") -> float:
+    """Median microseconds per call of ``calls`` calls cycling through the layers (the op of ``torch.ops.<ops>``)."""
+    kv_slots_attention = getattr(torch.ops, ops).kv_slots_attention
     q = torch.randn(1, KV_HEADS * rows, 1, DIM, generator=torch.Generator().manual_seed(1))
     mask = torch.zeros(1, 1, 1, SLOTS, dtype=torch.bool)
     mask[..., :fill] = True
@@ -69,7 +73,7 @@ def time_row(layers: list[tuple], rows: int, fill: int, isa: int, calls: int) ->
     for i in range(calls):
         k, ks, v, vs = layers[i % len(layers)]
         began = time.perf_counter()
-        kv_slots_attention(q, k, v, mask, DIM**-0.5, ks, vs, isa=isa)
+        kv_slots_attention(q, k, ks, v, vs, mask, DIM**-0.5, isa)
         times.append(time.perf_counter() - began)
     return 1e6 * statistics.median(times)
 
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--against", metavar="REV", help="also time the op at this git revision; file nothing")
     args = parser.parse_args(argv)
     from lmpress.runtime.kernels import cpu_kv_attention
 
@@ -113,19 +118,29 @@ def main(argv: list[str] | None = None) -> int:
     isa = args.isa
     torch.set_num_threads(args.threads)
     stores = {name: caches(name, args.fill, args.layers) for name in ("float32", "int8", "fp8")}
+    if args.against:
+        build_at_rev(args.against, "cpu_kv_attention.cpp", "lmpress_cpu_base")
+    kernels = {"lmpress_cpu": ""} | ({"lmpress_cpu_base": f" @{args.against}"} if args.against else {})
     rows = [
-        {"stored": s, "rows": r, "us": [], "bytes": filled_bytes(stores[s][0], args.fill)}
+        {"stored": s, "rows": r, "us": [], "bytes": filled_bytes(stores[s][0], args.fill), "ops": ops, "at": at}
         for s in stores
         for r in args.rows
+        for ops, at in kernels.items()
     ]
     for round_ in range(args.rounds):
         for row in rows:
-            row["us"].append(time_row(stores[row["stored"]], row["rows"], args.fill, isa, args.calls))
+            row["us"].append(time_row(stores[row["stored"]], row["rows"], args.fill, isa, args.calls, row["ops"]))
         print(
             f"round {round_ + 1}/{args.rounds}: "
-            + ", ".join(f"{r['stored']} R{r['rows']} {r['us'][-1]:.0f} us" for r in rows),
+            + ", ".join(f"{r['stored']} R{r['rows']}{r['at']} {r['us'][-1]:.0f} us" for r in rows),
             flush=True,
         )
+    if args.against:
+        for now, then in zip(rows[::2], rows[1::2], strict=True):
+            ratio = statistics.median(now["us"]) / statistics.median(then["us"])
+            print(f"{now['stored']}, {now['rows']} row(s): now / {args.against} = {ratio:.3f}")
+        return 0
+    rows = [{k: v for k, v in row.items() if k not in ("ops", "at")} for row in rows]
     host = cpu_identity()
     meta = {
         "isa": isa,

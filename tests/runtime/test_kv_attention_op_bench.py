@@ -30,3 +30,16 @@ def test_times_every_cache_and_row_count_and_files_them_by_host(tmp_path):
     assert {s: rows[s, 1]["bytes"] for s in per_slot} == {s: 1000 * b for s, b in per_slot.items()}
     page = (tmp_path / "kv_attention_op.md").read_text()
     assert "| int8 | 3 |" in page and "1000 of 4096 slots filled" in page
+
+
+@pytest.mark.long
+def test_against_a_revision_times_both_ops_in_the_same_rounds_and_files_nothing(tmp_path, capsys):
+    argv = ["--rounds", "2", "--calls", "2", "--rows", "3", "--layers", "1", "--fill", "300", "--against", "HEAD"]
+    assert kv_attention_op.main([*argv, "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rounds = [line for line in out.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2 and all("int8 R3 @HEAD" in line and "int8 R3 " in line for line in rounds)
+    ratios = [line for line in out.splitlines() if "now / HEAD = " in line]
+    assert [line.split(":")[0] for line in ratios] == [f"{s}, 3 row(s)" for s in ("float32", "int8", "fp8")]
+    assert all(float(line.rsplit("= ", 1)[1]) > 0 for line in ratios)
+    assert not list(tmp_path.iterdir())

@@ -5,44 +5,59 @@
 // floats, its register count `REGS` and its operations (`load` of W floats or of W int8 or FP8 codes as floats,
 // `zero`, `set1`, `mul`, `fma`, `sum_each` (W vectors' sums as one), `store`).
 //
-// Each cached entry is loaded (and for codes converted) once for all R query rows: keys into a block of W float32
-// rows in L1 that every row then reads, values in registers used by every row. The GQA group reads a KV head's
-// entries once, and a cache of codes costs one conversion per code, not one per row. The loops are shaped to keep
-// their running sums in registers on AVX2's 16 as well as AVX-512's 32: spills cost AMD's Zen 1 (one 256-bit
-// load and half a 256-bit store a cycle) more than the products themselves.
+// Each cached entry is loaded (and for codes converted) once for all R query rows, straight into a register that
+// every row's running sums then take: the GQA group reads a KV head's entries once, and a cache of codes costs one
+// conversion per code, not one per row. The loops are shaped to keep their running sums, the rows' query vectors
+// or weights and the entry in registers on AVX2's 16 as well as AVX-512's 32: loads and spills cost AMD's Zen 1
+// (one 256-bit load and half a 256-bit store a cycle) more than the products themselves.
+
+// Slots one pass of row_scores dots at once: the most (a divisor of W) whose R x S running sums, the R rows' query
+// vectors and one key vector fit the register file (R = 3 on AVX2: 4 slots, all 16 registers).
+template <int R>
+constexpr int score_slots() {
+  int s = V::W;
+  while (s > 1 && (V::W % s || R * s + R + 1 > V::REGS)) --s;
+  return s;
+}
 
 // The R rows' scores over the slots [lo, hi): q . key x (the slot's scale for codes) x scale, into sc[r][s - lo].
-// W slots at a time: their keys (converted once for codes, into a block of float32 rows), each row's W dot products
-// summed across lanes together (V::sum_each), not one horizontal sum per slot. A row's W running sums and one query
-// vector are all the registers the inner loop holds (W + 1: 9 of AVX2's 16), so nothing spills: holding every row's
-// query in registers as well (R x NV vectors) spilled on AVX2, two loads per product, which AMD's Zen cores (one
-// 256-bit load a cycle) paid for at every product.
+// W slots at a time, S (score_slots) a pass: each key vector is loaded (and for codes converted) once, straight
+// into a register, and multiplied into all R rows' sums while the R query vectors stay in registers, so a pass
+// makes R x S products for every R + S loads. Each row's W dot products are then summed across lanes together
+// (V::sum_each), not one horizontal sum per slot. (Converting a block of keys into float32 rows in L1 first, and
+// every row reading them back, made a load per product and a store per key vector: Zen 1's one 256-bit load and
+// half a 256-bit store a cycle bound the op there, not its products.)
 template <typename T, int NV, int R>
 void row_scores(const RowGroup<T>& g, int64_t lo, int64_t hi) {
-  constexpr int D = NV * V::W;
-  alignas(64) float converted[V::W * D];
+  constexpr int D = NV * V::W, S = score_slots<R>();
+  alignas(64) T padded[V::W * D];  // a short last block's entries, zeros after them
   alignas(64) float sums[V::W];
   for (int64_t s0 = lo; s0 < hi; s0 += V::W) {
     const int count = static_cast<int>(std::min<int64_t>(V::W, hi - s0));
-    const float* block = converted;  // the block's keys as W float32 rows (a short last block padded with zeros)
-    if constexpr (std::is_same_v<T, float>) {
-      if (count == V::W)
-        block = g.keys + s0 * D;
-      else
-        std::copy(g.keys + s0 * D, g.keys + (s0 + count) * D, converted);
-    } else {
-      for (int i = 0; i < count; ++i)
-        for (int j = 0; j < NV; ++j) V::store(converted + i * D + j * V::W, V::load(g.keys + (s0 + i) * D + j * V::W));
+    const T* block = g.keys + s0 * D;
+    if (count < V::W) {  // zero codes are 0.0 in every stored type
+      std::copy(block, block + count * D, padded);
+      std::fill(padded + count * D, padded + V::W * D, T(0));
+      block = padded;
     }
-    if (count < V::W) std::fill(converted + count * D, converted + V::W * D, 0.f);
-    for (int r = 0; r < R; ++r) {
-      typename V::vec dot[V::W];
-      for (int i = 0; i < V::W; ++i) dot[i] = V::zero();
+    typename V::vec dot[R][V::W];
+    for (int i0 = 0; i0 < V::W; i0 += S) {
+      typename V::vec acc[R][S];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < S; ++i) acc[r][i] = V::zero();
       for (int j = 0; j < NV; ++j) {
-        const typename V::vec qj = V::load(g.q[r] + j * V::W);
-        for (int i = 0; i < V::W; ++i) dot[i] = V::fma(qj, V::load(block + i * D + j * V::W), dot[i]);
+        typename V::vec q[R];
+        for (int r = 0; r < R; ++r) q[r] = V::load(g.q[r] + j * V::W);
+        for (int i = 0; i < S; ++i) {
+          const typename V::vec key = V::load(block + (i0 + i) * D + j * V::W);
+          for (int r = 0; r < R; ++r) acc[r][i] = V::fma(q[r], key, acc[r][i]);
+        }
       }
-      V::store(sums, V::sum_each(dot));
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < S; ++i) dot[r][i0 + i] = acc[r][i];
+    }
+    for (int r = 0; r < R; ++r) {
+      V::store(sums, V::sum_each(dot[r]));
       float* out = g.scores[r] + (s0 - lo);
       for (int i = 0; i < count; ++i) out[i] = sums[i] * (g.key_scales ? g.key_scales[s0 + i] * g.scale : g.scale);
     }
@@ -50,18 +65,19 @@ void row_scores(const RowGroup<T>& g, int64_t lo, int64_t hi) {
 }
 
 // Vectors of a value row one pass over the slots accumulates: the most (a divisor of NV) whose R x C running sums,
-// C value vectors and a broadcast weight fit the register file.
+// the R rows' broadcast weights and one value vector fit the register file (R = 3 on AVX2: 4 of 8, 16 registers).
 template <int NV, int R>
 constexpr int value_columns() {
   int c = NV;
-  while (c > 1 && (NV % c || (R + 1) * c + 1 > V::REGS)) --c;
+  while (c > 1 && (NV % c || R * c + R + 1 > V::REGS)) --c;
   return c;
 }
 
 // The R rows' weighted values over the slots [lo, hi): sum over s of weights[r][s - lo] x value_s, into g.acc[r]
 // (the weights hold each code row's scale already). A pass accumulates C columns of vectors (value_columns), so
 // its running sums stay in registers, over a tile of TILE slots, so the codes the next pass reads are still in L1
-// at any head width; each value entry is still loaded (and converted) once.
+// at any head width; each value entry is still loaded (and converted) once, and each slot's R weights are
+// broadcast once a pass, not once per row and value vector.
 template <typename T, int NV, int R>
 void row_values(const RowGroup<T>& g, int64_t lo, int64_t hi) {
   // float32 rows go whole (C = NV: the running sums spill, but the step waits on memory, and whole rows stream;
@@ -77,11 +93,11 @@ void row_values(const RowGroup<T>& g, int64_t lo, int64_t hi) {
         for (int j = 0; j < C; ++j) acc[r][j] = V::load(g.acc[r] + (c0 + j) * V::W);
       for (int64_t s = t0; s < t1; ++s) {
         const T* value = g.values + (s * NV + c0) * V::W;
-        typename V::vec v[C];
-        for (int j = 0; j < C; ++j) v[j] = V::load(value + j * V::W);
-        for (int r = 0; r < R; ++r) {
-          const typename V::vec p = V::set1(g.scores[r][s - lo]);
-          for (int j = 0; j < C; ++j) acc[r][j] = V::fma(p, v[j], acc[r][j]);
+        typename V::vec p[R];
+        for (int r = 0; r < R; ++r) p[r] = V::set1(g.scores[r][s - lo]);
+        for (int j = 0; j < C; ++j) {
+          const typename V::vec v = V::load(value + j * V::W);
+          for (int r = 0; r < R; ++r) acc[r][j] = V::fma(p[r], v, acc[r][j]);
         }
       }
       for (int r = 0; r < R; ++r)

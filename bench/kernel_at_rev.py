@@ -1,0 +1,44 @@
+"""One of lmpress's CPU kernel sources at another git revision, built and loaded beside today's library under an op
+namespace of its own: the benches' ``--against REV`` (two versions of a kernel timed interleaved in one process)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_at_rev(rev: str, source: str, namespace: str) -> None:
+    """``lmpress/runtime/kernels/<source>`` at ``rev``, with the headers it includes from there, its ops registered
+    as ``torch.ops.<namespace>`` instead of ``torch.ops.lmpress_cpu``; built once into lmpress's cache."""
+    from torch.utils.cpp_extension import load
+
+    from lmpress.cache import cache_root
+
+    def at_rev(name: str) -> str:
+        path = f"{rev}:lmpress/runtime/kernels/{name}"
+        return subprocess.run(["git", "show", path], cwd=REPO, check=True, capture_output=True).stdout.decode()
+
+    text = re.sub(r"\b(TORCH_LIBRARY\w*)\(lmpress_cpu,", rf"\1({namespace},", at_rev(source))
+    headers = {name: at_rev(name) for name in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)}
+    digest = hashlib.sha256((text + "".join(headers.values())).encode() + torch.__version__.encode()).hexdigest()[:16]
+    name = f"{namespace}_{digest}"
+    build = cache_root() / "kernels" / name
+    build.mkdir(parents=True, exist_ok=True)
+    for header, body in headers.items():  # the revision's own headers, beside the source that includes them
+        (build / header).write_text(body)
+    path = build / f"{Path(source).stem}_{namespace}.cpp"
+    path.write_text(text)
+    load(
+        name,
+        [str(path)],
+        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
