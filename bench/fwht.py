@@ -67,11 +67,14 @@ def block_diagonal_hadamard(block: int, n: int, device: torch.device) -> torch.T
     return torch.block_diag(*[hadamard_matrix(block, torch.float32)] * (n // block)).T.to(device)
 
 
-def transform_ways(device: torch.device, dtype: torch.dtype, block: int, n: int, dry_run: bool) -> dict[str, Callable]:
+def transform_ways(
+    device: torch.device, dtype: torch.dtype, block: int, matrix: torch.Tensor, dry_run: bool
+) -> dict[str, Callable]:
+    """The ways timed: ``matrix`` is ``block_diagonal_hadamard``'s, for the matmul."""
     from lmpress.runtime.kernels import fwht
     from lmpress.weights.online_rotation import blockwise_hadamard
 
-    dense = block_diagonal_hadamard(block, n, device).to(dtype)
+    dense = matrix.to(dtype)
     ways = {"torch butterfly": lambda x: blockwise_hadamard(x, block)}
     if device.type == "cpu" and not dry_run:  # on a GPU visit its compiles would take most of the step's seconds
         compiled = torch.compile(blockwise_hadamard, dynamic=False)
@@ -97,10 +100,11 @@ def sync(device: torch.device) -> None:
 def time_transforms(device: torch.device, dtype: torch.dtype, rounds: int, calls: int, dry_run: bool) -> list[dict]:
     rows = []
     for n, block in SHAPES:
+        matrix = block_diagonal_hadamard(block, n, device)
         for m in ROWS:
             x = torch.randn(m, n, device=device).to(dtype)
-            ways = transform_ways(device, dtype, block, n, dry_run)
-            reference = x.float() @ block_diagonal_hadamard(block, n, device)  # in float32 whatever the dtype
+            ways = transform_ways(device, dtype, block, matrix, dry_run)
+            reference = x.float() @ matrix  # in float32 whatever the dtype
             seconds: dict[str, list[float]] = {name: [] for name in ways}
             for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
                 for name, way in ways.items():

@@ -30,11 +30,11 @@ from kernel_at_rev import build_at_rev  # noqa: E402
 from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KV_HEADS, DIM, SLOTS = 3, 64, 4096
+KV_HEADS, DIM = 3, 64
 ISAS = {-1: "the op's best level for this CPU", 1: "its AVX2 body", 2: "its AVX-512 body"}
 
 
-def caches(stored: str, fill: int, layers: int) -> list[tuple]:
+def caches(stored: str, fill: int, layers: int, slots: int = 4096) -> list[tuple]:
     """Each layer's (keys, key scales, values, value scales) as the runtime's cache holds them."""
     from lmpress.weights.kv_quant import KVScheme, fp8_scale_from_amax, quantize_kv
 
@@ -43,7 +43,7 @@ def caches(stored: str, fill: int, layers: int) -> list[tuple]:
     for _ in range(layers):
         pair = []
         for _ in range(2):
-            x = torch.randn(1, KV_HEADS, SLOTS, DIM, generator=g)
+            x = torch.randn(1, KV_HEADS, slots, DIM, generator=g)
             if stored == "float32":
                 pair.append((x, None))
             elif stored == "int8":
@@ -67,7 +67,7 @@ def time_row(layers: list[tuple], rows: int, fill: int, isa: int, calls: int, op
     """Median microseconds per call of ``calls`` calls cycling through the layers (the op of ``torch.ops.<ops>``)."""
     kv_slots_attention = getattr(torch.ops, ops).kv_slots_attention
     q = torch.randn(1, KV_HEADS * rows, 1, DIM, generator=torch.Generator().manual_seed(1))
-    mask = torch.zeros(1, 1, 1, SLOTS, dtype=torch.bool)
+    mask = torch.zeros(1, 1, 1, layers[0][0].shape[2], dtype=torch.bool)
     mask[..., :fill] = True
     times = []
     for i in range(calls):
@@ -83,8 +83,8 @@ def render(hosts: dict) -> str:
     for key, entry in hosts.items():
         meta = entry["meta"]
         pages.append(
-            f"## {key}\n\n{ISAS[meta['isa']]}, {meta['threads']} threads, {meta['fill']} of {SLOTS} slots "
-            f"filled, {meta['rounds']} rounds, {meta['when']}.\n"
+            f"## {key}\n\n{ISAS[meta['isa']]}, {meta['threads']} threads, {meta['fill']} of "
+            f"{meta.get('slots', 4096)} slots filled, {meta['rounds']} rounds, {meta['when']}.\n"
         )
         pages.append("| cache | query rows per KV head | us per layer, median [min, max] over rounds | GB/s |")
         pages.append("| --- | --- | --- | --- |")
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=150, help="calls per row and round (5 passes of 30 layers)")
     parser.add_argument("--fill", type=int, default=4000)
+    parser.add_argument("--slots", type=int, default=4096, help="the cache's size (a decode step's max length)")
     parser.add_argument("--layers", type=int, default=30, help="caches to cycle through (SmolLM2's 30 layers)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--threads", type=int, default=2)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     isa = args.isa
     torch.set_num_threads(args.threads)
-    stores = {name: caches(name, args.fill, args.layers) for name in ("float32", "int8", "fp8")}
+    stores = {name: caches(name, args.fill, args.layers, args.slots) for name in ("float32", "int8", "fp8")}
     if args.against:
         build_at_rev(args.against, "cpu_kv_attention.cpp", "lmpress_cpu_base")
     kernels = {"lmpress_cpu": ""} | ({"lmpress_cpu_base": f" @{args.against}"} if args.against else {})
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "isa": isa,
         "threads": args.threads,
         "fill": args.fill,
+        "slots": args.slots,
         "layers": args.layers,
         "rounds": args.rounds,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -308,10 +308,10 @@ def generate_row(args, model, device, label: str, shape: str, step_tok_s: float)
     cancels), against the bench's step at the same context (goal >= 0.9x: no host sync per token)."""
     import torch
 
-    from lmpress.runtime.generate import compile_mode, compiled_step, generate
+    from lmpress.runtime.generate import decoding_step, generate
     from lmpress.runtime.throughput import decode_rate, generation_times
 
-    step = compiled_step(compile_mode(device), backend=args.backend)  # decoding_step(device, compile=True)
+    step = decoding_step(device, compile=True, backend=args.backend)
     prompt = torch.randint(0, model.args.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
 
     def run(n: int) -> list[list[int]]:

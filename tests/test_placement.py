@@ -5,6 +5,9 @@ on the compute device). Between stages the model rests on the CPU."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -215,3 +218,24 @@ def test_out_of_memory_names_stage_and_layer():
         "stage 2 (gptq), layer 3: out of memory on cpu (CUDA out of memory. Tried to allocate 2.00 GiB); "
         "rerun with --resume"
     )
+
+
+FREED_HEAP = """
+import ctypes, psutil, torch
+from lmpress.memory import GLIBC_MMAP_THRESHOLD_MAX, M_MMAP_THRESHOLD
+from lmpress.placement import release_memory
+# as after glibc has freed one mapped block of 32 MiB: blocks below that now come from the heap
+ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
+stage = [torch.ones(1 << 18) for _ in range(300)]  # a stage's transient buffers: 300 x 1 MiB
+kept = torch.ones(1 << 18)  # something long-lived allocated after them, at the heap's top
+del stage
+before = psutil.Process().memory_info().rss
+release_memory(torch.device("cpu"))
+print((before - psutil.Process().memory_info().rss) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+def test_releasing_memory_hands_a_stages_freed_heap_back_to_the_os():
+    done = subprocess.run([sys.executable, "-c", FREED_HEAP], capture_output=True, text=True, timeout=120, check=True)
+    assert float(done.stdout.split()[-1]) > 250  # MiB no longer resident

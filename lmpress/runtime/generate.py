@@ -459,9 +459,10 @@ def decoding_forward(device: torch.device, compile: bool) -> ForwardFn:
     return compiled_forward(compile_mode(device)) if compile else model_forward
 
 
-def decoding_step(device: torch.device, compile: bool) -> StepFn:
-    """The ``StepFn`` plain decoding runs on ``device``: eager, or ``compiled_step`` (CUDA graphs on a GPU)."""
-    return compiled_step(compile_mode(device)) if compile else sampled()
+def decoding_step(device: torch.device, compile: bool, backend: str = "inductor") -> StepFn:
+    """The ``StepFn`` plain decoding runs on ``device``: eager, or ``compiled_step`` (CUDA graphs on a GPU) through
+    ``backend`` (dynamo's ``"eager"``: the same graph, not compiled, where tests and dry runs need no compiler)."""
+    return compiled_step(compile_mode(device), backend) if compile else sampled()
 
 
 def compile_reads(
