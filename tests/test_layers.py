@@ -18,8 +18,8 @@ import lmpress
 LAYER_ORDER = [
     "errors",
     "progress",
-    "placement",
-    "memory",
+    "memory",  # the host's memory: resident size, peaks, glibc's heap
+    "placement",  # devices; handing freed memory back uses memory's
     "distributed",
     "cache",
     "texts",
