@@ -60,8 +60,7 @@ def require_capability(device: torch.device, minimum: tuple[int, int], what: str
 def release_memory(device: torch.device) -> None:
     """Give what the caching allocator of ``device`` holds and no tensor uses back to the device, and the host's
     freed heap back to the OS: a stage's transient buffers below glibc's mmap threshold (which rises to 32 MiB)
-    stay resident behind anything allocated after them (a reduced eagle-w4 run: the export phase's peak 1684 ->
-    1441 MiB, read-back's 2187 -> 2009)."""
+    stay resident behind anything allocated after them (tests/test_placement.py)."""
     return_freed_memory()
     if device.type == "cuda":
         torch.cuda.empty_cache()
