@@ -92,6 +92,12 @@ void quantize16_portable(const float* x, int8_t* q, float* d, float* s) {
 #ifdef LMPRESS_X86
 static_assert(ABLOCK == 4, "the SIMD quantizers take blocks of 4 (one per 128-bit lane)");
 
+// Lane 0 of each 128-bit block of v to out[0:4]. Compressed in a register, then stored: AMD's Zen 4 runs a compress
+// with a memory destination in microcode (about 110 cycles a call against 3.5, measured on an EPYC, issue 55).
+TARGET_AVX512 inline void store_block_firsts(float* out, __m512 v) {
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, v)));
+}
+
 TARGET_AVX512 void quantize16_avx512(const float* x, int8_t* q, float* d, float* s) {
   const __m512 v = _mm512_loadu_ps(x);
   __m512 a = _mm512_abs_ps(v);
@@ -104,8 +110,8 @@ TARGET_AVX512 void quantize16_avx512(const float* x, int8_t* q, float* d, float*
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(r));
   __m512i t = _mm512_add_epi32(r, _mm512_shuffle_epi32(r, static_cast<_MM_PERM_ENUM>(0xB1)));
   t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, static_cast<_MM_PERM_ENUM>(0x4E)));
-  _mm512_mask_compressstoreu_ps(d, 0x1111, dv);
-  _mm512_mask_compressstoreu_ps(s, 0x1111, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv));
+  store_block_firsts(d, dv);
+  store_block_firsts(s, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv));
 }
 
 TARGET_AVX2 void quantize16_avx2(const float* x, int8_t* q, float* d, float* s) {

@@ -12,7 +12,7 @@ TARGET_AVX512 inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float*
   __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
   u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
   u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
-  _mm512_mask_compressstoreu_ps(out, 0x1111, u);  // lane 0 of each block: rows a, b, c, d
+  store_block_firsts(out, u);  // rows a, b, c, d
 }
 
 // One row's sum by reduce4's tree (IEEE addition commutes, so a2 + a0 is a0 + a2): 8 operations where reduce4 with
