@@ -38,13 +38,13 @@ SHAPES = {
 
 
 def probe(kind: str, out: int, k: int) -> dict[str, Any]:
-    from lmpress.runtime.kernels import cpu_int, cpu_probe
+    from lmpress.runtime.kernels import cpu_half, cpu_int, cpu_probe
 
-    recorded: dict[tuple[int, int], float] = {}
+    recorded: dict[tuple[int, ...], float] = {}
     probed_with: list[Any] = []
     timer = cpu_probe.time_candidates
 
-    def recording(*args: Any) -> dict[tuple[int, int], float]:
+    def recording(*args: Any) -> dict[tuple[int, ...], float]:
         probed_with.extend(args[:3])
         recorded.update(timer(*args))
         return recorded
@@ -54,17 +54,17 @@ def probe(kind: str, out: int, k: int) -> dict[str, Any]:
         began = time.perf_counter()
         if kind == "half":
             choice = cpu_probe.choose_half_kernel(out, k, torch.bfloat16)
-            default_prefetch = cpu_probe.HALF_DEFAULT_PREFETCH
+            default_prefetch, rows = cpu_probe.HALF_DEFAULT_PREFETCH, cpu_half.ROWS_PER_PASS
         else:
             kernel = cpu_int.W4A8Linear if kind == "w4" else cpu_int.W8A8RowLinear
             choice = cpu_probe.choose_int8_kernel(kernel, out, k, k // 64 if kind == "w4" else 1)
-            default_prefetch = cpu_probe.DEFAULT_PREFETCH
+            default_prefetch, rows = cpu_probe.DEFAULT_PREFETCH, ()
         seconds = time.perf_counter() - began
     finally:
         cpu_probe.time_candidates = timer
-    tried = cpu_probe.candidates(cpu_int.host_isa(), default_prefetch)
-    # The choice against the default (the host's best level, the op's own distance), timed again side by side.
-    chosen, default = (choice.isa, choice.prefetch), tuple(tried[0])
+    tried = cpu_probe.candidates(cpu_int.host_isa(), default_prefetch, rows)
+    # The choice against the default (the host's best level, the op's own distance and rows), timed again side by side.
+    chosen, default = tuple(choice.candidate()), tuple(tried[0])
     again = timer(*probed_with, [list(chosen), list(default)]) if chosen != default else {chosen: 1.0}
     return {
         "probe_s": seconds,
@@ -78,14 +78,16 @@ def probe(kind: str, out: int, k: int) -> dict[str, Any]:
 def label(candidate: list[int], tried: list[list[int]]) -> str:
     from lmpress.runtime.kernels import cpu_int
 
-    isa, prefetch = candidate
-    return f"{cpu_int.ISA_NAMES[isa]}, {prefetch} B" + (" (default)" if candidate == tried[0] else "")
+    isa, prefetch, *rows = candidate
+    at_once = f", {rows[0]} row{'s' * (rows[0] > 1)} at once" if rows else ""
+    return f"{cpu_int.ISA_NAMES[isa]}, {prefetch} B{at_once}" + (" (default)" if candidate == tried[0] else "")
 
 
 def render(hosts: dict[str, Any]) -> str:
     pages = [
         "Measured by `python bench/cpu_probe.py`: microseconds per product of one input row, for each candidate "
-        "(instruction set level; prefetch distance the op's default, none, 1 KiB, 4x and 16x the default).\n"
+        "(instruction set level; prefetch distance the op's default, none, 1 KiB, 4x and 16x the default; the "
+        "half-precision head, since 2026-12-04: weight rows at once, 4 or 1).\n"
     ]
     for key, entry in hosts.items():
         meta = entry["meta"]

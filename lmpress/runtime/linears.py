@@ -57,7 +57,7 @@ class Build:
         """A float layer over ``weight`` (used as it is) and ``bias``, in ``dense_dtype(weight)``."""
         if self.dense_dtype(weight) != self.dtype:  # the op's variant probed for this host and shape
             choice = cpu_probe.choose_half_kernel(*weight.shape, weight.dtype)
-            return cpu_half.HalfWeightLinear(weight, bias, choice.isa, choice.prefetch)
+            return cpu_half.HalfWeightLinear(weight, bias, choice.isa, choice.prefetch, choice.rows)
         return linear_over(self.dense_linear, weight.to(self.dtype), bias)
 
     def rotation_path(self, block: int) -> str:

@@ -37,11 +37,26 @@ def test_matches_float64_products_of_the_widened_weight(rows, out_features, half
     torch.testing.assert_close(y.double(), reference(x, weight), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_one_weight_row_at_a_time_computes_what_four_at_once_do_bit_for_bit(rows, half, isa):
+    """The probe's choice of weight rows at once (cpu_probe.py) moves no arithmetic: each row's sum is the same
+    chain, whatever shares its pass (67 rows: four at once leave 3 to the one-row loop)."""
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 160, generator=g), torch.randn(67, 160, generator=g).to(half)
+    four = torch.ops.lmpress_cpu.half_linear(x, weight, isa, 4608, 4)
+    one = torch.ops.lmpress_cpu.half_linear(x, weight, isa, 4608, 1)
+    assert torch.equal(one, four)
+    assert torch.equal(four, torch.ops.lmpress_cpu.half_linear(x, weight, isa))  # four: the op's default
+
+
 @pytest.mark.parametrize("half", HALVES)
 def test_the_op_traces_for_the_compiled_step(half):
     """Schema, fake (meta) implementation and autograd registration agree with the kernel, as torch.compile needs."""
     x, weight = torch.randn(2, 64), torch.randn(8, 64).to(half)
-    torch.library.opcheck(torch.ops.lmpress_cpu.half_linear.default, (x, weight, ISAS[-1]))
+    for args in [(x, weight, ISAS[-1]), (x, weight, ISAS[-1], 1024, 1)]:  # the defaults, and every argument given
+        torch.library.opcheck(torch.ops.lmpress_cpu.half_linear.default, args)
 
 
 def test_refuses_shapes_and_instruction_sets_it_cannot_compute():
@@ -51,6 +66,8 @@ def test_refuses_shapes_and_instruction_sets_it_cannot_compute():
         torch.ops.lmpress_cpu.half_linear(torch.randn(1, 64), torch.randn(4, 64), 1)
     with pytest.raises(RuntimeError, match="instruction set level 0"):
         torch.ops.lmpress_cpu.half_linear(torch.randn(1, 64), torch.randn(4, 64).bfloat16(), 0)
+    with pytest.raises(RuntimeError, match="1 or 4 weight rows at once, not 3"):
+        torch.ops.lmpress_cpu.half_linear(torch.randn(1, 64), torch.randn(4, 64).bfloat16(), 1, 0, 3)
 
 
 def test_the_layer_runs_the_hosts_widest_vectors():

@@ -30,21 +30,27 @@ def weight(kind: str, out: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("kind", ["w4", "w8", "half"])
 def test_every_candidate_computes_the_same_outputs(kind):
-    # Rows of weights past one prefetch distance and a partial last tile: a prefetch past the end never faults,
-    # and within a level the distance moves no arithmetic, so the outputs are equal bit for bit.
+    # Rows of weights past one prefetch distance and a partial last tile (200 rows: not a multiple of the half op's
+    # 4 at once): a prefetch past the end never faults, and within a level neither the distance nor the weight rows
+    # at once move any arithmetic, so the outputs are equal bit for bit.
     if kind == "half" and not cpu_half.available():
         pytest.skip("the half-precision op needs AVX2")
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
     outputs = {}
-    for isa, prefetch in cpu_probe.candidates(cpu_int.host_isa()):
-        variant = layer(kind, 200, 512, isa=isa, prefetch=prefetch)
+    half_rows = cpu_half.ROWS_PER_PASS if kind == "half" else ()
+    for isa, prefetch, *rows_at_once in cpu_probe.candidates(cpu_int.host_isa(), rows=half_rows):
+        at_once = {"rows": rows_at_once[0]} if rows_at_once else {}
+        variant = layer(kind, 200, 512, isa=isa, prefetch=prefetch, **at_once)
         for rows in (1, 3):
-            outputs[isa, prefetch, rows] = variant(x[:rows])
-    for (isa, prefetch, rows), y in outputs.items():
-        same_level = outputs[isa, cpu_probe.DEFAULT_PREFETCH, rows]
-        assert torch.equal(y, same_level), (isa, prefetch, rows)
-        first = outputs[cpu_int.host_isa(), cpu_probe.DEFAULT_PREFETCH, rows]
+            outputs[(isa, prefetch, *rows_at_once, rows)] = variant(x[:rows])
+    default_rows = half_rows[:1]
+    for (isa, prefetch, *rows_at_once, rows), y in outputs.items():
+        same_level = outputs[(isa, cpu_probe.DEFAULT_PREFETCH, *default_rows, rows)]
+        assert torch.equal(y, same_level), (isa, prefetch, rows_at_once, rows)
+        first = outputs[(cpu_int.host_isa(), cpu_probe.DEFAULT_PREFETCH, *default_rows, rows)]
         torch.testing.assert_close(y, first, rtol=1e-4, atol=1e-4)
+    if half_rows:  # the layer's own default is the op's four rows at once
+        assert layer(kind, 8, 512).rows == half_rows[0] == 4
 
 
 def test_the_ops_reject_a_negative_prefetch():
@@ -69,7 +75,8 @@ def test_the_probe_chooses_a_candidate_once_per_host_and_shape(tmp_path, monkeyp
     assert timed == [(576, 1024 * 576 // 2)]
     if cpu_half.available():  # the half-precision head's own probe, kept beside it
         head = cpu_probe.choose_half_kernel(256, 576, torch.bfloat16)
-        assert [head.isa, head.prefetch] in cpu_probe.candidates(cpu_int.host_isa(), cpu_probe.HALF_DEFAULT_PREFETCH)
+        tried = cpu_probe.candidates(cpu_int.host_isa(), cpu_probe.HALF_DEFAULT_PREFETCH, cpu_half.ROWS_PER_PASS)
+        assert head.rows in cpu_half.ROWS_PER_PASS and head.candidate() in tried
         assert timed[-1] == (576, 256 * 576 * 2)
     tuning.forget_in_memory()
 
@@ -83,9 +90,10 @@ def test_the_runtime_builds_its_layers_with_the_probed_choice(monkeypatch):
     from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 
     picked = cpu_probe.KernelChoice(1 if cpu_int.host_isa() >= 1 else 0, 1024)
+    picked_half = cpu_probe.KernelChoice(picked.isa, 1024, 1)
     asked = []
     monkeypatch.setattr(cpu_probe, "choose_int8_kernel", lambda *a: asked.append(a) or picked)
-    monkeypatch.setattr(cpu_probe, "choose_half_kernel", lambda *a: asked.append(a) or picked)
+    monkeypatch.setattr(cpu_probe, "choose_half_kernel", lambda *a: asked.append(a) or picked_half)
     import lmpress.runtime.kernels.cpu as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "choose_int8_kernel", cpu_probe.choose_int8_kernel)
@@ -97,7 +105,7 @@ def test_the_runtime_builds_its_layers_with_the_probed_choice(monkeypatch):
     assert asked[-1] == (cpu_int.W4A8Linear, 128, 256, 4)
     if cpu_half.available():
         half = Build(torch.float32).dense(weight.bfloat16(), None)
-        assert (half.isa, half.prefetch) == (picked.isa, picked.prefetch)
+        assert (half.isa, half.prefetch, half.rows) == (picked.isa, 1024, 1)
         assert asked[-1] == (128, 256, torch.bfloat16)
 
 
@@ -108,3 +116,5 @@ def test_small_weights_and_the_off_space_take_the_defaults(monkeypatch):
     monkeypatch.setattr(tuning, "_space", "off")
     big = cpu_probe.choose_int8_kernel(cpu_int.W8A8RowLinear, 4096, 576, 1)
     assert big == cpu_probe.KernelChoice(cpu_int.host_isa(), cpu_probe.DEFAULT_PREFETCH)
+    head = cpu_probe.choose_half_kernel(49152, 576, torch.bfloat16)
+    assert head == cpu_probe.KernelChoice(cpu_int.host_isa(), cpu_probe.HALF_DEFAULT_PREFETCH, 4)

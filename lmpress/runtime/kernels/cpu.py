@@ -232,7 +232,7 @@ def output_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(layer, W8A8RowLinear):
         return layer.rows(rows)
     if isinstance(layer, HalfWeightLinear):
-        return HalfWeightLinear(layer.weight[rows].contiguous(), bias, layer.isa, layer.prefetch)
+        return HalfWeightLinear(layer.weight[rows].contiguous(), bias, layer.isa, layer.prefetch, layer.rows)
     if isinstance(layer, nn.Linear):
         return linear_over(DenseLinear, layer.weight[rows].contiguous(), bias)
     raise LmpressInputError(

@@ -7,15 +7,19 @@
 // float32, masking off the low half the odd ones, so each input row is split once per call into its even and odd
 // columns per 32 (``split_columns``) and both meet their inputs with plain loads. AVX2 loads 16 half values, the
 // first or second half of each 32: its even columns are the split's first 8 (or next 8) values, its odd ones
-// those 16 further on, so both instruction sets read one split. Four weight rows are dotted at once with up to
-// four input rows (16 accumulators); decode is one row, speculative verification a few. Built into the library of
-// cpu_int.cpp (a third source; the op joins lmpress_cpu). ``isa``: 2 AVX-512, 1 AVX2 (cpu_int.py's levels).
+// those 16 further on, so both instruction sets read one split. ``rows`` weight rows (4 or 1) are dotted at once
+// with up to four input rows; decode is one row, speculative verification a few. Each row's sum is the same chain
+// of products either way, so both compute the same outputs bit for bit; which streams faster is the host's
+// (cpu_probe.py). Four was tuned on a Xeon; on a Zen 4 EPYC (2 threads, the head streamed from memory) four
+// interleaved rows ran at 17-23 GB/s and one row at a time at 28-30, its memory's read rate. Built into the library
+// of cpu_int.cpp (a third source; the op joins lmpress_cpu). ``isa``: 2 AVX-512, 1 AVX2 (cpu_int.py's levels).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -27,7 +31,6 @@
 namespace {
 
 constexpr int64_t COLUMNS = 32;  // half-precision columns per 512-bit load; in_features is a multiple of it
-constexpr int64_t WROWS = 4;     // weight rows dotted at once
 constexpr int64_t XROWS = 4;     // input rows per pass over the weight
 // How far ahead of each load its weight row is prefetched (the op's "prefetch"; 0: not at all), probed per host
 // (cpu_probe.py). The default: streaming SmolLM2's head from memory (not cache), one row at 17.8 GB/s without and
@@ -120,38 +123,50 @@ HALF_AVX2 inline void dot_rows_avx2(const float* xs, const uint16_t* w, int64_t 
     for (int r = 0; r < R; ++r) y[m * N + n0 + r] = sum_lanes(acc[m][r]);
 }
 
-template <bool BF16, int M>
+template <bool BF16, int M, int WR>
 HALF_AVX512 void rows_of(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y,
                         int64_t ahead) {
   int64_t n = n0;
-  for (; n + WROWS <= n1; n += WROWS) dot_rows<BF16, M, WROWS>(xs, w, K, N, n, y, ahead);
+  for (; n + WR <= n1; n += WR) dot_rows<BF16, M, WR>(xs, w, K, N, n, y, ahead);
   for (; n < n1; ++n) dot_rows<BF16, M, 1>(xs, w, K, N, n, y, ahead);
 }
 
-template <bool BF16, int M>
+template <bool BF16, int M, int WR>
 HALF_AVX2 void rows_of_avx2(const float* xs, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
                             float* y, int64_t ahead) {
   int64_t n = n0;
-  for (; n + WROWS <= n1; n += WROWS) dot_rows_avx2<BF16, M, WROWS>(xs, w, K, N, n, y, ahead);
+  for (; n + WR <= n1; n += WR) dot_rows_avx2<BF16, M, WR>(xs, w, K, N, n, y, ahead);
   for (; n < n1; ++n) dot_rows_avx2<BF16, M, 1>(xs, w, K, N, n, y, ahead);
 }
 
 using Rows = void (*)(const float*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
-constexpr Rows BF16_ROWS[XROWS] = {rows_of<true, 1>, rows_of<true, 2>, rows_of<true, 3>, rows_of<true, 4>};
-constexpr Rows F16_ROWS[XROWS] = {rows_of<false, 1>, rows_of<false, 2>, rows_of<false, 3>, rows_of<false, 4>};
-constexpr Rows BF16_ROWS_AVX2[XROWS] = {rows_of_avx2<true, 1>, rows_of_avx2<true, 2>, rows_of_avx2<true, 3>,
-                                        rows_of_avx2<true, 4>};
-constexpr Rows F16_ROWS_AVX2[XROWS] = {rows_of_avx2<false, 1>, rows_of_avx2<false, 2>, rows_of_avx2<false, 3>,
-                                       rows_of_avx2<false, 4>};
+using RowsByM = std::array<Rows, XROWS>;
+
+template <bool AVX512, bool BF16, int WR>
+constexpr RowsByM rows_by_m() {
+  if constexpr (AVX512)
+    return {rows_of<BF16, 1, WR>, rows_of<BF16, 2, WR>, rows_of<BF16, 3, WR>, rows_of<BF16, 4, WR>};
+  else
+    return {rows_of_avx2<BF16, 1, WR>, rows_of_avx2<BF16, 2, WR>, rows_of_avx2<BF16, 3, WR>,
+            rows_of_avx2<BF16, 4, WR>};
+}
+
+// [AVX-512][bfloat16][four weight rows at once] -> the function per input row count.
+constexpr RowsByM ROWS[2][2][2] = {
+    {{rows_by_m<false, false, 1>(), rows_by_m<false, false, 4>()},
+     {rows_by_m<false, true, 1>(), rows_by_m<false, true, 4>()}},
+    {{rows_by_m<true, false, 1>(), rows_by_m<true, false, 4>()},
+     {rows_by_m<true, true, 1>(), rows_by_m<true, true, 4>()}}};
 
 bool runs(int64_t isa) {
   if (isa == 2) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
   return isa == 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t isa, int64_t prefetch) {
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t isa, int64_t prefetch, int64_t rows) {
   TORCH_CHECK(runs(isa), "half_linear: this CPU cannot run instruction set level ", isa, " (2 AVX-512, 1 AVX2)");
   TORCH_CHECK(prefetch >= 0 && prefetch <= (int64_t{1} << 20), "prefetch: 0 to 1 MiB ahead, not ", prefetch);
+  TORCH_CHECK(rows == 1 || rows == 4, "half_linear: 1 or 4 weight rows at once, not ", rows);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "half_linear: x (M, K) float32");
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kHalf) && weight.is_contiguous(),
@@ -162,12 +177,12 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t is
   const std::vector<float> split = bf16 ? split_columns(x.data_ptr<float>(), M, K) : std::vector<float>();
   const float* xs = bf16 ? split.data() : x.data_ptr<float>();
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
-  const Rows* rows_of_m = isa == 2 ? (bf16 ? BF16_ROWS : F16_ROWS) : (bf16 ? BF16_ROWS_AVX2 : F16_ROWS_AVX2);
+  const RowsByM& rows_of_m = ROWS[isa == 2][bf16][rows == 4];
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += XROWS) {
-      const int64_t rows = std::min(XROWS, M - m);
-      rows_of_m[rows - 1](xs + m * K, w, K, N, n0, n1, yp + m * N, prefetch);
+      const int64_t inputs = std::min(XROWS, M - m);
+      rows_of_m[inputs - 1](xs + m * K, w, K, N, n0, n1, yp + m * N, prefetch);
     }
   });
   return y;
@@ -176,7 +191,7 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t is
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmpress_cpu, m) {
-  m.def("half_linear(Tensor x, Tensor weight, int isa, int prefetch=4608) -> Tensor");
+  m.def("half_linear(Tensor x, Tensor weight, int isa, int prefetch=4608, int rows=4) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmpress_cpu, CPU, m) { m.impl("half_linear", &half_linear); }

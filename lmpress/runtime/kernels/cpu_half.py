@@ -21,6 +21,7 @@ from lmpress.runtime.kernels import cpu_int
 COLUMNS = 32  # in_features must be a multiple of it (fixed in cpu_half.cpp)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_PREFETCH = 4608  # bytes ahead of each weight load: cpu_half.cpp's PREFETCH_BYTES, the op's default
+ROWS_PER_PASS = (4, 1)  # weight rows the op dots at once (its ``rows``), its default first
 
 
 @functools.cache
@@ -46,9 +47,11 @@ class HalfWeightLinear(nn.Module):
         bias: torch.Tensor | None = None,
         isa: int | None = None,
         prefetch: int | None = None,
+        rows: int | None = None,
     ) -> None:
-        """``isa`` (default: the host's best level) and ``prefetch`` (bytes ahead; default ``DEFAULT_PREFETCH``)
-        choose the op's variant: the runtime passes this host's probed choice (``cpu_probe.choose_half_kernel``)."""
+        """``isa`` (default: the host's best level), ``prefetch`` (bytes ahead; default ``DEFAULT_PREFETCH``) and
+        ``rows`` (weight rows dotted at once, one of ``ROWS_PER_PASS``; the same outputs either way) choose the op's
+        variant: the runtime passes this host's probed choice (``cpu_probe.choose_half_kernel``)."""
         super().__init__()
         usable = available() and weight.dtype in HALF_DTYPES  # else F.linear on the weight widened for every call
         self.out_features, self.in_features = weight.shape
@@ -58,6 +61,7 @@ class HalfWeightLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.isa = 0 if not usable else cpu_int.host_isa() if isa is None else isa  # the op's: 2 AVX-512, 1 AVX2
         self.prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
+        self.rows = ROWS_PER_PASS[0] if rows is None else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -65,7 +69,7 @@ class HalfWeightLinear(nn.Module):
             block = max(1, self.WIDENED_BYTES // (4 * self.in_features))
             y = torch.cat([F.linear(flat, rows.float()) for rows in self.weight.split(block)], dim=-1)
         else:
-            y = torch.ops.lmpress_cpu.half_linear(flat.contiguous(), self.weight, self.isa, self.prefetch)
+            y = torch.ops.lmpress_cpu.half_linear(flat.contiguous(), self.weight, self.isa, self.prefetch, self.rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -115,7 +115,7 @@ def _register_fakes() -> None:
             return q.new_empty(q.shape)
 
         @torch.library.register_fake("lmpress_cpu::half_linear")
-        def fake_half_linear(x, weight, isa, prefetch=4608):  # noqa: ANN001, ANN202 - torch.library's signature
+        def fake_half_linear(x, weight, isa, prefetch=4608, rows=4):  # noqa: ANN001, ANN202 - torch.library's signature
             return x.new_empty(x.shape[0], weight.shape[0])
 
 

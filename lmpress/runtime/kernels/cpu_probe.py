@@ -3,14 +3,17 @@ half-precision weights), probed at first use.
 
 Two hosts with the same instruction sets want different kernels: AVX-512's outputs-in-lanes tiles were tuned on
 Intel Xeons, where 512-bit operations run at full width, while AMD's cores before Zen 5 split them in two; and
-how far ahead of the weights a kernel should prefetch depends on the memory system. So the first load of a
-weight shape on a host times every candidate (instruction set level, prefetch distance) on that shape, for
+how far ahead of the weights a kernel should prefetch, and how many weight rows it should stream at once (the
+half-precision op: four interleaved rows read a Zen 4 EPYC's memory at 17-23 GB/s, one row at a time at 28-30),
+depend on the memory system. So the first load of a weight shape on a host times every candidate (instruction set
+level, prefetch distance, the half op's rows at once) on that shape, for
 decode's one input row, over copies of the weight totalling ``PROBE_BYTES`` (past a core's caches, though a
 large shared last-level cache may hold part of them, as it holds part of a small model in decode), rounds
 interleaved. The fastest is kept in lmpress's tuning cache (``kernels/tuning.py``) under the CPU model and flags,
 thread count and versions, and later loads read it; the defaults (the host's best level, the op's own distance)
 stay unless another candidate is ``MARGIN`` faster. Every candidate computes the same outputs as the others of its
-instruction set level, bit for bit (prefetching moves no arithmetic), and within the kernels' tolerance of the
+instruction set level, bit for bit (prefetching moves no arithmetic, and a row's sum is the same chain however many
+rows share the pass), and within the kernels' tolerance of the
 other level (tests/runtime/test_cpu_probe.py). What the probe costs and chooses per host: bench/cpu_probe.py.
 
 Weights under ``PROBED_MIN_BYTES`` (the tiny test models') and the ``off`` tune space take the defaults: the
@@ -64,37 +67,51 @@ def cpu_model() -> str:
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """How a kernel runs: instruction set level (``cpu_int.ISA_NAMES``) and prefetch distance in bytes."""
+    """How a kernel runs: instruction set level (``cpu_int.ISA_NAMES``), prefetch distance in bytes and, for the
+    half-precision op, weight rows at once (``cpu_half.ROWS_PER_PASS``; None for the int8 kernels)."""
 
     isa: int
     prefetch: int
+    rows: int | None = None
+
+    def candidate(self) -> list[int]:
+        """This choice as ``candidates`` lists it."""
+        return [self.isa, self.prefetch] + ([] if self.rows is None else [self.rows])
 
 
-def candidates(host_isa: int, default_prefetch: int = DEFAULT_PREFETCH) -> list[list[int]]:
-    """``[isa, prefetch]`` pairs a host of level ``host_isa`` tries, the default first: AVX-512 hosts also their
-    AVX2 kernels; distances none, 1 KiB, the op's default and 4 and 16 times it; the portable C++ path has no
-    prefetch to choose."""
+def candidates(host_isa: int, default_prefetch: int = DEFAULT_PREFETCH, rows: tuple[int, ...] = ()) -> list[list[int]]:
+    """``[isa, prefetch]`` pairs a host of level ``host_isa`` tries, the default first, each with every count of
+    ``rows`` appended where the op has that choice (``[isa, prefetch, rows]``): AVX-512 hosts also their AVX2
+    kernels; distances none, 1 KiB, the op's default and 4 and 16 times it; the portable C++ path has no prefetch
+    or rows to choose."""
     levels = (2, 1) if host_isa == 2 else (host_isa,)
     distances = (default_prefetch, 0, 1024, 4 * default_prefetch, 16 * default_prefetch)
-    return [[isa, prefetch] for isa in levels for prefetch in (distances if isa else (default_prefetch,))]
+    pairs = [[isa, prefetch] for isa in levels for prefetch in (distances if isa else (default_prefetch,))]
+    if not rows:
+        return pairs
+    return [[isa, prefetch, count] for isa, prefetch in pairs for count in (rows if isa else rows[:1])]
 
 
 def choose_kernel(
-    kernel: str, shape: dict[str, int], weight_bytes: int, make: Callable[[int], nn.Module], default_prefetch: int
+    kernel: str,
+    shape: dict[str, int],
+    weight_bytes: int,
+    make: Callable[[int], nn.Module],
+    default_prefetch: int,
+    rows: tuple[int, ...] = (),
 ) -> KernelChoice:
     """The fastest variant of ``kernel`` on this host for a weight of ``shape``: from this process's memory, the
     tuning cache, or probed now on modules ``make(isa)`` builds."""
+    tried = candidates(cpu_int.host_isa(), default_prefetch, rows)
     if tune_space() == "off" or weight_bytes < PROBED_MIN_BYTES:
-        return KernelChoice(cpu_int.host_isa(), default_prefetch)
-    tried = candidates(cpu_int.host_isa(), default_prefetch)
+        return KernelChoice(*tried[0])
     shape = shape | {"threads": torch.get_num_threads()}
     times = functools.cache(lambda: time_candidates(make, shape["in"], weight_bytes, tried))
 
     def seconds(candidate: list[int]) -> float:
         return times()[tuple(candidate)] * ((1 - MARGIN) if candidate == tried[0] else 1)
 
-    isa, prefetch = tuned_choice(cpu_model(), f"{kernel}-probe", shape, tried, seconds)
-    return KernelChoice(isa, prefetch)
+    return KernelChoice(*tuned_choice(cpu_model(), f"{kernel}-probe", shape, tried, seconds))
 
 
 def choose_int8_kernel(
@@ -122,33 +139,37 @@ def choose_half_kernel(out_features: int, in_features: int, dtype: torch.dtype) 
         return cpu_half.HalfWeightLinear(weight, isa=isa)
 
     shape = {"out": out_features, "in": in_features, "dtype": str(dtype).removeprefix("torch.")}
-    return choose_kernel("cpu-half", shape, out_features * in_features * 2, make, HALF_DEFAULT_PREFETCH)
+    weight_bytes = out_features * in_features * 2
+    return choose_kernel("cpu-half", shape, weight_bytes, make, HALF_DEFAULT_PREFETCH, cpu_half.ROWS_PER_PASS)
 
 
 @torch.no_grad()
 def time_candidates(
     make: Callable[[int], nn.Module], in_features: int, weight_bytes: int, tried: list[list[int]]
-) -> dict[tuple[int, int], float]:
-    """Seconds per product of one input row for each ``[isa, prefetch]`` in ``tried``: the median of ``ROUNDS``
+) -> dict[tuple[int, ...], float]:
+    """Seconds per product of one input row for each candidate in ``tried``: the median of ``ROUNDS``
     rounds (the first dropped), each over copies of ``make(isa)``'s weight totalling ``PROBE_BYTES`` (at most
     ``MAX_COPIES``)."""
     copies_needed = min(MAX_COPIES, max(1, -(-PROBE_BYTES // weight_bytes)))
     layers = {}
-    for isa in dict.fromkeys(isa for isa, _ in tried):
+    for isa in dict.fromkeys(candidate[0] for candidate in tried):
         first = make(isa)
         layers[isa] = [first, *(copy.deepcopy(first) for _ in range(copies_needed - 1))]
     x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(1))
-    samples: dict[tuple[int, int], list[float]] = {(isa, prefetch): [] for isa, prefetch in tried}
+    samples: dict[tuple[int, ...], list[float]] = {tuple(candidate): [] for candidate in tried}
     order = random.Random(0)
     for _ in range(ROUNDS):
         # In an order of its own each round: a candidate timed right after another level's copies finds fewer of
         # its own in a shared last-level cache than one timed after its own level's (a fixed order favoured the
         # later candidates of each level by up to 25% on a 260 MiB-L3 Xeon).
-        for isa, prefetch in order.sample(tried, len(tried)):
+        for candidate in order.sample(tried, len(tried)):
+            isa, prefetch, *rows = candidate
             for layer in layers[isa]:
                 layer.prefetch = prefetch
+                if rows:
+                    layer.rows = rows[0]
             began = time.perf_counter()
             for layer in layers[isa]:
                 layer(x)
-            samples[isa, prefetch].append((time.perf_counter() - began) / copies_needed)
+            samples[tuple(candidate)].append((time.perf_counter() - began) / copies_needed)
     return {candidate: statistics.median(seconds[1:]) for candidate, seconds in samples.items()}
