@@ -17,7 +17,8 @@ reports the median and quartiles over repeats, with the load average at each. By
 ``lmpress.runtime.throughput``: weights + KV cache at the mean length.
 
 llama.cpp runs through llama-cpp-python in two builds where both exist: the one installed (``.ci/run``
-builds it for AVX2) and a native one (``-march=native`` without AMX; ``--build-llama-cpp`` builds it
+builds it for AVX2; a plain ``pip install`` builds it for the host it runs on, and each row records the build's
+own system info) and a native one (``-march=native`` without AMX; ``--build-llama-cpp`` builds it
 once into ~/.cache/lmpress/llama-cpp/, about 5 minutes on 2 cores). The faster one is the reference. Its
 threads are llama-cpp-python's own defaults, as its users run it (``--llama-cpp-threads same``: ``--threads``).
 The ``*-same-*`` rows run identical codes in both engines: bench/serve.py's W4 g64 artifact with its 8-bit head,
@@ -317,23 +318,29 @@ TIMED = {
         lambda a: timed_runtime(a, str(same_artifact() / "ct"), "float32", True),
     ),
     "llama.cpp-same-w4-head8": (
-        "llama.cpp on lmpress's GGUF of the same codes (Q4_0, Q8_0 head), AVX2 build",
+        "llama.cpp on lmpress's GGUF of the same codes (Q4_0, Q8_0 head), installed build",
         lambda a: timed_llama_cpp(a, lambda: same_artifact() / "gguf" / "model.gguf", "avx2"),
     ),
     "llama.cpp-same-w4-head8-native": (
         "llama.cpp on lmpress's GGUF of the same codes (Q4_0, Q8_0 head), native build",
         lambda a: timed_llama_cpp(a, lambda: same_artifact() / "gguf" / "model.gguf", "native"),
     ),
-    "llama.cpp-q4_1": ("llama.cpp Q4_1 (SmolLM2's GGUF), AVX2 build", lambda a: timed_llama_cpp(a, q4_1_gguf, "avx2")),
+    "llama.cpp-q4_1": (
+        "llama.cpp Q4_1 (SmolLM2's GGUF), installed build",
+        lambda a: timed_llama_cpp(a, q4_1_gguf, "avx2"),
+    ),
     "llama.cpp-q4_1-kv8": (
-        "llama.cpp Q4_1 (SmolLM2's GGUF), AVX2 build, q8_0 K and V caches",
+        "llama.cpp Q4_1 (SmolLM2's GGUF), installed build, q8_0 K and V caches",
         lambda a: timed_llama_cpp(a, q4_1_gguf, "avx2", "q8_0"),
     ),
     "llama.cpp-q4_1-native": (
         "llama.cpp Q4_1 (SmolLM2's GGUF), native build",
         lambda a: timed_llama_cpp(a, q4_1_gguf, "native"),
     ),
-    "llama.cpp-q8_0": ("llama.cpp Q8_0 (lmpress's GGUF), AVX2 build", lambda a: timed_llama_cpp(a, q8_0_gguf, "avx2")),
+    "llama.cpp-q8_0": (
+        "llama.cpp Q8_0 (lmpress's GGUF), installed build",
+        lambda a: timed_llama_cpp(a, q8_0_gguf, "avx2"),
+    ),
     "llama.cpp-q8_0-native": (
         "llama.cpp Q8_0 (lmpress's GGUF), native build",
         lambda a: timed_llama_cpp(a, q8_0_gguf, "native"),
