@@ -5,7 +5,8 @@
 
 - ``half_linear bf16`` / ``fp16``: lmpress's op (kernels/cpu_half.cpp), float32 row times the bfloat16 (float16)
   weight, float32 products; what a float32 build runs on a bfloat16 (float16) checkpoint's float layers. One row
-  per instruction set this host runs (AVX2; AVX-512 where present).
+  per instruction set this host runs (AVX2; AVX-512 where present), four weight rows at once (the op's default), and
+  for bfloat16 one at a time (``1 row at once``: the other variant the per-host probe may choose).
 - ``F.linear bf16``: torch's (oneDNN) bfloat16 row times the bfloat16 weight; what a bfloat16 build runs.
 - ``F.linear fp32``: the float32 row times the weight widened to float32 (twice the bytes); what a float32 build
   ran before it kept bfloat16 weights.
@@ -56,6 +57,7 @@ def main() -> None:
     for isa in range(cpu_int.host_isa(), 0, -1):
         name = cpu_int.ISA_NAMES[isa]
         ways[f"half_linear bf16 {name}"] = lambda i, isa=isa: op(x, weights[i], isa)
+        ways[f"half_linear bf16 {name}, 1 row at once"] = lambda i, isa=isa: op(x, weights[i], isa, 4608, 1)
         ways[f"half_linear fp16 {name}"] = lambda i, isa=isa: op(x, halves[i], isa)
     ways |= {
         "F.linear bf16": lambda i: F.linear(x.bfloat16(), weights[i]),
