@@ -104,13 +104,15 @@ def test_every_fp8_code_reads_as_torch_casts_it(isa):
         assert out[0, 0, 0, 0].item() == pytest.approx(expected, rel=1e-5, abs=1e-30), slot
 
 
-@pytest.mark.parametrize("threads", [1, 2, 4])
-@pytest.mark.parametrize("slots", [64, 100, 256, 520])
-def test_any_split_of_the_slots_over_threads_gives_the_same_attention(threads, slots):
-    """The slots per work item shrink (to 64) where whole chunks leave threads idle: a decode step of 3 KV heads
-    over 256 slots is 9 items on 2 threads, 12 on 4, 3 on 1; every split merges to the softmax."""
-    q, keys, values = case(1, 9, 3, 1, slots, 64, 64, seed=slots)
-    mask = static_slots_mask(torch.tensor([0]), torch.tensor([slots - 3]), slots, None)
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize(("slots", "pad", "last"), [(64, 0, 61), (100, 0, 97), (256, 0, 253), (528, 0, 191),
+                                                    (528, 37, 300), (1200, 0, 1100), (40, 0, 0)])
+def test_any_split_of_the_slots_over_threads_gives_the_same_attention(threads, slots, pad, last):
+    """The work items split the slots the query sees (``pad`` to ``last``), not the cache: a decode step of 3 KV
+    heads over 192 of 528 slots is 4 chunks a head on 2 threads (6 items each), and spans past 4 x 256 slots take
+    more chunks; every split merges to the softmax."""
+    q, keys, values = case(1, 9, 3, 1, slots, 64, 64, seed=slots + pad)
+    mask = static_slots_mask(torch.tensor([pad]), torch.tensor([last]), slots, None)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)

@@ -6,8 +6,8 @@
 // (flash-decoding): each work item is one (batch row, KV head, chunk of slots), scores the chunk for every
 // query row of that KV head (the GQA group's heads times the step's queries), keeps the chunk's maximum, sum of
 // weights and weighted values, and a second pass merges the chunks. So every KV head's codes are read once per
-// step whatever the group size, and there are more work items than threads even for three KV heads. Slots no query
-// of the chunk sees (the empty end of the cache) are never read. The vector work over a chunk (cpu_kv_rows.h) is
+// step whatever the group size, and there are more work items than threads even for three KV heads. The chunks
+// split the slots some query sees, not the cache: its empty end is never read nor handed to a thread. The vector work over a chunk (cpu_kv_rows.h) is
 // compiled once per instruction set from one body, each set's vector type and operations given as `V`.
 // Built into the library of cpu_int.cpp (one of its sources; the op joins the lmpress_cpu namespace).
 
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -28,16 +29,34 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // slots per work item: a chunk's keys and values (128 KiB float32 at 64 wide) fit L2
-constexpr int64_t MIN_CHUNK = 64;
+constexpr int64_t CHUNK = 256;  // slots per work item at most: a chunk's keys and values (128 KiB float32 at 64 wide) fit L2
+constexpr int64_t MIN_CHUNK = 32;
 constexpr int64_t SMALL_MERGE = 1 << 15;  // partial values below which the merge runs on the calling thread
 
-// Slots per work item: CHUNK, or fewer (down to MIN_CHUNK) where CHUNK leaves under 4 items per thread: SmolLM2's
-// 3 KV heads over a 256-slot cache were 3 items for 2 threads, one thread idle a third of the op.
-int64_t chunk_for(int64_t L, int64_t heads) {
-  const int64_t wanted = 4 * at::get_num_threads();
-  const int64_t per_head = std::max<int64_t>(1, (wanted + heads - 1) / heads);
-  return std::clamp<int64_t>(((L + per_head - 1) / per_head + 15) / 16 * 16, MIN_CHUNK, CHUNK);
+// Chunks per KV head over `span` visible slots: about 4 work items per thread where chunks of MIN_CHUNK slots allow
+// it, as many items for every thread (SmolLM2's 3 KV heads on 2 threads: 4 chunks a head, 6 items a thread; 3
+// chunks a head left one thread 5 items and the other 4), and none over CHUNK slots once bounds round to 16 slots.
+// Chunked by the cache's size instead, a 528-slot cache holding 192 tokens gave one thread twice the other's slots.
+int64_t chunk_count(int64_t span, int64_t heads) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  int64_t chunks = std::min((4 * threads + heads - 1) / heads, std::max<int64_t>(1, span / MIN_CHUNK));
+  chunks = std::max(chunks, (span + CHUNK - 17) / (CHUNK - 16));
+  if (chunks > 1)
+    while ((heads * chunks) % threads) ++chunks;
+  return chunks;
+}
+
+// The slots some query row sees: [first, last) over the rows of a (rows, L) mask; first = last = 0 if none.
+std::pair<int64_t, int64_t> visible_span(const bool* mask, int64_t rows, int64_t L) {
+  int64_t first = L, last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool* m = mask + r * L;
+    int64_t hi = L, lo = 0;
+    while (hi > 0 && !m[hi - 1]) --hi;
+    while (lo < hi && !m[lo]) ++lo;
+    if (lo < hi) first = std::min(first, lo), last = std::max(last, hi);
+  }
+  return first < last ? std::make_pair(first, last) : std::make_pair(int64_t{0}, int64_t{0});
 }
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -244,11 +263,13 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, Scales key_scales, 
                 Scales value_scales, const at::Tensor& mask, float scale, int64_t isa, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), L = keys.size(2);
-  const int64_t group = H / KV, rows = group * n, size = chunk_for(L, B * KV), chunks = (L + size - 1) / size;
+  const bool* mp = mask.data_ptr<bool>();
+  const auto [first, last] = visible_span(mp, B * n, L);
+  const int64_t group = H / KV, rows = group * n, chunks = chunk_count(last - first, B * KV);
+  const auto bound = [&](int64_t c) { return c == chunks ? last : first + c * (last - first) / chunks / 16 * 16; };
   const float* qp = q.data_ptr<float>();
   const T* kp = static_cast<const T*>(keys.const_data_ptr());
   const T* vp = static_cast<const T*>(values.const_data_ptr());
-  const bool* mp = mask.data_ptr<bool>();
   // per (batch row, KV head, chunk, query row): the chunk's maximum, its sum of weights, its weighted values
   std::vector<float> partial(B * KV * chunks * rows * (2 + D));
   at::parallel_for(0, B * KV * chunks, 1, [&](int64_t i0, int64_t i1) {
@@ -269,7 +290,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, Scales key_scales, 
         for (int64_t i = 0; i < R; ++i) {
           const int64_t r = r0 + i, h = kv * group + r / n, query = r % n;
           const bool* m = mp + (b * n + query) * L;
-          int64_t lo = chunk * size, hi = std::min(L, lo + size);
+          int64_t lo = bound(chunk), hi = bound(chunk + 1);
           while (hi > lo && !m[hi - 1]) --hi;
           while (lo < hi && !m[lo]) ++lo;
           float* slot = partial.data() + (item * rows + r) * (2 + D);

@@ -35,6 +35,14 @@ void row_scores(const RowGroup<T>& g, int64_t lo, int64_t hi) {
   for (int64_t s0 = lo; s0 < hi; s0 += V::W) {
     const int count = static_cast<int>(std::min<int64_t>(V::W, hi - s0));
     const T* block = g.keys + s0 * D;
+    // Codes: the same slots' values, which row_values reads next, asked for now so they arrive while the keys are
+    // dotted (op A/B on a Zen 4 EPYC, 300 of 528 slots: int8 0.88x the time, FP8 0.85x; float32 rows, four times
+    // the lines, ran 1.13x slower with it: their requests crowd out the keys' own).
+    if constexpr (!std::is_same_v<T, float>) {
+      const char* value_bytes = reinterpret_cast<const char*>(g.values + s0 * D);
+      for (int64_t b = 0; b < count * D * static_cast<int64_t>(sizeof(T)); b += 64)
+        _mm_prefetch(value_bytes + b, _MM_HINT_T0);
+    }
     if (count < V::W) {  // zero codes are 0.0 in every stored type
       std::copy(block, block + count * D, padded);
       std::fill(padded + count * D, padded + V::W * D, T(0));
