@@ -105,8 +105,10 @@ def test_every_fp8_code_reads_as_torch_casts_it(isa):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
-@pytest.mark.parametrize(("slots", "pad", "last"), [(64, 0, 61), (100, 0, 97), (256, 0, 253), (528, 0, 191),
-                                                    (528, 37, 300), (1200, 0, 1100), (40, 0, 0)])
+@pytest.mark.parametrize(
+    ("slots", "pad", "last"),
+    [(64, 0, 61), (100, 0, 97), (256, 0, 253), (528, 0, 191), (528, 37, 300), (1200, 0, 1100), (40, 0, 0)],
+)
 def test_any_split_of_the_slots_over_threads_gives_the_same_attention(threads, slots, pad, last):
     """The work items split the slots the query sees (``pad`` to ``last``), not the cache: a decode step of 3 KV
     heads over 192 of 528 slots is 4 chunks a head on 2 threads (6 items each), and spans past 4 x 256 slots take
