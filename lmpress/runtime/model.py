@@ -30,6 +30,8 @@ from lmpress.errors import LmpressInputError
 from lmpress.runtime.attention import Attention, LatentAttention, latent_attention_scale
 from lmpress.runtime.feed_forward import ACTIVATIONS, FeedForward, MoEFeedForward
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS
+from lmpress.runtime.kernels.cpu_fp4 import Fp4A8Linear
+from lmpress.runtime.kernels.cpu_int import Int8ActivationLinear, gather_into_huge_pages
 from lmpress.runtime.kernels.dense import linear_over
 from lmpress.runtime.kv_cache import KVCache, StaticSlots, static_slots_mask
 from lmpress.runtime.linears import Build, copy_norm, runtime_linear
@@ -225,6 +227,10 @@ class Transformer(nn.Module):
             suffix = f"_{i}" if i else ""
             self.register_buffer("rope_cos" + suffix, (angles.cos() * rope_scale).to(dtype), persistent=False)
             self.register_buffer("rope_sin" + suffix, (angles.sin() * rope_scale).to(dtype), persistent=False)
+        if build.kernels == "cpu":  # the layers' codes and scales in one block of huge pages, in the order a step reads
+            gather_into_huge_pages(
+                m for m in self.layers.modules() if isinstance(m, (Int8ActivationLinear, Fp4A8Linear))
+            )
 
     @classmethod
     @torch.no_grad()

@@ -111,6 +111,36 @@ def test_quantized_model_matches_dequantized_reference(bits, group_size, kernel,
     assert sqnr_db(expected, actual) > 30
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_layers_kernel_buffers_share_one_huge_page_block_in_step_order(monkeypatch, bits):
+    """A CPU build moves its layers' codes, scales and zeros into one 2 MiB-aligned block (huge pages), 64-byte
+    aligned, in the order a decode step reads them; the logits are those of the build that leaves them apart."""
+    import lmpress.runtime.model as runtime_model
+
+    if not cpu_int.available():
+        pytest.skip("lmpress's C++ kernels do not build here")
+    hf = tiny_hf_model("llama", seed=5)
+    lmpress.quantize_model(hf, method="rtn", bits=bits, group_size=64 if bits == 4 else -1, symmetric=bits == 4)
+    gathered = Transformer.from_hf(hf)
+    monkeypatch.setattr(runtime_model, "gather_into_huge_pages", lambda modules: 0)
+    apart = Transformer.from_hf(hf)
+    kernels = [m for m in gathered.layers.modules() if isinstance(m, (W4A8Linear, W8A8RowLinear))]
+    assert len(kernels) == 4 * len(gathered.layers)  # q/k/v, o, gate/up, down
+    buffers = [t for m in kernels for t in (m.codes, m.scales, m.zeros)]
+    block = buffers[0].untyped_storage()
+    assert block.data_ptr() % (2 << 20) == 0
+    assert all(t.untyped_storage().data_ptr() == block.data_ptr() for t in buffers)
+    starts = [t.data_ptr() for t in buffers]
+    assert starts == sorted(starts) and all(start % 64 == 0 for start in starts)
+    apart_buffers = [
+        t for m in apart.layers.modules() if isinstance(m, W4A8Linear | W8A8RowLinear) for t in m.buffers()
+    ]
+    assert len({t.untyped_storage().data_ptr() for t in apart_buffers}) > 1
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(gathered(ids, gathered.new_cache(2, 12)), apart(ids, apart.new_cache(2, 12)))
+
+
 def _dequantized_copy(hf) -> Transformer:
     import copy
 

@@ -473,21 +473,28 @@ at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
   return y;
 }
 
-// A copy of contiguous t in memory of its own, aligned to 2 MiB and advised for transparent huge pages (Linux;
+// `bytes` of memory of its own (uninitialized), aligned to 2 MiB and advised for transparent huge pages (Linux;
 // elsewhere just aligned): a weight streamed once per decode step then crosses a page (and its TLB miss) every 2 MiB
 // rather than every 4 KiB. Hosts where THP is "madvise" (the default of many distributions) give huge pages only to
 // memory so advised, which torch's allocator does not do.
-at::Tensor huge_page_copy(const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "huge_page_copy: a contiguous CPU tensor");
+at::Tensor huge_page_empty(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "huge_page_empty: a size in bytes, not ", bytes);
   constexpr size_t HUGE = size_t{2} << 20;
-  const size_t bytes = t.nbytes(), size = std::max<size_t>(HUGE, (bytes + HUGE - 1) / HUGE * HUGE);
+  const size_t size = std::max<size_t>(HUGE, (static_cast<size_t>(bytes) + HUGE - 1) / HUGE * HUGE);
   void* p = std::aligned_alloc(HUGE, size);
-  TORCH_CHECK(p != nullptr, "huge_page_copy: out of memory for ", size, " bytes");
+  TORCH_CHECK(p != nullptr, "huge_page_empty: out of memory for ", size, " bytes");
 #ifdef __linux__
   madvise(p, size, MADV_HUGEPAGE);  // advice: where the kernel declines, the memory is still ordinary memory
 #endif
-  std::memcpy(p, t.data_ptr(), bytes);
-  return at::from_blob(p, t.sizes(), t.strides(), [](void* q) { std::free(q); }, t.options());
+  return at::from_blob(p, {bytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+}
+
+// A copy of contiguous t in huge_page_empty's memory.
+at::Tensor huge_page_copy(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "huge_page_copy: a contiguous CPU tensor");
+  at::Tensor block = huge_page_empty(static_cast<int64_t>(t.nbytes()));
+  std::memcpy(block.data_ptr(), t.data_ptr(), t.nbytes());
+  return block.view(t.scalar_type()).view(t.sizes());
 }
 
 // The activations as the kernels see them (for tests): (q as float, d per block).
@@ -518,6 +525,7 @@ TORCH_LIBRARY(lmpress_cpu, m) {
         "Tensor");
   m.def("quantize_activations(Tensor x, int isa) -> (Tensor, Tensor)");
   m.def("huge_page_copy(Tensor t) -> Tensor");
+  m.def("huge_page_empty(int bytes) -> Tensor", &huge_page_empty);  // no tensor in: a kernel for every key
   m.def("cpu_isa", &cpu_isa);
 }
 
