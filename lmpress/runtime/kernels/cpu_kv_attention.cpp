@@ -7,8 +7,9 @@
 // query row of that KV head (the GQA group's heads times the step's queries), keeps the chunk's maximum, sum of
 // weights and weighted values, and a second pass merges the chunks. So every KV head's codes are read once per
 // step whatever the group size, and there are more work items than threads even for three KV heads. The chunks
-// split the slots some query sees, not the cache: its empty end is never read nor handed to a thread. The vector work over a chunk (cpu_kv_rows.h) is
-// compiled once per instruction set from one body, each set's vector type and operations given as `V`.
+// split the slots some query sees, not the cache: its empty end is never read nor handed to a thread. The vector
+// work over a chunk (cpu_kv_rows.h) is compiled once per instruction set from one body, each set's vector type and
+// operations given as `V`.
 // Built into the library of cpu_int.cpp (one of its sources; the op joins the lmpress_cpu namespace).
 
 #include <ATen/ATen.h>
@@ -29,7 +30,7 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // slots per work item at most: a chunk's keys and values (128 KiB float32 at 64 wide) fit L2
+constexpr int64_t CHUNK = 256;  // slots per work item at most: its keys and values (128 KiB float32, 64 wide) fit L2
 constexpr int64_t MIN_CHUNK = 32;
 constexpr int64_t SMALL_MERGE = 1 << 15;  // partial values below which the merge runs on the calling thread
 
