@@ -218,7 +218,8 @@ def simde_ops():
     from lmpress.cache import cache_root
 
     source = cpu_fp4.SOURCE
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    text = source.read_bytes() + source.with_name("cpu_quantize_acts.h").read_bytes()  # the source and its header
+    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
     name = f"lmpress_cpu_fp4_simde_{digest}"
     build = cache_root() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)

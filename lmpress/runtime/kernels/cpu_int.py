@@ -30,9 +30,12 @@ SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # activations, cpu_fp4.py) and cpu_hadamard.cpp (the blockwise Walsh-Hadamard transform, hadamard.py)
 NAMES = ("cpu_attention", "cpu_kv_attention", "cpu_half", "cpu_fp4", "cpu_hadamard")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f"{name}.cpp") for name in NAMES))
-# Included by the sources (cpu_int.cpp's AVX2 and AVX-512 kernels, cpu_kv_attention.cpp's vector body): part of the
-# build's digest.
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_int_avx2.h", "cpu_int_avx512.h", "cpu_kv_rows.h"))
+# Included by the sources (cpu_int.cpp's AVX2 and AVX-512 kernels, the activation quantizer cpu_int.cpp and cpu_fp4.cpp
+# share, cpu_kv_attention.cpp's vector body): part of the build's digest.
+HEADERS = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_int_avx2.h", "cpu_int_avx512.h", "cpu_quantize_acts.h", "cpu_kv_rows.h")
+)
 BLOCK = 64  # the weight superblock (fixed in cpu_int.cpp): in_features and W4's groups are multiples of it
 ACTIVATION_BLOCK = 4  # one int8 scale per this many activations (fixed in cpu_int.cpp)
 ISA_NAMES = {0: "portable C++", 1: "AVX2", 2: "AVX-512 VNNI"}
