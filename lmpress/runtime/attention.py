@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.runtime.kernels import cpu_attention, cpu_kv_attention
+from lmpress.runtime.kernels.cpu_probe import kv_attention_levels
 from lmpress.runtime.kernels.cuda import triton_decode_attention
 from lmpress.runtime.kernels.fwht import triton_installed
 from lmpress.runtime.kv_cache import KVCache, StaticSlots
@@ -143,8 +144,10 @@ def attend(
                 stored = cache.stored(layer)
                 if stored is not None and stored[1] is not None:  # int8 or FP8 codes, read as they are stored
                     k, k_scales, v, v_scales = stored
-                    return cpu_kv_attention.kv_slots_attention(q, k, v, mask, scale, k_scales, v_scales)
-                return cpu_kv_attention.kv_slots_attention(q, keys, values, mask, scale)  # float32, or dequantized
+                    isa = kernel.levels[1 if k.dtype == torch.int8 else 2]
+                    return cpu_kv_attention.kv_slots_attention(q, k, v, mask, scale, k_scales, v_scales, isa)
+                # float32, or dequantized
+                return cpu_kv_attention.kv_slots_attention(q, keys, values, mask, scale, None, None, kernel.levels[0])
             return cpu_attention.slots_attention(q, keys, values, mask, scale)  # head widths the other cannot take
         return pointwise_attention(q, keys, values, mask, scale, softcap, sinks)
     if q.shape[2] <= FEW_QUERIES or softcap is not None or sinks is not None:
@@ -162,6 +165,7 @@ class SlotsKernel(NamedTuple):
     floats: bool
     codes: bool
     triton: bool = False
+    levels: tuple[int, int, int] = (-1, -1, -1)  # cpu_kv_attention's level per stored type (cpu_probe.KV_STORED)
 
 
 TRITON_MAX_ROWS = 64  # query rows per KV head (grouped heads x new tokens) the Triton kernel takes: decode steps
@@ -173,8 +177,12 @@ def few_rows(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return q.shape[2] * (q.shape[1] // keys.shape[1]) <= TRITON_MAX_ROWS
 
 
-def slots_kernel_fits(build: Build, head_dim: int, value_dim: int) -> SlotsKernel | None:
-    """The attention ops a layer built by ``build`` can attend by in the compiled step (None: none)."""
+def slots_kernel_fits(
+    build: Build, head_dim: int, value_dim: int, kv_heads: int = 1, rows: int = 1
+) -> SlotsKernel | None:
+    """The attention ops a layer built by ``build`` can attend by in the compiled step (None: none); on the CPU,
+    ``cpu_kv_attention``'s instruction set level per stored type as this host's probe chooses it for ``kv_heads``
+    KV heads and ``rows`` query rows per KV head (``cpu_probe.kv_attention_levels``)."""
     if build.kernels in ("cuda", "triton") and triton_installed():
         from lmpress.runtime.kernels import triton_attention
 
@@ -183,7 +191,9 @@ def slots_kernel_fits(build: Build, head_dim: int, value_dim: int) -> SlotsKerne
         return None
     floats = cpu_attention.fits(head_dim, value_dim, build.dtype)
     codes = cpu_kv_attention.fits(head_dim, value_dim, build.dtype)
-    return SlotsKernel(floats, codes) if floats or codes else None
+    if not (floats or codes):
+        return None
+    return SlotsKernel(floats, codes, levels=kv_attention_levels(kv_heads, rows, head_dim) if codes else (-1, -1, -1))
 
 
 class Attention(nn.Module):
@@ -202,7 +212,8 @@ class Attention(nn.Module):
         self.k_norm = copy_norm(hf_attn.k_norm, args.norm_eps, build, offset) if args.qk_norm else None
         sinks = getattr(hf_attn, "sinks", None)  # gpt-oss
         self.sinks = None if sinks is None else nn.Parameter(sinks.detach().float().clone(), requires_grad=False)
-        self.slots_kernel = slots_kernel_fits(build, self.head_dim, self.head_dim)
+        rows = self.n_heads // self.n_kv_heads  # a decode step's query rows per KV head
+        self.slots_kernel = slots_kernel_fits(build, self.head_dim, self.head_dim, self.n_kv_heads, rows)
 
     def forward(
         self,

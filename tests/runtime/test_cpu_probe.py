@@ -118,3 +118,59 @@ def test_small_weights_and_the_off_space_take_the_defaults(monkeypatch):
     assert big == cpu_probe.KernelChoice(cpu_int.host_isa(), cpu_probe.DEFAULT_PREFETCH)
     head = cpu_probe.choose_half_kernel(49152, 576, torch.bfloat16)
     assert head == cpu_probe.KernelChoice(cpu_int.host_isa(), cpu_probe.HALF_DEFAULT_PREFETCH, 4)
+
+
+def test_the_cache_attention_level_is_probed_per_stored_type_once_per_host(tmp_path, monkeypatch):
+    """On an AVX-512 host each stored type (float32, int8, FP8) gets the faster of the op's two bodies, kept in the
+    tuning cache (a new process reads it); the default (AVX-512) unless the other is MARGIN faster."""
+    if cpu_int.host_isa() != 2:
+        pytest.skip("only an AVX-512 host has two levels to choose from")
+    monkeypatch.setenv("LMPRESS_TUNE_CACHE", str(tmp_path / "tuning.json"))
+    tuning.forget_in_memory()
+    timed = []
+    fake = {"float32": {2: 1.0, 1: 0.9}, "int8": {2: 1.0, 1: 0.97}, "fp8": {2: 1.0, 1: 1.1}}  # AVX2 wins float32 only
+    monkeypatch.setattr(cpu_probe, "time_kv_attention", lambda *a: timed.append(a[3]) or fake[a[3]])
+    assert cpu_probe.kv_attention_levels(3, 3, 64) == (1, 2, 2)
+    assert timed == ["float32", "int8", "fp8"]
+    tuning.forget_in_memory()  # a new process: read from the cache, not timed again
+    assert cpu_probe.kv_attention_levels(3, 3, 64) == (1, 2, 2)
+    assert timed == ["float32", "int8", "fp8"]
+    tuning.forget_in_memory()
+
+
+def test_the_cache_attention_probe_times_each_level_over_every_stored_type(monkeypatch):
+    """The real timing: every candidate level of every stored type is timed (seconds, positive)."""
+    if cpu_int.host_isa() != 2:
+        pytest.skip("only an AVX-512 host has two levels to choose from")
+    monkeypatch.setattr(cpu_probe, "PROBE_BYTES", 2**20)
+    for stored in cpu_probe.KV_STORED:
+        times = cpu_probe.time_kv_attention(3, 3, 64, stored, [[2], [1]])
+        assert set(times) == {1, 2} and all(0 < t < 1 for t in times.values()), (stored, times)
+
+
+def test_the_cache_attention_level_defaults_where_nothing_is_probed(monkeypatch):
+    monkeypatch.setattr(cpu_probe, "time_kv_attention", lambda *a: pytest.fail("timed"))
+    assert cpu_probe.kv_attention_levels(2, 2, 16) == (-1, -1, -1)  # the tests' tiny caches
+    monkeypatch.setattr(tuning, "_space", "off")
+    assert cpu_probe.kv_attention_levels(3, 3, 64) == (-1, -1, -1)
+
+
+def test_the_static_step_runs_the_cache_attention_at_the_probed_level(monkeypatch):
+    """attend hands the op the level the layer's probe chose for what its cache stores."""
+    from lmpress.runtime import attention
+    from lmpress.runtime.kernels import cpu_kv_attention
+    from lmpress.runtime.kv_cache import StaticSlots
+
+    if not cpu_kv_attention.available():
+        pytest.skip("the cache attention op needs AVX2")
+    levels = []
+    real = cpu_kv_attention.kv_slots_attention
+    monkeypatch.setattr(cpu_kv_attention, "kv_slots_attention", lambda *a: levels.append(a[7]) or real(*a))
+    kernel = attention.SlotsKernel(True, True, levels=(1, -1, -1))
+    q, keys, values = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    slots = StaticSlots([keys], [values], torch.tensor([7]), ([], [], []), None, None)
+    mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    out = attention.attend(q, keys, values, mask, slots, slots_kernel=kernel)
+    assert levels == [1] and out.shape == (1, 4, 1, 16)
+    expected = attention.pointwise_attention(q, keys, values, mask, 16**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """Per-host choices for lmpress's CPU kernels (``cpu_int.cpp``'s int8-activation ones, ``cpu_half.cpp``'s
-half-precision weights), probed at first use.
+half-precision weights, ``cpu_kv_attention.cpp``'s cache attention), probed at first use.
 
 Two hosts with the same instruction sets want different kernels: AVX-512's outputs-in-lanes tiles were tuned on
 Intel Xeons, where 512-bit operations run at full width, while AMD's cores before Zen 5 split them in two; and
@@ -18,6 +18,11 @@ other level (tests/runtime/test_cpu_probe.py). What the probe costs and chooses 
 
 Weights under ``PROBED_MIN_BYTES`` (the tiny test models') and the ``off`` tune space take the defaults: the
 host's best level and the op's default distance.
+
+The cache attention op has one choice, its instruction set level, per stored type (float32, int8 and FP8 codes):
+on a Zen 4 EPYC its AVX2 body read float32 and int8 caches of 4,000 slots in 0.89x and 0.91x the time of its
+AVX-512 one, and FP8 codes in 1.09x (bench/kv_attention_op.py --isa 1). It is timed over ``KV_PROBE_SLOTS`` slots
+of the layer's shape, copies of the cache totalling ``PROBE_BYTES``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmpress.runtime.kernels import cpu_half, cpu_int
+from lmpress.runtime.kernels import cpu_half, cpu_int, cpu_kv_attention
 from lmpress.runtime.kernels.tuning import tune_space, tuned_choice
 
 DEFAULT_PREFETCH = cpu_int.DEFAULT_PREFETCH
@@ -49,6 +54,8 @@ PROBED_MIN_BYTES = 32 * 2**10  # the tiny test models' weights are smaller; Smol
 MAX_COPIES = 256  # a small weight's copies stop here (SmolLM2's k and v: 14 of the 64 MiB): each is a call of
 # some microseconds of Python and dispatch, and timing 1,200 of them per candidate and round cost 2.4 s of the probe
 ROUNDS = 6  # the first warms up; the median of the rest counts
+KV_PROBE_SLOTS = 1024  # a cache's filled slots the attention op's levels are timed over
+KV_STORED = ("float32", "int8", "fp8")  # the cache entries the attention op reads, in ``kv_attention_levels``' order
 
 
 @functools.cache
@@ -173,3 +180,60 @@ def time_candidates(
                 layer(x)
             samples[tuple(candidate)].append((time.perf_counter() - began) / copies_needed)
     return {candidate: statistics.median(seconds[1:]) for candidate, seconds in samples.items()}
+
+
+def kv_attention_levels(kv_heads: int, rows: int, head_dim: int) -> tuple[int, int, int]:
+    """The cache attention op's instruction set level on this host for each of ``KV_STORED`` (float32 entries, int8
+    and FP8 codes), for a layer of ``kv_heads`` KV heads of ``head_dim`` and ``rows`` query rows per KV head: from
+    this process's memory, the tuning cache, or probed now; -1 (the best level) where it is not probed (the ``off``
+    tune space, an AVX2 host, the tests' tiny caches of under 128 floats a slot)."""
+    tried = [[2], [1]] if cpu_int.host_isa() == 2 else [[-1]]
+    if tune_space() == "off" or len(tried) == 1 or kv_heads * head_dim < 128 or not cpu_kv_attention.available():
+        return (-1, -1, -1)
+    levels = []
+    for stored in KV_STORED:
+        shape = {"kv_heads": kv_heads, "rows": rows, "dim": head_dim, "stored": stored}
+        shape |= {"slots": KV_PROBE_SLOTS, "threads": torch.get_num_threads()}
+        times = functools.cache(lambda stored=stored: time_kv_attention(kv_heads, rows, head_dim, stored, tried))
+
+        def seconds(candidate: list[int], times=times) -> float:
+            return times()[candidate[0]] * ((1 - MARGIN) if candidate == tried[0] else 1)
+
+        levels.append(tuned_choice(cpu_model(), "cpu-kv-attention-probe", shape, tried, seconds)[0])
+    return (levels[0], levels[1], levels[2])
+
+
+@torch.no_grad()
+def time_kv_attention(kv_heads: int, rows: int, head_dim: int, stored: str, tried: list[list[int]]) -> dict[int, float]:
+    """Seconds per call of the cache attention op at each level of ``tried`` over ``KV_PROBE_SLOTS`` filled slots
+    of ``stored`` entries: the median of ``ROUNDS`` rounds (the first dropped), each over copies of a cache totalling
+    ``PROBE_BYTES``, the levels in an order of their own each round (as ``time_candidates``)."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (1, kv_heads, KV_PROBE_SLOTS, head_dim)
+    width = {"float32": 4, "int8": 1, "fp8": 1}[stored]
+    copies = min(MAX_COPIES, max(1, -(-PROBE_BYTES // (2 * width * kv_heads * KV_PROBE_SLOTS * head_dim))))
+
+    def cache() -> tuple[torch.Tensor, ...]:
+        keys, values = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        if stored == "float32":
+            return keys, values, None, None
+        if stored == "int8":
+            scales = torch.full((1, kv_heads, KV_PROBE_SLOTS, 1), 0.02)
+            return keys.mul(40).round().clamp(-127, 127).to(torch.int8), values.to(torch.int8), scales, scales
+        one = torch.ones(kv_heads)
+        return keys.to(torch.float8_e4m3fn), values.to(torch.float8_e4m3fn), one, one
+
+    caches = [cache() for _ in range(copies)]
+    q = torch.randn(1, kv_heads * rows, 1, head_dim, generator=generator)
+    mask = torch.ones(1, 1, 1, KV_PROBE_SLOTS, dtype=torch.bool)
+    samples: dict[int, list[float]] = {candidate[0]: [] for candidate in tried}
+    order = random.Random(0)
+    for _ in range(ROUNDS):
+        for (isa,) in order.sample(tried, len(tried)):
+            began = time.perf_counter()
+            for keys, values, key_scales, value_scales in caches:
+                cpu_kv_attention.kv_slots_attention(
+                    q, keys, values, mask, head_dim**-0.5, key_scales, value_scales, isa
+                )
+            samples[isa].append((time.perf_counter() - began) / copies)
+    return {isa: statistics.median(seconds[1:]) for isa, seconds in samples.items()}
