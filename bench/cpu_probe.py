@@ -1,8 +1,10 @@
-"""The per-host probe of lmpress's int8-activation CPU kernels, timed on SmolLM2-135M's weight shapes (issue 55).
+"""The per-host probe of lmpress's CPU kernels, timed on SmolLM2-135M's weight shapes and its layers' cache (issue 55).
 
-Runs ``kernels/cpu_probe.choose_int8_kernel`` on each shape with an empty tuning cache, as the first load of a
-model on a new host does: how long the probe takes (the goal: <= 10 s for the model), what it chose, and each
-candidate's time per product of one input row beside the default's. Results go to
+Runs ``kernels/cpu_probe.choose_int8_kernel`` (and ``choose_half_kernel``) on each weight shape and
+``kv_attention_levels`` on SmolLM2's attention (3 KV heads of 64, 3 query rows each) with an empty tuning cache, as
+the first load of a model on a new host does: how long the probe takes (the goal: <= 10 s for the model), what it
+chose, and each candidate's time per product of one input row (per call of the cache attention op) beside the
+default's. Results go to
 ``bench/results/cpu_probe.{json,md}``, one entry per host (``bench/runtime_hosts.py``'s name); a run replaces only
 its own host's.
 
@@ -75,12 +77,45 @@ def probe(kind: str, out: int, k: int) -> dict[str, Any]:
     }
 
 
+def probe_attention() -> dict[str, Any]:
+    """The cache attention op's probe for SmolLM2's layers: its seconds, and per stored type the levels' times and
+    the choice."""
+    from lmpress.runtime.kernels import cpu_probe
+
+    recorded: dict[str, dict[int, float]] = {}
+    timer = cpu_probe.time_kv_attention
+
+    def recording(*args: Any) -> dict[int, float]:
+        recorded[args[3]] = timer(*args)
+        return recorded[args[3]]
+
+    cpu_probe.time_kv_attention = recording
+    try:
+        began = time.perf_counter()
+        levels = cpu_probe.kv_attention_levels(3, 3, 64)
+        seconds = time.perf_counter() - began
+    finally:
+        cpu_probe.time_kv_attention = timer
+    return {
+        "probe_s": seconds,
+        "slots": cpu_probe.KV_PROBE_SLOTS,
+        "chosen": dict(zip(cpu_probe.KV_STORED, levels, strict=True)),
+        "us": {stored: {str(isa): 1e6 * t for isa, t in times.items()} for stored, times in recorded.items()},
+    }
+
+
 def label(candidate: list[int], tried: list[list[int]]) -> str:
     from lmpress.runtime.kernels import cpu_int
 
     isa, prefetch, *rows = candidate
     at_once = f", {rows[0]} row{'s' * (rows[0] > 1)} at once" if rows else ""
     return f"{cpu_int.ISA_NAMES[isa]}, {prefetch} B{at_once}" + (" (default)" if candidate == tried[0] else "")
+
+
+def level_name(isa: int) -> str:
+    from lmpress.runtime.kernels import cpu_int
+
+    return "the best level (not probed)" if isa == -1 else cpu_int.ISA_NAMES[isa]
 
 
 def render(hosts: dict[str, Any]) -> str:
@@ -103,6 +138,18 @@ def render(hosts: dict[str, Any]) -> str:
                 f"- **{shape}** (probe {row['probe_s']:.2f} s): chose {label(row['chosen'], tried)}, "
                 f"{row['speedup_over_default']:.2f}x the default timed again beside it. {cells}"
             )
+        attention = entry.get("attention")
+        if attention:  # since 2026-12-04 (late): the cache attention op's level per stored type
+            cells = "; ".join(
+                f"{stored}: chose {level_name(level)} ("
+                + ", ".join(f"{level_name(int(isa))} {us:.1f}" for isa, us in attention["us"].get(stored, {}).items())
+                + ")"
+                for stored, level in attention["chosen"].items()
+            )
+            pages.append(
+                f"- **cache attention** (3 KV heads of 64, 3 rows each, {attention['slots']} float32, int8 or FP8 "
+                f"slots; probe {attention['probe_s']:.2f} s), us per call: {cells}"
+            )
         pages.append("")
     return "\n".join(pages) + "\n"
 
@@ -120,6 +167,7 @@ def main() -> None:
         os.environ["LMPRESS_TUNE_CACHE"] = str(Path(empty) / "kernel_tuning.json")  # a first load on this host
         tuning.forget_in_memory()
         shapes = {name: probe(*shape) for name, shape in SHAPES.items()}
+        attention = probe_attention()
     host = cpu_identity()
     meta = {
         "host": host,
@@ -128,9 +176,11 @@ def main() -> None:
         "load": f"{os.getloadavg()[0]:.2f}",
         "total_s": sum(row["probe_s"] for row in shapes.values()),
         "model_s": sum(row["probe_s"] for name, row in shapes.items() if "head" not in name)
-        + max(row["probe_s"] for name, row in shapes.items() if "head" in name),
+        + max(row["probe_s"] for name, row in shapes.items() if "head" in name)
+        + attention["probe_s"],
     }
-    print(file_host_entry(args.results / "cpu_probe.json", host["key"], {"meta": meta, "shapes": shapes}, render))
+    entry = {"meta": meta, "shapes": shapes, "attention": attention}
+    print(file_host_entry(args.results / "cpu_probe.json", host["key"], entry, render))
 
 
 if __name__ == "__main__":
