@@ -1,6 +1,6 @@
 """lmpress's CPU int8-activation kernels against torch's packed bf16 kernels on SmolLM2's linear shapes.
 
-    python bench/cpu_int_kernels.py [--threads 1] [--repeats 7] [--against REV]
+    python bench/cpu_int_kernels.py [--threads 1] [--repeats 7] [--against REV] [--gathered]
 
 One pass = every linear layer of SmolLM2-135M W4 g64 (30 layers of distinct random weights: q/k/v fused,
 o, gate/up fused, down) plus the W8 head, as one decode step reads them (streamed from memory, not cached).
@@ -9,14 +9,18 @@ quartiles over the repeats, for 1 and 4 input rows. Prints a table; writes nothi
 kernels of ``cpu_int.cpp`` at git revision REV (built once into lmpress's cache under the op namespace
 ``lmpress_cpu_base``; weights in the natural layout where that revision has no outputs-in-lanes kernel),
 timed interleaved with today's, the W4 layers and the W8 head apart as well (``--isa 1``: the AVX2 path).
+``--gathered`` adds the W4 layers' pass twice more, interleaved: over copies whose buffers are gathered into one
+block of huge pages (``cpu_int.gather_into_huge_pages``, as the runtime builds them) and over the buffers apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from kernel_at_rev import build_at_rev
@@ -54,6 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--isa", type=int, choices=sorted(cpu_int.ISA_NAMES), help="a lower level than the host's")
     parser.add_argument("--against", metavar="REV", help="also time cpu_int.cpp at this git revision")
+    parser.add_argument("--gathered", action="store_true", help="also the W4 layers gathered into huge pages")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ours, theirs, heads = build(args.isa)
@@ -103,6 +108,18 @@ def main() -> None:
         for part in ("w4", "w8"):
             kernels[f"{part} pass, {args.against}"] = pass_of(base, part)
             kernels[f"{part} pass, now"] = pass_of(now, part)
+    if args.gathered:
+        gathered = [(copy.deepcopy(module), k) for module, k in ours]
+        cpu_int.gather_into_huge_pages(module for module, _ in gathered)
+
+        def w4_pass(layers: list) -> Callable[[int], None]:
+            def run(rows: int) -> None:
+                for module, k in layers:
+                    module.product(xs[k][:rows].contiguous())
+
+            return run
+
+        kernels |= {"w4 pass, buffers apart": w4_pass(ours), "w4 pass, gathered": w4_pass(gathered)}
     medians = {}
     print("| kernel | rows | ms per pass: median [quartiles] |\n|---|---|---|")
     for rows in (1, 4):
@@ -125,6 +142,10 @@ def main() -> None:
             for rows in (1, 4):
                 ratio = medians[f"{part} pass, now", rows] / medians[f"{part} pass, {args.against}", rows]
                 print(f"{part} pass, {rows} row(s): now / {args.against} = {ratio:.3f}")
+    if args.gathered:
+        for rows in (1, 4):
+            ratio = medians["w4 pass, gathered", rows] / medians["w4 pass, buffers apart", rows]
+            print(f"w4 pass, {rows} row(s): gathered / apart = {ratio:.3f}")
     print(f"{args.threads} thread(s), load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

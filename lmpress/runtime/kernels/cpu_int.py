@@ -170,9 +170,9 @@ def gather_into_huge_pages(modules: Iterable[nn.Module]) -> int:
     """Moves the buffers under ``HUGE_PAGE_BYTES`` of ``modules`` (lmpress's CPU kernels: codes, scales, zeros,
     biases), in the order given, into one block of 2 MiB-aligned memory advised for transparent huge pages, each at
     a 64-byte boundary; returns the bytes moved. A decode step streams the layers' weights, each layer's a few
-    hundred KiB: in 4 KiB pages every page is a TLB miss. SmolLM2 W4's 120 layer products, streamed as a decode step
-    calls them on a Zen 4 EPYC: 0.77x the time gathered (0.87x gathered without the huge-page advice). Each buffer
-    is copied and its original dropped in turn, so memory peaks at the block plus one buffer."""
+    hundred KiB: in 4 KiB pages every page is a TLB miss. SmolLM2 W4's 120 layer products on a Zen 4 EPYC, 2
+    threads: 0.87x the time gathered at one input row, 0.93x at four (``bench/cpu_int_kernels.py --gathered``). The
+    modules' references move to the block as each buffer is copied."""
     owners: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]] = {}
     for module in modules:
         for name, t in module.named_buffers(recurse=False):
