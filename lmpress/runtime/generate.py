@@ -17,6 +17,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import trims_heap_after
+from lmpress.runtime.direct_graph import DirectCalls, RecordingBackend
 from lmpress.runtime.kv_cache import KVCache
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, make_generator, next_token, step_noise
@@ -331,7 +332,9 @@ def _compiler(mode: str | None, backend: str) -> Callable[[Callable[..., Any], t
 
     Dynamo's guards on the model's ~600 parameters cost ~0.5 ms per call on 2 CPU threads (7% of SmolLM2's W4
     step), so they are dropped: each model gets its own compiled steps, and the cache's tensors stay guarded
-    (a new cache size recompiles). ``backend="eager"`` traces with dynamo alone (tests: one graph, no break)."""
+    (a new cache size recompiles). ``backend="eager"`` traces with dynamo alone (tests: one graph, no break).
+    On the CPU Inductor compiles through a ``RecordingBackend``, so the steps' ``DirectCalls`` call each graph
+    without dynamo once dynamo has called it for a cache (``direct_graph``); CUDA graphs keep dynamo's entry."""
     # The guards left check every input's sizes and strides, so the graphs' own size asserts (~300 per call)
     # repeat them (a one-off A/B, with alignment asserts off too: a 2.88 ms draft step took 2.74 ms).
     guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -342,7 +345,10 @@ def _compiler(mode: str | None, backend: str) -> Callable[[Callable[..., Any], t
     def compile(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
         if backend != "inductor":
             return torch.compile(_own_copy(fn), fullgraph=True, backend=backend, options=guards)
-        return torch.compile(_own_copy(fn), fullgraph=True, options={**guards, **options, **wrapper_options(device)})
+        inductor = {**options, **wrapper_options(device)}
+        if device.type == "cpu":
+            return torch.compile(_own_copy(fn), fullgraph=True, backend=RecordingBackend(inductor), options=guards)
+        return torch.compile(_own_copy(fn), fullgraph=True, options={**guards, **inductor})
 
     return compile
 
@@ -381,6 +387,13 @@ def _cache_tensors(k: list, v: list, side) -> Iterator[torch.Tensor]:
     yield from (*k, *v, *(t for tensors in side for t in tensors))
 
 
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.dtype, t.stride())
+
+
+_STEP_PARAMS = ("model", "tokens", "k", "v", "pad", "pos", "side", "feature_layers")  # ``_static_step``'s
+_SAMPLE_STEP_PARAMS = ("model", "tokens", "k", "v", "pad", "pos", "side", "sampling", "noise", "history")
+
 STATIC_TOKENS = 4  # reads of up to this many tokens get a graph of their own (decode, verifying up to 3 drafts)
 
 
@@ -404,7 +417,8 @@ def compiled_forward(mode: str | None = None, backend: str = "inductor") -> Forw
     def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos, side, feature_layers=()) -> Any:
         if model not in steps:  # the counts' graphs, the symbolic graph
             fixed = compile_or_not(compile, _static_step, model)  # an uncompilable model: both eager, said once
-            steps[model] = (fixed, fixed if fixed is _static_step else compile(_static_step, model.device))
+            symbolic = fixed if fixed is _static_step else compile(_static_step, model.device)
+            steps[model] = (DirectCalls(fixed, _STEP_PARAMS, fixed=("model",)), symbolic)
         _keep_in_place(mode, _cache_tensors(k, v, side))
         fixed, symbolic = steps[model]
         if tokens.shape[1] > STATIC_TOKENS:  # symbolic from its first compile: one graph for every longer read
@@ -413,7 +427,8 @@ def compiled_forward(mode: str | None = None, backend: str = "inductor") -> Forw
             return symbolic(model, tokens, k, v, pad, pos, side, feature_layers)
         torch._dynamo.mark_static(tokens, 1)  # never generalized to a symbolic count (a cache size may be)
         torch._dynamo.mark_static(pos, 0)
-        return fixed(model, tokens, k, v, pad, pos, side, feature_layers)
+        signature = (tokens.shape, tokens.dtype, feature_layers)
+        return fixed(k[0], signature, model, tokens, k, v, pad, pos, side, feature_layers)
 
     return static_forward(step)
 
@@ -427,9 +442,11 @@ def compiled_step(mode: str | None = None, backend: str = "inductor") -> StepFn:
 
     def step(model: Transformer, tokens, k, v, pad, pos, side, sampling, noise, history) -> torch.Tensor:
         if model not in steps:
-            steps[model] = compile_or_not(compile, _static_sample_step, model)
+            compiled = compile_or_not(compile, _static_sample_step, model)
+            steps[model] = DirectCalls(compiled, _SAMPLE_STEP_PARAMS, fixed=("model",))
         _keep_in_place(mode, (*_cache_tensors(k, v, side), history))
-        return steps[model](model, tokens, k, v, pad, pos, side, sampling, noise, history)
+        signature = (tokens.shape, tokens.dtype, sampling, _meta(noise), _meta(history))
+        return steps[model](k[0], signature, model, tokens, k, v, pad, pos, side, sampling, noise, history)
 
     return static_step(step)
 

@@ -102,13 +102,14 @@ def test_the_compiled_step_attends_through_it_and_matches_eager(monkeypatch):
 def test_only_a_cpu_model_compiles_its_step_with_the_cpp_wrapper(monkeypatch):
     """A CPU model's compiled step gets Inductor's C++ wrapper; a CUDA model's (CUDA graphs) keeps Python's."""
     from lmpress.runtime import generate as gen
+    from lmpress.runtime.direct_graph import RecordingBackend
     from lmpress.runtime.model import Transformer
     from tests.runtime.conftest import tiny_hf_model
 
     seen = []
 
-    def fake_compile(fn, fullgraph, options):  # noqa: ANN001, ANN202 - torch.compile's signature, as the step calls it
-        seen.append(options)
+    def fake_compile(fn, fullgraph, options, backend="inductor"):  # noqa: ANN001, ANN202 - as the step calls it
+        seen.append(backend.options if isinstance(backend, RecordingBackend) else options)
         return lambda model, tokens, *rest: torch.zeros(tokens.shape[0], tokens.shape[1], 256)
 
     monkeypatch.setattr(gen.torch, "compile", fake_compile)

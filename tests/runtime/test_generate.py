@@ -259,15 +259,27 @@ def test_the_sampling_step_traces_whole_and_decodes_eagers_tokens(family):
     assert generate(model, prompts, step=step, **sampled) == generate(model, prompts, **sampled)
 
 
-@pytest.mark.slow
-def test_the_compiled_sampling_step_decodes_eagers_tokens():
-    """The same through Inductor (what ``lmpress generate --compile`` and ``lmpress bench --compile`` run)."""
+@pytest.mark.long
+def test_the_compiled_sampling_step_decodes_eagers_tokens_calling_its_graph_directly(monkeypatch):
+    """The same through Inductor (what ``lmpress generate --compile`` and ``lmpress bench --compile`` run): on the
+    CPU each token after a generation's first runs the graph without dynamo (``direct_graph``), with eager's tokens,
+    greedy and sampled, and for a second generation (another cache) too."""
+    from lmpress.runtime import direct_graph
     from lmpress.runtime.generate import compiled_step
 
+    direct_calls = []
+    call = direct_graph.Binding.__call__
+    monkeypatch.setattr(
+        direct_graph.Binding, "__call__", lambda self, named: direct_calls.append(1) or call(self, named)
+    )
     model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
     prompts = [[5, 6, 7, 8, 9], [3, 4]]
     step = compiled_step()
-    assert generate(model, prompts, max_new_tokens=12, step=step) == generate(model, prompts, max_new_tokens=12)
+    for max_new_tokens in (12, 7):
+        direct_calls.clear()
+        expected = generate(model, prompts, max_new_tokens=max_new_tokens)
+        assert generate(model, prompts, max_new_tokens=max_new_tokens, step=step) == expected
+        assert len(direct_calls) == max_new_tokens - 2  # the prefill gives the first token, dynamo the second
     sampled = dict(max_new_tokens=12, sampling=SAMPLED, seed=5)
     assert generate(model, prompts, step=step, **sampled) == generate(model, prompts, **sampled)
 
