@@ -31,12 +31,7 @@ from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KV_HEADS, DIM = 3, 64
-ISAS = {
-    -1: "the op's default level for this CPU",
-    1: "its AVX2 body",
-    2: "its AVX-512 body",
-    3: "its AVX-512 body with VNNI (int8 keys dotted in integers)",
-}
+ISAS = {-1: "the op's best level for this CPU", 1: "its AVX2 body", 2: "its AVX-512 body"}
 
 
 def caches(stored: str, fill: int, layers: int, slots: int = 4096) -> list[tuple]:

@@ -30,19 +30,13 @@ STORED = {"int8": INT8, "fp8-head": KVScheme("fp8", "head"), "fp8-tensor": KVSch
 
 
 def host_runs(isa: int) -> bool:
-    """Whether this CPU runs the op's instruction set level ``isa`` (3 AVX-512 VNNI, 2 AVX-512, 1 AVX2; the int8
-    kernels' level 2 needs VNNI)."""
+    """Whether this CPU runs the op's instruction set level ``isa`` (2 AVX-512, 1 AVX2)."""
     from lmpress.runtime.kernels import cpu_int
 
-    return cpu_int.host_isa() >= min(isa, 2)
+    return cpu_int.host_isa() >= isa
 
 
-ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not host_runs(isa), reason="no such CPU")) for isa in (1, 2, 3)]
-
-
-def as_read(q: torch.Tensor, stored: str, isa: int) -> torch.Tensor:
-    """The queries the op dots with the keys: level 3 rounds them to int16 for int8 keys (``int16_query``)."""
-    return cpu_kv_attention.int16_query(q) if isa == 3 and stored == "int8" else q
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not host_runs(isa), reason="no such CPU")) for isa in (1, 2)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -64,8 +58,7 @@ def test_matches_a_float64_softmax_over_the_visible_slots(heads, kv_heads, n, wi
         k_read, v_read = keys, values
         out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, isa=isa)
     assert out.dtype == torch.float32 and out.shape == (2, heads, n, 64)
-    expected = reference(as_read(q, stored, isa), k_read, v_read, mask, 0.125)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference(q, k_read, v_read, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -75,11 +68,10 @@ def test_every_head_width_it_takes(dim, isa):
     mask = static_slots_mask(torch.tensor([0]), torch.tensor([290, 291]), 300, None)
     out = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, dim**-0.5, isa=isa)
     torch.testing.assert_close(out.double(), reference(q, keys, values, mask, dim**-0.5), rtol=1e-5, atol=1e-5)
-    for stored, scheme in STORED.items():
+    for scheme in STORED.values():
         (codes, k_scales, k_read), (v_codes, v_scales, v_read) = as_codes(keys, scheme), as_codes(values, scheme)
         out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, dim**-0.5, k_scales, v_scales, isa=isa)
-        read = as_read(q, stored, isa) if dim % 32 == 0 else q  # 16 and 48 wide: level 3 dots int8 keys as level 2
-        expected = reference(read, k_read, v_read, mask, dim**-0.5)
+        expected = reference(q, k_read, v_read, mask, dim**-0.5)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -156,25 +148,8 @@ def test_refuses_what_it_cannot_compute():
         cpu_kv_attention.kv_slots_attention(q, fp8, fp8, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, three, three)
     assert not cpu_kv_attention.fits(24, 24, torch.float32) and not cpu_kv_attention.fits(64, 64, torch.bfloat16)
     assert cpu_kv_attention.fits(64, 64, torch.float32)
-    with pytest.raises(RuntimeError, match="instruction set level 4"):
-        cpu_kv_attention.kv_slots_attention(q, keys, values, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, isa=4)
-
-
-@pytest.mark.skipif(not host_runs(3), reason="needs AVX-512 VNNI")
-def test_level_3_differs_from_exact_keys_only_by_its_int16_query():
-    """Level 3's integer dots against the exact float64 attention over the same codes: within what rounding each
-    query row to int16 (2^-16 of its largest magnitude) moves a score, and the same as level 2 elsewhere."""
-    q, keys, values = case(1, 9, 3, 1, 700, 64, 64, seed=3)
-    mask = static_slots_mask(torch.tensor([0]), torch.tensor([650]), 700, None)
-    (codes, k_scales, k_read), (v_codes, v_scales, v_read) = as_codes(keys), as_codes(values)
-    exact = reference(q, k_read, v_read, mask, 0.125)
-    out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, 0.125, k_scales, v_scales, isa=3).double()
-    # a score moves by at most sum |k| x max|q| / 65534 x scale; a weight by that times itself, the output by that
-    # times the largest |v|
-    moved = (k_read.abs().sum(-1).amax() * q.abs().amax() / 65534 * 0.125).item()
-    assert 0 < (out - exact).abs().max().item() <= 2 * moved * v_read.abs().amax().item()
-    floats = cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, isa=3)
-    torch.testing.assert_close(floats, cpu_kv_attention.kv_slots_attention(q, keys, values, mask, 0.125, isa=2))
+    with pytest.raises(RuntimeError, match="instruction set level 3"):
+        cpu_kv_attention.kv_slots_attention(q, keys, values, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, isa=3)
 
 
 @pytest.mark.parametrize("kv_cache", [None, "int8", "fp8"])

@@ -236,41 +236,7 @@ struct V {
 #pragma GCC pop_options
 }  // namespace avx512
 
-// AVX-512 with VNNI (level 3): avx512's body, int8 keys dotted in integers (row_scores_int16); only int8 codes
-// are read at this level (float32 entries and FP8 codes take avx512's).
-namespace avx512vnni {
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")
-struct V : avx512::V {
-  using ivec = __m512i;
-  static ivec izero() { return _mm512_setzero_si512(); }
-  static ivec iload(const int16_t* p) { return _mm512_load_si512(p); }
-  static ivec widen(const int8_t* p) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static ivec dot_pairs(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
-  static vec to_float(ivec a) { return _mm512_cvtepi32_ps(a); }
-  // q's D floats (a multiple of 16) rounded to int16 against their largest magnitude, into out; the scale back
-  static float round_to_int16(const float* q, int D, int16_t* out) {
-    __m512 most = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
-    const float top = _mm512_reduce_max_ps(most);
-    const __m512 to_int = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
-    for (int d = 0; d < D; d += 16) {
-      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), to_int));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(out + d), _mm512_cvtsepi32_epi16(rounded));
-    }
-    return top / 32767.f;
-  }
-};
-#define KV_INT16_DOTS
-#include "cpu_kv_rows.h"
-#undef KV_INT16_DOTS
-#pragma GCC pop_options
-}  // namespace avx512vnni
-
 bool runs(int64_t isa) {
-  if (isa == 3) return runs(2) && __builtin_cpu_supports("avx512vnni");
   if (isa == 2)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
@@ -279,9 +245,7 @@ bool runs(int64_t isa) {
 
 template <typename T>
 RowsFn<T> rows_kernel(int64_t isa, int64_t width, int64_t rows) {
-  if constexpr (std::is_same_v<T, int8_t>)
-    if (isa == 3) return avx512vnni::rows_kernel<T>(width, rows);
-  return isa >= 2 ? avx512::rows_kernel<T>(width, rows) : avx2::rows_kernel<T>(width, rows);
+  return isa == 2 ? avx512::rows_kernel<T>(width, rows) : avx2::rows_kernel<T>(width, rows);
 }
 
 // Where a cache's scales live: none (float32 entries), one per slot and KV head (int8 codes), or FP8's static ones:
@@ -372,15 +336,14 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, Scales key_scales, 
 }
 
 // q (B, H, n, D) float32; keys and values (B, KV, L, D) float32, int8 with scales (B, KV, L, 1) float32, or FP8
-// E4M3 with static scales (KV) or (1) float32; mask (B, 1, n, L) bool; all contiguous; isa 3 AVX-512 VNNI (int8
-// keys dotted in integers; other caches as at 2), 2 AVX-512, 1 AVX2, -1 AVX-512 where this CPU runs it, else AVX2.
-// Returns (B, H, n, D) float32.
+// E4M3 with static scales (KV) or (1) float32; mask (B, 1, n, L) bool; all contiguous; isa 2 AVX-512, 1 AVX2, -1
+// the best this CPU runs. Returns (B, H, n, D) float32.
 at::Tensor kv_slots_attention(const at::Tensor& q, const at::Tensor& keys, const std::optional<at::Tensor>& key_scales,
                               const at::Tensor& values, const std::optional<at::Tensor>& value_scales,
                               const at::Tensor& mask, double scale, int64_t isa) {
   if (isa == -1) isa = runs(2) ? 2 : 1;
   TORCH_CHECK(runs(isa), "kv_slots_attention: this CPU cannot run instruction set level ", isa,
-              " (3 AVX-512 VNNI, 2 AVX-512, 1 AVX2 + FMA + F16C)");
+              " (2 AVX-512, 1 AVX2 + FMA + F16C)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.is_contiguous(), "kv_slots_attention: q float32");
   const at::ScalarType stored = keys.scalar_type();
   for (const at::Tensor* t : {&keys, &values})

@@ -41,17 +41,8 @@ def kv_slots_attention(
 ) -> torch.Tensor:
     """Queries ``(batch, heads, n, head_dim)`` float32 over ``keys``/``values`` ``(batch, kv_heads, slots, dim)``
     (float32, or int8 codes with float32 ``key_scales``/``value_scales`` ``(batch, kv_heads, slots, 1)``) where
-    ``mask`` ``(batch, 1, n, slots)`` shows them; float32 ``(batch, heads, n, dim)``. ``isa``: 3 AVX-512 VNNI (int8
-    keys dotted in integers against the query rounded to int16: ``int16_query``; other caches as at 2), 2 AVX-512,
-    1 AVX2, -1 AVX-512 where this CPU runs it, else AVX2."""
+    ``mask`` ``(batch, 1, n, slots)`` shows them; float32 ``(batch, heads, n, dim)``. ``isa``: 2 AVX-512, 1 AVX2,
+    -1 the best this CPU runs."""
     return torch.ops.lmpress_cpu.kv_slots_attention(
         q.contiguous(), keys.contiguous(), key_scales, values.contiguous(), value_scales, mask.contiguous(), scale, isa
     )
-
-
-def int16_query(q: torch.Tensor) -> torch.Tensor:
-    """``q`` as level 3 dots it with int8 keys: each row of ``head_dim`` rounded to int16 against its largest
-    magnitude (half to even, in float32 as the op computes it) and scaled back; float64, for references."""
-    top = q.float().abs().amax(-1, keepdim=True)
-    to_int = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
-    return (q.float() * to_int).round().clamp(-32768, 32767).double() * (top / 32767.0).double()

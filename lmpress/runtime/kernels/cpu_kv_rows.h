@@ -72,64 +72,6 @@ void row_scores(const RowGroup<T>& g, int64_t lo, int64_t hi) {
   }
 }
 
-#ifdef KV_INT16_DOTS
-// Slots one pass of row_scores_int16 dots at once: as score_slots, with each row's query as D / 32 int16 vectors.
-template <int NV, int R>
-constexpr int int16_score_slots() {
-  int s = V::W;
-  while (s > 1 && (V::W % s || R * s + R * (NV * V::W / 32) + 1 > V::REGS)) --s;
-  return s;
-}
-
-// row_scores for int8 keys in integers (AVX-512 VNNI): each row's query rounded to int16 against its largest
-// magnitude (an error under 2^-16 of it, where the keys' own codes carry 2^-8 of theirs), the keys' codes widened
-// to int16 32 at a time, and vpdpwssd's pairwise products summed in int32 (|sum| <= 32767 x 127 x 128 < 2^31).
-// A 64-code key costs 2 widenings and R x 2 products, where row_scores converts 4 vectors to float and makes R x 4
-// products. The sums are converted to float and summed across lanes as row_scores' are.
-template <int NV, int R>
-void row_scores_int16(const RowGroup<int8_t>& g, int64_t lo, int64_t hi) {
-  constexpr int D = NV * V::W, QV = D / 32, S = int16_score_slots<NV, R>();
-  alignas(64) int16_t q16[R][D];
-  float q_scale[R];
-  for (int r = 0; r < R; ++r) q_scale[r] = V::round_to_int16(g.q[r], D, q16[r]);
-  alignas(64) int8_t padded[V::W * D];
-  alignas(64) float sums[V::W];
-  for (int64_t s0 = lo; s0 < hi; s0 += V::W) {
-    const int count = static_cast<int>(std::min<int64_t>(V::W, hi - s0));
-    const int8_t* block = g.keys + s0 * D;
-    const char* value_bytes = reinterpret_cast<const char*>(g.values + s0 * D);
-    for (int64_t b = 0; b < count * D; b += 64) _mm_prefetch(value_bytes + b, _MM_HINT_T0);  // as row_scores
-    if (count < V::W) {
-      std::copy(block, block + count * D, padded);
-      std::fill(padded + count * D, padded + V::W * D, int8_t(0));
-      block = padded;
-    }
-    typename V::vec dot[R][V::W];
-    for (int i0 = 0; i0 < V::W; i0 += S) {
-      typename V::ivec acc[R][S];
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < S; ++i) acc[r][i] = V::izero();
-      for (int j = 0; j < QV; ++j) {
-        typename V::ivec q[R];
-        for (int r = 0; r < R; ++r) q[r] = V::iload(q16[r] + j * 32);
-        for (int i = 0; i < S; ++i) {
-          const typename V::ivec key = V::widen(block + (i0 + i) * D + j * 32);
-          for (int r = 0; r < R; ++r) acc[r][i] = V::dot_pairs(acc[r][i], q[r], key);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < S; ++i) dot[r][i0 + i] = V::to_float(acc[r][i]);
-    }
-    for (int r = 0; r < R; ++r) {
-      V::store(sums, V::sum_each(dot[r]));
-      float* out = g.scores[r] + (s0 - lo);
-      const float scale = q_scale[r] * g.scale;
-      for (int i = 0; i < count; ++i) out[i] = sums[i] * g.key_scales[s0 + i] * scale;
-    }
-  }
-}
-#endif
-
 // Vectors of a value row one pass over the slots accumulates: the most (a divisor of NV) whose R x C running sums,
 // the R rows' broadcast weights and one value vector fit the register file (R = 3 on AVX2: 4 of 8, 16 registers).
 template <int NV, int R>
@@ -176,12 +118,7 @@ void row_values(const RowGroup<T>& g, int64_t lo, int64_t hi) {
 // shows (its maximum and sum of weights into g.top and g.total), the weighted values into g.acc.
 template <typename T, int NV, int R>
 void attend_rows(const RowGroup<T>& g) {
-#ifdef KV_INT16_DOTS
-  if constexpr (std::is_same_v<T, int8_t> && NV * V::W % 32 == 0)
-    row_scores_int16<NV, R>(g, g.first, g.last);
-  else
-#endif
-    row_scores<T, NV, R>(g, g.first, g.last);
+  row_scores<T, NV, R>(g, g.first, g.last);
   for (int r = 0; r < R; ++r) row_softmax(g, r);
   row_values<T, NV, R>(g, g.first, g.last);
   if (g.value_scale != 1.f)

@@ -186,22 +186,17 @@ def kv_attention_levels(kv_heads: int, rows: int, head_dim: int) -> tuple[int, i
     """The cache attention op's instruction set level on this host for each of ``KV_STORED`` (float32 entries, int8
     and FP8 codes), for a layer of ``kv_heads`` KV heads of ``head_dim`` and ``rows`` query rows per KV head: from
     this process's memory, the tuning cache, or probed now; -1 (the best level) where it is not probed (the ``off``
-    tune space, an AVX2 host, the tests' tiny caches of under 128 floats a slot). int8 codes also try level 3
-    (AVX-512 VNNI: keys dotted in integers), preferred as the first candidate is."""
-    if cpu_int.host_isa() != 2 or tune_space() == "off" or kv_heads * head_dim < 128:
-        return (-1, -1, -1)
-    if not cpu_kv_attention.available():
+    tune space, an AVX2 host, the tests' tiny caches of under 128 floats a slot)."""
+    tried = [[2], [1]] if cpu_int.host_isa() == 2 else [[-1]]
+    if tune_space() == "off" or len(tried) == 1 or kv_heads * head_dim < 128 or not cpu_kv_attention.available():
         return (-1, -1, -1)
     levels = []
     for stored in KV_STORED:
-        tried = [[3], [2], [1]] if stored == "int8" else [[2], [1]]
         shape = {"kv_heads": kv_heads, "rows": rows, "dim": head_dim, "stored": stored}
         shape |= {"slots": KV_PROBE_SLOTS, "threads": torch.get_num_threads()}
-        times = functools.cache(
-            lambda stored=stored, tried=tried: time_kv_attention(kv_heads, rows, head_dim, stored, tried)
-        )
+        times = functools.cache(lambda stored=stored: time_kv_attention(kv_heads, rows, head_dim, stored, tried))
 
-        def seconds(candidate: list[int], times=times, tried=tried) -> float:
+        def seconds(candidate: list[int], times=times) -> float:
             return times()[candidate[0]] * ((1 - MARGIN) if candidate == tried[0] else 1)
 
         levels.append(tuned_choice(cpu_model(), "cpu-kv-attention-probe", shape, tried, seconds)[0])
