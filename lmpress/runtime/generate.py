@@ -427,7 +427,7 @@ def compiled_forward(mode: str | None = None, backend: str = "inductor") -> Forw
             return symbolic(model, tokens, k, v, pad, pos, side, feature_layers)
         torch._dynamo.mark_static(tokens, 1)  # never generalized to a symbolic count (a cache size may be)
         torch._dynamo.mark_static(pos, 0)
-        signature = (tokens.shape, tokens.dtype, feature_layers)
+        signature = (_meta(tokens), feature_layers)  # the graph reads its inputs with the strides it was built for
         return fixed(k[0], signature, model, tokens, k, v, pad, pos, side, feature_layers)
 
     return static_forward(step)
@@ -445,7 +445,7 @@ def compiled_step(mode: str | None = None, backend: str = "inductor") -> StepFn:
             compiled = compile_or_not(compile, _static_sample_step, model)
             steps[model] = DirectCalls(compiled, _SAMPLE_STEP_PARAMS, fixed=("model",))
         _keep_in_place(mode, (*_cache_tensors(k, v, side), history))
-        signature = (tokens.shape, tokens.dtype, sampling, _meta(noise), _meta(history))
+        signature = (_meta(tokens), sampling, _meta(noise), _meta(history))
         return steps[model](k[0], signature, model, tokens, k, v, pad, pos, side, sampling, noise, history)
 
     return static_step(step)

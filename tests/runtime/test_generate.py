@@ -196,6 +196,25 @@ def test_compiled_forward_reads_every_token_count_as_eager_at_two_cache_sizes():
             assert caches[1].length == caches[0].length == 9 + n
 
 
+@pytest.mark.long
+def test_the_compiled_forward_reads_tokens_of_any_layout_as_eager():
+    """A direct call runs the graph dynamo built for the tokens' strides: one cache read in turn through slices of
+    a wider tensor (row stride 40) and through tensors of their own (row stride 1), batch 2, gives eager's logits
+    at every read."""
+    from lmpress.runtime.generate import compiled_forward
+
+    model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
+    forward = compiled_forward()
+    wide = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    caches = [model.new_cache(2, 48) for _ in range(2)]
+    for cache in caches:
+        model(wide[:, :8], cache)
+    for i in range(8, 16):
+        read = wide[:, i : i + 1] if i % 4 < 2 else wide[:, i : i + 1].clone()
+        expected = model(read, caches[0]).float()
+        torch.testing.assert_close(forward(model, read, caches[1]), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("how", ["to the end", "closed early", "speculative"])
 def test_a_generation_hands_its_memory_back_once_its_cache_is_freed(model, monkeypatch, how):
     # glibc keeps freed heap pages resident until trimmed: the trim must come after the decode loop's
