@@ -371,9 +371,9 @@ def learning_problem():
 
 
 def test_a_learning_step_shared_by_samples_across_processes_takes_the_one_process_step(tmp_path):
-    """Learned rounding across processes: each step's squared error and gradient summed over the processes' parts
-    of the batch give the whole batch's (the same float sums in another order), so the steps, the kept iterate
-    and its loss are the one process's."""
+    """Learned rounding across processes: each step's squared error and gradient, summed per sample in float64
+    over the processes' parts of the batch, are the whole batch's bit for bit, so the steps, the kept iterate and
+    its loss are the one process's."""
     import socket
 
     import torch
@@ -391,11 +391,9 @@ def test_a_learning_step_shared_by_samples_across_processes_takes_the_one_proces
     mp.spawn(learn_on_part, args=(2, port, str(tmp_path / "part")), nprocs=2)
     for rank in range(2):
         shared = torch.load(tmp_path / f"part.{rank}")
-        assert shared["info"]["best_step"] == info["best_step"]
-        assert shared["info"]["start_loss"] == pytest.approx(info["start_loss"], rel=1e-6)
-        assert shared["info"]["best_relative_loss"] == pytest.approx(info["best_relative_loss"], rel=1e-5)
+        assert shared["info"] == info
         for name, r in best.items():
-            assert torch.allclose(shared["v"][name], r.v, atol=1e-6), name
+            assert torch.equal(shared["v"][name], r.v), name
 
 
 def learned_recipe(tmp_path, model) -> Path:
@@ -419,7 +417,8 @@ def learned_recipe(tmp_path, model) -> Path:
 @pytest.mark.long
 def test_learned_rounding_shares_each_step_batch_across_processes(tiny_llama_dir, tmp_path):
     """Two processes hold half of every batch's samples; GPTQ's start from Hessians summed over them, each step's
-    gradient summed: the artifact is one process's up to the order of float32 sums (docs/scale.md: the bound)."""
+    error and gradient summed per sample in float64: the artifact is the one process's, every tensor bit for bit."""
+    import torch
     from safetensors.torch import load_file
 
     recipe = learned_recipe(tmp_path, tiny_llama_dir)
@@ -429,16 +428,9 @@ def test_learned_rounding_shares_each_step_batch_across_processes(tiny_llama_dir
     summary = reports["two"]["stages"][0]["summary"]
     assert summary["processes"] == 2 and summary["calibration"] == [16, 64]
     two, one = (load_file(tmp_path / run / "compressed-tensors" / "model.safetensors") for run in ("two", "one"))
-    assert two.keys() == one.keys()
-    packed = [k for k in one if k.endswith("weight_packed")]
-    codes = sum(one[k].numel() for k in packed)
-    differ = sum(int((two[k] != one[k]).sum()) for k in packed)
-    assert differ <= codes // 1000  # the bound: codes move only where a sum's order tips a rounding or a sign
-    two_ppl, one_ppl = (reports[run]["candidate"]["metrics"]["ppl"] for run in ("two", "one"))
-    assert two_ppl == pytest.approx(one_ppl, rel=1e-3)
-    assert summary["mean_loss_ratio"] == pytest.approx(
-        reports["one"]["stages"][0]["summary"]["mean_loss_ratio"], rel=1e-3
-    )
+    assert two.keys() == one.keys() and any(k.endswith("weight_packed") for k in one)
+    assert [k for k in one if not torch.equal(two[k], one[k])] == []
+    assert summary["mean_loss_ratio"] == reports["one"]["stages"][0]["summary"]["mean_loss_ratio"]
 
 
 @pytest.mark.long

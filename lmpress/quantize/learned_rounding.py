@@ -89,6 +89,7 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.func import functional_call
 
+from lmpress.calib.activations import map_tensors
 from lmpress.calib.engine import CalibrationMethod, run_one_shot_stage
 from lmpress.calib.hooks import first_input, move_to
 from lmpress.calib.ranks import add_across_ranks_, column_solve_cost, count_across_ranks, solve_across_ranks
@@ -308,6 +309,40 @@ def block_output(out: torch.Tensor | tuple) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def sample_kwargs(kwargs: dict, j: int, n: int) -> dict:
+    """Sample ``j``'s keyword arguments from a batch of ``n``'s: tensors with a batch dimension of ``n`` (masks)
+    sliced to its row, the rest (rotary tables and positions the batch shares) as they are."""
+    if n == 1:
+        return kwargs
+    return map_tensors(kwargs, lambda t: t[j : j + 1] if t.dim() and t.shape[0] == n else t)
+
+
+def summed_over_samples(
+    block: nn.Module,
+    weights: dict[str, torch.Tensor],
+    hidden: torch.Tensor,
+    kwargs: dict,
+    target: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The block's squared error against ``target`` with the linears' weights ``weights`` (name -> W~), one sample
+    of ``hidden`` at a time, and, for the weights that require grad, its gradient: each sample's float32 values
+    summed in float64 in sample order. Per sample, so that the batch's sum does not depend on how launched
+    processes share its samples (a batched backward pass sums over all of its rows in float32, in an order its
+    GEMM chooses); a float64 sum of float32 terms is exact unless their magnitudes span more than ~2^28."""
+    learnable = {name: w for name, w in weights.items() if w.requires_grad}
+    error = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    grads = {name: torch.zeros_like(w, dtype=torch.float64) for name, w in learnable.items()}
+    for j in range(len(hidden)):
+        out = block_output(functional_call(block, weights, (hidden[j : j + 1],), sample_kwargs(kwargs, j, len(hidden))))
+        sample_error = torch.sum((out.float() - target[j : j + 1]) ** 2)
+        if learnable:
+            sample_grads = torch.autograd.grad(sample_error, list(learnable.values()))
+            for total, g in zip(grads.values(), sample_grads, strict=True):
+                total += g
+        error += sample_error.detach()
+    return error, grads
+
+
 def learn_block_rounding(
     block: nn.Module,
     weights: dict[str, tuple[torch.Tensor, QuantScheme]],
@@ -328,9 +363,10 @@ def learn_block_rounding(
     one forward pass per batch): returns the rounding whose step had the lowest such ratio (the start's is 1)
     and ``{"start_loss" (mean over the batches), "best_relative_loss", "best_step"}``.
 
-    ``ranks`` > 1: launched processes share each batch's samples (``calib.ranks``), ``batch(i)`` and
-    ``targets[i]`` being this process's part; each step's squared error and its gradient are summed over the
-    parts, so every process takes the same step, the one process's up to the order of the float sums.
+    A step's squared error and its gradient with respect to each W~ are sums over the batch's samples in float64
+    (``summed_over_samples``); ``ranks`` > 1: launched processes share each batch's samples (``calib.ranks``),
+    ``batch(i)`` and ``targets[i]`` being this process's part, and their float64 sums are added, which is exact
+    where the one process's sum is: every process takes the one process's steps, bit for bit.
     """
     rounding = start or {name: init_rounding(w, scheme, full_range=full_range) for name, (w, scheme) in weights.items()}
     for r in rounding.values():
@@ -340,21 +376,24 @@ def learn_block_rounding(
     frozen = [p for p in block.parameters() if p.requires_grad]
     dtype = next(block.parameters()).dtype
 
-    # elements of each whole batch: a part's squared error over them is its share of the batch's mean
+    # elements of each whole batch: the squared error's sum over them / their count is the batch's mean
     sizes = torch.tensor([t.numel() for t in targets], dtype=torch.float64)
     if ranks > 1:
         add_across_ranks_(sizes)
 
-    def loss_on(index: int) -> torch.Tensor:
-        hidden, kwargs = batch(index)
-        overrides = {
+    def quantized() -> dict[str, torch.Tensor]:
+        return {
             f"{name}.weight": learned_fake_quantize(w, scheme, rounding[name]).to(dtype)
             for name, (w, scheme) in weights.items()
         }
-        out = block_output(functional_call(block, overrides, (hidden,), kwargs))
+
+    def mean_error(index: int, weights_now: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+        """Batch ``index``'s mean squared error (L = ‖f(X; W) − f(X~; W~)‖²) and its gradient per W~."""
+        hidden, kwargs = batch(index)
+        error, grads = summed_over_samples(block, weights_now, hidden, kwargs, targets[index])
         if ranks > 1:
-            return torch.sum((out.float() - targets[index]) ** 2) / sizes[index].item()
-        return torch.mean((out.float() - targets[index]) ** 2)  # L = ‖f(X; W) − f(X~; W~)‖²
+            error, grads = summed_over_ranks(error, grads)
+        return error.item() / sizes[index].item(), {name: g / sizes[index].item() for name, g in grads.items()}
 
     generator = torch.Generator().manual_seed(seed)
     order: list[int] = []
@@ -363,20 +402,21 @@ def learn_block_rounding(
         p.requires_grad_(False)
     try:
         with torch.no_grad():
-            start_losses = torch.tensor([loss_on(i).item() for i in range(len(targets))], dtype=torch.float64)
-            if ranks > 1:
-                add_across_ranks_(start_losses)
-            start_losses = start_losses.tolist()
+            start_weights = quantized()
+            start_losses = [mean_error(i, start_weights)[0] for i in range(len(targets))]
         with torch.enable_grad():
             for step in range(iterations):
                 if not order:
                     order = torch.randperm(len(targets), generator=generator).tolist()
                 index = order.pop()
-                loss = loss_on(index)
-                grads = torch.autograd.grad(loss, learnable, allow_unused=True)
-                loss_value = loss.item()
-                if ranks > 1:
-                    grads, loss_value = summed_over_ranks(grads, loss_value)
+                weights_now = quantized()
+                leaves = {name: w.detach().requires_grad_(True) for name, w in weights_now.items()}
+                loss_value, weight_grads = mean_error(index, leaves)
+                grads = torch.autograd.grad(
+                    list(weights_now.values()), learnable,
+                    grad_outputs=[weight_grads[name].to(w.dtype) for name, w in weights_now.items()],
+                    allow_unused=True,
+                )  # fmt: skip
                 relative = loss_value / max(start_losses[index], torch.finfo(torch.float32).tiny)
                 if relative < best_relative:
                     best, best_relative, best_step = {n: r.clone() for n, r in rounding.items()}, relative, step
@@ -397,20 +437,16 @@ def learn_block_rounding(
 
 
 def summed_over_ranks(
-    grads: tuple[torch.Tensor | None, ...], loss: float
-) -> tuple[tuple[torch.Tensor | None, ...], float]:
-    """Each gradient and the loss summed over the launched processes' parts of a batch, in one collective."""
-    present = [g for g in grads if g is not None]
-    flat = torch.cat([g.reshape(-1).float() for g in present] + [torch.tensor([loss], device=present[0].device)])
+    error: torch.Tensor, grads: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A batch's float64 squared error and gradients summed over the launched processes' parts, in one collective."""
+    flat = torch.cat([g.reshape(-1) for g in grads.values()] + [error.reshape(1)])
     add_across_ranks_(flat)
-    summed, offset = [], 0
-    for g in grads:
-        if g is None:
-            summed.append(None)
-            continue
-        summed.append(flat[offset : offset + g.numel()].view_as(g).to(g.dtype))
+    summed, offset = {}, 0
+    for name, g in grads.items():
+        summed[name] = flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
-    return tuple(summed), flat[-1].item()
+    return flat[-1], summed
 
 
 # On the engine -----------------------------------------------------------------------------------

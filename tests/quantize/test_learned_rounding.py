@@ -32,6 +32,7 @@ from lmpress.quantize.learned_rounding import (
     init_rounding,
     learned_fake_quantize,
     run_learned,
+    summed_over_samples,
 )
 from lmpress.registry import StageContext
 from lmpress.weights.qlinear import QuantizedLinear
@@ -463,3 +464,35 @@ def test_calibration_on_cuda_matches_the_cpu(tiny_llama_dir, tmp_path, stage):
         with torch.no_grad():
             outputs[device] = loaded.model(ids).logits
     torch.testing.assert_close(outputs["cuda"], outputs["cpu"], rtol=2e-2, atol=2e-2)
+
+
+class ScaledBlock(torch.nn.Module):
+    """Two linears and a per-sample (batch, 1, 1) or shared (1, 1, 1) scale passed as a keyword, as masks are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 24), torch.nn.Linear(24, 16)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.down(torch.nn.functional.silu(self.up(x) * scale)),)
+
+
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_the_error_and_gradient_summed_per_sample_are_the_whole_batchs(per_sample):
+    """One sample at a time, a batch-shaped keyword sliced to its row, a shared one passed whole: the float64
+    sums are the batched squared error and gradient of an independent float64 computation."""
+    torch.manual_seed(0)
+    block = ScaledBlock().requires_grad_(False)
+    hidden, target = torch.randn(5, 7, 16), torch.randn(5, 7, 16)
+    scale = torch.rand(5 if per_sample else 1, 1, 1) + 0.5
+    weights = {"up.weight": block.up.weight.clone().requires_grad_(True), "down.weight": block.down.weight.clone()}
+    error, grads = summed_over_samples(block, weights, hidden, {"scale": scale}, target)
+
+    reference = ScaledBlock().double()
+    reference.load_state_dict(block.state_dict())
+    reference.requires_grad_(False).up.weight.requires_grad_(True)
+    expected = torch.sum((reference(hidden.double(), scale.double())[0] - target.double()) ** 2)
+    (expected_grad,) = torch.autograd.grad(expected, [reference.up.weight])
+    assert error.dtype == torch.float64 and error.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert list(grads) == ["up.weight"] and grads["up.weight"].dtype == torch.float64
+    assert torch.allclose(grads["up.weight"], expected_grad, rtol=1e-4, atol=1e-5)
