@@ -73,9 +73,11 @@ groups, MSE-searched scales): α = β from its scales, V from its codes, clamped
 [−0.5, 0.5]; ``init: awq+gptq``
 does both (GPTQ's codes of the rescaled weights).
 
-Across launched processes (``torchrun``; ``calib.ranks``) each process holds its part of every batch's samples and
-a step's squared error and gradient are summed over the parts before the sign step (docs/scale.md); with
-``init: awq`` the pass runs in full in every process (AWQ's search shares whole batches).
+A step's squared error and its gradient with respect to each W~ are summed over the batch's samples one sample at
+a time in float64 (``summed_over_samples``), then taken through the fake quantization once. Across launched
+processes (``torchrun``; ``calib.ranks``) each process holds its part of every batch's samples and the parts'
+float64 sums are added before the sign step, so two processes take one process's steps bit for bit
+(docs/scale.md); with ``init: awq`` the pass runs in full in every process (AWQ's search shares whole batches).
 """
 
 from __future__ import annotations
