@@ -309,6 +309,10 @@ TIMED = {
         "lmpress W4 g64, head W8 + torch.compile, INT8 KV cache",
         lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True, "int8"),
     ),
+    "lmpress-w4-head8-compile-kv4": (
+        "lmpress W4 g64, head W8 + torch.compile, INT4 KV cache (KIVI: keys per channel and 32 slots)",
+        lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True, "int4"),
+    ),
     "lmpress-w4-head8-compile-kvfp8": (
         "lmpress W4 g64, head W8 + torch.compile, FP8 KV cache (E4M3, a scale per tensor)",
         lambda a: timed_runtime(a, str(artifact("w4g64-head8")), "float32", True, "fp8"),

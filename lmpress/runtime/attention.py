@@ -136,18 +136,16 @@ def attend(
         kernel = slots_kernel if plain else None
         if kernel is not None and kernel.triton:
             stored = cache.stored(layer)
-            if stored is not None and few_rows(q, keys):  # float entries, int8 or FP8 codes, the filled slots only
-                k, k_scales, v, v_scales = stored
+            if not stored.int4 and few_rows(q, keys):  # float entries, int8 or FP8 codes, the filled slots only
+                k, k_scales, v, v_scales, _ = stored
                 return triton_decode_attention(q, k, k_scales, v, v_scales, mask, cache.pos, scale)
         elif kernel is not None and q.device.type == "cpu":
-            if slots_kernel.codes:
-                stored = cache.stored(layer)
-                if stored is not None and stored[1] is not None:  # int8 or FP8 codes, read as they are stored
-                    k, k_scales, v, v_scales = stored
-                    isa = kernel.levels[1 if k.dtype == torch.int8 else 2]
-                    return cpu_kv_attention.kv_slots_attention(q, k, v, mask, scale, k_scales, v_scales, isa)
-                # float32, or dequantized
-                return cpu_kv_attention.kv_slots_attention(q, keys, values, mask, scale, None, None, kernel.levels[0])
+            if slots_kernel.codes:  # float32 entries, int8, FP8 or INT4 codes, read as they are stored
+                k, k_scales, v, v_scales, recent = cache.stored(layer)
+                isa = kernel.level(k.dtype)
+                return cpu_kv_attention.kv_slots_attention(
+                    q, k, v, mask, scale, k_scales, v_scales, isa, recent, cache.pos
+                )
             return cpu_attention.slots_attention(q, keys, values, mask, scale)  # head widths the other cannot take
         return pointwise_attention(q, keys, values, mask, scale, softcap, sinks)
     if q.shape[2] <= FEW_QUERIES or softcap is not None or sinks is not None:
@@ -166,6 +164,11 @@ class SlotsKernel(NamedTuple):
     codes: bool
     triton: bool = False
     levels: tuple[int, int, int] = (-1, -1, -1)  # cpu_kv_attention's level per stored type (cpu_probe.KV_STORED)
+
+    def level(self, stored: torch.dtype) -> int:
+        """``cpu_kv_attention``'s level for a cache stored as ``stored`` (INT4 codes, not probed: the best)."""
+        probed = (torch.float32, torch.int8, torch.float8_e4m3fn)  # cpu_probe.KV_STORED's order
+        return self.levels[probed.index(stored)] if stored in probed else -1
 
 
 TRITON_MAX_ROWS = 64  # query rows per KV head (grouped heads x new tokens) the Triton kernel takes: decode steps

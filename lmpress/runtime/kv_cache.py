@@ -13,6 +13,8 @@ to the model's dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lmpress.runtime.grouped_keys import RING, grouped_length, write_grouped_keys, write_grouped_keys_static
@@ -167,6 +169,20 @@ def _write(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, scheme: K
     return dequantize_kv(codes[:, :, : slots.stop], read, scheme, x.dtype)
 
 
+class StoredLayer(NamedTuple):
+    """A layer's cache as stored (``StaticSlots.stored``)."""
+
+    keys: torch.Tensor
+    key_scales: torch.Tensor | None
+    values: torch.Tensor
+    value_scales: torch.Tensor | None
+    recent_keys: torch.Tensor | None = None  # INT4 keys by groups: the float keys of the last slots (``RING``)
+
+    @property
+    def int4(self) -> bool:
+        return self.keys.dtype == torch.uint8
+
+
 class StaticSlots:
     """A compiled step's view of a ``KVCache``: it writes the new tokens' slots ``pos`` and reads every slot.
 
@@ -202,15 +218,15 @@ class StaticSlots:
             keys = self._write(self.k[layer], self.k_scales[layer], k, scheme)
         return keys, self._write(self.v[layer], self.v_scales[layer], v, scheme.values)
 
-    def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
-        """One layer's keys, key scales, values and value scales as stored, for an attention op that reads them:
-        float entries in the model's dtype (no scales), int8 codes with a float32 scale per slot, or FP8 codes with
-        their static float32 scales (per KV head, or one); None for any other cache (INT4)."""
+    def stored(self, layer: int) -> StoredLayer:
+        """One layer's keys and values as stored, for an attention op that reads them: float entries in the model's
+        dtype (no scales), int8 codes with a float32 scale per slot, FP8 codes with their static float32 scales
+        (per KV head, or one), or INT4 codes (uint8, two a byte) with float16 [step, minimum] per slot, and for keys
+        by groups (KIVI) per channel and group of slots with the float ring of the last keys."""
         if self.kv is None:
-            return self.k[layer], None, self.v[layer], None
-        if self.kv.scheme.dtype in ("int8", "fp8"):
-            return self.k[layer], self.k_scales[layer], self.v[layer], self.v_scales[layer]
-        return None
+            return StoredLayer(self.k[layer], None, self.v[layer], None)
+        recent = self.k_recent[layer] if self.kv.scheme.grouped_keys else None
+        return StoredLayer(self.k[layer], self.k_scales[layer], self.v[layer], self.v_scales[layer], recent)
 
     def _write(self, codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, scheme: KVScheme) -> torch.Tensor:
         new_codes, new_scale = quantize_kv(x, scheme, scale if scheme.static else None)

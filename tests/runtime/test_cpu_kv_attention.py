@@ -1,14 +1,24 @@
-"""lmpress's AVX2 attention over a cache of float32 entries or int8 codes (kernels/cpu_kv_attention.py) against a
-float64 softmax over the dequantized cache, and the compiled step's use of it."""
+"""lmpress's AVX2 / AVX-512 attention over a cache of float32 entries or int8, FP8 or INT4 codes
+(kernels/cpu_kv_attention.py) against a float64 softmax over the dequantized cache, and the compiled step's use of
+it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lmpress.runtime.grouped_keys import RING, grouped_length
 from lmpress.runtime.kernels import cpu_kv_attention
 from lmpress.runtime.kv_cache import static_slots_mask
-from lmpress.weights.kv_quant import KVScheme, dequantize_kv, fp8_scale_from_amax, quantize_kv
+from lmpress.weights.kv_quant import (
+    KEY_GROUP,
+    KVScheme,
+    dequantize_key_groups,
+    dequantize_kv,
+    fp8_scale_from_amax,
+    quantize_key_groups,
+    quantize_kv,
+)
 from tests.runtime.test_cpu_attention import case, reference
 
 pytestmark = pytest.mark.skipif(not cpu_kv_attention.available(), reason="needs the C++ library and AVX2")
@@ -16,8 +26,8 @@ INT8 = KVScheme("int8", "token")
 
 
 def as_codes(x: torch.Tensor, scheme: KVScheme = INT8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (int8, or FP8 under a static scale per KV head or per tensor from the entries' maxima), their float32
-    scales and what they dequantize to."""
+    """Codes (int8; FP8 under a static scale per KV head or per tensor from the entries' maxima; INT4 two a byte),
+    their scales (INT4: float16 step and minimum per slot) and what they dequantize to."""
     scale = None
     if scheme.dtype == "fp8":
         amax = x.abs().amax(dim=(0, 2, 3)) if scheme.scales == "head" else x.abs().amax().reshape(1)
@@ -26,7 +36,12 @@ def as_codes(x: torch.Tensor, scheme: KVScheme = INT8) -> tuple[torch.Tensor, to
     return codes, scales, dequantize_kv(codes, scales, scheme, torch.float32)
 
 
-STORED = {"int8": INT8, "fp8-head": KVScheme("fp8", "head"), "fp8-tensor": KVScheme("fp8", "tensor")}
+STORED = {
+    "int8": INT8,
+    "fp8-head": KVScheme("fp8", "head"),
+    "fp8-tensor": KVScheme("fp8", "tensor"),
+    "int4": KVScheme("int4", "token"),
+}
 
 
 def host_runs(isa: int) -> bool:
@@ -42,7 +57,7 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not host_runs(isa), reason="n
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("heads", "kv_heads", "n"), [(9, 3, 1), (9, 3, 3), (8, 1, 3), (2, 2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("stored", ["float32", "int8", "fp8-head", "fp8-tensor"])
+@pytest.mark.parametrize("stored", ["float32", "int8", "fp8-head", "fp8-tensor", "int4"])
 def test_matches_a_float64_softmax_over_the_visible_slots(heads, kv_heads, n, window, stored, isa):
     """Two rows (the second left padded by 7), query heads on fewer KV heads (a group's rows, heads x queries, go
     4 at a time: 3, 9 and 24 rows), queries ending at slot 600 of 700 (three chunks of 256 slots, the last never
@@ -73,6 +88,30 @@ def test_every_head_width_it_takes(dim, isa):
         out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, dim**-0.5, k_scales, v_scales, isa=isa)
         expected = reference(q, k_read, v_read, mask, dim**-0.5)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("n", "last"), [(1, 600), (3, 600), (2, 576), (1, 575), (4, 31), (1, 12)])
+def test_int4_keys_by_groups_read_codes_up_to_the_unfinished_group_and_its_floats_from_the_ring(n, last, isa):
+    """KIVI's cache as the compiled step leaves it: whole groups of 32 slots as codes with a step and minimum per
+    channel and group, the unfinished group (from the last whole group boundary before the step's last slot + 1)
+    only in the float ring (its codes, and every other ring entry, garbage), values per token; two rows, the second
+    left padded by 7, 9 query heads on 3 KV heads, chunks that split groups."""
+    q, keys, values = case(2, 9, 3, n, 700, 64, 64, seed=last)
+    end = last + 1
+    whole = end // KEY_GROUP * KEY_GROUP
+    codes, scales = quantize_key_groups(torch.cat((keys, torch.randn(2, 3, grouped_length(700) - 700, 64)), 2))
+    read = dequantize_key_groups(codes, scales, torch.float32)[:, :, :700]
+    read[:, :, whole:end] = keys[:, :, whole:end]
+    codes[:, :, whole:] = 0x5A
+    recent = torch.full((2, 3, RING, 64), 1e4)
+    ring = torch.arange(whole, end)
+    recent[:, :, ring % RING] = keys[:, :, ring]
+    v_codes, v_scales, v_read = as_codes(values, STORED["int4"])
+    pos = torch.arange(end - n, end)
+    mask = static_slots_mask(torch.tensor([0, 7]), pos, 700, None)
+    out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, 0.125, scales, v_scales, isa, recent, pos)
+    torch.testing.assert_close(out.double(), reference(q, read, v_read, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -146,24 +185,33 @@ def test_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="FP8 codes take float32 scales"):
         three = torch.ones(3)  # one KV head here
         cpu_kv_attention.kv_slots_attention(q, fp8, fp8, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, three, three)
+    nibbles, half_scales, _ = as_codes(keys, STORED["int4"])
+    with pytest.raises(RuntimeError, match="INT4 codes take float16"):
+        cpu_kv_attention.kv_slots_attention(q, nibbles, nibbles, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0)
+    grouped, group_scales = quantize_key_groups(torch.randn(1, 1, 32, 32))
+    with pytest.raises(RuntimeError, match="their float recent keys"):
+        mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+        cpu_kv_attention.kv_slots_attention(q, grouped, nibbles, mask, 1.0, group_scales, half_scales)
     assert not cpu_kv_attention.fits(24, 24, torch.float32) and not cpu_kv_attention.fits(64, 64, torch.bfloat16)
     assert cpu_kv_attention.fits(64, 64, torch.float32)
     with pytest.raises(RuntimeError, match="instruction set level 3"):
         cpu_kv_attention.kv_slots_attention(q, keys, values, torch.ones(1, 1, 1, 8, dtype=torch.bool), 1.0, isa=3)
 
 
-@pytest.mark.parametrize("kv_cache", [None, "int8", "fp8"])
+@pytest.mark.parametrize("kv_cache", [None, "int8", "fp8", "int4", "int4-channel"])
 def test_the_static_step_reads_the_codes_through_it_and_matches_eager(monkeypatch, kv_cache):
-    """A float32 CPU model's static step attends by the op over the cache as stored (int8 or FP8 codes and their
-    scales, or float32 entries: on AVX-512 hosts too, where it is faster than cpu_attention), and gives the growing
-    cache's tokens; once per layer and step."""
+    """A float32 CPU model's static step attends by the op over the cache as stored (int8, FP8 or INT4 codes and
+    their scales, KIVI's grouped keys with their float ring, or float32 entries: on AVX-512 hosts too, where it is
+    faster than cpu_attention), and gives the growing cache's tokens; once per layer and step. INT4's prompts and
+    steps cross groups of 32 keys (40 + 30 tokens)."""
     from lmpress.runtime.generate import generate, static_decode
     from lmpress.runtime.model import Transformer
     from lmpress.weights.kv_quant import KVQuant
     from tests.runtime.conftest import tiny_hf_model
 
     model = Transformer.from_hf(tiny_hf_model("llama", seed=4))
-    model.kv_quant = None if kv_cache is None else KVQuant(STORED["int8" if kv_cache == "int8" else "fp8-head"])
+    schemes = {**STORED, "fp8": STORED["fp8-head"], "int4-channel": KVScheme("int4", "channel")}
+    model.kv_quant = None if kv_cache is None else KVQuant(schemes[kv_cache])
     calls = []
     real = cpu_kv_attention.kv_slots_attention
 
@@ -172,8 +220,10 @@ def test_the_static_step_reads_the_codes_through_it_and_matches_eager(monkeypatc
         return real(q, keys, values, *rest)
 
     monkeypatch.setattr(cpu_kv_attention, "kv_slots_attention", spy)
-    prompts = [[5, 6, 7, 8, 9], [3, 4]]
-    expected = generate(model, prompts, max_new_tokens=6)
-    assert generate(model, prompts, max_new_tokens=6, decode=static_decode()) == expected
-    stored = {None: torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache]
-    assert calls == [stored] * 5 * len(model.layers)
+    long = kv_cache is not None and kv_cache.startswith("int4")
+    prompts = [list(range(3, 43)), list(range(10, 45))] if long else [[5, 6, 7, 8, 9], [3, 4]]
+    new = 30 if long else 6
+    expected = generate(model, prompts, max_new_tokens=new)
+    assert generate(model, prompts, max_new_tokens=new, decode=static_decode()) == expected
+    stored = {None: torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv_cache, torch.uint8)
+    assert calls == [stored] * (new - 1) * len(model.layers)

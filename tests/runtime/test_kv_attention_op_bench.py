@@ -22,11 +22,18 @@ def test_times_every_cache_and_row_count_and_files_them_by_host(tmp_path):
     assert kv_attention_op.main([*argv, "--results", str(tmp_path)]) == 0
     (entry,) = json.loads((tmp_path / "kv_attention_op.json").read_text()).values()
     rows = {(r["stored"], r["rows"]): r for r in entry["rows"]}
-    assert set(rows) == {(s, r) for s in ("float32", "int8", "fp8") for r in (1, 3)}
+    assert set(rows) == {(s, r) for s in ("float32", "int8", "fp8", "int4", "int4-kivi") for r in (1, 3)}
     assert all(len(r["us"]) == 2 and min(r["us"]) > 0 for r in rows.values())
     # per filled slot, keys and values of 3 KV heads of 64: float32 4 bytes an entry; int8 1 byte and a float32
-    # scale per slot and head; FP8 1 byte (its scales are static, per head)
-    per_slot = {"float32": 2 * 3 * 64 * 4, "int8": 2 * 3 * (64 + 4), "fp8": 2 * 3 * 64}
+    # scale per slot and head; FP8 1 byte (its scales are static, per head); INT4 half a byte and a float16 step and
+    # minimum per slot and head; KIVI's keys a float16 step and minimum per channel and 32 slots instead
+    per_slot = {
+        "float32": 2 * 3 * 64 * 4,
+        "int8": 2 * 3 * (64 + 4),
+        "fp8": 2 * 3 * 64,
+        "int4": 2 * 3 * (32 + 4),
+        "int4-kivi": 3 * (32 + 2 * 64 * 2 // 32) + 3 * (32 + 4),
+    }
     assert {s: rows[s, 1]["bytes"] for s in per_slot} == {s: 1000 * b for s, b in per_slot.items()}
     page = (tmp_path / "kv_attention_op.md").read_text()
     assert "| int8 | 3 |" in page and "1000 of 4096 slots filled" in page

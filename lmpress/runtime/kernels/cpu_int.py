@@ -115,7 +115,18 @@ def _register_fakes() -> None:
             return q.new_empty(*q.shape[:3], values.shape[-1])
 
         @torch.library.register_fake("lmpress_cpu::kv_slots_attention")
-        def fake_kv_attention(q, keys, key_scales, values, value_scales, mask, scale, isa=-1):  # noqa: ANN001, ANN202
+        def fake_kv_attention(
+            q: torch.Tensor,
+            keys: torch.Tensor,
+            key_scales: torch.Tensor | None,
+            values: torch.Tensor,
+            value_scales: torch.Tensor | None,
+            mask: torch.Tensor,
+            scale: float,
+            isa: int = -1,
+            recent_keys: torch.Tensor | None = None,
+            pos: torch.Tensor | None = None,
+        ) -> torch.Tensor:
             return q.new_empty(q.shape)
 
         @torch.library.register_fake("lmpress_cpu::half_linear")

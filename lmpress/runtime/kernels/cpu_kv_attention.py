@@ -1,4 +1,4 @@
-"""Attention of a few queries over a cache of float32 entries, int8 codes or FP8 codes, on any AVX2 or AVX-512 CPU
+"""Attention of a few queries over a cache of float32 entries, int8, FP8 or INT4 codes, on any AVX2 or AVX-512 CPU
 (``cpu_kv_attention.cpp``, its vector body ``cpu_kv_rows.h``).
 
 The compiled decode step's attention where the head width fits: the op reads int8 codes with their per-slot scales
@@ -38,11 +38,17 @@ def kv_slots_attention(
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
     isa: int = -1,
+    recent_keys: torch.Tensor | None = None,
+    pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries ``(batch, heads, n, head_dim)`` float32 over ``keys``/``values`` ``(batch, kv_heads, slots, dim)``
-    (float32, or int8 codes with float32 ``key_scales``/``value_scales`` ``(batch, kv_heads, slots, 1)``) where
-    ``mask`` ``(batch, 1, n, slots)`` shows them; float32 ``(batch, heads, n, dim)``. ``isa``: 2 AVX-512, 1 AVX2,
-    -1 the best this CPU runs."""
+    where ``mask`` ``(batch, 1, n, slots)`` shows them; float32 ``(batch, heads, n, dim)``. The entries: float32;
+    int8 codes with float32 ``key_scales``/``value_scales`` ``(batch, kv_heads, slots, 1)``; FP8 codes with static
+    float32 scales ``(kv_heads)`` or ``(1)``; INT4 codes ``(batch, kv_heads, slots, dim / 2)`` uint8 with float16
+    ``[step, minimum]`` ``(batch, kv_heads, slots, 2)`` (``kv_quant.quantize_kv``); INT4 keys by groups (KIVI,
+    ``grouped_keys``) with ``key_scales`` ``(batch, kv_heads, slots / group, 2, dim)``, the float ring
+    ``recent_keys`` and the step's slots ``pos``. ``isa``: 2 AVX-512, 1 AVX2, -1 the best this CPU runs."""
     return torch.ops.lmpress_cpu.kv_slots_attention(
-        q.contiguous(), keys.contiguous(), key_scales, values.contiguous(), value_scales, mask.contiguous(), scale, isa
-    )
+        q.contiguous(), keys.contiguous(), key_scales, values.contiguous(), value_scales, mask.contiguous(), scale, isa,
+        recent_keys, pos,
+    )  # fmt: skip
