@@ -240,11 +240,6 @@ def run_calibration(
     by_rows = all(m.spreads_rows for m in methods)
     spreads = all(m.reduces_across_ranks for m in methods) and (by_rows or not any(m.spreads_rows for m in methods))
     ranks = world if world > 1 and spreads else 1
-    if by_rows and saved is not None and saved.regrouped:
-        raise LmpressInputError(
-            f"cannot resume {name} with {world} process(es) from a pass calibrated by {saved.processes}: it shares "
-            f"each batch's samples among its processes; resume with {saved.processes}, or run without --resume"
-        )
     shape = list(calibration.shape)
     n_batches = math.ceil(len(calibration) / batch_size)
     if ranks > 1 and by_rows:
@@ -265,7 +260,10 @@ def run_calibration(
         if done:
             by_kind = inputs.by_kind
             mine = rank_batches(n_batches, rank, world) if ranks > 1 and not by_rows else range(n_batches)
-            inputs, carried = saved.load_inputs(done, n_batches, mine, inputs.kwargs, spill)
+            if by_rows and saved.regrouped:  # each old process's part of every batch, cut anew
+                inputs, carried = saved.load_rows(done, n_batches, inputs.kwargs, spill)
+            else:
+                inputs, carried = saved.load_inputs(done, n_batches, mine, inputs.kwargs, spill)
             inputs.by_kind = by_kind
             if world > 1:  # every process has read the saved inputs before any saves over them
                 min_across_ranks(0)

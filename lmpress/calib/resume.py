@@ -8,11 +8,13 @@ states of all the processes that saved it (one machine, or a filesystem they sha
 batches of its new share from whichever old state holds them, the finished layers from the main process's state,
 and starts at the first layer some old process had not finished. Processes keep the inputs of their last two
 finished layers when launched (``LayerState.keep_inputs``), since one may have saved a layer more than another
-when the launch stopped.
+when the launch stopped. A pass whose processes share each batch's samples (learned rounding) saved each process's
+part of every batch: a resume with another number of processes joins the parts and cuts them anew.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -124,3 +126,29 @@ class SavedStates:
                 "process's state is, or run without --resume"
             )
         return LayerInputs(BatchStore.of([hidden[b] for b in mine], spill), kwargs), carried or {}
+
+    def load_rows(
+        self, done: int, n_batches: int, kwargs: list[dict], spill: Spill | None = None
+    ) -> tuple[LayerInputs, dict[str, torch.Tensor]]:
+        """``load_inputs`` for a pass whose processes share each batch's samples (``spreads_rows``): each old
+        process saved its part of every batch, and of each carried tensor (its rows first); a batch's parts joined in
+        process order are the batch, cut anew into this process's part (``rank_batches`` over its samples)."""
+        paths = [self.saved_by(q).dir / f"inputs_{done:05d}.safetensors" for q in range(self.processes)]
+        missing = [str(path) for path in paths if not path.exists()]
+        if missing:
+            raise LmpressInputError(
+                f"cannot resume: the saved inputs of layer {done} ({missing[0]}) are not here (each of the "
+                f"{self.processes} process(es) that saved the state kept its part of every batch); resume where every "
+                "process's state is, or run without --resume"
+            )
+
+        def mine(parts: list[torch.Tensor]) -> torch.Tensor:
+            whole = torch.cat(parts)
+            return whole[rank_batches(len(whole), self.rank, self.world)].clone()
+
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(safe_open(path, "pt")) for path in paths]
+            hidden = [mine([f.get_tensor(f"h.{b}") for f in files]) for b in range(n_batches)]
+            keys = [k for k in files[0].keys() if k.startswith("m.")]
+            carried = {k.removeprefix("m."): mine([f.get_tensor(k) for f in files]) for k in keys}
+        return LayerInputs(BatchStore.of(hidden, spill), kwargs), carried

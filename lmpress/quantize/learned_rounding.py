@@ -463,7 +463,9 @@ def layer_hessians(
     ranks: int = 1,
 ) -> dict[str, torch.Tensor]:
     """H = 2XXᵀ of the inputs of each linear ``names`` of ``layer`` (float weights) over ``n_batches`` batches
-    (``ranks`` > 1: over every launched process's part of them)."""
+    (``ranks`` > 1: over every launched process's part of them). Each sample's XᵀX is a term of its own (the
+    accumulator's float32 product, float64 sum), so the sum does not depend on how processes share a batch's
+    samples: a batch's product would sum its samples' tokens in float32, and half a batch's in another order."""
     accumulators: dict[str, HessianAccumulator] = {}
 
     def hook_for(name: str) -> Callable:
@@ -471,7 +473,8 @@ def layer_hessians(
             x = first_input(args, kwargs)
             if name not in accumulators:
                 accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
-            accumulators[name].add(x)
+            for sample in x if x.dim() == 3 else x[None]:  # (batch, tokens, features); an expert's routed tokens whole
+                accumulators[name].add(sample)
 
         return hook
 
