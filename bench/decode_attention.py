@@ -1,5 +1,5 @@
 """A decode step's attention at Llama-3-8B's shape on a GPU: lmpress's Triton split-K kernel over bfloat16 entries,
-int8 codes and FP8 codes, against the pointwise attention the CUDA static step ran before it (issues 50, 51).
+int8, FP8 and INT4 codes, against the pointwise attention the CUDA static step ran before it (issues 50, 51).
 Every row prints the moment it ends.
 
     python bench/decode_attention.py --results results.jsonl   # CUDA (bench/gpu_check.sh): one JSON line per row
@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     keys, values = (torch.randn(1, kv_heads, slots, dim, generator=g) for _ in range(2))
     q = (torch.randn(1, heads, 1, dim, generator=g) * 3).to(device, torch.bfloat16)
     caches = {"bf16": (keys.bfloat16(), None, values.bfloat16(), None, keys.bfloat16(), values.bfloat16())}
-    for name, scheme in (("int8", KVScheme("int8", "token")), ("fp8 per head", KVScheme("fp8", "head"))):
+    schemes = {"int8": KVScheme("int8", "token"), "fp8 per head": KVScheme("fp8", "head")}
+    schemes["int4 per token"] = KVScheme("int4", "token")
+    for name, scheme in schemes.items():
         coded = []
         for x in (keys, values):
             scale = fp8_scale_from_amax(x.abs().amax(dim=(0, 2, 3))) if scheme.dtype == "fp8" else None

@@ -111,7 +111,7 @@ if [ "$what" = smoke ] || [ "$what" = all ]; then
   bench_table decode bench/runtime_gpu.py 300      # lmpress vs the gpt-fast-style reference, profiles, context sweep
   step smoke 180 python3 bench/gpu_check.py smoke $dry
   bench_table kernels bench/triton_kernels.py 60
-  bench_table attention bench/decode_attention.py 25 # decode attention over bf16 / int8 / FP8 caches
+  bench_table attention bench/decode_attention.py 25 # decode attention over bf16 / int8 / FP8 / INT4 caches
   bench_table fwht bench/fwht.py 15                 # the online rotations' Triton kernel vs the torch butterfly
 fi
 

@@ -135,10 +135,9 @@ def attend(
         plain = softcap is None and sinks is None and mask is not None
         kernel = slots_kernel if plain else None
         if kernel is not None and kernel.triton:
-            stored = cache.stored(layer)
-            if not stored.int4 and few_rows(q, keys):  # float entries, int8 or FP8 codes, the filled slots only
-                k, k_scales, v, v_scales, _ = stored
-                return triton_decode_attention(q, k, k_scales, v, v_scales, mask, cache.pos, scale)
+            if few_rows(q, keys):  # float entries, int8, FP8 or INT4 codes, the filled slots only
+                k, k_scales, v, v_scales, recent = cache.stored(layer)
+                return triton_decode_attention(q, k, k_scales, v, v_scales, mask, cache.pos, scale, recent)
         elif kernel is not None and q.device.type == "cpu":
             if slots_kernel.codes:  # float32 entries, int8, FP8 or INT4 codes, read as they are stored
                 k, k_scales, v, v_scales, recent = cache.stored(layer)

@@ -178,10 +178,6 @@ class StoredLayer(NamedTuple):
     value_scales: torch.Tensor | None
     recent_keys: torch.Tensor | None = None  # INT4 keys by groups: the float keys of the last slots (``RING``)
 
-    @property
-    def int4(self) -> bool:
-        return self.keys.dtype == torch.uint8
-
 
 class StaticSlots:
     """A compiled step's view of a ``KVCache``: it writes the new tokens' slots ``pos`` and reads every slot.

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 
 from lmpress.runtime.kernels.fwht import triton_installed
 from lmpress.runtime.kv_cache import static_slots_mask
+from lmpress.weights.kv_quant import KVScheme
 from tests.runtime.test_cpu_attention import case, reference
 from tests.runtime.test_cpu_kv_attention import STORED, as_codes
 
@@ -43,18 +44,18 @@ def bound_db(dtype: torch.dtype, slots: int) -> float:
     return -10 * math.log10(2 * u * u / 3) - MARGIN_DB
 
 
-def attend(q, keys, k_scales, values, v_scales, mask, pos):  # noqa: ANN001, ANN201
+def attend(q, keys, k_scales, values, v_scales, mask, pos, recent=None):  # noqa: ANN001, ANN201
     from lmpress.runtime.kernels.triton_attention import decode_attention
 
     on = [None if t is None else t.to(DEVICE) for t in (q, keys, k_scales, values, v_scales, mask, pos)]
-    return decode_attention(*on, 0.125).cpu()
+    return decode_attention(*on, 0.125, None if recent is None else recent.to(DEVICE)).cpu()
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "n"), [(9, 3, 1), (9, 3, 3), (8, 1, 4), (2, 2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("stored", ["float", "int8", "fp8-head", "fp8-tensor"])
+@pytest.mark.parametrize("stored", ["float", "int8", "fp8-head", "fp8-tensor", "int4"])
 def test_matches_a_float64_softmax_over_the_visible_slots(dtype, heads, kv_heads, n, window, stored):
     """Two rows (the second left padded by 7), grouped query heads (3 to 16 rows a KV head), queries ending at slot
     600 of 700: three splits of 256 slots, the last never read (its slots hold 1e4 that any weight would show)."""
@@ -95,6 +96,34 @@ def test_slots_past_the_last_written_one_are_never_read(stored):
     assert torch.equal(dirty, clean)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "last"), [(1, 600), (3, 576), (2, 40)])
+def test_int4_keys_by_groups_read_codes_up_to_the_unfinished_group_and_its_floats_from_the_ring(dtype, n, last):
+    """KIVI's cache as the static step leaves it (whole groups of 32 slots as codes with a step and minimum per
+    channel and group; the unfinished group only in the float ring, its codes and the ring's other entries
+    garbage; values per token): the kernel matches float64 attention over what they hold, two rows (the second
+    left padded by 7), 9 heads on 3 KV heads."""
+    from lmpress.runtime.grouped_keys import RING, grouped_length
+    from lmpress.weights.kv_quant import KEY_GROUP, dequantize_key_groups, quantize_key_groups
+
+    q, keys, values = case(2, 9, 3, n, 700, 64, 64, seed=last)
+    end = last + 1
+    whole = end // KEY_GROUP * KEY_GROUP
+    codes, scales = quantize_key_groups(torch.cat((keys, torch.randn(2, 3, grouped_length(700) - 700, 64)), 2))
+    read = dequantize_key_groups(codes, scales, torch.float32)[:, :, :700]
+    read[:, :, whole:end] = keys[:, :, whole:end]
+    codes[:, :, whole:] = 0x5A
+    recent = torch.full((2, 3, RING, 64), 1e4)
+    ring = torch.arange(whole, end)
+    recent[:, :, ring % RING] = keys[:, :, ring]
+    v_codes, v_scales, v_read = as_codes(values, STORED["int4"])
+    pos = torch.arange(end - n, end)
+    mask = static_slots_mask(torch.tensor([0, 7]), pos, 700, None)
+    q = q.to(dtype)
+    out = attend(q, codes, scales, v_codes, v_scales, mask, pos, recent.to(dtype))
+    assert sqnr_db(out, reference(q, read, v_read, mask, 0.125)) >= bound_db(dtype, end)
+
+
 def test_one_filled_slot_and_a_split_boundary():
     for filled in (1, 256, 257):
         q, keys, values = case(1, 3, 3, 1, 512, 16, 16, seed=filled)
@@ -114,10 +143,11 @@ def test_refuses_widths_it_cannot_take():
         attend(q, keys, None, values, None, torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.tensor([7]))
 
 
-@pytest.mark.parametrize("kv_cache", [None, "int8", "fp8"])
+@pytest.mark.parametrize("kv_cache", [None, "int8", "fp8", "int4", "int4-channel"])
 def test_a_triton_builds_static_step_attends_through_it_and_matches_eager(monkeypatch, kv_cache):
     """A float16 model built for Triton: its static step attends by the kernel over the cache as stored (float16
-    entries, int8 or FP8 codes), once per layer and step, and decodes the growing cache's tokens."""
+    entries, int8, FP8 or INT4 codes, KIVI's grouped keys with their float ring), once per layer and step, and
+    decodes the growing cache's tokens (INT4: a 30-token prompt, so the steps fill a group of 32 keys)."""
     from lmpress.runtime.generate import generate, static_decode
     from lmpress.runtime.kernels import cuda
     from lmpress.runtime.model import Transformer
@@ -127,7 +157,8 @@ def test_a_triton_builds_static_step_attends_through_it_and_matches_eager(monkey
     hf = tiny_hf_model("llama", seed=4, num_hidden_layers=2)
     model = Transformer.from_hf(hf, dtype=torch.float16, device=DEVICE, kernels="triton")
     assert all(layer.attention.slots_kernel.triton for layer in model.layers)
-    model.kv_quant = None if kv_cache is None else KVQuant(STORED["int8" if kv_cache == "int8" else "fp8-head"])
+    schemes = {**STORED, "fp8": STORED["fp8-head"], "int4-channel": KVScheme("int4", "channel")}
+    model.kv_quant = None if kv_cache is None else KVQuant(schemes[kv_cache])
     calls = []
     real = cuda.triton_decode_attention
 
@@ -136,10 +167,11 @@ def test_a_triton_builds_static_step_attends_through_it_and_matches_eager(monkey
         return real(q, keys, *rest)
 
     monkeypatch.setattr("lmpress.runtime.attention.triton_decode_attention", spy)
-    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    long = kv_cache is not None and kv_cache.startswith("int4")
+    prompts = [list(range(3, 33)), list(range(7, 34))] if long else [[5, 6, 7, 8, 9], [3, 4]]
     expected = generate(model, prompts, max_new_tokens=4)
     assert generate(model, prompts, max_new_tokens=4, decode=static_decode()) == expected
-    stored = {None: torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache]
+    stored = {None: torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv_cache, torch.uint8)
     assert calls == [stored] * 3 * len(model.layers)  # the prefill's first token comes from the growing cache
 
 

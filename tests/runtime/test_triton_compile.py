@@ -32,13 +32,15 @@ def build(fn, signature, constexprs):
     print("compiled", fn.__name__, constexprs)
 
 shape = {"KV_HEADS": 8, "GROUP": 4, "N": 1, "D": 128, "R": 16, "CHUNK": ta.CHUNK}
-for q, codes, k_mode, v_mode in [("*bf16", "*bf16", 0, 0), ("*bf16", "*i8", 1, 1), ("*fp16", "*u8", 2, 2),
-                                 ("*bf16", "*u8", 3, 3)]:
-    split = {"q_ptr": q, "k_ptr": codes, "v_ptr": codes, "ks_ptr": "*fp32", "vs_ptr": "*fp32", "mask_ptr": "*u8",
-             "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "n_slots": "i32",
-             "splits": "i32", "sm_scale": "fp32"}
-    build(ta._split_kernel, split, {**shape, "K_MODE": k_mode, "V_MODE": v_mode, "FP8": codes == "*u8",
-                                    "DOT_F32": False, "BLOCK_S": ta.BLOCK_S})
+# float entries, int8, FP8 per head and per tensor, INT4 per slot, KIVI's INT4 keys (by groups, with the ring)
+for q, codes, k_mode, v_mode, scales in [("*bf16", "*bf16", 0, 0, "*fp32"), ("*bf16", "*i8", 1, 1, "*fp32"),
+                                         ("*fp16", "*u8", 2, 2, "*fp32"), ("*bf16", "*u8", 3, 3, "*fp32"),
+                                         ("*fp16", "*u8", 4, 4, "*fp16"), ("*bf16", "*u8", 5, 4, "*fp16")]:
+    split = {"q_ptr": q, "k_ptr": codes, "v_ptr": codes, "ks_ptr": scales, "vs_ptr": scales, "ring_ptr": "*fp32",
+             "mask_ptr": "*u8", "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+             "n_slots": "i32", "key_slots": "i32", "splits": "i32", "sm_scale": "fp32"}
+    build(ta._split_kernel, split, {**shape, "K_MODE": k_mode, "V_MODE": v_mode, "FP8": k_mode in (2, 3),
+                                    "DOT_F32": False, "BLOCK_S": ta.BLOCK_S, "KEY_GROUP": 32, "RING": 64})
 merge = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*bf16", "splits": "i32"}
 build(ta._merge_kernel, merge, shape)
 small = {"x_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*bf16", "n_blocks": "i32", "scale": "fp32"}
@@ -60,4 +62,4 @@ def test_decode_attention_and_hadamard_kernels_compile(capability):
     source = COMPILE.replace('GPUTarget("cuda", 90, 32)', f'GPUTarget("cuda", {capability}, 32)')
     run = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 10
+    assert run.stdout.count("compiled") == 12

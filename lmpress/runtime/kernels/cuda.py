@@ -97,15 +97,17 @@ def triton_decode_attention(
     mask: torch.Tensor,
     pos: torch.Tensor,
     scale: float,
+    recent_keys: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A static step's attention over the cache's stored entries or codes (``triton_attention.decode_attention``)."""
+    """A static step's attention over the cache's stored entries or codes (``triton_attention.decode_attention``;
+    ``recent_keys``: the float ring of KIVI's INT4 keys, else None)."""
     from lmpress.runtime.kernels.triton_attention import decode_attention
 
-    return decode_attention(q, keys, key_scales, values, value_scales, mask, pos, scale)
+    return decode_attention(q, keys, key_scales, values, value_scales, mask, pos, scale, recent_keys)
 
 
 @triton_decode_attention.register_fake
-def _(q, keys, key_scales, values, value_scales, mask, pos, scale) -> torch.Tensor:
+def _(q, keys, key_scales, values, value_scales, mask, pos, scale, recent_keys) -> torch.Tensor:
     return torch.empty_like(q)
 
 
