@@ -119,6 +119,16 @@ def test_a_resume_of_a_pass_that_shares_each_batchs_samples_joins_the_parts_and_
         saved.load_rows(2, 3, [{}] * 3)
 
 
+def resume_in_two_to_the_unbroken_run(tmp_path, recipe: Path, out: Path) -> None:
+    """Resume a one-process run killed after layer 1 in two launched processes: its export must be the unbroken
+    one-process run's, every tensor."""
+    launch(tmp_path, str(recipe), str(out), "--resume")
+    summary = json.loads((out / "report.json").read_text())["stages"][0]["summary"]
+    assert summary["resumed_at_layer"] == 2 and summary["processes"] == 2
+    assert one_thread_run(recipe, tmp_path / "unbroken") == 0
+    assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
+
+
 def launch(tmp_path, recipe: str, out: str, *options: str) -> None:
     command = [*TORCHRUN, "-m", "lmpress.cli", "run", recipe, "--out", out, "--quiet", *options]
     env = {**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -336,12 +346,7 @@ def test_two_launched_processes_resume_what_one_process_started(tmp_path):
     assert (
         json.loads((tmp_path / ".run.partial" / "state" / "0-gptq" / "progress.json").read_text())["done_layers"] == 2
     )
-    launch(tmp_path, str(recipe), str(out), "--resume")
-    report = json.loads((out / "report.json").read_text())
-    assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
-    assert report["stages"][0]["summary"]["processes"] == 2
-    assert one_thread_run(recipe, tmp_path / "unbroken") == 0
-    assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
+    resume_in_two_to_the_unbroken_run(tmp_path, recipe, out)
     assert not (tmp_path / ".run.partial-rank1").exists()
 
 
@@ -473,9 +478,4 @@ def test_learned_rounding_killed_in_one_process_resumes_in_two_to_the_unbroken_a
     recipe = learned_recipe(tmp_path, save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=4))
     out = tmp_path / "run"
     assert killed_run(tmp_path, recipe, out, launched=False).returncode == -9
-    launch(tmp_path, str(recipe), str(out), "--resume")
-    report = json.loads((out / "report.json").read_text())
-    assert report["stages"][0]["summary"]["resumed_at_layer"] == 2
-    assert report["stages"][0]["summary"]["processes"] == 2
-    assert one_thread_run(recipe, tmp_path / "unbroken") == 0
-    assert tensor_digests(out / "compressed-tensors") == tensor_digests(tmp_path / "unbroken" / "compressed-tensors")
+    resume_in_two_to_the_unbroken_run(tmp_path, recipe, out)

@@ -90,13 +90,11 @@ def test_every_head_width_it_takes(dim, isa):
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize(("n", "last"), [(1, 600), (3, 600), (2, 576), (1, 575), (4, 31), (1, 12)])
-def test_int4_keys_by_groups_read_codes_up_to_the_unfinished_group_and_its_floats_from_the_ring(n, last, isa):
-    """KIVI's cache as the compiled step leaves it: whole groups of 32 slots as codes with a step and minimum per
-    channel and group, the unfinished group (from the last whole group boundary before the step's last slot + 1)
-    only in the float ring (its codes, and every other ring entry, garbage), values per token; two rows, the second
-    left padded by 7, 9 query heads on 3 KV heads, chunks that split groups."""
+def kivi_case(n: int, last: int) -> tuple:
+    """Queries, KIVI's cache as the compiled step leaves it after writing slot ``last`` (codes, group scales, value
+    codes and scales, the float ring: the unfinished group's codes and every other ring entry garbage), what it
+    holds dequantized (keys, values), the step's slots and mask: two rows, the second left padded by 7, 9 query
+    heads on 3 KV heads of 64, 700 slots."""
     q, keys, values = case(2, 9, 3, n, 700, 64, 64, seed=last)
     end = last + 1
     whole = end // KEY_GROUP * KEY_GROUP
@@ -110,6 +108,17 @@ def test_int4_keys_by_groups_read_codes_up_to_the_unfinished_group_and_its_float
     v_codes, v_scales, v_read = as_codes(values, STORED["int4"])
     pos = torch.arange(end - n, end)
     mask = static_slots_mask(torch.tensor([0, 7]), pos, 700, None)
+    return q, (codes, scales, v_codes, v_scales, recent), (read, v_read), pos, mask
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("n", "last"), [(1, 600), (3, 600), (2, 576), (1, 575), (4, 31), (1, 12)])
+def test_int4_keys_by_groups_read_codes_up_to_the_unfinished_group_and_its_floats_from_the_ring(n, last, isa):
+    """KIVI's cache as the compiled step leaves it: whole groups of 32 slots as codes with a step and minimum per
+    channel and group, the unfinished group (from the last whole group boundary before the step's last slot + 1)
+    only in the float ring (its codes, and every other ring entry, garbage), values per token; two rows, the second
+    left padded by 7, 9 query heads on 3 KV heads, chunks that split groups."""
+    q, (codes, scales, v_codes, v_scales, recent), (read, v_read), pos, mask = kivi_case(n, last)
     out = cpu_kv_attention.kv_slots_attention(q, codes, v_codes, mask, 0.125, scales, v_scales, isa, recent, pos)
     torch.testing.assert_close(out.double(), reference(q, read, v_read, mask, 0.125), rtol=1e-5, atol=1e-5)
 

@@ -23,7 +23,7 @@ from lmpress.runtime.kernels.fwht import triton_installed
 from lmpress.runtime.kv_cache import static_slots_mask
 from lmpress.weights.kv_quant import KVScheme
 from tests.runtime.test_cpu_attention import case, reference
-from tests.runtime.test_cpu_kv_attention import STORED, as_codes
+from tests.runtime.test_cpu_kv_attention import STORED, as_codes, kivi_case
 
 pytestmark = pytest.mark.skipif(not triton_installed(), reason="triton is not installed (lmpress[dev])")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -103,22 +103,8 @@ def test_int4_keys_by_groups_read_codes_up_to_the_unfinished_group_and_its_float
     channel and group; the unfinished group only in the float ring, its codes and the ring's other entries
     garbage; values per token): the kernel matches float64 attention over what they hold, two rows (the second
     left padded by 7), 9 heads on 3 KV heads."""
-    from lmpress.runtime.grouped_keys import RING, grouped_length
-    from lmpress.weights.kv_quant import KEY_GROUP, dequantize_key_groups, quantize_key_groups
-
-    q, keys, values = case(2, 9, 3, n, 700, 64, 64, seed=last)
+    q, (codes, scales, v_codes, v_scales, recent), (read, v_read), pos, mask = kivi_case(n, last)
     end = last + 1
-    whole = end // KEY_GROUP * KEY_GROUP
-    codes, scales = quantize_key_groups(torch.cat((keys, torch.randn(2, 3, grouped_length(700) - 700, 64)), 2))
-    read = dequantize_key_groups(codes, scales, torch.float32)[:, :, :700]
-    read[:, :, whole:end] = keys[:, :, whole:end]
-    codes[:, :, whole:] = 0x5A
-    recent = torch.full((2, 3, RING, 64), 1e4)
-    ring = torch.arange(whole, end)
-    recent[:, :, ring % RING] = keys[:, :, ring]
-    v_codes, v_scales, v_read = as_codes(values, STORED["int4"])
-    pos = torch.arange(end - n, end)
-    mask = static_slots_mask(torch.tensor([0, 7]), pos, 700, None)
     q = q.to(dtype)
     out = attend(q, codes, scales, v_codes, v_scales, mask, pos, recent.to(dtype))
     assert sqnr_db(out, reference(q, read, v_read, mask, 0.125)) >= bound_db(dtype, end)
