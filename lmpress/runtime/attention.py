@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.runtime.kernels import cpu_attention, cpu_kv_attention
-from lmpress.runtime.kernels.cpu_probe import kv_attention_levels
+from lmpress.runtime.kernels.cpu_probe import KV_STORED_DTYPES, kv_attention_levels
 from lmpress.runtime.kernels.cuda import triton_decode_attention
 from lmpress.runtime.kernels.fwht import triton_installed
 from lmpress.runtime.kv_cache import KVCache, StaticSlots
@@ -112,41 +112,72 @@ def pointwise_attention(
     return out.to(q.dtype).reshape(batch, heads, n, values.shape[-1])
 
 
+def cache_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: KVCache | StaticSlots,
+    layer: int,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    slots_kernel: SlotsKernel | None = None,
+) -> torch.Tensor:
+    """The new tokens' keys and values ``k``, ``v`` ``(batch, kv_heads, n, width)`` written into ``cache``'s layer
+    ``layer``, then queries ``q`` ``(batch, heads, n, head_dim)`` attending over every cached token."""
+    if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures (and CUDA graphs replay)
+        cache.write(layer, k, v)
+        return slots_attention(q, mask, cache, layer, scale, softcap, sinks, slots_kernel)
+    keys, values = cache.update(layer, k, v)
+    return attend(q, keys, values, mask, scale, softcap, sinks)
+
+
+def slots_attention(
+    q: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: StaticSlots,
+    layer: int,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    slots_kernel: SlotsKernel | None = None,
+) -> torch.Tensor:
+    """The compiled static step's attention over every slot of layer ``layer``: one of lmpress's ops over the layer
+    as stored, reading only the filled slots, where the layer has one (``slots_kernel``) and the softmax is plain (on
+    the CPU ``cpu_kv_attention``'s over float32 entries, int8, FP8 or INT4 codes, or AVX-512's ``cpu_attention``
+    over float32 entries for head widths the first does not take; in CUDA builds the Triton split-K kernel,
+    ``triton_attention.py``), else pointwise over the slots dequantized."""
+    scale = scale or q.shape[-1] ** -0.5
+    kernel = slots_kernel if softcap is None and sinks is None and mask is not None else None
+    if kernel is not None and kernel.triton:
+        stored = cache.stored(layer)
+        if few_rows(q, stored.keys):  # float entries, int8, FP8 or INT4 codes, the filled slots only
+            k, k_scales, v, v_scales, recent = stored
+            return triton_decode_attention(q, k, k_scales, v, v_scales, mask, cache.pos, scale, recent)
+    elif kernel is not None and q.device.type == "cpu" and kernel.codes:
+        k, k_scales, v, v_scales, recent = cache.stored(layer)
+        isa = kernel.level(k.dtype)
+        # pos goes to every cache although only grouped keys read it: with recent and pos both None, the op's
+        # call in Inductor's C++ wrapper crashed the compiled step (torch 2.13, tests/runtime/test_text.py)
+        return cpu_kv_attention.kv_slots_attention(q, k, v, mask, scale, k_scales, v_scales, isa, recent, cache.pos)
+    keys, values = cache.read(layer, q.dtype)
+    if kernel is not None and not kernel.triton and q.device.type == "cpu":  # head widths the other cannot take
+        return cpu_attention.slots_attention(q, keys, values, mask, scale)
+    return pointwise_attention(q, keys, values, mask, scale, softcap, sinks)
+
+
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
-    cache: KVCache | StaticSlots,
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    slots_kernel: SlotsKernel | None = None,
-    layer: int = 0,
 ) -> torch.Tensor:
-    """Queries ``(batch, heads, n, head_dim)`` attending over the cache's keys and values, by the function that
-    fits: in the compiled static step one of lmpress's ops over the filled slots where the layer has one
-    (``slots_kernel``) and the softmax is plain (on the CPU ``cpu_kv_attention``'s over int8 / FP8 codes or float32
-    entries, or AVX-512's ``cpu_attention`` over float32 entries for head widths the first does not take; in CUDA
-    builds the Triton split-K kernel over float entries, int8 or FP8 codes, ``triton_attention.py``), else pointwise;
-    two matmuls for a few queries or where SDPA lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
-    if isinstance(cache, StaticSlots):  # the fixed-shape step torch.compile captures (and CUDA graphs replay)
-        scale = scale or q.shape[-1] ** -0.5
-        plain = softcap is None and sinks is None and mask is not None
-        kernel = slots_kernel if plain else None
-        if kernel is not None and kernel.triton:
-            if few_rows(q, keys):  # float entries, int8, FP8 or INT4 codes, the filled slots only
-                k, k_scales, v, v_scales, recent = cache.stored(layer)
-                return triton_decode_attention(q, k, k_scales, v, v_scales, mask, cache.pos, scale, recent)
-        elif kernel is not None and q.device.type == "cpu":
-            if slots_kernel.codes:  # float32 entries, int8, FP8 or INT4 codes, read as they are stored
-                k, k_scales, v, v_scales, recent = cache.stored(layer)
-                isa = kernel.level(k.dtype)
-                return cpu_kv_attention.kv_slots_attention(
-                    q, k, v, mask, scale, k_scales, v_scales, isa, recent, cache.pos
-                )
-            return cpu_attention.slots_attention(q, keys, values, mask, scale)  # head widths the other cannot take
-        return pointwise_attention(q, keys, values, mask, scale, softcap, sinks)
+    """Queries ``(batch, heads, n, head_dim)`` attending over a growing cache's keys and values: two matmuls for a
+    few queries or where SDPA lacks the model's softmax (soft-capping, sinks), SDPA otherwise."""
     if q.shape[2] <= FEW_QUERIES or softcap is not None or sinks is not None:
         return few_query_attention(q, keys, values, mask, scale, softcap, sinks)
     gqa = q.shape[1] != keys.shape[1]
@@ -166,8 +197,7 @@ class SlotsKernel(NamedTuple):
 
     def level(self, stored: torch.dtype) -> int:
         """``cpu_kv_attention``'s level for a cache stored as ``stored`` (INT4 codes, not probed: the best)."""
-        probed = (torch.float32, torch.int8, torch.float8_e4m3fn)  # cpu_probe.KV_STORED's order
-        return self.levels[probed.index(stored)] if stored in probed else -1
+        return self.levels[KV_STORED_DTYPES.index(stored)] if stored in KV_STORED_DTYPES else -1
 
 
 TRITON_MAX_ROWS = 64  # query rows per KV head (grouped heads x new tokens) the Triton kernel takes: decode steps
@@ -237,8 +267,8 @@ class Attention(nn.Module):
         if cache.rotation is not None:  # a quantized cache's Hadamard turn of queries and keys (KVQuant.rotate)
             qk = qk @ cache.rotation
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        keys, values = cache.update(layer, k, v.transpose(1, 2))
-        out = attend(q, keys, values, mask, cache, self.scale, self.softcap, self.sinks, self.slots_kernel, layer)
+        v = v.transpose(1, 2)
+        out = cache_attention(q, k, v, mask, cache, layer, self.scale, self.softcap, self.sinks, self.slots_kernel)
         return self.wo(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
 
 
@@ -308,6 +338,6 @@ class LatentAttention(nn.Module):
             q_rot, k_rot = pairs_as_halves(q_rot), pairs_as_halves(k_rot)
         q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
         k_rot = apply_rope(k_rot, cos, sin).expand(batch, heads, n_new, self.rope)
-        keys, values = cache.update(layer, torch.cat((k_nope, k_rot), dim=-1), v)
-        out = attend(q, keys, values, mask, cache, self.scale, slots_kernel=self.slots_kernel, layer=layer)
+        k = torch.cat((k_nope, k_rot), dim=-1)
+        out = cache_attention(q, k, v, mask, cache, layer, self.scale, slots_kernel=self.slots_kernel)
         return self.wo(out.transpose(1, 2).reshape(batch, n_new, heads * self.v_dim))

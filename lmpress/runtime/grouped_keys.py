@@ -45,23 +45,32 @@ def write_grouped_keys(
 
 
 def write_grouped_keys_static(
-    codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, length: int
-) -> torch.Tensor:
+    codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor, k: torch.Tensor, pos: torch.Tensor
+) -> None:
     """``write_grouped_keys`` for the compiled static step: keys ``k`` at the consecutive slots ``pos`` ``(n,)``,
-    with no branch on how full the cache is. Returns the keys of all ``length`` slots (those after ``pos`` hold
-    anything: the step's mask hides them)."""
+    with no branch on how full the cache is (the last whole group is quantized again from the ring, and kept
+    only where this step finished it)."""
     if k.shape[2] > KEY_GROUP:
         raise ValueError(f"a static step writes at most {KEY_GROUP} keys into a grouped key cache, not {k.shape[2]}")
     recent.index_copy_(2, pos % RING, k.to(recent.dtype))
-    end = pos[-1] + 1
-    whole = end // KEY_GROUP * KEY_GROUP
+    whole = (pos[-1] + 1) // KEY_GROUP * KEY_GROUP
     group = (whole // KEY_GROUP - 1).clamp(min=0).view(1)  # the last whole group
     filled_now = whole > pos[0]  # its last slot is written in this step (never for whole == 0: pos[0] >= 0)
     slots = group * KEY_GROUP + torch.arange(KEY_GROUP, device=pos.device)
     new_codes, new_scales = quantize_key_groups(recent.index_select(2, slots % RING))
     codes.index_copy_(2, slots, torch.where(filled_now, new_codes, codes.index_select(2, slots)))
     scales.index_copy_(2, group, torch.where(filled_now, new_scales.to(scales.dtype), scales.index_select(2, group)))
+
+
+def read_grouped_keys_static(
+    codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The keys of all ``length`` slots of a grouped key cache last written at slots ``pos``, in ``dtype``: whole
+    groups dequantized, the unfinished one from the ring (the slots after ``pos`` hold anything: the step's mask
+    hides them)."""
+    end = pos[-1] + 1
+    whole = end // KEY_GROUP * KEY_GROUP
     slot = torch.arange(codes.shape[2], device=pos.device)
     unfinished = ((slot >= whole) & (slot < end))[:, None]
-    floats = recent.index_select(2, slot % RING).to(k.dtype)
-    return torch.where(unfinished, floats, dequantize_key_groups(codes, scales, k.dtype))[:, :, :length]
+    floats = recent.index_select(2, slot % RING).to(dtype)
+    return torch.where(unfinished, floats, dequantize_key_groups(codes, scales, dtype))[:, :, :length]

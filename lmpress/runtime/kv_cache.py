@@ -17,7 +17,13 @@ from typing import NamedTuple
 
 import torch
 
-from lmpress.runtime.grouped_keys import RING, grouped_length, write_grouped_keys, write_grouped_keys_static
+from lmpress.runtime.grouped_keys import (
+    RING,
+    grouped_length,
+    read_grouped_keys_static,
+    write_grouped_keys,
+    write_grouped_keys_static,
+)
 from lmpress.weights.kv_quant import KEY_GROUP, KVQuant, KVScheme, dequantize_kv, quantize_kv
 
 
@@ -200,19 +206,38 @@ class StaticSlots:
         self.k_scales, self.v_scales, self.k_recent = (*side, [], [], [])[:3]  # KVCache.side
         self.kv, self.rotation = kv, rotation
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's keys and values (quantized where the cache is) at slots ``pos``."""
         if self.kv is None:
             self.k[layer].index_copy_(2, self.pos, k)
             self.v[layer].index_copy_(2, self.pos, v)
+            return
+        scheme = self.kv.scheme
+        if scheme.grouped_keys:
+            write_grouped_keys_static(self.k[layer], self.k_scales[layer], self.k_recent[layer], k, self.pos)
+        else:
+            self._write(self.k[layer], self.k_scales[layer], k, scheme)
+        self._write(self.v[layer], self.v_scales[layer], v, scheme.values)
+
+    def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's keys and values in ``dtype``, dequantized: for the attention that cannot read them as
+        stored (``stored``). A step that attends by an op over the stored layer never calls this, so neither its
+        compiled graph nor its CUDA graph dequantizes the whole cache."""
+        if self.kv is None:
             return self.k[layer], self.v[layer]
         scheme = self.kv.scheme
         if scheme.grouped_keys:
             slots = self.v[layer].shape[2]  # grouped keys take whole groups of slots, maybe more
-            codes, scales, recent = self.k[layer], self.k_scales[layer], self.k_recent[layer]
-            keys = write_grouped_keys_static(codes, scales, recent, k, self.pos, slots)
+            args = (self.k[layer], self.k_scales[layer], self.k_recent[layer], self.pos, slots, dtype)
+            keys = read_grouped_keys_static(*args)
         else:
-            keys = self._write(self.k[layer], self.k_scales[layer], k, scheme)
-        return keys, self._write(self.v[layer], self.v_scales[layer], v, scheme.values)
+            keys = dequantize_kv(self.k[layer], self.k_scales[layer], scheme, dtype)
+        return keys, dequantize_kv(self.v[layer], self.v_scales[layer], scheme.values, dtype)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``write``, then ``read``: the growing cache's interface."""
+        self.write(layer, k, v)
+        return self.read(layer, k.dtype)
 
     def stored(self, layer: int) -> StoredLayer:
         """One layer's keys and values as stored, for an attention op that reads them: float entries in the model's
@@ -224,7 +249,7 @@ class StaticSlots:
         recent = self.k_recent[layer] if self.kv.scheme.grouped_keys else None
         return StoredLayer(self.k[layer], self.k_scales[layer], self.v[layer], self.v_scales[layer], recent)
 
-    def _write(self, codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, scheme: KVScheme) -> torch.Tensor:
+    def _write(self, codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, scheme: KVScheme) -> None:
         new_codes, new_scale = quantize_kv(x, scheme, scale if scheme.static else None)
         if codes.dtype == torch.int8 or codes.dtype == torch.uint8:
             codes.index_copy_(2, self.pos, new_codes)  # in place: a write through a view would copy the whole cache
@@ -232,7 +257,6 @@ class StaticSlots:
             codes.view(torch.uint8).index_copy_(2, self.pos, new_codes.view(torch.uint8))
         if not scheme.static:
             scale.index_copy_(2, self.pos, new_scale.to(scale.dtype))
-        return dequantize_kv(codes, scale, scheme, x.dtype)
 
 
 def static_slots_mask(pad: torch.Tensor, pos: torch.Tensor, max_len: int, window: int | None) -> torch.Tensor:

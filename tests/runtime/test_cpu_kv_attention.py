@@ -9,7 +9,7 @@ import torch
 
 from lmpress.runtime.grouped_keys import RING, grouped_length
 from lmpress.runtime.kernels import cpu_kv_attention
-from lmpress.runtime.kv_cache import static_slots_mask
+from lmpress.runtime.kv_cache import StaticSlots, static_slots_mask
 from lmpress.weights.kv_quant import (
     KEY_GROUP,
     KVScheme,
@@ -211,7 +211,8 @@ def test_refuses_what_it_cannot_compute():
 def test_the_static_step_reads_the_codes_through_it_and_matches_eager(monkeypatch, kv_cache):
     """A float32 CPU model's static step attends by the op over the cache as stored (int8, FP8 or INT4 codes and
     their scales, KIVI's grouped keys with their float ring, or float32 entries: on AVX-512 hosts too, where it is
-    faster than cpu_attention), and gives the growing cache's tokens; once per layer and step. INT4's prompts and
+    faster than cpu_attention), and gives the growing cache's tokens; once per layer and step, with no dequantized
+    copy of the cache beside it. INT4's prompts and
     steps cross groups of 32 keys (40 + 30 tokens)."""
     from lmpress.runtime.generate import generate, static_decode
     from lmpress.runtime.model import Transformer
@@ -233,6 +234,8 @@ def test_the_static_step_reads_the_codes_through_it_and_matches_eager(monkeypatc
     prompts = [list(range(3, 43)), list(range(10, 45))] if long else [[5, 6, 7, 8, 9], [3, 4]]
     new = 30 if long else 6
     expected = generate(model, prompts, max_new_tokens=new)
+    # the op reads the layer as stored: no step dequantizes the whole cache beside it
+    monkeypatch.setattr(StaticSlots, "read", lambda *a: pytest.fail("the static step read the cache dequantized"))
     assert generate(model, prompts, max_new_tokens=new, decode=static_decode()) == expected
     stored = {None: torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv_cache, torch.uint8)
     assert calls == [stored] * (new - 1) * len(model.layers)

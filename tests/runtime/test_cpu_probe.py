@@ -170,7 +170,7 @@ def test_the_static_step_runs_the_cache_attention_at_the_probed_level(monkeypatc
     q, keys, values = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     slots = StaticSlots([keys], [values], torch.tensor([7]), ([], [], []), None, None)
     mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
-    out = attention.attend(q, keys, values, mask, slots, slots_kernel=kernel)
+    out = attention.slots_attention(q, mask, slots, 0, slots_kernel=kernel)
     assert levels == [1] and out.shape == (1, 4, 1, 16)
     expected = attention.pointwise_attention(q, keys, values, mask, 16**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

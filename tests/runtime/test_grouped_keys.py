@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from lmpress.runtime.grouped_keys import RING, grouped_length, write_grouped_keys, write_grouped_keys_static
+from lmpress.runtime.grouped_keys import (
+    RING,
+    grouped_length,
+    read_grouped_keys_static,
+    write_grouped_keys,
+    write_grouped_keys_static,
+)
 from lmpress.weights.kv_quant import KEY_GROUP, KVScheme, fake_quantize_keys
 
 SCHEME = KVScheme("int4", "channel")
@@ -32,6 +38,12 @@ def test_a_prefill_then_single_steps_read_what_the_evaluator_reads_after_each():
         assert torch.equal(got, fake_quantize_keys(x[:, :, : i + 1], SCHEME)), i
 
 
+def static_write(cache: tuple, k: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
+    """The static step's write of ``k`` at ``pos``, then its read of ``length`` slots."""
+    write_grouped_keys_static(*cache, k, pos)
+    return read_grouped_keys_static(*cache, pos, length, k.dtype)
+
+
 def test_the_static_step_writes_and_reads_as_the_eager_cache_over_any_fill():
     x = keys(90)
     eager, static = empty(90), empty(90)
@@ -41,7 +53,7 @@ def test_the_static_step_writes_and_reads_as_the_eager_cache_over_any_fill():
     for n in (1, 3, 1, 4, 13, 1, 2, 20, 1, 1, 4, 1):  # multi-token reads across boundaries, as speculation makes
         want = write_grouped_keys(*eager, x[:, :, start : start + n], start)
         pos = torch.arange(start, start + n)
-        got = write_grouped_keys_static(*static, x[:, :, start : start + n], pos, 90)
+        got = static_write(static, x[:, :, start : start + n], pos, 90)
         assert got.shape[2] == 90
         torch.testing.assert_close(got[:, :, : start + n], want, rtol=0, atol=0)
         start += n
@@ -56,7 +68,7 @@ def test_a_rollback_into_a_filled_group_reads_its_float_keys_again():
     x, other = keys(70), keys(71)[:, :, :70]
     codes, scales, recent = empty(70)
     write_grouped_keys(codes, scales, recent, x[:, :, :66], 0)  # groups 0 and 1 whole, 64-65 float
-    got = write_grouped_keys_static(codes, scales, recent, x[:, :, 60:61], torch.tensor([60]), 70)  # back to 60
+    got = static_write((codes, scales, recent), x[:, :, 60:61], torch.tensor([60]), 70)  # back to 60
     torch.testing.assert_close(got[:, :, :61], fake_quantize_keys(x[:, :, :61], SCHEME), rtol=0, atol=0)
     rewritten = torch.cat((x[:, :, :61], other[:, :, 61:64]), 2)
     got = write_grouped_keys(codes, scales, recent, other[:, :, 61:64], 61)

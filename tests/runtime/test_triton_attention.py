@@ -136,6 +136,7 @@ def test_a_triton_builds_static_step_attends_through_it_and_matches_eager(monkey
     decodes the growing cache's tokens (INT4: a 30-token prompt, so the steps fill a group of 32 keys)."""
     from lmpress.runtime.generate import generate, static_decode
     from lmpress.runtime.kernels import cuda
+    from lmpress.runtime.kv_cache import StaticSlots
     from lmpress.runtime.model import Transformer
     from lmpress.weights.kv_quant import KVQuant
     from tests.runtime.conftest import tiny_hf_model
@@ -156,6 +157,8 @@ def test_a_triton_builds_static_step_attends_through_it_and_matches_eager(monkey
     long = kv_cache is not None and kv_cache.startswith("int4")
     prompts = [list(range(3, 33)), list(range(7, 34))] if long else [[5, 6, 7, 8, 9], [3, 4]]
     expected = generate(model, prompts, max_new_tokens=4)
+    # the kernel reads the layer as stored: no step dequantizes the whole cache beside it (a CUDA graph would)
+    monkeypatch.setattr(StaticSlots, "read", lambda *a: pytest.fail("the static step read the cache dequantized"))
     assert generate(model, prompts, max_new_tokens=4, decode=static_decode()) == expected
     stored = {None: torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv_cache, torch.uint8)
     assert calls == [stored] * 3 * len(model.layers)  # the prefill's first token comes from the growing cache

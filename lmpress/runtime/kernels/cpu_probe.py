@@ -56,6 +56,7 @@ MAX_COPIES = 256  # a small weight's copies stop here (SmolLM2's k and v: 14 of 
 ROUNDS = 6  # the first warms up; the median of the rest counts
 KV_PROBE_SLOTS = 1024  # a cache's filled slots the attention op's levels are timed over
 KV_STORED = ("float32", "int8", "fp8")  # the cache entries the attention op reads, in ``kv_attention_levels``' order
+KV_STORED_DTYPES = (torch.float32, torch.int8, torch.float8_e4m3fn)  # what each of KV_STORED is stored as
 
 
 @functools.cache
