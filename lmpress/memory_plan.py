@@ -168,6 +168,19 @@ def share_of_samples(samples: int, batch_size: int, processes: int, by_rows: boo
     return min(samples, -(-batches // processes) * batch_size)
 
 
+def expert_hessian_bytes(shape: ModelShape, processes: int = 1) -> int:
+    """The most per-expert Hessians of one MoE layer a process holds at once (its experts' down projections': each
+    an n x n float32 matrix, or its float64 sums' upper triangle, as much), a share by expert where ``processes``
+    spread them (``calib.expert_ranks``); 0 for a model without experts."""
+    by_layer: dict[str, list[int]] = {}
+    for name, _, cols in shape.linears:
+        layer, _, rest = name.partition(".")
+        expert, _, projection = rest.rpartition(".")
+        if projection == "down_proj" and expert.rpartition(".")[2].isdigit() and ".experts." in f".{expert}":
+            by_layer.setdefault(layer, []).append(cols)
+    return max((-(-len(c) // processes) * max(c) ** 2 * 4 for c in by_layer.values()), default=0)
+
+
 def calibration_bytes(
     shape: ModelShape,
     samples: int,
@@ -175,10 +188,12 @@ def calibration_bytes(
     batch_size: int,
     hessian_copies: int = 2,
     activations_ram: int | None = None,
+    expert_hessians: int = 0,
 ) -> int:
     """The one-shot engine's peak beyond weights: slab, one forward's temporaries and the largest linear's work
     (``hessian_copies``: 2 where the Hessian and a working copy are held, 1 where GPTQ factors in the Hessian);
-    ``activations_ram``: the slabs' budget of RAM (``data.activations_ram_gb``), beyond which they are files."""
+    ``activations_ram``: the slabs' budget of RAM (``data.activations_ram_gb``), beyond which they are files;
+    ``expert_hessians``: a MoE layer's per-expert Hessians held beside (``expert_hessian_bytes``)."""
     slab = samples * seq_len * shape.hidden * 2
     if activations_ram is not None:
         slab = min(slab, activations_ram)
@@ -191,7 +206,7 @@ def calibration_bytes(
     solve = max(
         max(2 * cols * cols, hessian_copies * cols * cols + 2 * rows * cols) * 4 for _, rows, cols in shape.linears
     )
-    return slab + forward + solve
+    return slab + forward + solve + expert_hessians
 
 
 def forecast_memory(
@@ -258,6 +273,9 @@ def forecast_memory(
                 s.batch_size,
                 s.hessian_copies,
                 activations_ram,
+                expert_hessian_bytes(shape, processes if s.spreads_across_processes and not s.shares_batch_rows else 1)
+                if s.gathers_hessians
+                else 0,
             )
             for s in stages
             if s.calibrates_layerwise

@@ -82,6 +82,12 @@ class StageConfig(StrictConfig):
         """n x n float32 matrices a layer-wise stage holds per linear at its solve (the memory forecast)."""
         return 2
 
+    @property
+    def gathers_hessians(self) -> bool:
+        """Whether its layer-wise pass holds a Hessian per linear (GPTQ, SparseGPT): the memory forecast counts
+        the per-expert Hessians of a MoE layer, held at once."""
+        return False
+
     def learning_bytes(self, shape: Any, seq_len: int, packed: int = 0) -> int:
         """Bytes a whole-model stage holds beside the weights while it learns (the memory forecast; ``shape``:
         ``lmpress.memory_plan.ModelShape``, ``packed``: the bytes of the packed weights the stages make)."""

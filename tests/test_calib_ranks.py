@@ -202,17 +202,29 @@ def test_two_launched_processes_write_the_export_of_one(tiny_llama_dir, tmp_path
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".two")]  # no scratch left behind
 
 
+MOE_STAGES = {
+    "gptq": [{"method": "gptq", "bits": 4, "group_size": 32}],
+    # each expert's mask and reconstruction on the process holding its Hessian
+    "sparsegpt-gptq": [{"method": "sparsegpt", "sparsity": 0.3}, {"method": "gptq", "bits": 4, "group_size": 32}],
+    # each expert's static activation scale from the maximum its Hessian's process saw
+    "gptq-nvfp4-w4a4": [{"method": "gptq", "fp4": "nvfp4", "activations": "fp4"}],
+}
+
+
 @pytest.mark.long
-def test_a_mixture_of_experts_spreads_its_expert_solves_and_writes_the_export_of_one(tmp_path):
+@pytest.mark.parametrize("stages", sorted(MOE_STAGES))
+def test_a_mixture_of_experts_spreads_its_expert_solves_and_writes_the_export_of_one(tmp_path, stages):
+    """Each process holds and solves its experts' Hessians (over every process's tokens): the export is the one
+    process's, every tensor."""
     from tests.conftest import _train_tokenizer
     from tests.families import save_family_model
 
     model = save_family_model(tmp_path / "model", "qwen3_moe", _train_tokenizer())
-    recipe = gptq_recipe(tmp_path, model)
+    recipe = gptq_recipe(tmp_path, model, MOE_STAGES[stages])
     launch(tmp_path, str(recipe), str(tmp_path / "two"))
     assert one_thread_run(recipe, tmp_path / "one") == 0
     two, one = (tensor_digests(tmp_path / run / "compressed-tensors") for run in ("two", "one"))
-    assert two == one and sum(".experts." in k and k.endswith("weight_packed") for k in one) >= 12
+    assert two == one and sum(".experts." in k for k in one) >= 12
     summary = json.loads((tmp_path / "two" / "report.json").read_text())["stages"][0]["summary"]
     assert summary["processes"] == 2 and summary["moe_blocks_unfused"] >= 1
 
@@ -266,15 +278,15 @@ def killed_run(tmp_path, recipe, out, launched: bool) -> subprocess.CompletedPro
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 
-def gptq_recipe(tmp_path, model) -> Path:
-    """A W4 g32 GPTQ recipe over ``model`` exporting compressed-tensors, gated loosely."""
+def gptq_recipe(tmp_path, model, stages: list[dict] | None = None) -> Path:
+    """A W4 g32 GPTQ recipe (or ``stages``) over ``model`` exporting compressed-tensors, gated loosely."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         yaml.safe_dump(
             {
                 "model": str(model),
                 "data": {"source": "builtin:python-docs", "samples": 16, "seq_len": 64},
-                "stages": [{"method": "gptq", "bits": 4, "group_size": 32}],
+                "stages": stages or [{"method": "gptq", "bits": 4, "group_size": 32}],
                 "export": {"formats": ["compressed-tensors"]},
                 "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 3}},
                 "gates": ["ppl_ratio <= 3"],
@@ -479,3 +491,87 @@ def test_learned_rounding_killed_in_one_process_resumes_in_two_to_the_unbroken_a
     out = tmp_path / "run"
     assert killed_run(tmp_path, recipe, out, launched=False).returncode == -9
     resume_in_two_to_the_unbroken_run(tmp_path, recipe, out)
+
+
+def moe_layer_session(calibration, ranks: int):
+    """Layer 0 of a tiny Qwen3-MoE (the same weights in every process) with its experts unfused, on
+    ``calibration``'s batches of 4, and its gate/up and down projection groups."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
+    from lmpress.calib.engine import capture_first_layer_inputs, expand_groups
+    from lmpress.calib.moe import unfuse_experts
+    from lmpress.calib.session import LayerSession
+    from tests.families import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", 64, {})).eval()
+    unfuse_experts(model)
+    inputs = capture_first_layer_inputs(model, calibration.split(4), torch.device("cpu"))
+    layer = decoder_layers(model)[0]
+    targets = {name: True for name in layer_linears(layer)}
+    groups = expand_groups(get_anatomy(model), targets)
+    session = LayerSession(0, layer, "model.layers.0.", targets, groups, inputs, torch.device("cpu"), ranks=ranks)
+    return session, [g for g in groups if any(".experts." in n for n in g)]
+
+
+def moe_calibration():
+    import torch
+
+    return torch.randint(0, 64, (20, 16), generator=torch.Generator().manual_seed(1))  # 5 batches: 3 + 2 spread
+
+
+def expert_hessians_on_share(rank: int, world: int, port: int, out: str) -> None:
+    """One launched process of the test below: its share of the batches, the MoE groups' Hessians."""
+    import torch
+    import torch.distributed as dist
+
+    from lmpress.calib.ranks import rank_samples
+    from lmpress.calib.statistics import group_hessians
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        session, groups = moe_layer_session(rank_samples(moe_calibration(), 4, rank, world), world)
+        held = {}
+        for group in groups:
+            held |= {name: h.H for name, h in group_hessians(session, group).items()}
+            held["owners"] = {**held.get("owners", {}), **session.hessian_owners}
+            session.finish_group(group)
+        torch.save(held, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_process_holds_the_hessians_of_its_own_experts_over_every_processs_tokens(tmp_path):
+    """Spread over 2 processes, a MoE layer's expert down projections' Hessians are not summed in every process:
+    each process holds those of the experts it solves (half of them), equal bit for bit to the one process's over
+    all batches; the experts' gate/up Hessian (one input, shared) is summed as every other statistic."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from lmpress.calib.statistics import group_hessians
+
+    session, groups = moe_layer_session(moe_calibration(), 1)
+    one = {}
+    for group in groups:
+        one |= {name: h.H for name, h in group_hessians(session, group).items()}
+        session.finish_group(group)
+    downs = sorted(n for n in one if n.endswith(".down_proj") and ".experts." in n)
+    assert len(downs) >= 4
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(expert_hessians_on_share, args=(2, port, str(tmp_path / "held")), nprocs=2)
+    held = [torch.load(tmp_path / f"held.{rank}") for rank in range(2)]
+    owners = held[0].pop("owners")
+    assert owners == held[1].pop("owners") and sorted(owners) == downs
+    for rank, hessians in enumerate(held):
+        mine = {n for n in downs if owners[n] == rank}
+        assert len(mine) == len(downs) // 2  # experts of one cost: shared out evenly
+        assert {n for n in hessians if n in downs} == mine  # the other process's experts: not held here
+        for name, H in hessians.items():
+            assert torch.equal(H, one[name]), name  # gate/up (summed) and own experts (gathered tokens) alike

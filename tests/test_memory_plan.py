@@ -389,3 +389,35 @@ def test_a_draft_head_stage_forecasts_the_runtime_copy_its_capture_and_its_train
     assert drafted.phases["stages"]["draft head"] >= 4 * shape.vocab * shape.hidden + packed + features
     assert longer.phases["stages"]["draft head"] - drafted.phases["stages"]["draft head"] == 3 * features
     assert "draft head" not in alone.phases["stages"] and drafted.ram_bytes > alone.ram_bytes
+
+
+@pytest.mark.long
+def test_a_moe_layers_expert_hessians_are_forecast_held_at_once_and_spread_by_expert(tmp_path):
+    """Qwen3-235B-A22B's 128 experts a layer: GPTQ holds each expert's 1536-wide down projection Hessian until
+    the group is solved (in float32 terms, 128 x 1536² x 4 bytes), each of 8 processes 16 of them
+    (calib.expert_ranks); a pass without Hessians (RTN-rounded AWQ) none."""
+    from lmpress.calib.moe import unfuse_experts
+    from lmpress.memory_plan import expert_hessian_bytes, forecast_checkpoint
+    from lmpress.recipe import load_recipe
+
+    giant_forecast_recipe = tmp_path / "recipe.yaml"
+    giant_forecast_recipe.write_text(
+        f"model: {{source: {GIANTS / 'qwen3-235b-a22b'}, dtype: bfloat16}}\n"
+        "data: {source: builtin:wikitext2, samples: 128, seq_len: 2048}\n"
+        "stages: [{method: gptq, bits: 4, group_size: 128, ignore: [lm_head]}]\n"
+    )
+    recipe = load_recipe(str(giant_forecast_recipe), [])
+    skeleton = model_skeleton(GIANTS / "qwen3-235b-a22b", weights=False)
+    with torch.device("meta"):
+        unfuse_experts(skeleton)  # as a run and the forecast do
+    shape = ModelShape.of(skeleton)
+    held = 128 * 1536**2 * 4
+    assert expert_hessian_bytes(shape) == held and expert_hessian_bytes(shape, 8) == held // 8
+    assert expert_hessian_bytes(shape, 3) == 43 * 1536**2 * 4  # shares differ by one expert at most
+    one, eight = (forecast_checkpoint(recipe, n).phases["stages"]["calibration"] for n in (1, 8))
+    slab = 128 * 2048 * 4096 * 2  # float16 activations: an eighth of them in each of 8 processes
+    assert one - eight == held - held // 8 + slab - slab // 8
+    awq = load_recipe(str(giant_forecast_recipe), ["stages.0.method=awq"])
+    assert forecast_checkpoint(awq, 1).phases["stages"]["calibration"] < one - held // 2
+    llama = ModelShape.of(model_skeleton(GIANTS / "llama-3-70b", weights=False))
+    assert expert_hessian_bytes(llama) == 0

@@ -137,8 +137,12 @@ def attention_discarded(attention: nn.Module) -> Iterator[None]:
 
 
 def zeros_like_output(linear: nn.Module) -> Callable:
+    """A forward returning zeros of ``linear``'s output shape (a module without ``out_features``, a MoE experts
+    block: its input's)."""
+    width = getattr(linear, "out_features", None)
+
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return x.new_zeros(*x.shape[:-1], linear.out_features)
+        return x.new_zeros(*x.shape[:-1], width or x.shape[-1])
 
     return forward
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -197,12 +197,17 @@ def count_across_ranks(n: int) -> int:
     return int(sum_across_ranks(torch.tensor([n], dtype=torch.int64, device=_collective_device())).item())
 
 
-def owners_by_cost(names: Sequence[K], cost: Callable[[K], float], world: int) -> dict[K, int]:
-    """Each of ``names`` assigned to a rank: the costliest first, each to the least loaded rank (ties: the lowest
-    rank), the same answer on every rank."""
+def owners_by_cost(
+    names: Sequence[K], cost: Callable[[K], float], world: int, fixed: Mapping[K, int] | None = None
+) -> dict[K, int]:
+    """Each of ``names`` assigned to a rank: those in ``fixed`` to theirs, the rest the costliest first, each to the
+    least loaded rank (ties: the lowest rank), the same answer on every rank."""
+    fixed = {name: rank for name, rank in (fixed or {}).items() if name in names}
     load = [0.0] * world
-    owners = {}
-    for name in sorted(names, key=lambda n: (-cost(n), names.index(n))):
+    for name, rank in fixed.items():
+        load[rank] += cost(name)
+    owners = dict(fixed)
+    for name in sorted((n for n in names if n not in fixed), key=lambda n: (-cost(n), names.index(n))):
         rank = min(range(world), key=lambda r: (load[r], r))
         owners[name] = rank
         load[rank] += cost(name)
@@ -217,16 +222,21 @@ def column_solve_cost(weight: torch.Tensor) -> float:
 
 
 def solve_across_ranks(
-    names: Sequence[K], cost: Callable[[K], float], solve: Callable[[K], T], world: int
+    names: Sequence[K],
+    cost: Callable[[K], float],
+    solve: Callable[[K], T],
+    world: int,
+    fixed: Mapping[K, int] | None = None,
 ) -> dict[K, T]:
-    """``solve(name)`` for each of ``names``, each on one rank (``owners_by_cost``), every result broadcast to every
-    rank in ``names``' order. With ``world`` 1: every solve here, in order."""
+    """``solve(name)`` for each of ``names``, each on one rank (``owners_by_cost``; ``fixed``: the rank that holds
+    a name's statistic alone), every result broadcast to every rank in ``names``' order. With ``world`` 1: every
+    solve here, in order."""
     if world == 1:
         return {name: solve(name) for name in names}
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    owners = owners_by_cost(names, cost, world)
+    owners = owners_by_cost(names, cost, world, fixed)
     mine = {name: solve(name) for name in names if owners[name] == rank}
     results = {}
     for name in names:

@@ -79,6 +79,8 @@ class LayerSession:
     independent_groups: bool = True  # no linear of a group reads another's output (false when groups are merged)
     attention: str | None = None  # anatomy.attention, when present in this layer
     ranks: int = 1  # processes sharing the calibration batches (lmpress.calib.ranks): these inputs are one share
+    # the group's linears whose Hessian one rank alone holds, and that rank (MoE experts: calib.expert_ranks)
+    hessian_owners: dict[str, int] = field(default_factory=dict)
     _packed: dict[str, nn.Module] = field(default_factory=dict)
     _replay: dict[str, BatchStore] = field(default_factory=dict)  # finished block -> its output per batch
     _fed: dict[str, BatchStore] = field(default_factory=dict)  # linear -> its input per batch
@@ -286,6 +288,7 @@ class LayerSession:
         """Every method of the pass is done with linears ``names``: their outputs no longer change."""
         self.finished.update(names)
         self.statistics.clear()
+        self.hessian_owners.clear()
 
     def finish(self) -> None:
         """Put the quantized modules in place of their float stand-ins."""

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmpress.calib.expert_ranks import expert_owners, experts_by_block, owned_expert_hessians
+from lmpress.calib.hooks import first_input
 from lmpress.calib.ranks import count_across_ranks, max_across_ranks_, sum_across_ranks
 
 if TYPE_CHECKING:
@@ -215,19 +217,32 @@ def invert_upper_triangular_(R: torch.Tensor, rows: int = SOLVE_ROWS) -> None:
         R[start:stop, start:stop] = block_inverse
 
 
-def collect_inputs(session: LayerSession, names: list[str], make: Callable[[int, torch.device], Accumulator]) -> dict:
+def collect_inputs(
+    session: LayerSession,
+    names: list[str],
+    make: Callable[[int, torch.device], Accumulator],
+    spread_experts: bool = False,
+) -> dict:
     """One pass over the calibration batches feeding each of ``names``' inputs to an accumulator from ``make``.
 
     Linears fed the very same input tensor share one accumulator, so it is computed once. Where the session's
     batches are one rank's share (``session.ranks`` > 1), each accumulator is reduced across the ranks after
-    the pass (``lmpress.calib.ranks``).
+    the pass (``lmpress.calib.ranks``); with ``spread_experts``, the MoE experts' down projections are not: each
+    rank holds those of the experts it solves, over every rank's tokens (``calib.expert_ranks``; the others are
+    absent from the result and their owners are in ``session.hessian_owners``).
     """
     hessians: dict[str, Accumulator] = {}
     # Within a batch: input address -> (the input, kept alive so its address is not reused; its accumulator).
     by_input: dict[tuple, tuple[torch.Tensor, Accumulator]] = {}
     last_batch = [-1]
+    blocks = experts_by_block(session.layer, names) if spread_experts and session.ranks > 1 else {}
+    by_expert = {name for experts in blocks.values() for _, name in experts}
+    block_inputs: dict[str, list[torch.Tensor]] = {block: [] for block in blocks}
 
     def on_input(name: str, batch: int, args: tuple, kwargs: dict) -> None:
+        if name in block_inputs:  # an experts block's input: run through this rank's experts after the pass
+            block_inputs[name].append(first_input(args, kwargs).detach().to("cpu", copy=True))
+            return
         if batch != last_batch[0]:
             by_input.clear()
             last_batch[0] = batch
@@ -244,23 +259,30 @@ def collect_inputs(session: LayerSession, names: list[str], make: Callable[[int,
         hessians[name].add(x)
         by_input[key] = (x, hessians[name])
 
-    session.forward(names, on_input, skip_watched=session.independent_groups)
+    watched = [n for n in names if n not in by_expert] + list(blocks)
+    session.forward(watched, on_input, skip_watched=session.independent_groups)
     if session.ranks > 1:  # each rank saw its share of the batches: every rank now holds the whole statistic
         for accumulator in {id(a): a for a in hessians.values()}.values():
             accumulator.reduce_across_ranks()
+    for block, experts in blocks.items():
+        owners = expert_owners(session.layer, experts, session.ranks)
+        session.hessian_owners.update(owners)
+        inputs = block_inputs.pop(block)
+        hessians |= owned_expert_hessians(session.layer, block, experts, owners, inputs, make, session.device)
     return hessians
 
 
-def _cached(session: LayerSession, kind: str, names: list[str], make: Callable) -> dict:
+def _cached(session: LayerSession, kind: str, names: list[str], make: Callable, spread_experts: bool = False) -> dict:
     key = (kind, tuple(names))
     if key not in session.statistics:
-        session.statistics[key] = collect_inputs(session, names, make)
+        session.statistics[key] = collect_inputs(session, names, make, spread_experts)
     return session.statistics[key]
 
 
 def group_hessians(session: LayerSession, names: list[str]) -> dict[str, HessianAccumulator]:
-    """H = 2XXᵀ of each of ``names`` (one group), computed once per group and shared by the pass's methods."""
-    return _cached(session, "hessian", names, HessianAccumulator)
+    """H = 2XXᵀ of each of ``names`` (one group), computed once per group and shared by the pass's methods. Spread
+    over ranks, a MoE expert's Hessian is held by the rank that solves it alone (``session.hessian_owners``)."""
+    return _cached(session, "hessian", names, HessianAccumulator, spread_experts=True)
 
 
 def group_input_norms(session: LayerSession, names: list[str]) -> dict[str, InputNormAccumulator]:

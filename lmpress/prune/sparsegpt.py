@@ -84,6 +84,7 @@ class SparseGPTConfig(PruneConfig):
     true_sequential: bool = True
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
     quantize: JointQuantization | None = None
+    gathers_hessians: ClassVar[bool] = True  # type: ignore[assignment]
 
     @model_validator(mode="after")
     def _blocks_hold_whole_nm_groups(self) -> SparseGPTConfig:
@@ -244,21 +245,24 @@ class SparseGPTMethod(CalibrationMethod):
         reconstruct_here = self.config.reconstruct and not spread
 
         def solve(name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            alone = name in session.hessian_owners  # only this rank holds its Hessian (a MoE expert's)
             weight, pruned, info = sparsegpt_prune_layer(
                 session.linear(name).weight.data,
                 hessians[name].H,
                 session.targets[name],
                 block_size=self.config.block_size,
                 damp=self.config.damp_percent,
-                reconstruct=reconstruct_here,
+                reconstruct=reconstruct_here or (self.config.reconstruct and alone),
             )
-            return (None if self.config.reconstruct and spread else weight), pruned, info  # spread: the mask alone
+            shared_out = self.config.reconstruct and spread and not alone
+            return (None if shared_out else weight), pruned, info  # shared out: the mask alone
 
         if not spread:  # solve and set one linear at a time: one result held at once
             results = ((name, solve(name)) for name in names)
         else:  # each linear's columns on one rank, the results broadcast (lmpress.calib.ranks)
             cost = {n: column_solve_cost(session.linear(n).weight) for n in names}
-            results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks).items())
+            owners = session.hessian_owners
+            results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks, owners).items())
         for name, (weight, pruned, info) in results:
             if weight is None:  # every rank solves a share of the rows for the mask
                 original = session.linear(name).weight.data

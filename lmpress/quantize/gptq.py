@@ -99,7 +99,7 @@ def gptq_group(
         later = names[names.index(name) + 1 :]
         take = last_reader and all(hessians[n] is not accumulator for n in later)
         again = (lambda: collect_inputs(session, [name], HessianAccumulator)[name].H) if take else None
-        return gptq_quantize_layer(
+        quantized, info = gptq_quantize_layer(
             session.linear(name).weight.data,
             accumulator.take() if take else accumulator.H,
             scheme_of(session.targets[name]),
@@ -111,19 +111,21 @@ def gptq_group(
             pruned=session.masks.get(name),
             hessian_again=again,
         )
+        if isinstance(quantized, Fp4Weight) and needs_input_scale(quantized.scheme):
+            quantized.input_global_scale = nvfp4_global_scale(accumulator.amax).cpu()
+        return quantized, info
 
     if session.ranks == 1:  # solve and apply one linear at a time: one result held at once
         results = ((name, solve(name)) for name in names)
-    else:  # each linear solved on one rank, the results broadcast (lmpress.calib.ranks)
+    else:  # each linear solved on one rank (a MoE expert's: where its Hessian is), the results broadcast
         cost = {n: column_solve_cost(session.linear(n).weight) for n in names}
-        results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks).items())
+        owners = session.hessian_owners
+        results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks, owners).items())
     for name, (quantized, info) in results:
         if info["damp"] != config.damp_percent:
             message = f"{session.prefix}{name}: Hessian not positive definite, dampening raised to {info['damp']}"
             log.warning(message)
             warnings.append(message)
-        if isinstance(quantized, Fp4Weight) and needs_input_scale(quantized.scheme):
-            quantized.input_global_scale = nvfp4_global_scale(hessians[name].amax).cpu()
         session.apply(name, quantized)
 
 

@@ -158,6 +158,10 @@ class LearnedRoundingConfig(WeightQuantConfig):
     def shares_batch_rows(self) -> bool:  # type: ignore[override]
         return self.spreads_across_processes
 
+    @property
+    def gathers_hessians(self) -> bool:  # type: ignore[override]
+        return self.init.endswith("gptq")  # GPTQ's start
+
 
 # Tensor math -------------------------------------------------------------------------------------
 

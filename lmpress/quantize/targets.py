@@ -175,6 +175,10 @@ class GPTQRounding(WeightQuantConfig):
     true_sequential: bool = True
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
 
+    @property
+    def gathers_hessians(self) -> bool:  # type: ignore[override]
+        return getattr(self, "rounding", "gptq") == "gptq"  # AWQ and SmoothQuant: with GPTQ's rounding
+
     @model_validator(mode="after")
     def _kquant_needs_contiguous_groups(self) -> GPTQRounding:
         if self.act_order and not self.static_groups and any(s.fp4 for _, s in self.planned_schemes()):

@@ -277,9 +277,9 @@ def test_sparsegpt_and_gptq_in_one_pass_share_each_groups_hessian(tiny_llama_dir
     passes = []
     collect = statistics.collect_inputs
 
-    def counting(session, names, make):
+    def counting(session, names, make, *rest):
         passes.append((session.index, tuple(names)))
-        return collect(session, names, make)
+        return collect(session, names, make, *rest)
 
     monkeypatch.setattr(statistics, "collect_inputs", counting)
     loaded = load_model(str(tiny_llama_dir))

@@ -1,7 +1,7 @@
 """Decode attention on a GPU over the filled slots of a fixed-size cache: float entries, int8 codes with a scale per
 slot, FP8 E4M3 codes with static scales, or INT4 codes (two a byte) with a float16 step and minimum per slot or, for
 KIVI's keys, per channel and group of slots, each read as stored (the CUDA path of the compiled and CUDA-graph
-static step; ``attention.attend``).
+static step; ``attention.slots_attention``).
 
 Split-K ("flash-decoding"): program ``(row and KV head, split)`` reads ``CHUNK`` slots of one KV head once for all
 the query rows that share it (grouped-query heads x the step's new tokens, padded to ``tl.dot``'s 16), keeps a
