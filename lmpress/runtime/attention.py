@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmpress.runtime.kernels import cpu_attention, cpu_kv_attention
-from lmpress.runtime.kernels.cpu_probe import KV_STORED_DTYPES, kv_attention_levels
+from lmpress.runtime.kernels.cpu_probe import KV_STORED_DTYPES, NOT_PROBED, kv_attention_levels
 from lmpress.runtime.kernels.cuda import triton_decode_attention
 from lmpress.runtime.kernels.fwht import triton_installed
 from lmpress.runtime.kv_cache import KVCache, StaticSlots
@@ -193,11 +193,11 @@ class SlotsKernel(NamedTuple):
     floats: bool
     codes: bool
     triton: bool = False
-    levels: tuple[int, int, int] = (-1, -1, -1)  # cpu_kv_attention's level per stored type (cpu_probe.KV_STORED)
+    levels: tuple[int, ...] = NOT_PROBED  # cpu_kv_attention's level per stored type (cpu_probe.KV_STORED)
 
     def level(self, stored: torch.dtype) -> int:
-        """``cpu_kv_attention``'s level for a cache stored as ``stored`` (INT4 codes, not probed: the best)."""
-        return self.levels[KV_STORED_DTYPES.index(stored)] if stored in KV_STORED_DTYPES else -1
+        """``cpu_kv_attention``'s level for a cache stored as ``stored`` (torch.uint8: INT4 codes)."""
+        return self.levels[KV_STORED_DTYPES.index(stored)]
 
 
 TRITON_MAX_ROWS = 64  # query rows per KV head (grouped heads x new tokens) the Triton kernel takes: decode steps
@@ -225,7 +225,7 @@ def slots_kernel_fits(
     codes = cpu_kv_attention.fits(head_dim, value_dim, build.dtype)
     if not (floats or codes):
         return None
-    return SlotsKernel(floats, codes, levels=kv_attention_levels(kv_heads, rows, head_dim) if codes else (-1, -1, -1))
+    return SlotsKernel(floats, codes, levels=kv_attention_levels(kv_heads, rows, head_dim) if codes else NOT_PROBED)
 
 
 class Attention(nn.Module):

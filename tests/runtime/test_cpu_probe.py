@@ -121,20 +121,20 @@ def test_small_weights_and_the_off_space_take_the_defaults(monkeypatch):
 
 
 def test_the_cache_attention_level_is_probed_per_stored_type_once_per_host(tmp_path, monkeypatch):
-    """On an AVX-512 host each stored type (float32, int8, FP8) gets the faster of the op's two bodies, kept in the
-    tuning cache (a new process reads it); the default (AVX-512) unless the other is MARGIN faster."""
+    """On an AVX-512 host each stored type (float32, int8, FP8, INT4) gets the faster of the op's two bodies, kept in
+    the tuning cache (a new process reads it); the default (AVX-512) unless the other is MARGIN faster."""
     if cpu_int.host_isa() != 2:
         pytest.skip("only an AVX-512 host has two levels to choose from")
     monkeypatch.setenv("LMPRESS_TUNE_CACHE", str(tmp_path / "tuning.json"))
     tuning.forget_in_memory()
     timed = []
-    fake = {"float32": {2: 1.0, 1: 0.9}, "int8": {2: 1.0, 1: 0.97}, "fp8": {2: 1.0, 1: 1.1}}  # AVX2 wins float32 only
+    fake = {"float32": {2: 1.0, 1: 0.9}, "int8": {2: 1.0, 1: 0.97}, "fp8": {2: 1.0, 1: 1.1}, "int4": {2: 1, 1: 0.8}}
     monkeypatch.setattr(cpu_probe, "time_kv_attention", lambda *a: timed.append(a[3]) or fake[a[3]])
-    assert cpu_probe.kv_attention_levels(3, 3, 64) == (1, 2, 2)
-    assert timed == ["float32", "int8", "fp8"]
+    assert cpu_probe.kv_attention_levels(3, 3, 64) == (1, 2, 2, 1)  # AVX2 wins float32 and INT4
+    assert timed == ["float32", "int8", "fp8", "int4"]
     tuning.forget_in_memory()  # a new process: read from the cache, not timed again
-    assert cpu_probe.kv_attention_levels(3, 3, 64) == (1, 2, 2)
-    assert timed == ["float32", "int8", "fp8"]
+    assert cpu_probe.kv_attention_levels(3, 3, 64) == (1, 2, 2, 1)
+    assert timed == ["float32", "int8", "fp8", "int4"]
     tuning.forget_in_memory()
 
 
@@ -150,9 +150,9 @@ def test_the_cache_attention_probe_times_each_level_over_every_stored_type(monke
 
 def test_the_cache_attention_level_defaults_where_nothing_is_probed(monkeypatch):
     monkeypatch.setattr(cpu_probe, "time_kv_attention", lambda *a: pytest.fail("timed"))
-    assert cpu_probe.kv_attention_levels(2, 2, 16) == (-1, -1, -1)  # the tests' tiny caches
+    assert cpu_probe.kv_attention_levels(2, 2, 16) == (-1, -1, -1, -1)  # the tests' tiny caches
     monkeypatch.setattr(tuning, "_space", "off")
-    assert cpu_probe.kv_attention_levels(3, 3, 64) == (-1, -1, -1)
+    assert cpu_probe.kv_attention_levels(3, 3, 64) == (-1, -1, -1, -1)
 
 
 def test_the_static_step_runs_the_cache_attention_at_the_probed_level(monkeypatch):
@@ -166,7 +166,7 @@ def test_the_static_step_runs_the_cache_attention_at_the_probed_level(monkeypatc
     levels = []
     real = cpu_kv_attention.kv_slots_attention
     monkeypatch.setattr(cpu_kv_attention, "kv_slots_attention", lambda *a: levels.append(a[7]) or real(*a))
-    kernel = attention.SlotsKernel(True, True, levels=(1, -1, -1))
+    kernel = attention.SlotsKernel(True, True, levels=(1, -1, -1, -1))
     q, keys, values = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     slots = StaticSlots([keys], [values], torch.tensor([7]), ([], [], []), None, None)
     mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)

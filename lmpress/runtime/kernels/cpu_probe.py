@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import math
 import platform
 import random
 import statistics
@@ -55,8 +56,11 @@ MAX_COPIES = 256  # a small weight's copies stop here (SmolLM2's k and v: 14 of 
 # some microseconds of Python and dispatch, and timing 1,200 of them per candidate and round cost 2.4 s of the probe
 ROUNDS = 6  # the first warms up; the median of the rest counts
 KV_PROBE_SLOTS = 1024  # a cache's filled slots the attention op's levels are timed over
-KV_STORED = ("float32", "int8", "fp8")  # the cache entries the attention op reads, in ``kv_attention_levels``' order
-KV_STORED_DTYPES = (torch.float32, torch.int8, torch.float8_e4m3fn)  # what each of KV_STORED is stored as
+# the cache entries the attention op reads, in ``kv_attention_levels``' order, and what each is stored as (INT4:
+# codes two a byte, KIVI's grouped keys alike)
+KV_STORED = ("float32", "int8", "fp8", "int4")
+KV_STORED_DTYPES = (torch.float32, torch.int8, torch.float8_e4m3fn, torch.uint8)
+NOT_PROBED = (-1,) * len(KV_STORED)
 
 
 @functools.cache
@@ -183,14 +187,14 @@ def time_candidates(
     return {candidate: statistics.median(seconds[1:]) for candidate, seconds in samples.items()}
 
 
-def kv_attention_levels(kv_heads: int, rows: int, head_dim: int) -> tuple[int, int, int]:
-    """The cache attention op's instruction set level on this host for each of ``KV_STORED`` (float32 entries, int8
-    and FP8 codes), for a layer of ``kv_heads`` KV heads of ``head_dim`` and ``rows`` query rows per KV head: from
+def kv_attention_levels(kv_heads: int, rows: int, head_dim: int) -> tuple[int, ...]:
+    """The cache attention op's instruction set level on this host for each of ``KV_STORED`` (float32 entries, int8,
+    FP8 and INT4 codes), for a layer of ``kv_heads`` KV heads of ``head_dim`` and ``rows`` query rows per KV head: from
     this process's memory, the tuning cache, or probed now; -1 (the best level) where it is not probed (the ``off``
     tune space, an AVX2 host, the tests' tiny caches of under 128 floats a slot)."""
     tried = [[2], [1]] if cpu_int.host_isa() == 2 else [[-1]]
     if tune_space() == "off" or len(tried) == 1 or kv_heads * head_dim < 128 or not cpu_kv_attention.available():
-        return (-1, -1, -1)
+        return NOT_PROBED
     levels = []
     for stored in KV_STORED:
         shape = {"kv_heads": kv_heads, "rows": rows, "dim": head_dim, "stored": stored}
@@ -201,7 +205,7 @@ def kv_attention_levels(kv_heads: int, rows: int, head_dim: int) -> tuple[int, i
             return times()[candidate[0]] * ((1 - MARGIN) if candidate == tried[0] else 1)
 
         levels.append(tuned_choice(cpu_model(), "cpu-kv-attention-probe", shape, tried, seconds)[0])
-    return (levels[0], levels[1], levels[2])
+    return tuple(levels)
 
 
 @torch.no_grad()
@@ -211,8 +215,8 @@ def time_kv_attention(kv_heads: int, rows: int, head_dim: int, stored: str, trie
     ``PROBE_BYTES``, the levels in an order of their own each round (as ``time_candidates``)."""
     generator = torch.Generator().manual_seed(0)
     shape = (1, kv_heads, KV_PROBE_SLOTS, head_dim)
-    width = {"float32": 4, "int8": 1, "fp8": 1}[stored]
-    copies = min(MAX_COPIES, max(1, -(-PROBE_BYTES // (2 * width * kv_heads * KV_PROBE_SLOTS * head_dim))))
+    width = {"float32": 4, "int8": 1, "fp8": 1, "int4": 0.5}[stored]
+    copies = min(MAX_COPIES, max(1, math.ceil(PROBE_BYTES / (2 * width * kv_heads * KV_PROBE_SLOTS * head_dim))))
 
     def cache() -> tuple[torch.Tensor, ...]:
         keys, values = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
@@ -221,6 +225,10 @@ def time_kv_attention(kv_heads: int, rows: int, head_dim: int, stored: str, trie
         if stored == "int8":
             scales = torch.full((1, kv_heads, KV_PROBE_SLOTS, 1), 0.02)
             return keys.mul(40).round().clamp(-127, 127).to(torch.int8), values.to(torch.int8), scales, scales
+        if stored == "int4":  # [step, minimum] per slot
+            codes = [torch.randint(0, 256, (*shape[:3], head_dim // 2), generator=generator).to(torch.uint8)] * 2
+            steps = torch.tensor([0.1, -0.75], dtype=torch.float16).expand(*shape[:3], 2).contiguous()
+            return codes[0], codes[1].clone(), steps, steps
         one = torch.ones(kv_heads)
         return keys.to(torch.float8_e4m3fn), values.to(torch.float8_e4m3fn), one, one
 
