@@ -94,12 +94,14 @@ def render(rows: list[dict]) -> str:
     defaults = DraftHeadConfig()
     lines = [
         "Draft-head training variants on one capture (`python bench/draft_head_training.py --variants ...`):",
-        f"SmolLM2-135M W4 g64 (head W8) target, 240 continuations to train on, {HELD_OUT} held out; each variant's",
+        f"SmolLM2-135M W4 g64 (head W8) target, `--prompts` continuations ({HELD_OUT} held out: another 16 for each",
+        "count of prompts, each drawn from WikiText-2's valid split by the same seed); each variant's",
         f"keys over the stage's defaults (today batch_size {defaults.batch_size}, lr {defaults.lr}, epochs "
         f"{defaults.epochs}, train_lm_head {str(defaults.train_lm_head).lower()}).",
         "",
-        "| date | host | variant | held-out step accuracy | tokens per pass (3 drafts) | epoch losses | train s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| date | host | prompts | variant | held-out step accuracy | tokens per pass (3 drafts) | epoch losses "
+        "| train s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes = sorted({r["note"] for r in rows if r.get("note")})
     for r in rows:
@@ -109,7 +111,7 @@ def render(rows: list[dict]) -> str:
         accuracy = " / ".join(f"{a:.3f}" for a in r["held_out_step_accuracy"])
         losses = " / ".join(f"{x:.2f}" for x in r["epoch_losses"])
         lines.append(
-            f"| {r['date']} | {r['host']}, {r['threads']} threads | {variant} | {accuracy} | "
+            f"| {r['date']} | {r['host']}, {r['threads']} threads | {r.get('prompts', 256)} | {variant} | {accuracy} | "
             f"{r['expected_accept_length']:.3f} | {losses} | {r['train_s']} |"
         )
     lines += [f"\n{'*' * (i + 1)} {note}." for i, note in enumerate(notes)]

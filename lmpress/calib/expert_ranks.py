@@ -3,9 +3,9 @@
 A spread pass (``lmpress.calib.ranks``) gives each process a share of the calibration batches and sums each
 statistic across the processes, so every process ends up holding every Hessian. For the down projections of a
 MoE block's experts, whose inputs differ by expert (every expert runs on every token while calibrated:
-``calib.moe``'s ``calibrate_all``), that is one ``I x I`` Hessian per expert in every process: 256 of them, 4 GiB
-in float32 and twice that in the float64 sums, for each DeepSeek-V3 layer. Here the experts block is watched as one
-module instead: each process records the block's input on its own batches, every batch is then broadcast from the
+``calib.moe``'s ``calibrate_all``), that is one ``I x I`` Hessian per expert in every process: 256 of them for each
+DeepSeek-V3 layer, 4 GiB (float32, or the float64 sums of their upper triangles). Here the experts block is watched
+as one module instead: each process records the block's input on its own batches, every batch is then broadcast from the
 process that holds it in the one process's batch order, and each process runs only the experts whose solves it owns
 on it, feeding their down projections' inputs to their Hessians. Each process holds its experts' Hessians alone, the
 experts' work is split by expert instead of by token, and each Hessian adds the same float32 products in the same
