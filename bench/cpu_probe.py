@@ -147,8 +147,8 @@ def render(hosts: dict[str, Any]) -> str:
                 for stored, level in attention["chosen"].items()
             )
             pages.append(
-                f"- **cache attention** (3 KV heads of 64, 3 rows each, {attention['slots']} float32, int8 or FP8 "
-                f"slots; probe {attention['probe_s']:.2f} s), us per call: {cells}"
+                f"- **cache attention** (3 KV heads of 64, 3 rows each, {attention['slots']} slots of each stored "
+                f"type; probe {attention['probe_s']:.2f} s), us per call: {cells}"
             )
         pages.append("")
     return "\n".join(pages) + "\n"
