@@ -234,11 +234,6 @@ class StaticSlots:
             keys = dequantize_kv(self.k[layer], self.k_scales[layer], scheme, dtype)
         return keys, dequantize_kv(self.v[layer], self.v_scales[layer], scheme.values, dtype)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``write``, then ``read``: the growing cache's interface."""
-        self.write(layer, k, v)
-        return self.read(layer, k.dtype)
-
     def stored(self, layer: int) -> StoredLayer:
         """One layer's keys and values as stored, for an attention op that reads them: float entries in the model's
         dtype (no scales), int8 codes with a float32 scale per slot, FP8 codes with their static float32 scales
