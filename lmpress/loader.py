@@ -57,6 +57,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmpress.checkpoint_files import quant_method
+    from lmpress.expert_checkpoint import load_mapped_experts
     from lmpress.export.formats import artifact_loader, load_quantized_model
     from lmpress.export.manifest import verify_artifact
 
@@ -79,6 +80,9 @@ def load_model(
             # GPTQ / AWQ / compressed-tensors exports: lmpress's own readers, no kernels package needed.
             model = load_quantized_model(path, DTYPES[dtype])
         else:
+            # a MoE checkpoint stored per expert: its experts mapped from the files, not stacked in memory
+            model = load_mapped_experts(path, DTYPES[dtype], trust_remote_code)
+        if model is None:
             # use_kernels=False: transformers >= 5.2x swaps hub kernels into the model at load and at every
             # train() (fetched from the hub where it is reachable); lmpress calibrates, hooks and trains torch's own
             # modules, the same on every host, and its placement guard moves the model between devices itself.

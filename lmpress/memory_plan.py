@@ -9,7 +9,11 @@ hold what stays resident for the whole run and the largest working set of one st
 - ``weights``: the float model. A safetensors checkpoint read in the dtype it is stored in is memory-mapped:
   a run that only streams layers (one-shot stages, no eval, no training) keeps about one decoder layer of it
   resident at a time (the engine drops a finished layer's pages); anything that reads the whole model (an eval,
-  a training stage) or converts its dtype holds all of it;
+  a training stage) holds all of it. A MoE checkpoint's experts are mapped too where stored one tensor each (the
+  usual layout; ``expert_checkpoint``);
+- ``float weights until quantized``: where the weights were copied in at load (another dtype than stored, a MoE
+  checkpoint storing its experts stacked, as gpt-oss's does), the quantized linears' float weights, all held
+  when the stages begin;
 - ``mapped float pages``: where the checkpoint is mapped and read whole, the pages of the quantized linears'
   float weights, which stay resident beside their codes to the end of the run (the mapping lives as long as any
   tensor of it does);
@@ -48,6 +52,7 @@ from torch import nn
 from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.calib.compute_dtype import widens_to_float32
 from lmpress.errors import LmpressInputError
+from lmpress.expert_checkpoint import experts_stream
 from lmpress.metrics import NLL_CHUNK
 from lmpress.quantize.targets import WeightQuantConfig
 
@@ -233,7 +238,10 @@ def forecast_memory(
     size = DTYPE_BYTES[dtype]
     training = any(s.trains_across_processes for s in stages)
     whole = any(s.reads_whole_model for s in stages)
-    streams = stored_dtype(checkpoint) == dtype and not logit_tokens and not training and not whole
+    # a checkpoint stored in the run's dtype stays mapped from its files (a MoE one's experts too, where stored
+    # one tensor each: expert_checkpoint); the layer-wise engine then reads one layer's weights at a time
+    file_backed = stored_dtype(checkpoint) == dtype and experts_stream(checkpoint, model)
+    streams = file_backed and not logit_tokens and not training and not whole
     float_model = shape.parameters * size
     quantizers = [s for s in stages if isinstance(s, WeightQuantConfig)]
     planned = quantized_linears(model, quantizers)
@@ -252,16 +260,23 @@ def forecast_memory(
     # eval, RTN, a rotation), stay resident beside their codes to the end of the run (the quickstart's phases after
     # its baseline eval measured 500-600 MB over a forecast without them). Only the layer-wise engine's streaming
     # drops a layer's pages once it is quantized.
-    float_pages = {"mapped float pages": replaced} if stored_dtype(checkpoint) == dtype and not streams else {}
+    float_pages = {"mapped float pages": replaced} if file_backed and not streams else {}
     # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized. A
     # 16-bit layer calibrated on a CPU without 16-bit matrix units is held in float32, its checkpoint pages given
     # back meanwhile (calib.compute_dtype; bench/scale.py's 8B layers measured so on an AVX2 EPYC)
     upcast = any(s.calibrates_layerwise for s in stages) and widens_to_float32(getattr(torch, dtype), device)
     streamed_layer = 4 * shape.layer_parameters if upcast else 2 * shape.layer_parameters * size
-    resident = {
-        "weights": streamed_layer if streams else float_model - replaced,
-        "quantized": max(by_layer.values(), default=0) if mapped else quantized,
-    } | float_pages
+    # weights copied in at load (another dtype; a MoE checkpoint's stacked experts) are all held when the stages
+    # begin, each freed once its codes replace it
+    copied = {"float weights until quantized": replaced} if not file_backed else {}
+    resident = (
+        {
+            "weights": streamed_layer if streams else float_model - replaced,
+            "quantized": max(by_layer.values(), default=0) if mapped else quantized,
+        }
+        | float_pages
+        | copied
+    )
     calibration = max(
         (
             calibration_bytes(

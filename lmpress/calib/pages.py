@@ -44,6 +44,14 @@ def _private_file_mapping(start: int, end: int) -> bool:
     return False
 
 
+def file_mapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes are a view of a file mapped privately (a checkpoint's weights read in place)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    start = tensor.data_ptr()
+    return _private_file_mapping(start, start + tensor.numel() * tensor.element_size())
+
+
 def drop_file_pages(tensor: torch.Tensor) -> bool:
     """Discard the resident pages under ``tensor`` when it is backed by a private file mapping.
 

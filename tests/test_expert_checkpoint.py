@@ -1,0 +1,111 @@
+"""Mixture-of-experts checkpoints stored one tensor per expert load as per-expert linears read in place from the
+mapped files (``lmpress.expert_checkpoint``), not stacked into new memory as transformers' loader does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmpress.calib.moe import UnfusedExperts, unfuse_experts
+from lmpress.calib.pages import file_mapped
+from lmpress.expert_checkpoint import experts_stream
+from lmpress.loader import load_model, model_skeleton
+from lmpress.memory_plan import forecast_memory
+from lmpress.registry import stage_config
+from tests.conftest import _train_tokenizer
+from tests.families import save_family_model
+
+
+def expert_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for m in model.modules() if isinstance(m, UnfusedExperts) for p in m.parameters()]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral"])
+def test_experts_are_read_in_place_from_the_files_and_compute_what_transformers_loads(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = save_family_model(tmp_path / family, family, _train_tokenizer())
+    model = load_model(str(path), "float32", fingerprint=False).model
+    experts = expert_weights(model)
+    assert experts and all(file_mapped(w) for w in experts)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()  # its experts stacked, in new memory
+    assert not expert_weights(reference)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_experts_stored_stacked_are_left_to_transformers_and_forecast_as_held(tmp_path):
+    stacked = save_family_model(tmp_path / "gpt_oss", "gpt_oss", _train_tokenizer())
+    per_expert = save_family_model(tmp_path / "qwen3_moe", "qwen3_moe", _train_tokenizer())
+    assert not expert_weights(load_model(str(stacked), "float32", fingerprint=False).model)
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((per_expert / "config.json").read_text())
+    gptq = stage_config("gptq")(method="gptq", bits=4, group_size=32)
+    weights = {}
+    for path in (stacked, per_expert, config_only):
+        skeleton = model_skeleton(path, weights=path != config_only)
+        with torch.device("meta"):
+            unfuse_experts(skeleton)
+        stages = forecast_memory(skeleton, path, "float32", [gptq], 4, 32, torch.device("cpu")).phases["stages"]
+        held = stages["weights"] + stages.get("float weights until quantized", 0)
+        weights[path] = held, sum(p.numel() * 4 for p in skeleton.parameters())
+        assert experts_stream(path, skeleton) == (path != stacked)
+    held, whole = weights[stacked]
+    assert held == whole  # every float weight, held when the stage begins
+    streamed, whole = weights[per_expert]
+    layer = max(sum(p.numel() for p in layer.parameters()) for layer in skeleton.model.layers)
+    assert streamed == weights[config_only][0] == 2 * 4 * layer  # one layer's float weights and their stand-ins
+
+
+# In a fresh process, loading once first so that what the loaders import is not counted.
+LOAD_PEAK = """
+import gc, json, sys
+import psutil
+from transformers import AutoModelForCausalLM
+from lmpress.loader import load_model
+from lmpress.memory import track_peak_rss
+
+
+def load():
+    if sys.argv[2] == "lmpress":
+        return load_model(sys.argv[1], "float32", fingerprint=False).model
+    return AutoModelForCausalLM.from_pretrained(sys.argv[1])
+
+
+load()
+gc.collect()
+before = psutil.Process().memory_info().rss / 2**20
+with track_peak_rss() as peak:
+    model = load()
+print(json.dumps(peak.mb - before))
+"""
+
+
+def test_loading_a_moe_checkpoint_does_not_hold_its_experts_in_memory(tmp_path):
+    """transformers' loader holds every expert of every layer (stacked copies); lmpress's load reads none of them
+    until a layer runs: the peak grows by less than a fifth of the experts' bytes."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=384, hidden_size=256, intermediate_size=512, moe_intermediate_size=512, num_experts=16,
+        num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    _train_tokenizer().save_pretrained(tmp_path)
+    expert_mb = 4 * 16 * 3 * 256 * 512 * 4 / 2**20  # 96 MiB of the checkpoint's 100
+    grown = {}
+    for loader in ("lmpress", "transformers"):
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_PEAK, str(tmp_path), loader], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        grown[loader] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert grown["transformers"] > 0.9 * expert_mb  # what the test would catch: the experts copied in
+    assert grown["lmpress"] < 0.2 * expert_mb, grown
