@@ -44,7 +44,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -137,6 +137,16 @@ class ModelShape:
             vocab=config.vocab_size,
             linears=tuple(linears),
         )
+
+    @property
+    def layer_expert_parameters(self) -> int:
+        """The most parameters one decoder layer's MoE experts hold (0 without experts)."""
+        by_layer: dict[str, int] = {}
+        for name, rows, cols in self.linears:
+            layer, _, rest = name.partition(".")
+            if ".experts." in f".{rest}" and rest.rpartition(".")[0].rpartition(".")[2].isdigit():
+                by_layer[layer] = by_layer.get(layer, 0) + rows * cols
+        return max(by_layer.values(), default=0)
 
     @property
     def widest_input(self) -> int:
@@ -265,7 +275,11 @@ def forecast_memory(
     # 16-bit layer calibrated on a CPU without 16-bit matrix units is held in float32, its checkpoint pages given
     # back meanwhile (calib.compute_dtype; bench/scale.py's 8B layers measured so on an AVX2 EPYC)
     upcast = any(s.calibrates_layerwise for s in stages) and widens_to_float32(getattr(torch, dtype), device)
-    streamed_layer = 4 * shape.layer_parameters if upcast else 2 * shape.layer_parameters * size
+    # the layer's float weights and, once quantized, their dequantized stand-ins; spread over processes, a MoE
+    # expert's stand-ins are held by the process that solved it alone (LayerSession.apply)
+    spread = processes if any(s.spreads_across_processes and s.calibrates_layerwise for s in quantizers) else 1
+    stand_ins = shape.layer_parameters - shape.layer_expert_parameters * (spread - 1) // spread
+    streamed_layer = 4 * shape.layer_parameters if upcast else (shape.layer_parameters + stand_ins) * size
     # weights copied in at load (another dtype; a MoE checkpoint's stacked experts) are all held when the stages
     # begin, each freed once its codes replace it
     copied = {"float weights until quantized": replaced} if not file_backed else {}
@@ -277,6 +291,16 @@ def forecast_memory(
         | float_pages
         | copied
     )
+
+    def recorded_block_inputs(stage: Any) -> int:
+        """Spread by expert, a MoE experts block's input on this process's batches, recorded (calib.expert_ranks)."""
+        if processes == 1 or not stage.spreads_across_processes or stage.shares_batch_rows:
+            return 0
+        if not shape.layer_expert_parameters:
+            return 0
+        share = share_of_samples(samples, stage.batch_size, processes)
+        return share * seq_len * shape.hidden * (4 if upcast else size)
+
     calibration = max(
         (
             calibration_bytes(
@@ -289,6 +313,7 @@ def forecast_memory(
                 s.hessian_copies,
                 activations_ram,
                 expert_hessian_bytes(shape, processes if s.spreads_across_processes and not s.shares_batch_rows else 1)
+                + recorded_block_inputs(s)
                 if s.gathers_hessians
                 else 0,
             )

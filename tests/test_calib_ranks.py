@@ -575,3 +575,66 @@ def test_each_process_holds_the_hessians_of_its_own_experts_over_every_processs_
         assert {n for n in hessians if n in downs} == mine  # the other process's experts: not held here
         for name, H in hessians.items():
             assert torch.equal(H, one[name]), name  # gate/up (summed) and own experts (gathered tokens) alike
+
+
+def gptq_layer_on_share(rank: int, world: int, port: int, out: str) -> None:
+    """One launched process (or, with ``world`` 1, the one process) of the test below: GPTQ W4 over layer 0 of
+    the tiny Qwen3-MoE on its share of the batches, then the layer's outputs."""
+    import torch
+    import torch.distributed as dist
+
+    from lmpress.calib.engine import process_layer
+    from lmpress.calib.ranks import rank_samples
+    from lmpress.quantize.gptq import GPTQConfig, GPTQMethod
+    from lmpress.weights.scheme import QuantScheme
+
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        session, _ = moe_layer_session(rank_samples(moe_calibration(), 4, rank, world), world)
+        session.targets = dict.fromkeys(session.targets, QuantScheme(bits=4, group_size=16, symmetric=True))
+        process_layer(session, [GPTQMethod(GPTQConfig(method="gptq", bits=4, group_size=16), last_reader=True)])
+        experts = [n for n in session.targets if ".experts." in n]
+        held = {
+            "stand-ins": sorted(n for n in experts if isinstance(session.linear(n), torch.nn.Linear)),
+            "owners": session.expert_owners,
+            "codes": {n: q.qweight for n, q in session.quantized.items()},
+            "outputs": [h.clone() for h in session.outputs().hidden],
+        }
+        torch.save(held, f"{out}.{rank}")
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def test_each_process_holds_the_float_stand_ins_of_its_own_experts_and_computes_the_layer_of_one(tmp_path):
+    """Spread over 2 processes, GPTQ solves each MoE expert's three linears in one process, which alone holds
+    their dequantized float stand-ins for the rest of the layer; the other runs that expert from its packed codes.
+    Every process holds every expert's codes, equal to the one process's, and the layer's outputs on its batches
+    are the one process's, bit for bit."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    gptq_layer_on_share(0, 1, 0, str(tmp_path / "one"))
+    one = torch.load(tmp_path / "one.0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(gptq_layer_on_share, args=(2, port, str(tmp_path / "two")), nprocs=2)
+    two = [torch.load(tmp_path / f"two.{rank}") for rank in range(2)]
+    owners = two[0]["owners"]
+    assert owners == two[1]["owners"] and len(owners) == len(one["stand-ins"]) >= 12
+    for rank, held in enumerate(two):
+        mine = sorted(n for n in owners if owners[n] == rank)
+        assert held["stand-ins"] == mine and len(mine) == len(owners) // 2  # an expert's three linears together
+        assert {n for n in owners if n.endswith(".gate_proj") and owners[n] == rank} == {
+            n.replace(".down_proj", ".gate_proj") for n in mine if n.endswith(".down_proj")
+        }
+        assert held["codes"].keys() == one["codes"].keys()
+        assert [n for n in one["codes"] if not torch.equal(held["codes"][n], one["codes"][n])] == []
+    outputs = two[0]["outputs"] + two[1]["outputs"]  # process 0 has the first 3 of the 5 batches
+    assert len(outputs) == len(one["outputs"]) == 5
+    assert all(torch.equal(a, b) for a, b in zip(outputs, one["outputs"], strict=True))

@@ -392,10 +392,11 @@ def test_a_draft_head_stage_forecasts_the_runtime_copy_its_capture_and_its_train
 
 
 @pytest.mark.long
-def test_a_moe_layers_expert_hessians_are_forecast_held_at_once_and_spread_by_expert(tmp_path):
+def test_a_moe_layers_expert_hessians_are_forecast_held_at_once_and_spread_by_expert(tmp_path, monkeypatch):
     """Qwen3-235B-A22B's 128 experts a layer: GPTQ holds each expert's 1536-wide down projection Hessian until
     the group is solved (in float32 terms, 128 x 1536² x 4 bytes), each of 8 processes 16 of them
-    (calib.expert_ranks); a pass without Hessians (RTN-rounded AWQ) none."""
+    (calib.expert_ranks); a pass without Hessians (RTN-rounded AWQ) none. Each process holds the float stand-ins
+    of its own experts alone."""
     from lmpress.calib.moe import unfuse_experts
     from lmpress.memory_plan import expert_hessian_bytes, forecast_checkpoint
     from lmpress.recipe import load_recipe
@@ -406,6 +407,7 @@ def test_a_moe_layers_expert_hessians_are_forecast_held_at_once_and_spread_by_ex
         "data: {source: builtin:wikitext2, samples: 128, seq_len: 2048}\n"
         "stages: [{method: gptq, bits: 4, group_size: 128, ignore: [lm_head]}]\n"
     )
+    monkeypatch.setattr("lmpress.memory_plan.widens_to_float32", lambda dtype, device: False)  # no float32 layer
     recipe = load_recipe(str(giant_forecast_recipe), [])
     skeleton = model_skeleton(GIANTS / "qwen3-235b-a22b", weights=False)
     with torch.device("meta"):
@@ -416,8 +418,14 @@ def test_a_moe_layers_expert_hessians_are_forecast_held_at_once_and_spread_by_ex
     assert expert_hessian_bytes(shape, 3) == 43 * 1536**2 * 4  # shares differ by one expert at most
     one, eight = (forecast_checkpoint(recipe, n).phases["stages"]["calibration"] for n in (1, 8))
     slab = 128 * 2048 * 4096 * 2  # float16 activations: an eighth of them in each of 8 processes
-    assert one - eight == held - held // 8 + slab - slab // 8
+    recorded = 16 * 2048 * 4096 * 2  # and the experts block's input on those 16 samples, in bfloat16
+    assert one - eight == held - held // 8 + slab - slab // 8 - recorded
     awq = load_recipe(str(giant_forecast_recipe), ["stages.0.method=awq"])
     assert forecast_checkpoint(awq, 1).phases["stages"]["calibration"] < one - held // 2
     llama = ModelShape.of(model_skeleton(GIANTS / "llama-3-70b", weights=False))
     assert expert_hessian_bytes(llama) == 0
+    # the layer's float weights mapped, beside their stand-ins: each process an eighth of the experts' (bfloat16)
+    experts = 128 * 3 * 4096 * 1536
+    assert shape.layer_expert_parameters == experts and llama.layer_expert_parameters == 0
+    one, eight = (forecast_checkpoint(recipe, n).phases["stages"]["weights"] for n in (1, 8))
+    assert one == 2 * 2 * shape.layer_parameters and one - eight == 2 * (experts - experts // 8)

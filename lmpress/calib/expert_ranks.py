@@ -48,11 +48,29 @@ def experts_by_block(layer: nn.Module, names: Iterable[str]) -> dict[str, list[t
     return found
 
 
-def expert_owners(layer: nn.Module, experts: list[tuple[int, str]], world: int) -> dict[str, int]:
-    """The process that holds each expert linear's Hessian and solves it: by cost, as ``ranks.owners_by_cost``."""
-    names = [name for _, name in experts]
-    cost = {name: column_solve_cost(layer.get_submodule(name).weight) for name in names}
-    return owners_by_cost(names, cost.__getitem__, world)
+def expert_linear_owners(layer: nn.Module, names: Iterable[str], world: int) -> dict[str, int]:
+    """The process that solves each of ``names`` that belongs to an expert of an :class:`UnfusedExperts` block
+    (``{block}.{e}.gate_proj``...): one process for all of an expert's linears, the experts shared out by the
+    cost of their solves (``ranks.owners_by_cost``), the same answer whichever of them ``names`` holds. The owner
+    holds the expert's down projection Hessian and its float stand-ins; the others run it from its packed codes
+    (``LayerSession.apply``). Read while every one of them is still a float linear (``LayerSession`` does so
+    when it begins the layer)."""
+    wanted: dict[str, list[str]] = {}  # block -> its experts' linears among names
+    for name in names:
+        expert, _, _ = name.rpartition(".")
+        block, _, index = expert.rpartition(".")
+        if index.isdigit() and block and isinstance(layer.get_submodule(block), UnfusedExperts):
+            wanted.setdefault(block, []).append(name)
+    owners = {}
+    for block, members in wanted.items():
+        experts = [str(e) for e in range(len(layer.get_submodule(block)))]
+        linears = {
+            e: [m for m in layer.get_submodule(f"{block}.{e}").children() if isinstance(m, nn.Linear)] for e in experts
+        }
+        cost = {e: sum(column_solve_cost(m.weight) for m in linears[e]) for e in experts}
+        by_expert = owners_by_cost(experts, cost.__getitem__, world)
+        owners |= {name: by_expert[name.rpartition(".")[0].rpartition(".")[2]] for name in members}
+    return owners
 
 
 def down_projection_input(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -125,13 +125,14 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 
 def unfuse_experts(model: nn.Module) -> int:
-    """Replace every fused experts module in ``model`` by per-expert linears; returns how many were replaced."""
+    """Replace every fused experts module in ``model`` by per-expert linears; returns how many experts blocks the
+    model then has (those loaded so from a checkpoint stored per expert too: ``expert_checkpoint``)."""
     fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
     for name, module in fused:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, UnfusedExperts.from_fused(module, name))
-    return len(fused)
+    return sum(isinstance(m, UnfusedExperts) for m in model.modules())
 
 
 def set_calibrate_all(module: nn.Module, on: bool) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lmpress.calib.activations import BatchStore, LayerInputs
+from lmpress.calib.expert_ranks import expert_linear_owners
 from lmpress.calib.hooks import (
     SharedInput,
     StopForward,
@@ -45,14 +46,32 @@ from lmpress.calib.hooks import (
 )
 from lmpress.calib.moe import set_calibrate_all
 from lmpress.calib.pages import drop_file_pages, trim_heap
+from lmpress.calib.ranks import calibration_ranks
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.float8 import Fp8Weight
 from lmpress.weights.fp4 import Fp4Weight
-from lmpress.weights.online_rotation import keep_rotation_first
+from lmpress.weights.online_rotation import carry_input_rotation, keep_rotation_first
 from lmpress.weights.scheme import QuantizedWeight
 
 InputHook = Callable[[str, int, tuple, dict], None]
 OutputHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class PackedStandIn(nn.Module):
+    """A linear quantized while its layer is calibrated, run from its packed module: the weight dequantized on
+    each call, the very bits a float stand-in would hold (``LayerSession.apply``)."""
+
+    def __init__(self, packed: nn.Module, linear: nn.Linear) -> None:
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        self.bias = linear.bias
+        carry_input_rotation(linear, self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.packed.dequantized_weight(self.dtype).to(x.device)
+        return torch.nn.functional.linear(x, weight, self.bias)
 
 
 @dataclass
@@ -81,9 +100,15 @@ class LayerSession:
     ranks: int = 1  # processes sharing the calibration batches (lmpress.calib.ranks): these inputs are one share
     # the group's linears whose Hessian one rank alone holds, and that rank (MoE experts: calib.expert_ranks)
     hessian_owners: dict[str, int] = field(default_factory=dict)
+    # spread: the rank that solves each MoE expert's linears and alone holds their float stand-ins
+    expert_owners: dict[str, int] = field(default_factory=dict)
     _packed: dict[str, nn.Module] = field(default_factory=dict)
     _replay: dict[str, BatchStore] = field(default_factory=dict)  # finished block -> its output per batch
     _fed: dict[str, BatchStore] = field(default_factory=dict)  # linear -> its input per batch
+
+    def __post_init__(self) -> None:
+        if self.ranks > 1:
+            self.expert_owners = expert_linear_owners(self.layer, self.targets, self.ranks)
 
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
@@ -259,7 +284,9 @@ class LayerSession:
 
         Until :meth:`finish`, a plain float linear holding the quantized layer's
         dequantized weight stands in for it, so the remaining calibration passes do
-        not dequantize packed weights on every call.
+        not dequantize packed weights on every call. A MoE expert's linear solved in another process
+        (``expert_owners``) is run from its packed codes instead, dequantized on each call to the same bits: each
+        process holds the float stand-ins of its own experts alone.
         """
         linear = self.linear(name)
         if linear.bias is not None:
@@ -268,8 +295,11 @@ class LayerSession:
         packed = apply_quantized_weight(self.layer, name, qweight)
         self._packed[name] = packed
         float_weight = linear.weight.data
-        linear.weight.data = packed.dequantized_weight(linear.weight.dtype).to(linear.weight.device)
-        set_submodule(self.layer, name, linear)
+        if self.expert_owners.get(name, calibration_ranks()[0]) != calibration_ranks()[0]:
+            set_submodule(self.layer, name, PackedStandIn(packed, linear))
+        else:
+            linear.weight.data = packed.dequantized_weight(linear.weight.dtype).to(linear.weight.device)
+            set_submodule(self.layer, name, linear)
         drop_file_pages(float_weight)
 
     def set_weight(self, name: str, weight: torch.Tensor, mask: torch.Tensor | None = None) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmpress.calib.expert_ranks import expert_owners, experts_by_block, owned_expert_hessians
+from lmpress.calib.expert_ranks import experts_by_block, owned_expert_hessians
 from lmpress.calib.hooks import first_input
 from lmpress.calib.ranks import count_across_ranks, max_across_ranks_, sum_across_ranks
 
@@ -265,7 +265,7 @@ def collect_inputs(
         for accumulator in {id(a): a for a in hessians.values()}.values():
             accumulator.reduce_across_ranks()
     for block, experts in blocks.items():
-        owners = expert_owners(session.layer, experts, session.ranks)
+        owners = {name: session.expert_owners[name] for _, name in experts}
         session.hessian_owners.update(owners)
         inputs = block_inputs.pop(block)
         hessians |= owned_expert_hessians(session.layer, block, experts, owners, inputs, make, session.device)

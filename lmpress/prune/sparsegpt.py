@@ -261,7 +261,7 @@ class SparseGPTMethod(CalibrationMethod):
             results = ((name, solve(name)) for name in names)
         else:  # each linear's columns on one rank, the results broadcast (lmpress.calib.ranks)
             cost = {n: column_solve_cost(session.linear(n).weight) for n in names}
-            owners = session.hessian_owners
+            owners = session.expert_owners  # an expert's linears where its Hessian and stand-ins are
             results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks, owners).items())
         for name, (weight, pruned, info) in results:
             if weight is None:  # every rank solves a share of the rows for the mask

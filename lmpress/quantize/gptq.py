@@ -119,7 +119,7 @@ def gptq_group(
         results = ((name, solve(name)) for name in names)
     else:  # each linear solved on one rank (a MoE expert's: where its Hessian is), the results broadcast
         cost = {n: column_solve_cost(session.linear(n).weight) for n in names}
-        owners = session.hessian_owners
+        owners = session.expert_owners  # an expert's linears where its Hessian and stand-ins are
         results = iter(solve_across_ranks(names, cost.__getitem__, solve, session.ranks, owners).items())
     for name, (quantized, info) in results:
         if info["damp"] != config.damp_percent:
