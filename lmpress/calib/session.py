@@ -65,12 +65,12 @@ class PackedStandIn(nn.Module):
         super().__init__()
         self.packed = packed
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
+        self.weight_dtype = linear.weight.dtype
         self.bias = linear.bias
         carry_input_rotation(linear, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.packed.dequantized_weight(self.dtype).to(x.device)
+        weight = self.packed.dequantized_weight(self.weight_dtype).to(x.device)
         return torch.nn.functional.linear(x, weight, self.bias)
 
 
@@ -295,7 +295,8 @@ class LayerSession:
         packed = apply_quantized_weight(self.layer, name, qweight)
         self._packed[name] = packed
         float_weight = linear.weight.data
-        if self.expert_owners.get(name, calibration_ranks()[0]) != calibration_ranks()[0]:
+        rank = calibration_ranks()[0]
+        if self.expert_owners.get(name, rank) != rank:
             set_submodule(self.layer, name, PackedStandIn(packed, linear))
         else:
             linear.weight.data = packed.dequantized_weight(linear.weight.dtype).to(linear.weight.device)
