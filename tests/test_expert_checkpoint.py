@@ -90,15 +90,7 @@ print(json.dumps(peak.mb - before))
 def test_loading_a_moe_checkpoint_does_not_hold_its_experts_in_memory(tmp_path):
     """transformers' loader holds every expert of every layer (stacked copies); lmpress's load reads none of them
     until a layer runs: the peak grows by less than a fifth of the experts' bytes."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(
-        vocab_size=384, hidden_size=256, intermediate_size=512, moe_intermediate_size=512, num_experts=16,
-        num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    _train_tokenizer().save_pretrained(tmp_path)
+    save_moe(tmp_path)
     expert_mb = 4 * 16 * 3 * 256 * 512 * 4 / 2**20  # 96 MiB of the checkpoint's 100
     grown = {}
     for loader in ("lmpress", "transformers"):
@@ -109,3 +101,36 @@ def test_loading_a_moe_checkpoint_does_not_hold_its_experts_in_memory(tmp_path):
         grown[loader] = json.loads(done.stdout.strip().splitlines()[-1])
     assert grown["transformers"] > 0.9 * expert_mb  # what the test would catch: the experts copied in
     assert grown["lmpress"] < 0.2 * expert_mb, grown
+
+
+def save_moe(path, experts: int = 16, layers: int = 4):
+    """A Qwen3-MoE of ``layers`` x ``experts`` experts of 256 x 512 (96 MiB of float32 experts by default)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=384, hidden_size=256, intermediate_size=512, moe_intermediate_size=512, num_experts=experts,
+        num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    _train_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_reading_back_a_moe_export_packs_each_block_before_the_next_is_split(tmp_path):
+    """A compressed-tensors export of a MoE reads back with one block's float experts made at a time: the peak
+    grows by the export's codes and one layer's float experts (44-54 MiB measured), not by every expert's float
+    weights at once (107 MiB before)."""
+    import lmpress
+    from lmpress.registry import exporter
+
+    loaded = load_model(str(save_moe(tmp_path / "model")), "float32", fingerprint=False)
+    lmpress.quantize_model(loaded.model, method="rtn", bits=4, group_size=64, symmetric=False, ignore=["lm_head"])
+    exporter("compressed-tensors")(loaded.model, loaded.tokenizer, tmp_path / "export")
+    expert_mb = 4 * 16 * 3 * 256 * 512 * 4 / 2**20
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_PEAK, str(tmp_path / "export"), "lmpress"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    grown = json.loads(done.stdout.strip().splitlines()[-1])
+    assert grown < 0.7 * expert_mb, grown  # its codes and one block of float copies (all at once: 107 MiB)

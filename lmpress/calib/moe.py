@@ -16,6 +16,8 @@ still the routed mixture.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -124,14 +126,22 @@ def is_fused_experts(module: nn.Module) -> bool:
     )
 
 
-def unfuse_experts(model: nn.Module) -> int:
-    """Replace every fused experts module in ``model`` by per-expert linears; returns how many experts blocks the
-    model then has (those loaded so from a checkpoint stored per expert too: ``expert_checkpoint``)."""
+def unfuse_each(model: nn.Module) -> Iterator[str]:
+    """Replace the fused experts modules of ``model`` by per-expert linears one at a time, yielding each one's name
+    once it is replaced (a reader packs that block's experts before the next block's float copies are made)."""
     fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
     for name, module in fused:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, UnfusedExperts.from_fused(module, name))
+        yield name
+
+
+def unfuse_experts(model: nn.Module) -> int:
+    """Replace every fused experts module in ``model`` by per-expert linears; returns how many experts blocks the
+    model then has (those loaded so from a checkpoint stored per expert too: ``expert_checkpoint``)."""
+    for _ in unfuse_each(model):
+        pass
     return sum(isinstance(m, UnfusedExperts) for m in model.modules())
 
 

@@ -332,15 +332,22 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    if any(".experts." in name for name in layers):  # MoE: the experts were quantized one linear each
-        from lmpress.calib.moe import unfuse_experts
+    applied: set[str] = set()
 
-        unfuse_experts(model)
-    for name, qw in layers.items():
-        try:
-            apply_quantized_weight(model, name, qw)
-        except (AttributeError, TypeError, ValueError) as e:
-            raise LmpressInputError(f"{path}: quantized layer {name!r} does not fit the model ({e})") from e
+    def apply(names: list[str]) -> None:
+        for name in names:
+            try:
+                apply_quantized_weight(model, name, layers[name])
+            except (AttributeError, TypeError, ValueError) as e:
+                raise LmpressInputError(f"{path}: quantized layer {name!r} does not fit the model ({e})") from e
+            applied.add(name)
+
+    if any(".experts." in name for name in layers):  # MoE: the experts were quantized one linear each
+        from lmpress.calib.moe import unfuse_each
+
+        for block in unfuse_each(model):  # each block's float copies packed before the next block's are made
+            apply([name for name in layers if name.startswith(f"{block}.")])
+    apply([name for name in layers if name not in applied])
     packed = {f"{name}.{suffix}" for name in layers for suffix in fmt.packed_suffixes}
     dense = {k: v for k, v in tensors.items() if k not in packed}
     qc = config_dict.get("quantization_config") or {}
