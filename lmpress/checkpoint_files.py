@@ -57,6 +57,10 @@ class MappedSafetensors:
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
+    def readable(self, key: str) -> bool:
+        """Whether ``key``'s dtype is one torch reads (sub-byte and other packed types are not)."""
+        return SAFETENSORS_DTYPES.get(self.where[key][3]) is not None
+
     def tensor(self, key: str) -> torch.Tensor:
         index, start, end, dtype, shape = self.where[key]
         if SAFETENSORS_DTYPES.get(dtype) is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,31 @@ def test_reading_back_a_moe_export_packs_each_block_before_the_next_is_split(tmp
     assert done.returncode == 0, done.stderr[-2000:]
     grown = json.loads(done.stdout.strip().splitlines()[-1])
     assert grown < 0.7 * expert_mb, grown  # its codes and one block of float copies (all at once: 107 MiB)
+
+
+def resident_kb(path_part: str) -> tuple[int, int]:
+    """(resident, mapped) kB of this process's mappings of files whose path contains ``path_part``."""
+    resident = size = 0
+    current = None
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if not fields[0].endswith(":"):
+            current = fields[5] if len(fields) >= 6 else None
+        elif current and path_part in current and fields[0] in ("Rss:", "Size:"):
+            resident += int(fields[1]) if fields[0] == "Rss:" else 0
+            size += int(fields[1]) if fields[0] == "Size:" else 0
+    return resident, size
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_a_moe_layers_mapped_codes_stay_in_their_state_file_until_read(tmp_path):
+    """A finished layer's packed buffers are views of its state file: a MoE layer's hundreds of small buffers
+    must not come out resident when mapped (safetensors' reader made the whole file resident, layer after layer)."""
+    import lmpress
+
+    loaded = load_model(str(save_moe(tmp_path / "model", experts=32, layers=3)), "float32", fingerprint=False)
+    data = {"source": "builtin:python-docs", "samples": 8, "seq_len": 64}
+    lmpress.quantize_model(loaded.model, loaded.tokenizer, data=data, method="gptq", bits=4, group_size=128)
+    resident, mapped = resident_kb("/layer_0")
+    assert mapped > 3 * 6000  # three layers' codes, mapped
+    assert resident < mapped / 5, (resident, mapped)

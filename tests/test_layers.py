@@ -33,6 +33,7 @@ LAYER_ORDER = [
     "quantize",
     "prune",
     "export",
+    "expert_checkpoint",  # a MoE checkpoint's experts as per-expert linears mapped from its files
     "loader",  # a model from a hub id, a directory, a GGUF file or an export
     "runtime",
     "evals",

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmpress.calib.activations import LayerInputs
+from lmpress.checkpoint_files import MappedSafetensors
 from lmpress.errors import LmpressInputError
 from lmpress.weights.apply import apply_quantized_weight
 from lmpress.weights.float8 import Fp8Weight
@@ -207,28 +208,28 @@ class LayerState:
     def map_layer(self, index: int, layer: nn.Module) -> int:
         """Point finished layer ``index``'s ``QuantizedLinear`` and ``Fp4Linear`` buffers at their copies in its
         state file, read as a private file mapping (pages come from the file when read and can be dropped); returns
-        how many it mapped. The in-memory buffers they replace are freed."""
-        from safetensors import safe_open
-
+        how many it mapped. The in-memory buffers they replace are freed. The views are made without reading the
+        file (safetensors' own reader touches the pages around each tensor it opens: a MoE layer's hundreds of
+        small buffers came out resident, the whole file, layer after layer)."""
         mapped = 0
-        with safe_open(self.dir / f"layer_{index:05d}.safetensors", "pt") as f:
-            for key in f.keys():
-                if not key.startswith("k."):
-                    continue
-                name, _, buffer = key.removeprefix("k.").rpartition(".")
-                module = layer.get_submodule(name)
-                current = module._buffers.get(buffer) if isinstance(module, PACKED) else None
-                if current is None or current.device.type != "cpu":
-                    continue
-                value = f.get_tensor(key)
-                if value.shape != current.shape or value.dtype != current.dtype:
-                    continue
-                module._buffers[buffer] = value
-                if isinstance(module, Fp4Linear):
-                    module._dequantized = None
-                else:
-                    module._kernel_cache = None
-                mapped += 1
+        state = MappedSafetensors([self.dir / f"layer_{index:05d}.safetensors"])
+        for key in state.keys():
+            if not key.startswith("k."):
+                continue
+            name, _, buffer = key.removeprefix("k.").rpartition(".")
+            module = layer.get_submodule(name)
+            current = module._buffers.get(buffer) if isinstance(module, PACKED) else None
+            if current is None or current.device.type != "cpu" or not state.readable(key):
+                continue
+            value = state.tensor(key)
+            if value.shape != current.shape or value.dtype != current.dtype:
+                continue
+            module._buffers[buffer] = value
+            if isinstance(module, Fp4Linear):
+                module._dequantized = None
+            else:
+                module._kernel_cache = None
+            mapped += 1
         return mapped
 
 
