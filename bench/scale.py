@@ -3,10 +3,12 @@
     python bench/scale.py                                   # both shapes: 2 layers, then 4 (the projection check)
     python bench/scale.py --shapes llama-3-8b --layers 4 --check-layers 8
     python bench/scale.py --device cuda --shapes llama-3-8b --layers 4 --check-layers 0   # a GPU visit
+    python bench/scale.py --shapes qwen3-30b-a3b --layers 2 --out bench/results/scale_moe.json
 
-Builds, once, random-weight checkpoints with the exact shapes of Llama-3.2-1B and Llama-3-8B (bfloat16
-safetensors, sharded as the hub shards them: one file for 1B, four of at most 5 GB with an index for 8B;
-cached under lmpress's cache directory; the 8B one is 16 GB on disk). Each run is a fresh process that loads the
+Builds, once, random-weight checkpoints with the exact shapes of Llama-3.2-1B, Llama-3-8B and Qwen3-30B-A3B
+(bfloat16 safetensors, sharded as the hub shards them: one file for 1B, four of at most 5 GB with an index for 8B;
+cached under lmpress's cache directory; the 8B one is 16 GB on disk; the MoE one holds only its first 4 of 48
+layers, each expert a tensor of its own as the hub stores them, 6 GB). Each run is a fresh process that loads the
 checkpoint in bfloat16 (memory-mapped, as a user's run does) with the config cut to the first N decoder layers
 (the files are the whole model's), forecasts its memory with ``lmpress.memory_plan``, runs GPTQ W4 g128 on those
 N layers and records the stage's wall time per layer and the process's peak RSS. The whole model's time is
@@ -73,23 +75,71 @@ SHAPES = {
         tie_word_embeddings=False,
     ),
 }
+# Qwen3-30B-A3B: 128 experts a layer, 8 routed per token. Its checkpoint would take 61 GB: the one built here holds
+# only its first STORED_LAYERS layers (and the embedding and head), enough for the runs; the whole model's forecast
+# reads its config alone.
+SHAPES["qwen3-30b-a3b"] = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    attention_bias=False,
+    hidden_act="silu",
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    bos_token_id=1,
+    eos_token_id=0,
+)
+STORED_LAYERS = {"qwen3-30b-a3b": 4}
 GPTQ = {"method": "gptq", "bits": 4, "group_size": 128, "symmetric": True}
 
 
-def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Every weight of a Llama checkpoint with ``config``'s shapes, in the hub's order."""
+def tensor_shapes(config: dict, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Every weight of a Llama (or Qwen3-MoE: experts stored one tensor each) checkpoint with ``config``'s shapes
+    and its first ``layers`` decoder layers, in the hub's order."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     head_dim = config["head_dim"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    moe = config["model_type"] == "qwen3_moe"
     shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(config["num_hidden_layers"]):
+    for i in range(layers):
         p = f"model.layers.{i}."
+        if moe:
+            n, e_inter = config["num_experts"], config["moe_intermediate_size"]
+            mlp = [(p + "mlp.gate.weight", (n, hidden))]
+            for e in range(n):
+                mlp += [
+                    (p + f"mlp.experts.{e}.down_proj.weight", (hidden, e_inter)),
+                    (p + f"mlp.experts.{e}.gate_proj.weight", (e_inter, hidden)),
+                    (p + f"mlp.experts.{e}.up_proj.weight", (e_inter, hidden)),
+                ]
+        else:
+            mlp = [
+                (p + "mlp.down_proj.weight", (hidden, inter)),
+                (p + "mlp.gate_proj.weight", (inter, hidden)),
+                (p + "mlp.up_proj.weight", (inter, hidden)),
+            ]
+        norms = [(p + "self_attn.k_norm.weight", (head_dim,)), (p + "self_attn.q_norm.weight", (head_dim,))]
         shapes += [
             (p + "input_layernorm.weight", (hidden,)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
+            *mlp,
             (p + "post_attention_layernorm.weight", (hidden,)),
+            *(norms if moe else []),
             (p + "self_attn.k_proj.weight", (kv, hidden)),
             (p + "self_attn.o_proj.weight", (hidden, q)),
             (p + "self_attn.q_proj.weight", (q, hidden)),
@@ -175,7 +225,8 @@ def build_checkpoint(shape: str) -> Path:
         return root
     root.mkdir(parents=True, exist_ok=True)
     config = SHAPES[shape]
-    shards = shard_plan(tensor_shapes(config), SHARD_BYTES)
+    stored = STORED_LAYERS.get(shape, config["num_hidden_layers"])
+    shards = shard_plan(tensor_shapes(config, stored), SHARD_BYTES)
     names = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -188,7 +239,7 @@ def build_checkpoint(shape: str) -> Path:
             write_random_safetensors(root / name, tensors, seed)
     if len(shards) > 1:
         weight_map = {tensor: name for name, tensors in zip(names, shards, strict=True) for tensor, _ in tensors}
-        total = sum(2 * numel(s) for _, s in tensor_shapes(config))
+        total = sum(2 * numel(s) for _, s in tensor_shapes(config, stored))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (root / "config.json").write_text(json.dumps(config, indent=2))
@@ -197,8 +248,21 @@ def build_checkpoint(shape: str) -> Path:
     return root
 
 
+def config_only(shape: str) -> Path:
+    """A directory holding ``shape``'s config alone: the whole model, to forecast."""
+    from lmpress.cache import cache_root
+
+    path = cache_root() / "scale" / f"{shape}.config"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
+    return path
+
+
 def first_layers_view(checkpoint: Path, layers: int) -> Path:
     """A directory that reads ``checkpoint``'s files (links) with the config cut to its first ``layers`` layers."""
+    stored = STORED_LAYERS.get(checkpoint.name, layers)
+    if layers > stored:
+        raise SystemExit(f"{checkpoint.name}: its checkpoint here holds only its first {stored} layers")
     view = checkpoint.parent / f"{checkpoint.name}.first{layers}"
     view.mkdir(exist_ok=True)
     for item in checkpoint.iterdir():
@@ -258,6 +322,7 @@ def add_forecast(row: dict, data: dict) -> dict:
     """``row`` with lmpress.memory_plan's forecast for its run (from the configs alone) and for the whole model."""
     import torch
 
+    from lmpress.calib.moe import unfuse_experts
     from lmpress.loader import model_skeleton
     from lmpress.memory_plan import forecast_memory
     from lmpress.registry import stage_config
@@ -266,7 +331,9 @@ def add_forecast(row: dict, data: dict) -> dict:
     whole = build_checkpoint(row["shape"])
 
     def forecast(path: Path):
-        skeleton = model_skeleton(path)
+        skeleton = model_skeleton(path, weights=any(path.glob("*.safetensors")))
+        with torch.device("meta"):
+            unfuse_experts(skeleton)  # a MoE's experts, one linear each, as a run and `lmpress forecast` count them
         return forecast_memory(
             skeleton, path, "bfloat16", [config], data["samples"], data["seq_len"], torch.device(row["device"])
         )
@@ -275,7 +342,8 @@ def add_forecast(row: dict, data: dict) -> dict:
     row["forecast_ram_mb"] = run.ram_bytes / 2**20
     row["forecast_device_mb"] = run.device_bytes / 2**20
     row["forecast_parts_mb"] = {k: v / 2**20 for k, v in run.parts.items()}
-    row["forecast_whole_model_mb"] = forecast(whole).ram_bytes / 2**20
+    whole_model = config_only(row["shape"]) if row["shape"] in STORED_LAYERS else whole
+    row["forecast_whole_model_mb"] = forecast(whole_model).ram_bytes / 2**20
     row["forecast_vs_peak"] = row["forecast_ram_mb"] / row["peak_rss_mb"]
     return row
 
