@@ -32,21 +32,24 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 SHARD_BYTES = 5 * 10**9  # the hub's max_shard_size for these checkpoints
 
-LLAMA3 = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
+RANDOM_CHECKPOINT = dict(  # what every shape's config here shares
     attention_bias=False,
-    mlp_bias=False,
     hidden_act="silu",
     initializer_range=0.02,
+    torch_dtype="bfloat16",
+    bos_token_id=1,
+    eos_token_id=0,
+)
+LLAMA3 = dict(
+    RANDOM_CHECKPOINT,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    mlp_bias=False,
     rms_norm_eps=1e-5,
     rope_theta=500000.0,
     vocab_size=128256,
     num_attention_heads=32,
     num_key_value_heads=8,
-    torch_dtype="bfloat16",
-    bos_token_id=1,
-    eos_token_id=0,
 )
 SHAPES = {
     "llama-3.2-1b": dict(
@@ -79,11 +82,9 @@ SHAPES = {
 # only its first STORED_LAYERS layers (and the embedding and head), enough for the runs; the whole model's forecast
 # reads its config alone.
 SHAPES["qwen3-30b-a3b"] = dict(
+    RANDOM_CHECKPOINT,
     architectures=["Qwen3MoeForCausalLM"],
     model_type="qwen3_moe",
-    attention_bias=False,
-    hidden_act="silu",
-    initializer_range=0.02,
     rms_norm_eps=1e-6,
     rope_theta=1000000.0,
     vocab_size=151936,
@@ -101,9 +102,6 @@ SHAPES["qwen3-30b-a3b"] = dict(
     head_dim=128,
     max_position_embeddings=40960,
     tie_word_embeddings=False,
-    torch_dtype="bfloat16",
-    bos_token_id=1,
-    eos_token_id=0,
 )
 STORED_LAYERS = {"qwen3-30b-a3b": 4}
 GPTQ = {"method": "gptq", "bits": 4, "group_size": 128, "symmetric": True}
