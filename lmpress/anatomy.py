@@ -49,6 +49,11 @@ class Anatomy:
     fused_rows: tuple[tuple[str, int, int], ...] = ()
     families: tuple[str, ...] = field(default=())
 
+    @property
+    def has_experts(self) -> bool:
+        """Whether the family's layers hold per-expert linears (``experts.*``) once unfused (a MoE family)."""
+        return any(".experts.*." in f".{name}" for group in self.sequential for name in group)
+
     def rows_feeding(self, prev: str) -> tuple[int, int] | None:
         """(part, parts) where ``prev`` is a fused linear of which only one slice of rows feeds its pair."""
         for name, part, parts in self.fused_rows:

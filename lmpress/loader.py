@@ -66,7 +66,8 @@ def load_model(
         return load_export_artifact(Path(os.path.expanduser(source)), loader, dtype, fingerprint)
     path = resolve_checkpoint(source, revision)
     verify_artifact(path)
-    method = quant_method(check_checkpoint_dir(path))
+    config = check_checkpoint_dir(path)
+    method = quant_method(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         if method == "bitsandbytes":
@@ -79,9 +80,11 @@ def load_model(
         elif method is not None:
             # GPTQ / AWQ / compressed-tensors exports: lmpress's own readers, no kernels package needed.
             model = load_quantized_model(path, DTYPES[dtype])
-        else:
+        elif ANATOMIES[config["model_type"]].has_experts:
             # a MoE checkpoint stored per expert: its experts mapped from the files, not stacked in memory
             model = load_mapped_experts(path, DTYPES[dtype], trust_remote_code)
+        else:
+            model = None
         if model is None:
             # use_kernels=False: transformers >= 5.2x swaps hub kernels into the model at load and at every
             # train() (fetched from the hub where it is reachable); lmpress calibrates, hooks and trains torch's own

@@ -51,6 +51,7 @@ from torch import nn
 
 from lmpress.anatomy import decoder_layers, get_anatomy, layer_linears
 from lmpress.calib.compute_dtype import widens_to_float32
+from lmpress.calib.moe import expert_of, is_experts_block_name
 from lmpress.errors import LmpressInputError
 from lmpress.expert_checkpoint import experts_stream
 from lmpress.metrics import NLL_CHUNK
@@ -144,7 +145,8 @@ class ModelShape:
         by_layer: dict[str, int] = {}
         for name, rows, cols in self.linears:
             layer, _, rest = name.partition(".")
-            if ".experts." in f".{rest}" and rest.rpartition(".")[0].rpartition(".")[2].isdigit():
+            parsed = expert_of(rest)
+            if parsed is not None and is_experts_block_name(parsed[0]):
                 by_layer[layer] = by_layer.get(layer, 0) + rows * cols
         return max(by_layer.values(), default=0)
 
@@ -190,8 +192,8 @@ def expert_hessian_bytes(shape: ModelShape, processes: int = 1) -> int:
     by_layer: dict[str, list[int]] = {}
     for name, _, cols in shape.linears:
         layer, _, rest = name.partition(".")
-        expert, _, projection = rest.rpartition(".")
-        if projection == "down_proj" and expert.rpartition(".")[2].isdigit() and ".experts." in f".{expert}":
+        parsed = expert_of(rest)
+        if parsed is not None and parsed[2] == "down_proj" and is_experts_block_name(parsed[0]):
             by_layer.setdefault(layer, []).append(cols)
     return max((-(-len(c) // processes) * max(c) ** 2 * 4 for c in by_layer.values()), default=0)
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lmpress.calib.hooks import StopForward
-from lmpress.calib.moe import UnfusedExperts
+from lmpress.calib.moe import UnfusedExperts, expert_of
 from lmpress.calib.ranks import (
     broadcast_object,
     calibration_ranks,
@@ -39,12 +39,12 @@ def experts_by_block(layer: nn.Module, names: Iterable[str]) -> dict[str, list[t
     :class:`UnfusedExperts` block), by block: ``{block: [(e, name), ...]}``."""
     found: dict[str, list[tuple[int, str]]] = {}
     for name in names:
-        expert, _, projection = name.rpartition(".")
-        block, _, index = expert.rpartition(".")
-        if projection != "down_proj" or not index.isdigit() or not block:
+        parsed = expert_of(name)
+        if parsed is None or parsed[2] != "down_proj":
             continue
+        block, index, _ = parsed
         if isinstance(layer.get_submodule(block), UnfusedExperts):
-            found.setdefault(block, []).append((int(index), name))
+            found.setdefault(block, []).append((index, name))
     return found
 
 
@@ -55,21 +55,20 @@ def expert_linear_owners(layer: nn.Module, names: Iterable[str], world: int) -> 
     holds the expert's down projection Hessian and its float stand-ins; the others run it from its packed codes
     (``LayerSession.apply``). Read while every one of them is still a float linear (``LayerSession`` does so
     when it begins the layer)."""
-    wanted: dict[str, list[str]] = {}  # block -> its experts' linears among names
+    wanted: dict[str, list[tuple[int, str]]] = {}  # block -> (e, name) of its experts' linears among names
     for name in names:
-        expert, _, _ = name.rpartition(".")
-        block, _, index = expert.rpartition(".")
-        if index.isdigit() and block and isinstance(layer.get_submodule(block), UnfusedExperts):
-            wanted.setdefault(block, []).append(name)
+        parsed = expert_of(name)
+        if parsed is not None and isinstance(layer.get_submodule(parsed[0]), UnfusedExperts):
+            wanted.setdefault(parsed[0], []).append((parsed[1], name))
     owners = {}
     for block, members in wanted.items():
-        experts = [str(e) for e in range(len(layer.get_submodule(block)))]
+        experts = list(range(len(layer.get_submodule(block))))
         linears = {
             e: [m for m in layer.get_submodule(f"{block}.{e}").children() if isinstance(m, nn.Linear)] for e in experts
         }
         cost = {e: sum(column_solve_cost(m.weight) for m in linears[e]) for e in experts}
         by_expert = owners_by_cost(experts, cost.__getitem__, world)
-        owners |= {name: by_expert[name.rpartition(".")[0].rpartition(".")[2]] for name in members}
+        owners |= {name: by_expert[e] for e, name in members}
     return owners
 
 

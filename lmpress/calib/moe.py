@@ -24,6 +24,22 @@ from torch import nn
 from lmpress.errors import LmpressInputError
 
 
+def expert_of(name: str) -> tuple[str, int, str] | None:
+    """``(block, e, linear)`` for a per-expert linear's name ``{block}.{e}.{linear}`` (``mlp.experts.3.down_proj``),
+    or None for a name of another shape. Whether ``block`` is an experts block is the caller's to check: by the
+    module where it has one (:class:`UnfusedExperts`), by :func:`is_experts_block_name` where it has only names."""
+    expert, _, linear = name.rpartition(".")
+    block, _, index = expert.rpartition(".")
+    if not block or not index.isdigit():
+        return None
+    return block, int(index), linear
+
+
+def is_experts_block_name(block: str) -> bool:
+    """Whether ``block`` names a MoE block's experts as every supported family names it (``...experts``)."""
+    return block.rpartition(".")[2] == "experts"
+
+
 class ExpertMLP(nn.Module):
     """One gated expert: ``down(act(gate(x)) * up(x))``."""
 

@@ -72,6 +72,10 @@ class AWQConfig(GPTQRounding):
     search_samples: int = Field(16, ge=1)
     rounding: Literal["rtn", "gptq"] = "rtn"
 
+    @property
+    def gathers_hessians(self) -> bool:  # type: ignore[override]
+        return self.rounding == "gptq"
+
     @model_validator(mode="after")
     def _gptq_keys_need_gptq_rounding(self) -> AWQConfig:
         stray = [k for k in GPTQ_ONLY_KEYS if k in self.model_fields_set]

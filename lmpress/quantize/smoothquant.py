@@ -85,6 +85,10 @@ class SmoothQuantConfig(GPTQRounding):
     search_samples: int = Field(8, ge=1)
     rounding: Literal["rtn", "gptq"] = "rtn"
 
+    @property
+    def gathers_hessians(self) -> bool:  # type: ignore[override]
+        return self.rounding == "gptq"
+
     @model_validator(mode="after")
     def _consistent(self) -> SmoothQuantConfig:
         if self.group_size != -1:

@@ -175,9 +175,7 @@ class GPTQRounding(WeightQuantConfig):
     true_sequential: bool = True
     batch_size: int = Field(4, ge=1, description="calibration samples per forward pass")
 
-    @property
-    def gathers_hessians(self) -> bool:  # type: ignore[override]
-        return getattr(self, "rounding", "gptq") == "gptq"  # AWQ and SmoothQuant: with GPTQ's rounding
+    gathers_hessians: ClassVar[bool] = True  # type: ignore[assignment]  # AWQ, SmoothQuant: their rounding's
 
     @model_validator(mode="after")
     def _kquant_needs_contiguous_groups(self) -> GPTQRounding:
