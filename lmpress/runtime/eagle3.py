@@ -16,6 +16,7 @@ features are kept across rounds, the chain's own entries are overwritten by the 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,8 +28,16 @@ from torch.nn import functional as F
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import read_speculators, speculators_config, write_speculators
 from lmpress.runtime.attention import apply_rope
+from lmpress.runtime.linears import Build, runtime_linear
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, next_token_probs
+from lmpress.weights.qlinear import quantized_linear_from
+from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+
+# The drafter's copy of a head on the CPU: 8-bit weights per output row, run by the runtime's int8 kernels. A float32
+# head (one decoder layer and an 8,192-row output) reads half a W4 SmolLM2 step's bytes at each draft.
+DRAFTING_SCHEME = QuantScheme(bits=8, group_size=-1, symmetric=True)
+HEAD_LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) after rope -> output
 
@@ -177,6 +186,7 @@ class Eagle3Drafter:
     ) -> None:
         c = head.config
         self.check_fits(head, target)
+        head = drafting_head(head) if target.kernels == "cpu" else head
         self.head, self.target, self.sampling, self.generator = head, target, sampling, generator
         self.max_len = max_len
         shape = (1, c.num_key_value_heads, max_len, c.head_dim)
@@ -257,6 +267,20 @@ class Eagle3Drafter:
         whole[:, self.head.draft_tokens] = scores
         q = next_token_probs(whole, self.sampling, torch.tensor([history]))
         return int(draw(q, self.generator)[0]), q[0]
+
+
+def drafting_head(head: Eagle3Head) -> Eagle3Head:
+    """A copy of ``head`` that drafts on the CPU: each linear's weight rounded to 8 bits per output row
+    (``DRAFTING_SCHEME``) and run by the runtime's CPU kernels; norms, rotary tables and ``draft_tokens`` as they are.
+    Drafts change only where the rounding moves a draft's top score; the target's verification keeps the output
+    the target's."""
+    drafting = copy.deepcopy(head)
+    build = Build(torch.float32, "cpu")
+    for name in HEAD_LINEARS:
+        linear = getattr(head, name)
+        packed = quantized_linear_from(linear, quantize_weight_rtn(linear.weight.detach(), DRAFTING_SCHEME))
+        setattr(drafting, name, runtime_linear(packed, build))
+    return drafting.eval()
 
 
 _HEAD = "_lmpress_draft_head"  # on a transformers model: the EAGLE-3 head trained for it

@@ -15,7 +15,7 @@ from lmpress.distill.draft_head import (
     train_draft_head,
     training_time_outputs,
 )
-from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
+from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, drafting_head
 from lmpress.runtime.generate import generate
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig
@@ -32,18 +32,20 @@ def eight_layers():
 
 def test_training_time_test_computes_what_the_drafter_computes(eight_layers):
     """Step j's output at position t in training = the drafter's j-th chained step after reading the target's
-    features up to t - j, when its earlier drafts were the text's tokens."""
+    features up to t - j, when its earlier drafts were the text's tokens (the head's weights as the drafter holds
+    them: 8 bits per row on the CPU)."""
     hf, target = eight_layers
     head = head_for(target, hf)
     data = capture_draft_data(target, torch.randint(3, 256, (1, 10)), 8, head.config.feature_layers)
     tokens, features = data.tokens[0], data.features[0].float()
     embeds = target.tok_embeddings(tokens[None, 1:]).float()
+    drafting = drafting_head(head)
     with torch.no_grad():
-        outputs = list(training_time_outputs(head, embeds, features[None, :-1], 3))
+        outputs = list(training_time_outputs(drafting, embeds, features[None, :-1], 3))
     for start in (0, 5, 12):  # the last position whose features the drafter has
         drafter = Eagle3Drafter(head, target, 32, SamplingConfig(temperature=0.0), torch.Generator())
         with torch.no_grad():
-            out = drafter._step(tokens[1 : start + 2].tolist(), head.fc(features[None, : start + 1]), 0)[:, -1:]
+            out = drafter._step(tokens[1 : start + 2].tolist(), drafting.fc(features[None, : start + 1]), 0)[:, -1:]
             torch.testing.assert_close(out[0, 0], outputs[0][0, start], atol=1e-4, rtol=1e-4)
             for j in (1, 2):
                 out = drafter._step([int(tokens[start + 1 + j])], out, start + j)
