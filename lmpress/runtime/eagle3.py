@@ -17,6 +17,7 @@ features are kept across rounds, the chain's own entries are overwritten by the 
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
 # The drafter's copy of a head on the CPU: 8-bit weights per output row, run by the runtime's int8 kernels. A float32
 # head (one decoder layer and an 8,192-row output) reads half a W4 SmolLM2 step's bytes at each draft.
 DRAFTING_SCHEME = QuantScheme(bits=8, group_size=-1, symmetric=True)
+_DRAFTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> (its tensors' versions, its copy)
 HEAD_LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) after rope -> output
@@ -273,14 +275,21 @@ def drafting_head(head: Eagle3Head) -> Eagle3Head:
     """A copy of ``head`` that drafts on the CPU: each linear's weight rounded to 8 bits per output row
     (``DRAFTING_SCHEME``) and run by the runtime's CPU kernels; norms, rotary tables and ``draft_tokens`` as they are.
     Drafts change only where the rounding moves a draft's top score; the target's verification keeps the output
-    the target's."""
+    the target's. Built once (50 ms for SmolLM2's head) and kept while the head's tensors stay the same objects at
+    the same versions: an optimizer's step or ``load_state_dict`` builds it anew (a write through ``.data``, which
+    keeps the version, would not)."""
+    versions = tuple((t.data_ptr(), t._version) for t in (*head.parameters(), *head.buffers()))
+    kept = _DRAFTING.get(head)
+    if kept is not None and kept[0] == versions:
+        return kept[1]
     drafting = copy.deepcopy(head)
     build = Build(torch.float32, "cpu")
     for name in HEAD_LINEARS:
         linear = getattr(head, name)
         packed = quantized_linear_from(linear, quantize_weight_rtn(linear.weight.detach(), DRAFTING_SCHEME))
         setattr(drafting, name, runtime_linear(packed, build))
-    return drafting.eval()
+    _DRAFTING[head] = (versions, drafting.eval())
+    return drafting
 
 
 _HEAD = "_lmpress_draft_head"  # on a transformers model: the EAGLE-3 head trained for it

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from lmpress.errors import LmpressInputError
-from lmpress.runtime.eagle3 import HEAD_LINEARS, Eagle3Config, Eagle3Drafter, Eagle3Head, default_feature_layers
+from lmpress.runtime.eagle3 import (
+    HEAD_LINEARS,
+    Eagle3Config,
+    Eagle3Drafter,
+    Eagle3Head,
+    default_feature_layers,
+    drafting_head,
+)
 from lmpress.runtime.generate import generate, model_forward, static_forward
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig
@@ -67,6 +74,20 @@ def test_the_drafter_on_the_cpu_runs_the_head_in_8_bits_close_to_its_float_weigh
     with torch.no_grad():
         scores = [h.logits(h.finish(*_attend(h, embeds, h.fc(features)))) for h in (head, drafter.head)]
     assert sqnr_db(scores[0], scores[1]) > 30
+
+
+def test_the_drafting_copy_is_built_once_for_a_heads_weights_and_anew_when_they_change(eight_layers):
+    hf, target = eight_layers
+    head = head_for(target, hf)
+    first = drafting_head(head)
+    assert drafting_head(head) is first
+    with torch.no_grad():
+        head.lm_head.weight.mul_(-1)  # an in-place update, as an optimizer's step makes
+    second = drafting_head(head)
+    assert second is not first
+    x = torch.randn(1, 1, head.config.hidden_size)
+    with torch.no_grad():
+        assert sqnr_db(head.logits(x), second.logits(x)) > 30
 
 
 def _attend(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
