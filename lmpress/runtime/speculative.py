@@ -295,10 +295,13 @@ class AdaptiveK:
     costs are timed as rounds run: on a CPU a forward over 9 tokens costs 2-3 single-token
     steps, on a GPU about one. A length not timed yet is priced by a line through the
     timings so far (optimistically, 10% of a step per extra token, while only one length has
-    been timed), so longer rounds get tried.
+    been timed), so longer rounds get tried. Where no round of drafts is expected to emit tokens faster than
+    reading one token alone (``k = 0``: a plain step), rounds stop drafting; every ``PROBE_ROUNDS`` plain rounds
+    one round drafts again, so a text on which drafting starts to pay finds it.
     """
 
     SMOOTHING = 0.3  # weight of the newest round in the running averages
+    PROBE_ROUNDS = 8
 
     def __init__(self, k: int, k_max: int, adaptive: bool) -> None:
         if not 1 <= k <= k_max:
@@ -307,6 +310,7 @@ class AdaptiveK:
         self.accepted, self.trials = 0.5, 1.0  # running counts of drafts accepted and tried (a prior of 0.5)
         self.forward_seconds: dict[int, float] = {}  # tokens verified -> seconds of one target forward
         self.draft_seconds = 0.0  # per drafted token
+        self.plain_rounds = 0  # rounds without drafts since the last round with
 
     def update(self, drafted: int, accepted: int, forward_seconds: float = 1.0, draft_seconds: float = 0.0) -> None:
         """Record a round (``drafted`` proposed, ``accepted`` taken, its timings) and choose the next ``k``."""
@@ -317,7 +321,10 @@ class AdaptiveK:
             self.accepted = self._average(self.accepted, accepted)
             self.trials = self._average(self.trials, accepted + (accepted < drafted))
             self.draft_seconds = self._average(self.draft_seconds or None, draft_seconds / drafted)
-        self.k = max(range(1, self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.round_seconds(k))
+        self.plain_rounds = 0 if drafted else self.plain_rounds + 1
+        self.k = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.round_seconds(k))
+        if self.k == 0 and self.plain_rounds >= self.PROBE_ROUNDS:
+            self.k = 1
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.SMOOTHING) * old + self.SMOOTHING * new

@@ -94,7 +94,8 @@ def test_acceptance_reflects_draft_quality(target, target_hf):
     drafts = {"w4": w4_copy(target_hf), "unrelated": Transformer.from_hf(tiny_hf_model("llama", seed=9))}
     stats = {name: SpeculativeStats() for name in drafts}
     for name, draft in drafts.items():
-        list(speculative_decode(target, prompt(), draft=draft, max_new_tokens=48, stats=stats[name]))
+        # fixed k: a draft as large as the target costs what its drafts win, and adaptive rounds stop drafting
+        list(speculative_decode(target, prompt(), draft=draft, max_new_tokens=48, stats=stats[name], adaptive=False))
     # Random tiny weights have near-tied logits, so even a W4 copy flips some argmaxes.
     assert stats["w4"].acceptance_rate > 0.3 and stats["w4"].tokens_per_step > 1.5
     assert stats["unrelated"].acceptance_rate < 0.2 and stats["unrelated"].tokens_per_step < 1.3
@@ -135,10 +136,30 @@ def test_k_adapts_to_acceptance_and_cost():
     assert settle(1.0, 0.05) == 8  # every draft taken, verifying is nearly free (a GPU): the longest rounds
     assert settle(0.5, 0.05) < settle(0.9, 0.05)  # fewer drafts taken: shorter rounds
     assert settle(0.9, 1.0) < settle(0.9, 0.05)  # each verified token costs a full step (a slow CPU): shorter
-    assert settle(0.0, 0.05) == 1
+    assert settle(0.0, 0.05) in (0, 1)  # none taken: plain rounds, or the one that tries drafting again
     fixed = AdaptiveK(3, 8, adaptive=False)
     fixed.update(3, 3, 1.0)
     assert fixed.k == 3
+
+
+def test_rounds_stop_drafting_where_no_draft_pays_and_try_again_now_and_then():
+    """A draft that is never taken, or one whose steps cost more than its accepted tokens win, makes rounds read
+    one token alone (k = 0, a plain step); one round in PROBE_ROUNDS + 1 drafts again. Drafts that pay are kept."""
+    from lmpress.runtime.speculative import AdaptiveK
+
+    def ks(acceptance: float, draft_seconds: float, rounds: int = 60) -> list[int]:
+        k, chosen = AdaptiveK(3, 8, adaptive=True), []
+        for _ in range(rounds):
+            drafted = k.k
+            k.update(drafted, round(acceptance * drafted), 1 + 0.2 * drafted, draft_seconds * drafted)
+            chosen.append(k.k)
+        return chosen
+
+    never = ks(0.0, 0.05)[20:]
+    assert never.count(0) == len(never) - never.count(1) and never.count(1) == len(never) // 9
+    costly = ks(0.3, 0.4)[20:]  # a draft step 40% of a target step at 30% acceptance: slower than plain
+    assert costly.count(0) >= len(costly) * 8 // 9
+    assert 0 not in ks(0.9, 0.05)  # drafts that pay: never a plain round
 
 
 def test_k_estimates_the_per_token_acceptance_of_rounds_that_stop_at_the_first_rejection():
@@ -148,9 +169,10 @@ def test_k_estimates_the_per_token_acceptance_of_rounds_that_stop_at_the_first_r
     for rate in (0.3, 0.75, 0.9):
         k, estimates = AdaptiveK(4, 8, adaptive=True), []
         for _ in range(400):
-            taken = torch.rand(k.k, generator=generator) < rate
+            drafted = max(k.k, 1)  # the estimate's test: every round drafts, whether or not drafting pays
+            taken = torch.rand(drafted, generator=generator) < rate
             accepted = int(taken.long().cumprod(0).sum())  # drafts taken before the first rejection
-            k.update(k.k, accepted, 1.0 + 0.1 * k.k, 0.2 * k.k)
+            k.update(drafted, accepted, 1.0 + 0.1 * drafted, 0.2 * drafted)
             estimates.append(k.acceptance)
         assert abs(sum(estimates[100:]) / 300 - rate) < 0.05, rate
 
@@ -247,7 +269,8 @@ def test_a_draft_cut_to_part_of_the_vocabulary_drafts_only_from_it_and_changes_n
     drafts, _ = ModelDrafter(draft, 64, SamplingConfig(), torch.Generator()).propose(ids, 8)
     assert len(drafts) == 8 and set(drafts) <= set(tokens.tolist())
     stats = SpeculativeStats()
-    assert list(speculative_decode(target, ids, draft=draft, max_new_tokens=40, stats=stats)) == expected
+    drafted = speculative_decode(target, ids, draft=draft, max_new_tokens=40, stats=stats, adaptive=False)
+    assert list(drafted) == expected
     assert stats.accepted > 0
     sampling = SamplingConfig(temperature=0.8)  # drafts drawn from the cut vocabulary, verified over all of it
     assert len(list(speculative_decode(target, ids, draft=draft, max_new_tokens=40, sampling=sampling, seed=3))) == 40
