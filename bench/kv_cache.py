@@ -11,7 +11,8 @@ SmolLM2's whole context), no BOS; the FP32 model, its attention reading each cac
 (``lmpress.quantize.kv_attention.kv_quantized``). FP8's static scales are calibrated on 128 x 512 tokens of
 wiki.valid.tokens (seed 0), the recipe default, and each scheme's Δ is against the float cache of the same model.
 Writes bench/results/kv_cache.md, .json and .png (Δppl per scheme; passkey accuracy by depth per scheme), and the
-table into docs/results.md ("Quantized KV cache").
+table into docs/results.md ("Quantized KV cache"); another protocol (``--windows``, ``--seq-len``) gets tables of its
+own (``kv_cache_8x8192.md``...) and keeps its rows beside the others in the json.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     saved = RESULTS / "kv_cache.json"
     protocol = {"windows": args.windows, "seq_len": args.seq_len}
     kept = json.loads(saved.read_text()) if saved.is_file() else []
+    others = [r for r in kept if r.get("protocol") != protocol]  # kept in the json, out of this table
     rows = [r for r in kept if r.get("protocol") == protocol and r["row"] not in args.rows]
     with Bars() as bars, torch.inference_mode():
         for name in args.rows:
@@ -113,9 +115,11 @@ def main() -> None:
     prompts = "one prompt" if trials == 1 else f"{trials} prompts"
     measured_on = {r.get("cpu", "AMD EPYC (avx2)") for r in rows}  # rows before the field: the EPYC's
     cpus = " and ".join(sorted(measured_on)) + (" (rows from both)" if len(measured_on) > 1 else "")
+    default = protocol == {"windows": 2, "seq_len": 8192}
+    command_protocol = "" if default else f" --windows {args.windows} --seq-len {args.seq_len}"
     lines = [
         f"SmolLM2-135M-Instruct (FP32), WikiText-2 test, {args.windows} x {args.seq_len} tokens, "
-        f"{cpus}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py`"
+        f"{cpus}, {args.threads} threads, torch {torch.__version__}; `python bench/kv_cache.py{command_protocol}`"
         + (f"; passkey at depths {depths}, {prompts} each, decoded by lmpress's runtime." if keys else "."),
         "",
         "| KV cache | ppl | Δ vs float cache | bytes / token | x bf16 |"
@@ -130,10 +134,12 @@ def main() -> None:
         passkeys = "".join(f" {r[k]:.2f} |" if k in r else "  |" for k in keys)
         lines.append(f"| {r['scheme']} | {r['ppl']:.4f} | {delta} | {size} | {ratio} |" + passkeys)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kv_cache.md").write_text("\n".join(lines) + "\n")
-    write_readme_block("kv-cache", "Quantized KV cache", "\n".join(lines[2:] + ["", lines[0]]))
-    (RESULTS / "kv_cache.json").write_text(json.dumps(rows, indent=1) + "\n")
-    plot(rows, base, RESULTS / "kv_cache.png")
+    name = "kv_cache" if default else f"kv_cache_{args.windows}x{args.seq_len}"  # one table per protocol
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    heading = "Quantized KV cache" + ("" if default else f" ({args.windows} x {args.seq_len} tokens)")
+    write_readme_block(name.replace("_", "-"), heading, "\n".join(lines[2:] + ["", lines[0]]))
+    saved.write_text(json.dumps(others + rows, indent=1) + "\n")
+    plot(rows, base, RESULTS / f"{name}.png")
     print("\n".join(lines))
 
 

@@ -100,13 +100,19 @@ def attention_configs(model: nn.Module) -> list[Any]:
     return list(configs.values())
 
 
-def _inner_kernel(module: nn.Module, name: str) -> Callable:
-    """The kernel ``name`` (``sdpa``, ``eager``...) of ``module``'s model, as its forward would look it up."""
+def inner_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    """The attention kernel a kernel put in front (``kernel_in_front``) replaced (``sdpa``, ``eager``...), called
+    as ``module``'s forward would call it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    name = getattr(module.config, _INNER)
     if name in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[name]
-    return sys.modules[type(module).__module__].eager_attention_forward
+        inner = ALL_ATTENTION_FUNCTIONS[name]
+    else:
+        inner = sys.modules[type(module).__module__].eager_attention_forward
+    return inner(module, query, key, value, *args, **kwargs)
 
 
 def quantized_kv_attention(
@@ -120,7 +126,7 @@ def quantized_kv_attention(
     k_scale, v_scale = kv.scales_of(module.layer_idx)
     key = fake_quantize_keys(key, kv.scheme, k_scale)
     value = fake_quantize_values(value, kv.scheme, v_scale)
-    return _inner_kernel(module, getattr(config, _INNER))(module, query, key, value, *args, **kwargs)
+    return inner_attention(module, query, key, value, *args, **kwargs)
 
 
 def observed_kv_attention(
@@ -141,11 +147,14 @@ def observed_kv_attention(
     if before is not None:
         k_amax, v_amax = before[0].maximum(k_amax), before[1].maximum(v_amax)
     seen[module.layer_idx] = [k_amax, v_amax]
-    return _inner_kernel(module, getattr(config, _INNER))(module, query, key, value, *args, **kwargs)
+    return inner_attention(module, query, key, value, *args, **kwargs)
 
 
 @contextmanager
-def _kernel_in_front(model: nn.Module, name: str, kernel: Callable, **attributes: Any) -> Iterator[list[Any]]:
+def kernel_in_front(model: nn.Module, name: str, kernel: Callable, **attributes: Any) -> Iterator[list[Any]]:
+    """``kernel`` registered as attention kernel ``name`` and run by every attention module of ``model`` while the
+    block lasts, ``attributes`` set on their configs; it reaches the kernel it replaced with ``inner_attention``.
+    Yields the configs."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, kernel)
@@ -173,7 +182,7 @@ def kv_quantized(model: nn.Module, kv: KVQuant | None) -> Iterator[nn.Module]:
     if kv is None:
         yield model
         return
-    with _kernel_in_front(model, QUANTIZED_KV_ATTENTION, quantized_kv_attention, **{_KV: kv}), _recorded(model, kv):
+    with kernel_in_front(model, QUANTIZED_KV_ATTENTION, quantized_kv_attention, **{_KV: kv}), _recorded(model, kv):
         yield model
 
 
@@ -249,7 +258,7 @@ def calibrate_kv_scales(
         raise LmpressInputError("KV cache calibration: the calibration set holds no tokens")
     device = next(model.parameters()).device
     observing = {_SEEN: {}, _ROTATE: rotate}
-    with _kernel_in_front(model, OBSERVED_KV_ATTENTION, observed_kv_attention, **observing) as configs:
+    with kernel_in_front(model, OBSERVED_KV_ATTENTION, observed_kv_attention, **observing) as configs:
         starts = range(0, len(samples), batch_size)
         for start in bars.track(starts, "KV cache scales", total=len(starts)):
             model(input_ids=samples[start : start + batch_size].to(device), use_cache=False)
