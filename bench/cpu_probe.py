@@ -47,9 +47,12 @@ def probe(kind: str, out: int, k: int) -> dict[str, Any]:
     timer = cpu_probe.time_candidates
 
     def recording(*args: Any) -> dict[tuple[int, ...], float]:
-        probed_with.extend(args[:3])
-        recorded.update(timer(*args))
-        return recorded
+        if not probed_with:  # the probe's first timing, of every candidate (a second confirms a challenger)
+            probed_with.extend(args[:3])
+        timed = timer(*args)
+        for candidate, seconds in timed.items():
+            recorded.setdefault(candidate, seconds)
+        return timed
 
     cpu_probe.time_candidates = recording
     try:
@@ -86,8 +89,9 @@ def probe_attention() -> dict[str, Any]:
     timer = cpu_probe.time_kv_attention
 
     def recording(*args: Any) -> dict[int, float]:
-        recorded[args[3]] = timer(*args)
-        return recorded[args[3]]
+        timed = timer(*args)
+        recorded.setdefault(args[3], timed)  # the probe's first timing (a second confirms a challenger)
+        return timed
 
     cpu_probe.time_kv_attention = recording
     try:
