@@ -30,7 +30,7 @@ from quant_table import SMOLLM2, cpu_description  # noqa: E402
 
 import lmpress  # noqa: E402
 from lmpress.data import calibration_samples, load_text, tokenize  # noqa: E402
-from lmpress.distill.draft_head import DraftData, capture_draft_data  # noqa: E402
+from lmpress.distill.draft_head import DraftData, capture_draft_data, text_draft_data  # noqa: E402
 from lmpress.distill.draft_head_stage import DraftHeadConfig, train_head_for  # noqa: E402
 from lmpress.loader import load_model  # noqa: E402
 from lmpress.progress import Bars  # noqa: E402
@@ -53,10 +53,39 @@ def captured(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ..
     return data
 
 
+def text_captured(target: Transformer, tokenizer, sequences: int, layers: tuple[int, ...], bars: Bars) -> DraftData:
+    """``sequences`` windows of 256 WikiText-2 *test* tokens with the target's features and choices, teacher-forced
+    (test, not valid: the held-out continuations start from valid windows)."""
+    path = CACHE / f"draft-text-w4-{sequences}x256.pt"
+    if path.is_file():
+        return DraftData(**torch.load(path, weights_only=True))
+    test = tokenize(tokenizer, load_text("builtin:wikitext2:test"))
+    data = text_draft_data(target, calibration_samples(test, sequences, 256, 0), layers, bars)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch.save(vars(data), path)
+    return data
+
+
+def held_out_continuations(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ...], bars: Bars):
+    """The held-out rows of the ``prompts`` capture (its last 16 continuations), generated alone."""
+    path = CACHE / f"draft-data-w4-{prompts}x64+192.pt"
+    if path.is_file():
+        return DraftData(**torch.load(path, weights_only=True)).split(HELD_OUT)[1]
+    valid = tokenize(tokenizer, load_text("builtin:wikitext2:valid"))
+    return capture_draft_data(target, calibration_samples(valid, prompts, 64, 0)[-HELD_OUT:], 192, layers, bars=bars)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--variants", default="[{}]", help="a JSON list of draft_head stage keys, one per row")
+    parser.add_argument(
+        "--capture",
+        choices=("continuations", "text"),
+        default="continuations",
+        help="learn from the target's continuations of --prompts prompts (the stage's capture), or from --prompts "
+        "windows of 256 WikiText-2 test tokens read teacher-forced; scored on the same held-out continuations",
+    )
     args = parser.parse_args()
     variants = json.loads(args.variants)
     loaded = load_model(SMOLLM2, "float32", fingerprint=False)
@@ -66,18 +95,24 @@ def main() -> None:
     layout = Eagle3Config.for_target(target, model.config, DraftHeadConfig().draft_vocab)
     RESULTS.mkdir(exist_ok=True)
     with Bars() as bars:
-        data = captured(target, loaded.tokenizer, args.prompts, layout.feature_layers, bars)
+        held_out = None
+        if args.capture == "text":
+            data = text_captured(target, loaded.tokenizer, args.prompts, layout.feature_layers, bars)
+            held_out = held_out_continuations(target, loaded.tokenizer, args.prompts, layout.feature_layers, bars)
+        else:
+            data = captured(target, loaded.tokenizer, args.prompts, layout.feature_layers, bars)
         for variant in variants:
             config = DraftHeadConfig(prompts=args.prompts, held_out=HELD_OUT, **variant)
             head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
             began = time.perf_counter()
-            _, summary = train_head_for(target, model, data, config, head_config, bars)
+            _, summary = train_head_for(target, model, data, config, head_config, bars, held_out)
             row = {
                 "host": cpu_description(),
                 "threads": torch.get_num_threads(),
                 "date": time.strftime("%Y-%m-%d"),
                 "prompts": args.prompts,
                 "variant": variant,
+                "capture": args.capture,
                 "train_s": round(time.perf_counter() - began),
                 "held_out_step_accuracy": [round(a, 3) for a in summary["held_out_step_accuracy"]],
                 "expected_accept_length": round(summary["held_out_expected_accept_length"], 3),
@@ -106,6 +141,8 @@ def render(rows: list[dict]) -> str:
     notes = sorted({r["note"] for r in rows if r.get("note")})
     for r in rows:
         variant = ", ".join(f"{k}: {json.dumps(v)}" for k, v in r["variant"].items()) or "defaults"
+        if r.get("capture") == "text":
+            variant = f"**text** (teacher-forced), {variant}"
         if r.get("note"):
             variant += " " + "*" * (notes.index(r["note"]) + 1)
         accuracy = " / ".join(f"{a:.3f}" for a in r["held_out_step_accuracy"])

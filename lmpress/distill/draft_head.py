@@ -66,19 +66,28 @@ def capture_draft_data(
     choices at every position of prompt and continuation."""
     if new_tokens < 1:
         raise LmpressInputError(f"a draft head learns from the target's continuations: new_tokens {new_tokens} < 1")
-    length = prompts.shape[1] + new_tokens
-    tokens = torch.empty(len(prompts), length, dtype=torch.long)
-    choices = torch.empty(len(prompts), length, dtype=torch.long)
-    features = torch.empty(len(prompts), length, len(feature_layers) * target.args.dim, dtype=torch.bfloat16)
+    tokens = torch.empty(len(prompts), prompts.shape[1] + new_tokens, dtype=torch.long)
     for start in bars.track(range(0, len(prompts), batch_size), "draft head: target continues", None):
         batch = prompts[start : start + batch_size]
         steps = generate_tokens(target, batch, new_tokens, SamplingConfig(temperature=0.0))
         tokens[start : start + len(batch)] = torch.cat((batch, torch.stack([step.cpu() for step in steps], 1)), 1)
-        for row in range(start, start + len(batch), FEATURE_ROWS):
-            text = tokens[row : min(row + FEATURE_ROWS, start + len(batch))]
-            logits, seen = target.forward_with_features(text, target.new_cache(len(text), length), feature_layers)
-            features[row : row + len(text)] = seen.to(torch.bfloat16).cpu()
-            choices[row : row + len(text)] = logits.argmax(-1).cpu()
+    return text_draft_data(target, tokens, feature_layers, bars)
+
+
+@torch.no_grad()
+def text_draft_data(
+    target: Transformer, tokens: torch.Tensor, feature_layers: tuple[int, ...], bars: Bars = QUIET
+) -> DraftData:
+    """The target's features and greedy choices at every position of ``tokens`` ``(N, n)``, read in one forward
+    pass each (teacher-forced: the text, not the target's own continuation of it)."""
+    length = tokens.shape[1]
+    choices = torch.empty(len(tokens), length, dtype=torch.long)
+    features = torch.empty(len(tokens), length, len(feature_layers) * target.args.dim, dtype=torch.bfloat16)
+    for row in bars.track(range(0, len(tokens), FEATURE_ROWS), "draft head: target features", None):
+        text = tokens[row : row + FEATURE_ROWS]
+        logits, seen = target.forward_with_features(text, target.new_cache(len(text), length), feature_layers)
+        features[row : row + len(text)] = seen.to(torch.bfloat16).cpu()
+        choices[row : row + len(text)] = logits.argmax(-1).cpu()
     return DraftData(tokens, features, choices)
 
 

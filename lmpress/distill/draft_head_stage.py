@@ -131,10 +131,12 @@ def train_head_for(
     config: DraftHeadConfig,
     head_config: Eagle3Config,
     bars: Bars = QUIET,
+    held_out: DraftData | None = None,
 ) -> tuple[Eagle3Head, dict]:
     """A head of ``head_config``'s shape for ``target`` (the runtime of ``model``, the transformers model) trained
-    on ``data`` as ``config`` says, and what it scored on the held-out continuations."""
-    train, held_out = data.split(config.held_out)
+    on ``data`` as ``config`` says, and what it scored on the held-out continuations: ``held_out``, or else the last
+    ``config.held_out`` rows of ``data``."""
+    train, held_out = (data, held_out) if held_out is not None else data.split(config.held_out)
     torch.manual_seed(config.seed)
     head = Eagle3Head(head_config)
     head.draft_tokens.copy_(draft_vocabulary(train.choices, config.draft_vocab, head_config.vocab_size))
