@@ -7,7 +7,7 @@ Through dynamo, each call of the compiled step reads every graph input again fro
 parameters and buffers through module attributes) and looks the graph up before running it; ``DirectCalls``
 (lmpress/runtime/direct_graph.py) calls the graph itself once dynamo has called it for a cache. This bench loads the
 artifact twice and times plain decoding's compiled step both ways in one process, alternating (A, B, B, A, ...):
-"dynamo" is the same compiled step (``_compiler``'s, the same Inductor options) called through dynamo at every
+"dynamo" is the same compiled step (``step_compiler``'s, the same Inductor options) called through dynamo at every
 token, "direct" is ``decoding_step`` as ``lmpress generate --compile`` and the benches run it. Each round: a new
 cache, a 128-token prompt, 8 warm-up tokens, then ``--tokens`` timed; ms per token, and whether both produced the
 same tokens. Results: ``bench/results/decode_entry.{json,md}``, one entry per host kind and head.
@@ -34,7 +34,7 @@ WAYS = ("dynamo", "direct")
 def steps(device: torch.device) -> dict[str, Any]:
     from lmpress.runtime import generate as gen
 
-    through_dynamo = gen._compiler(None, "inductor")(gen._static_sample_step, device)
+    through_dynamo = gen.step_compiler(None, "inductor")(gen._static_sample_step, device)
     return {"dynamo": gen.static_step(through_dynamo), "direct": gen.decoding_step(device, compile=True)}
 
 

@@ -40,14 +40,16 @@ from lmpress.runtime.model import Transformer  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path.home() / ".cache" / "lmpress" / "bench"
 HELD_OUT = 16
+TOP = 32  # the target's likeliest tokens each capture keeps: variants may learn them (soft_labels <= TOP)
 
 
 def captured(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ...], bars: Bars) -> DraftData:
-    path = CACHE / f"draft-data-w4-{prompts}x64+192.pt"
+    path = CACHE / f"draft-data-w4-{prompts}x64+192-top{TOP}.pt"  # the target's top tokens kept too
     if path.is_file():
         return DraftData(**torch.load(path, weights_only=True))
     valid = tokenize(tokenizer, load_text("builtin:wikitext2:valid"))
-    data = capture_draft_data(target, calibration_samples(valid, prompts, 64, 0), 192, layers, bars=bars)
+    starts = calibration_samples(valid, prompts, 64, 0)
+    data = capture_draft_data(target, starts, 192, layers, bars=bars, soft_labels=TOP)
     CACHE.mkdir(parents=True, exist_ok=True)
     torch.save(vars(data), path)
     return data
@@ -56,11 +58,11 @@ def captured(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ..
 def text_captured(target: Transformer, tokenizer, sequences: int, layers: tuple[int, ...], bars: Bars) -> DraftData:
     """``sequences`` windows of 256 WikiText-2 *test* tokens with the target's features and choices, teacher-forced
     (test, not valid: the held-out continuations start from valid windows)."""
-    path = CACHE / f"draft-text-w4-{sequences}x256.pt"
+    path = CACHE / f"draft-text-w4-{sequences}x256-top{TOP}.pt"
     if path.is_file():
         return DraftData(**torch.load(path, weights_only=True))
     test = tokenize(tokenizer, load_text("builtin:wikitext2:test"))
-    data = text_draft_data(target, calibration_samples(test, sequences, 256, 0), layers, bars)
+    data = text_draft_data(target, calibration_samples(test, sequences, 256, 0), layers, bars, TOP)
     CACHE.mkdir(parents=True, exist_ok=True)
     torch.save(vars(data), path)
     return data
@@ -68,7 +70,7 @@ def text_captured(target: Transformer, tokenizer, sequences: int, layers: tuple[
 
 def held_out_continuations(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ...], bars: Bars):
     """The held-out rows of the ``prompts`` capture (its last 16 continuations), generated alone."""
-    path = CACHE / f"draft-data-w4-{prompts}x64+192.pt"
+    path = CACHE / f"draft-data-w4-{prompts}x64+192-top{TOP}.pt"
     if path.is_file():
         return DraftData(**torch.load(path, weights_only=True)).split(HELD_OUT)[1]
     valid = tokenize(tokenizer, load_text("builtin:wikitext2:valid"))
@@ -113,6 +115,7 @@ def main() -> None:
                 "prompts": args.prompts,
                 "variant": variant,
                 "capture": args.capture,
+                "soft_labels": config.soft_labels,  # 0 (rows before it was recorded too): the target's choice only
                 "train_s": round(time.perf_counter() - began),
                 "held_out_step_accuracy": [round(a, 3) for a in summary["held_out_step_accuracy"]],
                 "expected_accept_length": round(summary["held_out_expected_accept_length"], 3),
@@ -134,9 +137,9 @@ def render(rows: list[dict]) -> str:
         f"keys over the stage's defaults (today batch_size {defaults.batch_size}, lr {defaults.lr}, epochs "
         f"{defaults.epochs}, train_lm_head {str(defaults.train_lm_head).lower()}).",
         "",
-        "| date | host | prompts | variant | held-out step accuracy | tokens per pass (3 drafts) | epoch losses "
-        "| train s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| date | host | prompts | variant | labels | held-out step accuracy | tokens per pass (3 drafts) "
+        "| epoch losses | train s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes = sorted({r["note"] for r in rows if r.get("note")})
     for r in rows:
@@ -145,10 +148,12 @@ def render(rows: list[dict]) -> str:
             variant = f"**text** (teacher-forced), {variant}"
         if r.get("note"):
             variant += " " + "*" * (notes.index(r["note"]) + 1)
+        labels = f"target's top {r['soft_labels']}" if r.get("soft_labels") else "target's choice"
         accuracy = " / ".join(f"{a:.3f}" for a in r["held_out_step_accuracy"])
         losses = " / ".join(f"{x:.2f}" for x in r["epoch_losses"])
         lines.append(
-            f"| {r['date']} | {r['host']}, {r['threads']} threads | {r.get('prompts', 256)} | {variant} | {accuracy} | "
+            f"| {r['date']} | {r['host']}, {r['threads']} threads | {r.get('prompts', 256)} | {variant} | {labels} | "
+            f"{accuracy} | "
             f"{r['expected_accept_length']:.3f} | {losses} | {r['train_s']} |"
         )
     lines += [f"\n{'*' * (i + 1)} {note}." for i, note in enumerate(notes)]

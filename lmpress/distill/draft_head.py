@@ -1,8 +1,10 @@
 """Training an EAGLE-3 draft head for the compressed target (``lmpress.runtime.eagle3``), by self-distillation.
 
 Data: the target, as lmpress's runtime runs it, continues calibration prompts greedily; its features (the
-residual stream entering the head's layers) and its own next-token choices at every position are captured once
-(``capture_draft_data``; a run keeps them on disk). The head learns the target's choices, not the text's.
+residual stream entering the head's layers) and its own next-token choice at every position (with
+``soft_labels``, its likeliest next tokens and their probabilities too) are captured once, as it reads them
+(``capture_draft_data``; a run keeps them on disk). The head learns the target's choices, not the text's (with
+soft labels, its distribution over the draft vocabulary: EAGLE-3's loss).
 
 Training-time test (Li et al. 2025, Section 3.2): a head drafts ``k`` tokens in a row at inference, each step
 reading its own previous output vector instead of the target's, so it is trained that way. Step ``j`` at
@@ -24,9 +26,7 @@ from torch.nn import functional as F
 from lmpress.errors import LmpressInputError
 from lmpress.progress import QUIET, Bars
 from lmpress.runtime.eagle3 import Eagle3Head
-from lmpress.runtime.generate import generate_tokens
 from lmpress.runtime.model import Transformer
-from lmpress.runtime.sample import SamplingConfig
 from lmpress.runtime.speculative import frequent_tokens
 
 IGNORE = -100  # a position whose target choice the draft vocabulary cannot give: no loss there
@@ -35,22 +35,28 @@ IGNORE = -100  # a position whose target choice the draft vocabulary cannot give
 @dataclass
 class DraftData:
     """What the head learns from: ``tokens`` ``(N, n)``, the target's ``features`` ``(N, n, width)`` (bfloat16)
-    and its greedy choice ``choices`` ``(N, n)`` after each position."""
+    and its greedy choice ``choices`` ``(N, n)`` after each position; where captured, the target's ``soft_labels``
+    most likely next tokens ``top_tokens`` ``(N, n, K)`` and their probabilities ``top_probs`` (bfloat16)."""
 
     tokens: torch.Tensor
     features: torch.Tensor
     choices: torch.Tensor
+    top_tokens: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
 
     def split(self, held_out: int) -> tuple[DraftData, DraftData]:
         """The first rows to train on, the last ``held_out`` to score on."""
         if not 0 < held_out < len(self.tokens):
             raise LmpressInputError(f"{len(self.tokens)} sequences cannot spare {held_out} for scoring the head")
         cut = len(self.tokens) - held_out
-        parts = [(t[:cut], t[cut:]) for t in (self.tokens, self.features, self.choices)]
+        parts = [
+            (None, None) if t is None else (t[:cut], t[cut:])
+            for t in (self.tokens, self.features, self.choices, self.top_tokens, self.top_probs)
+        ]
         return DraftData(*(p[0] for p in parts)), DraftData(*(p[1] for p in parts))
 
 
-FEATURE_ROWS = 4  # sequences per features forward: its logits (rows x length x vocab, float32) are its peak
+LOGIT_ROWS = 1024  # positions read per forward of a capture at most: their logits (x vocab, float32) are its peak
 
 
 @torch.no_grad()
@@ -61,34 +67,76 @@ def capture_draft_data(
     feature_layers: tuple[int, ...],
     batch_size: int = 16,
     bars: Bars = QUIET,
+    soft_labels: int = 0,
 ) -> DraftData:
-    """The target's greedy continuations of ``prompts`` ``(N, p)`` by ``new_tokens`` tokens, with its features and
-    choices at every position of prompt and continuation."""
+    """The target's greedy continuations of ``prompts`` ``(N, p)`` by ``new_tokens`` tokens, with its features,
+    choices and ``soft_labels`` likeliest tokens at every position of prompt and continuation: read as the target
+    writes them (its prefill, then each new token as it reads it), ``batch_size`` prompts at a time."""
     if new_tokens < 1:
         raise LmpressInputError(f"a draft head learns from the target's continuations: new_tokens {new_tokens} < 1")
-    tokens = torch.empty(len(prompts), prompts.shape[1] + new_tokens, dtype=torch.long)
+    prompt_len, length = prompts.shape[1], prompts.shape[1] + new_tokens
+    data = _empty_data(len(prompts), length, len(feature_layers) * target.args.dim, soft_labels)
+    data.tokens[:, :prompt_len] = prompts
     for start in bars.track(range(0, len(prompts), batch_size), "draft head: target continues", None):
-        batch = prompts[start : start + batch_size]
-        steps = generate_tokens(target, batch, new_tokens, SamplingConfig(temperature=0.0))
-        tokens[start : start + len(batch)] = torch.cat((batch, torch.stack([step.cpu() for step in steps], 1)), 1)
-    return text_draft_data(target, tokens, feature_layers, bars)
+        rows = slice(start, start + batch_size)
+        batch = prompts[rows]
+        cache = target.new_cache(len(batch), length)
+        while cache.length < length:  # the prompt (LOGIT_ROWS positions a read), then each token the target chose
+            at = cache.length
+            if at < prompt_len:
+                read = batch[:, at : at + max(1, LOGIT_ROWS // len(batch))]
+            else:
+                read = data.choices[rows, at - 1 : at]
+                data.tokens[rows, at] = read[:, 0]
+            logits, seen = target.forward_with_features(read, cache, feature_layers)
+            _keep(data, rows, slice(at, cache.length), logits, seen, soft_labels)
+    return data
 
 
 @torch.no_grad()
 def text_draft_data(
-    target: Transformer, tokens: torch.Tensor, feature_layers: tuple[int, ...], bars: Bars = QUIET
+    target: Transformer,
+    tokens: torch.Tensor,
+    feature_layers: tuple[int, ...],
+    bars: Bars = QUIET,
+    soft_labels: int = 0,
 ) -> DraftData:
-    """The target's features and greedy choices at every position of ``tokens`` ``(N, n)``, read in one forward
-    pass each (teacher-forced: the text, not the target's own continuation of it)."""
+    """The target's features, greedy choices and ``soft_labels`` likeliest tokens (none: 0) at every position of
+    ``tokens`` ``(N, n)``, read in one forward pass each (teacher-forced: the text, not the target's own
+    continuation of it)."""
     length = tokens.shape[1]
-    choices = torch.empty(len(tokens), length, dtype=torch.long)
-    features = torch.empty(len(tokens), length, len(feature_layers) * target.args.dim, dtype=torch.bfloat16)
-    for row in bars.track(range(0, len(tokens), FEATURE_ROWS), "draft head: target features", None):
-        text = tokens[row : row + FEATURE_ROWS]
+    data = _empty_data(len(tokens), length, len(feature_layers) * target.args.dim, soft_labels)
+    data.tokens.copy_(tokens)
+    per_read = max(1, LOGIT_ROWS // length)
+    for row in bars.track(range(0, len(tokens), per_read), "draft head: target features", None):
+        text = tokens[row : row + per_read]
         logits, seen = target.forward_with_features(text, target.new_cache(len(text), length), feature_layers)
-        features[row : row + len(text)] = seen.to(torch.bfloat16).cpu()
-        choices[row : row + len(text)] = logits.argmax(-1).cpu()
-    return DraftData(tokens, features, choices)
+        _keep(data, slice(row, row + len(text)), slice(0, length), logits, seen, soft_labels)
+    return data
+
+
+def _empty_data(sequences: int, length: int, width: int, soft_labels: int) -> DraftData:
+    shape = (sequences, length)
+    return DraftData(
+        torch.empty(shape, dtype=torch.long),
+        torch.empty(*shape, width, dtype=torch.bfloat16),
+        torch.empty(shape, dtype=torch.long),
+        torch.empty(*shape, soft_labels, dtype=torch.int32) if soft_labels else None,
+        torch.empty(*shape, soft_labels, dtype=torch.bfloat16) if soft_labels else None,
+    )
+
+
+def _keep(
+    data: DraftData, rows: slice, positions: slice, logits: torch.Tensor, features: torch.Tensor, soft_labels: int
+) -> None:
+    """The target's features, choices and likeliest tokens where it read ``rows`` at ``positions``."""
+    data.features[rows, positions] = features.to(torch.bfloat16).cpu()
+    data.choices[rows, positions] = logits.argmax(-1).cpu()
+    for row, scores in enumerate(logits.float() if soft_labels else ()):  # a sequence at a time: its logsumexp
+        top = scores.topk(soft_labels, -1)
+        probs = (top.values - scores.logsumexp(-1, keepdim=True)).exp()
+        data.top_tokens[rows.start + row, positions] = top.indices.cpu().to(torch.int32)
+        data.top_probs[rows.start + row, positions] = probs.cpu().to(torch.bfloat16)
 
 
 def draft_vocabulary(choices: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
@@ -146,22 +194,55 @@ def training_time_outputs(
         hidden = F.pad(out[:, :-1], (0, 0, 1, 0))  # position t reads the output at t - 1
 
 
+SoftLabels = tuple[torch.Tensor, torch.Tensor]  # draft rows (IGNORE: outside) and probabilities, (batch, n, K)
+
+
 def training_time_test(
-    head: Eagle3Head, embeds: torch.Tensor, features: torch.Tensor, rows: torch.Tensor, steps: int
+    head: Eagle3Head,
+    embeds: torch.Tensor,
+    features: torch.Tensor,
+    rows: torch.Tensor,
+    steps: int,
+    soft: SoftLabels | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """The mean loss over ``steps`` drafting steps and each step's accuracy (``training_time_outputs``); ``rows``:
-    the draft row of the target's choice after token ``t + 1`` (``IGNORE``: none)."""
+    the draft row of the target's choice after token ``t + 1`` (``IGNORE``: none). The loss is the cross-entropy
+    against that choice, or with ``soft`` against the target's distribution over the draft vocabulary (its top
+    tokens there, renormalized: EAGLE-3's loss), at the positions whose choice the draft vocabulary holds."""
     losses, accuracies = [], []
     for j, out in enumerate(training_time_outputs(head, embeds, features, steps)):
         logits, want = head.logits(out[:, j:]), rows[:, j:]  # a chain of j steps starts at a position >= 0
-        losses.append(F.cross_entropy(logits.flatten(0, 1), want.flatten(), ignore_index=IGNORE))
         scored = want != IGNORE
+        if soft is None:
+            losses.append(F.cross_entropy(logits.flatten(0, 1), want.flatten(), ignore_index=IGNORE))
+        else:
+            losses.append(soft_cross_entropy(logits, soft[0][:, j:], soft[1][:, j:], scored))
         accuracies.append(float((logits.argmax(-1) == want)[scored].float().mean()) if scored.any() else 0.0)
     return torch.stack(losses).mean(), accuracies
 
 
-def batches(data: DraftData, target: Transformer, head: Eagle3Head, batch_size: int, shuffle: torch.Generator | None):
-    """``training_time_test``'s inputs, ``batch_size`` sequences at a time (in a random order with ``shuffle``)."""
+def soft_cross_entropy(
+    logits: torch.Tensor, top_rows: torch.Tensor, top_probs: torch.Tensor, scored: torch.Tensor
+) -> torch.Tensor:
+    """``-sum p log q`` over the draft rows ``top_rows`` ``(..., K)`` the target gives probabilities ``top_probs``
+    (renormalized over those the draft vocabulary holds), averaged over the ``scored`` positions."""
+    kept = torch.where(top_rows != IGNORE, top_probs, 0.0)
+    p = kept / kept.sum(-1, keepdim=True).clamp_min(1e-12)
+    logq = logits.log_softmax(-1).gather(-1, top_rows.clamp_min(0))
+    per_position = -(p * logq).sum(-1)
+    return per_position[scored].mean() if scored.any() else logits.sum() * 0.0
+
+
+def batches(
+    data: DraftData,
+    target: Transformer,
+    head: Eagle3Head,
+    batch_size: int,
+    shuffle: torch.Generator | None,
+    soft_labels: int = 0,
+):
+    """``training_time_test``'s inputs, ``batch_size`` sequences at a time (in a random order with ``shuffle``);
+    the target's top ``soft_labels`` tokens where ``data`` has them, else None."""
     order = (
         torch.randperm(len(data.tokens), generator=shuffle) if shuffle is not None else torch.arange(len(data.tokens))
     )
@@ -172,7 +253,11 @@ def batches(data: DraftData, target: Transformer, head: Eagle3Head, batch_size: 
         with torch.no_grad():
             embeds = target.tok_embeddings(tokens[:, 1:].to(target.device)).float().cpu()
         rows = draft_rows(data.choices[index][:, 1:], head.draft_tokens, vocab)
-        yield embeds, data.features[index][:, :-1].float(), rows
+        soft = None
+        if soft_labels and data.top_tokens is not None:
+            top = data.top_tokens[index][:, 1:, :soft_labels].long()
+            soft = (draft_rows(top, head.draft_tokens, vocab), data.top_probs[index][:, 1:, :soft_labels].float())
+        yield embeds, data.features[index][:, :-1].float(), rows, soft
 
 
 @dataclass
@@ -182,6 +267,7 @@ class DraftHeadTraining:
     lr: float = 1e-3
     batch_size: int = 4
     seed: int = 0
+    soft_labels: int = 0  # learn the target's distribution over its top tokens (0: its choice only)
 
 
 def train_draft_head(
@@ -201,12 +287,12 @@ def train_draft_head(
     epoch_losses = []
     for epoch in range(config.epochs):
         seen = []
-        for embeds, features, rows in bars.track(
-            batches(data, target, head, config.batch_size, shuffle),
+        for embeds, features, rows, soft in bars.track(
+            batches(data, target, head, config.batch_size, shuffle, config.soft_labels),
             f"draft head: epoch {epoch + 1}/{config.epochs}",
             math.ceil(len(data.tokens) / config.batch_size),
         ):
-            loss, _ = training_time_test(head, embeds, features, rows, config.steps)
+            loss, _ = training_time_test(head, embeds, features, rows, config.steps, soft)
             if not torch.isfinite(loss):
                 raise LmpressInputError(
                     "draft head training: the loss became NaN or inf (the target's features hold non-finite values?)"
@@ -227,7 +313,7 @@ def step_accuracies(head: Eagle3Head, target: Transformer, data: DraftData, step
     """Each drafting step's accuracy on ``data`` (held out): how often step ``j`` gives the target's choice when
     the steps before it did."""
     sums, count = [0.0] * steps, 0
-    for embeds, features, rows in batches(data, target, head, 8, None):
+    for embeds, features, rows, _ in batches(data, target, head, 8, None):
         _, accuracies = training_time_test(head, embeds, features, rows, steps)
         sums = [s + a * len(embeds) for s, a in zip(sums, accuracies, strict=True)]
         count += len(embeds)

@@ -29,6 +29,8 @@ from torch.nn import functional as F
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import read_speculators, speculators_config, write_speculators
 from lmpress.runtime.attention import apply_rope
+from lmpress.runtime.direct_graph import DirectCalls
+from lmpress.runtime.generate import step_compiler, tensor_meta
 from lmpress.runtime.linears import Build, runtime_linear
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.sample import SamplingConfig, draw, next_token_probs
@@ -184,17 +186,32 @@ class Eagle3Drafter:
     wants_features = True
 
     def __init__(
-        self, head: Eagle3Head, target: Transformer, max_len: int, sampling: SamplingConfig, generator: torch.Generator
+        self,
+        head: Eagle3Head,
+        target: Transformer,
+        max_len: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        step: HeadStep | None = None,
     ) -> None:
         c = head.config
         self.check_fits(head, target)
         head = drafting_head(head) if target.kernels == "cpu" else head
         self.head, self.target, self.sampling, self.generator = head, target, sampling, generator
+        self.step = step or eager_head_step
         self.max_len = max_len
         shape = (1, c.num_key_value_heads, max_len, c.head_dim)
         self.k, self.v = torch.zeros(shape), torch.zeros(shape)
         self.filled = 0  # positions whose entries come from the target's features
         self.pending: list[torch.Tensor] = []  # target features of the next positions, not yet read
+
+    @torch.no_grad()  # as the drafter's steps run: a graph traced with gradients would be another graph
+    def compile_steps(self) -> None:
+        """Run the head's step over one position and over two on this drafter's cache, so a compiled step has both
+        its graphs before a timed run (a drafter reading a text starts from ``read_prompt``)."""
+        width = self.head.config.hidden_size
+        for n in (1, 2):
+            self.step(self.head, torch.zeros(1, n, width), torch.zeros(1, n, width), torch.arange(n), self.k, self.v)
 
     @staticmethod
     def check_fits(head: Eagle3Head, target: Transformer) -> None:
@@ -230,45 +247,112 @@ class Eagle3Drafter:
         start, n = self.filled, features.shape[0]
         if start + n != len(seq) - 1:
             raise ValueError(f"the target's features reach position {start + n - 1}; the text needs {len(seq) - 2}")
-        hidden = self.head.fc(features)[None]
-        out = self._step(seq[start + 1 :], hidden, start)[:, -1:]
+        out, scores = self._read(seq[start + 1 :], self.head.fc(features)[None], start)
         self.filled = len(seq) - 1
         drafts: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            token, q = self._choose(out, seq + drafts)
+            token, q = self._choose(scores, seq + drafts)
             drafts.append(token)
             if q is not None:
                 probs.append(q)
             if i + 1 < k:
-                out = self._step([token], out, self.filled + i)
+                out, scores = self._read([token], out, self.filled + i)
         return drafts, torch.stack(probs) if probs else None
 
-    def _step(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
-        """Read ``tokens`` with ``hidden`` ``(1, n, hidden)`` at positions ``start...``: the layer's outputs."""
+    def _read(self, tokens: list[int], hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read ``tokens`` with ``hidden`` ``(1, n, hidden)`` at positions ``start...``: the last position's output
+        ``(1, 1, hidden)`` and its scores over the draft vocabulary ``(1, draft_vocab)``."""
         n = len(tokens)
         if start + n > self.max_len:
             raise LmpressInputError(f"{start + n} positions exceed the draft head's cache of {self.max_len}")
         ids = torch.tensor([tokens], device=self.target.device)
         embeds = self.target.tok_embeddings(ids).float().cpu()
-        positions = torch.arange(start, start + n)
-        q, k, v, residual = self.head.qkv(embeds, hidden, positions)
-        self.k[:, :, start : start + n], self.v[:, :, start : start + n] = k, v
-        keys, values = self.head.repeat_kv(self.k[:, :, : start + n]), self.head.repeat_kv(self.v[:, :, : start + n])
-        mask = torch.arange(start + n)[None, :] <= positions[:, None]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.head.finish(attended, residual)
+        return self.step(self.head, embeds, hidden, torch.arange(start, start + n), self.k, self.v)
 
-    def _choose(self, hidden: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor | None]:
-        """The next draft from the head's output ``(1, 1, hidden)``, and the distribution it was drawn from over
+    def _choose(self, scores: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The next draft from the head's scores ``(1, draft_vocab)``, and the distribution it was drawn from over
         the target's vocabulary (None where greedy)."""
-        scores = self.head.logits(hidden)[0]
         if self.sampling.argmax_only:
             return int(self.head.draft_tokens[int(scores.argmax())]), None
         whole = scores.new_full((1, self.head.config.vocab_size), float("-inf"))
         whole[:, self.head.draft_tokens] = scores
         q = next_token_probs(whole, self.sampling, torch.tensor([history]))
         return int(draw(q, self.generator)[0]), q[0]
+
+
+def head_step(
+    head: Eagle3Head,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head reading token embeddings ``embeds`` and hidden vectors ``hidden`` ``(1, n, hidden)`` at ``positions``
+    ``(n,)``: its keys and values written into the caches ``(1, kv_heads, slots, head_dim)`` there, each query
+    attending to the slots up to its own position; the last position's output ``(1, 1, hidden)`` and its scores
+    over the draft vocabulary ``(1, draft_vocab)``. Its shapes do not depend on the position (the caches are read
+    whole, later slots masked): the step ``compiled_head_step`` compiles."""
+    q, k, v, residual = head.qkv(embeds, hidden, positions)
+    k_cache.index_copy_(2, positions, k)
+    v_cache.index_copy_(2, positions, v)
+    mask = torch.arange(k_cache.shape[2], device=positions.device) <= positions[:, None]
+    attended = grouped_attention(q[:, :, -1:], k_cache, v_cache, mask[-1:])  # only the last output is read
+    out = head.finish(attended, residual[:, -1:])
+    return out, head.logits(out)[0]
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of queries ``(1, heads, n, head_dim)`` over keys and values ``(1, kv_heads, slots, head_dim)``
+    shared by groups of consecutive query heads (``repeat_kv``'s grouping), where ``mask`` ``(n, slots)`` holds:
+    each group's queries stacked along the query axis, so no key or value is copied per query head."""
+    b, heads, n, d = q.shape
+    group = heads // k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], group * n, d), k, v, attn_mask=mask.repeat(group, 1))
+    return out.reshape(b, heads, n, d)
+
+
+# (head, embeds, hidden, positions, k_cache, v_cache) -> (output, scores): ``head_step``'s arguments and results
+HeadStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_HEAD_STEP_PARAMS = ("head", "embeds", "hidden", "positions", "k_cache", "v_cache")
+
+
+def eager_head_step(
+    head: Eagle3Head,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``head_step`` op by op over the caches' slots up to the last position (none masked)."""
+    filled = int(positions[-1]) + 1
+    return head_step(head, embeds, hidden, positions, k_cache[:, :, :filled], v_cache[:, :, :filled])
+
+
+def compiled_head_step() -> HeadStep:
+    """``head_step`` compiled (on the CPU, where the drafter runs): one graph per head for one position (a chain
+    step) and one, with the count symbolic, for reading several (a round's first step after accepted drafts);
+    each called directly after its first call (``DirectCalls``), as the target's steps are."""
+    compile = step_compiler(None, "inductor")
+    steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def step(head, embeds, hidden, positions, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        if head not in steps:
+            steps[head] = DirectCalls(compile(head_step, positions.device), _HEAD_STEP_PARAMS, fixed=("head",))
+        if embeds.shape[1] > 1:
+            for t, dim in ((embeds, 1), (hidden, 1), (positions, 0)):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+        signature = (tensor_meta(embeds), tensor_meta(hidden))
+        return steps[head](k_cache, signature, head, embeds, hidden, positions, k_cache, v_cache)
+
+    return step
+
+
+def decoding_head_step(compile: bool) -> HeadStep:
+    """The step a draft head drafts with: op by op, or ``compiled_head_step``."""
+    return compiled_head_step() if compile else eager_head_step
 
 
 def drafting_head(head: Eagle3Head) -> Eagle3Head:

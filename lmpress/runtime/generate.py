@@ -327,7 +327,7 @@ def _own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
-def _compiler(mode: str | None, backend: str) -> Callable[[Callable[..., Any], torch.device], Callable[..., Any]]:
+def step_compiler(mode: str | None, backend: str) -> Callable[[Callable[..., Any], torch.device], Callable[..., Any]]:
     """``compile(fn, device)``: a fresh copy of ``fn`` (``_own_copy``) through ``torch.compile(fullgraph=True)``.
 
     Dynamo's guards on the model's ~600 parameters cost ~0.5 ms per call on 2 CPU threads (7% of SmolLM2's W4
@@ -387,7 +387,7 @@ def _cache_tensors(k: list, v: list, side) -> Iterator[torch.Tensor]:
     yield from (*k, *v, *(t for tensors in side for t in tensors))
 
 
-def _meta(t: torch.Tensor | None) -> tuple | None:
+def tensor_meta(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.dtype, t.stride())
 
 
@@ -411,7 +411,7 @@ def compiled_forward(mode: str | None = None, backend: str = "inductor") -> Forw
     model's own forward: the static step's attention is written for a few queries. Plain decoding runs
     ``compiled_step``, which ends in the next token.
     """
-    compile = _compiler(mode, backend)
+    compile = step_compiler(mode, backend)
     steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def step(model: Transformer, tokens: torch.Tensor, k: list, v: list, pad, pos, side, feature_layers=()) -> Any:
@@ -427,7 +427,7 @@ def compiled_forward(mode: str | None = None, backend: str = "inductor") -> Forw
             return symbolic(model, tokens, k, v, pad, pos, side, feature_layers)
         torch._dynamo.mark_static(tokens, 1)  # never generalized to a symbolic count (a cache size may be)
         torch._dynamo.mark_static(pos, 0)
-        signature = (_meta(tokens), feature_layers)  # the graph reads its inputs with the strides it was built for
+        signature = (tensor_meta(tokens), feature_layers)  # the graph reads inputs with the strides it was built for
         return fixed(k[0], signature, model, tokens, k, v, pad, pos, side, feature_layers)
 
     return static_forward(step)
@@ -437,7 +437,7 @@ def compiled_step(mode: str | None = None, backend: str = "inductor") -> StepFn:
     """Plain decoding's step compiled whole (``_static_sample_step``: the model's one-token read and the choice of
     the next token, greedy or sampled, in one graph), one graph per model and cache size; with
     ``mode="reduce-overhead"`` captured in a CUDA graph on a GPU, so a token costs one replay and no host sync."""
-    compile = _compiler(mode, backend)
+    compile = step_compiler(mode, backend)
     steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def step(model: Transformer, tokens, k, v, pad, pos, side, sampling, noise, history) -> torch.Tensor:
@@ -445,7 +445,7 @@ def compiled_step(mode: str | None = None, backend: str = "inductor") -> StepFn:
             compiled = compile_or_not(compile, _static_sample_step, model)
             steps[model] = DirectCalls(compiled, _SAMPLE_STEP_PARAMS, fixed=("model",))
         _keep_in_place(mode, (*_cache_tensors(k, v, side), history))
-        signature = (_meta(tokens), sampling, _meta(noise), _meta(history))
+        signature = (tensor_meta(tokens), sampling, tensor_meta(noise), tensor_meta(history))
         return steps[model](k[0], signature, model, tokens, k, v, pad, pos, side, sampling, noise, history)
 
     return static_step(step)

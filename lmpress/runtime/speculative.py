@@ -20,7 +20,7 @@ import torch
 from lmpress.errors import LmpressInputError
 from lmpress.memory import trims_heap_after
 from lmpress.runtime.attention import FEW_QUERIES
-from lmpress.runtime.eagle3 import Eagle3Drafter, Eagle3Head
+from lmpress.runtime.eagle3 import Eagle3Drafter, Eagle3Head, HeadStep
 from lmpress.runtime.generate import (
     ForwardFn,
     StopCriteria,
@@ -271,15 +271,20 @@ def compile_rounds(
     prompt_len: int,
     max_new_tokens: int,
     draft_head: Eagle3Head | None = None,
+    head_step: HeadStep | None = None,
 ) -> None:
     """Compile every read a speculative decode with these sizes may make through ``forward`` (the target's
     verifications of up to ``K_MAX`` drafts, with a draft head's features where it drafts; the draft's steps of
-    one or two tokens), so none compiles inside a timed run."""
+    one or two tokens; the head's steps through ``head_step``, one position and several), so none compiles inside
+    a timed run."""
     capacity = cache_slots(target, prompt_len, max_new_tokens)
     layers = draft_head.config.feature_layers if draft_head is not None else ()
     compile_reads(forward, target, capacity, range(1, K_MAX + 2), layers)
     if draft is not None:
         compile_reads(forward, draft, min(capacity, draft.args.max_seq_len), (1, 2))
+    if draft_head is not None and head_step is not None:
+        greedy = SamplingConfig(temperature=0.0)
+        Eagle3Drafter(draft_head, target, capacity, greedy, torch.Generator(), head_step).compile_steps()
 
 
 class AdaptiveK:
@@ -369,6 +374,7 @@ def speculative_decode(
     stats: SpeculativeStats | None = None,
     forward: ForwardFn = model_forward,
     draft_head: Eagle3Head | None = None,
+    head_step: HeadStep | None = None,
 ) -> Iterator[int]:
     """Yield the target's tokens as rounds accept them: from ``draft``, an EAGLE-3 ``draft_head`` reading the
     target's features, or ``prompt_lookup`` when neither is given.
@@ -376,7 +382,8 @@ def speculative_decode(
     The prefill reads the prompt into the draft's cache as well as the target's, before the first
     token. Same stopping rules and token budget as ``generate_tokens``; ``stats`` (if given)
     is filled in as it runs: acceptance rate and tokens per target step. ``forward`` runs the
-    draft's steps and the target's verifying reads (e.g. ``compiled_forward()``).
+    draft's steps and the target's verifying reads (e.g. ``compiled_forward()``), ``head_step`` a draft head's
+    (e.g. ``compiled_head_step()``; default: op by op).
     """
     sampling = sampling or SamplingConfig()
     batch = as_batch(prompt)
@@ -394,7 +401,7 @@ def speculative_decode(
     capacity = cache_slots(target, len(seq), max_new_tokens)
     n_new = capacity - len(seq) + 1  # as many tokens as plain decoding would give
     if draft_head is not None:
-        drafter = Eagle3Drafter(draft_head, target, capacity, sampling, generator)
+        drafter = Eagle3Drafter(draft_head, target, capacity, sampling, generator, head_step)
     elif draft is not None:
         drafter = ModelDrafter(draft, capacity, sampling, generator, forward)
     else:

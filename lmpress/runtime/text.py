@@ -21,7 +21,7 @@ from lmpress.data import BUILTIN_PYTHON_DOCS, load_text
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
 from lmpress.memory import return_freed_memory
-from lmpress.runtime.eagle3 import Eagle3Head, load_draft_head
+from lmpress.runtime.eagle3 import Eagle3Head, decoding_head_step, load_draft_head
 from lmpress.runtime.generate import cache_length, compile_steps, decoding_forward, decoding_step, generate_tokens
 from lmpress.runtime.kernels import DEFAULT_CPU_ACTIVATIONS, check_cpu_activations
 from lmpress.runtime.model import MOE_TYPES, Transformer
@@ -292,6 +292,7 @@ def generate_text(
             prompt_lookup=PromptLookupDrafter() if prompt_lookup else None,
             stats=result.speculative,
             forward=decoding_forward(model.device, compile),
+            head_step=decoding_head_step(compile),
             **common,
         )
     else:

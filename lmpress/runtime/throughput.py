@@ -24,7 +24,7 @@ import torch
 
 from lmpress.errors import LmpressInputError
 from lmpress.memory import track_peak_rss
-from lmpress.runtime.eagle3 import Eagle3Head
+from lmpress.runtime.eagle3 import Eagle3Head, decoding_head_step
 from lmpress.runtime.generate import ForwardFn, StepFn, decoding_forward, decoding_step, generate
 from lmpress.runtime.model import Transformer
 from lmpress.runtime.speculative import PromptLookupDrafter, SpeculativeStats, compile_rounds, speculative_decode
@@ -227,11 +227,12 @@ def bench_speculative(
     decoding, the two timed in turn (``interleaved_generation_times``; ``plain``, the plain row timed before, is
     reported beside).
 
-    With ``settings.compile`` the draft's steps and the target's verifying forwards are compiled,
-    as the plain steps are."""
+    With ``settings.compile`` the draft's (or the draft head's) steps and the target's verifying forwards are
+    compiled, as the plain steps are."""
     stats = SpeculativeStats()
     forward = forward or decoding_forward(model.device, settings.compile)
     step = step or decoding_step(model.device, settings.compile)
+    head_step = decoding_head_step(settings.compile)
 
     def run_plain(n: int) -> list[int]:
         return generate(model, prompt, max_new_tokens=n, step=step)[0]
@@ -247,11 +248,12 @@ def bench_speculative(
             stats=record,
             forward=forward,
             draft_head=draft_head,
+            head_step=head_step,
         )
         return list(tokens)
 
     if settings.compile:
-        compile_rounds(forward, model, draft, len(prompt), settings.new_tokens, draft_head)
+        compile_rounds(forward, model, draft, len(prompt), settings.new_tokens, draft_head, head_step)
     times = interleaved_generation_times(
         {"plain": run_plain, "speculative": run}, settings.new_tokens, settings.repeats, model.device
     )

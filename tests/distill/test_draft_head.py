@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from lmpress.distill.draft_head import (
+    IGNORE,
     DraftHeadTraining,
     capture_draft_data,
     draft_vocabulary,
     initialize_from_target,
+    soft_cross_entropy,
     step_accuracies,
     train_draft_head,
     training_time_outputs,
@@ -52,29 +54,33 @@ def test_training_time_test_computes_what_the_drafter_computes(eight_layers, mon
     for start in (0, 5, 12):  # the last position whose features the drafter has
         drafter = Eagle3Drafter(head, target, 32, SamplingConfig(temperature=0.0), torch.Generator())
         with torch.no_grad():
-            out = drafter._step(tokens[1 : start + 2].tolist(), drafting.fc(features[None, : start + 1]), 0)[:, -1:]
+            out, _ = drafter._read(tokens[1 : start + 2].tolist(), drafting.fc(features[None, : start + 1]), 0)
             torch.testing.assert_close(out[0, 0], outputs[0][0, start], atol=tolerance, rtol=tolerance)
             for j in (1, 2):
-                out = drafter._step([int(tokens[start + 1 + j])], out, start + j)
+                out, _ = drafter._read([int(tokens[start + 1 + j])], out, start + j)
                 torch.testing.assert_close(out[0, 0], outputs[j][0, start + j], atol=tolerance, rtol=tolerance)
 
 
-def test_a_trained_head_drafts_the_targets_choices_on_held_out_prompts():
-    """A random target over 32 tokens (its choices learnable from 48 continuations); a draft vocabulary of 24."""
+@pytest.mark.parametrize("soft_labels", [0, 8])
+def test_a_trained_head_drafts_the_targets_choices_on_held_out_prompts(soft_labels):
+    """A random target over 32 tokens (its choices learnable from 48 continuations); a draft vocabulary of 24;
+    learning the target's choices only, or its distribution over its 8 likeliest tokens."""
     hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=32)
     target = Transformer.from_hf(hf)
     prompts = torch.randint(3, 32, (56, 8), generator=torch.Generator().manual_seed(1))
     config = Eagle3Config.for_target(target, hf.config, 24)
-    data = capture_draft_data(target, prompts, 32, config.feature_layers)
+    data = capture_draft_data(target, prompts, 32, config.feature_layers, soft_labels=soft_labels)
     train, held_out = data.split(8)
     torch.manual_seed(0)
     head = Eagle3Head(config)
     head.draft_tokens.copy_(draft_vocabulary(train.choices, 24, 32))
     initialize_from_target(head, hf)
     before = step_accuracies(head, target, held_out, 3)
-    losses = train_draft_head(head, target, train, DraftHeadTraining(epochs=4, steps=3, lr=3e-3))
+    training = DraftHeadTraining(epochs=4, steps=3, lr=3e-3, soft_labels=soft_labels)
+    losses = train_draft_head(head, target, train, training)
     after = step_accuracies(head, target, held_out, 3)
-    assert losses[-1] < 0.5 * losses[0]
+    # the soft loss keeps the target's own entropy over its top tokens: it cannot fall as far
+    assert losses[-1] < (0.5 if not soft_labels else 0.8) * losses[0], losses
     assert all(a > b + 0.15 for a, b in zip(after, before, strict=True)), (before, after)
 
     stats = SpeculativeStats()
@@ -119,15 +125,17 @@ def test_rows_the_target_could_not_give_are_learned(monkeypatch):
     assert summary["lm_head"] == "trained" and not torch.equal(head.lm_head.weight, untrained)
 
 
-def test_the_capture_keeps_each_continuations_features_and_choices(eight_layers):
-    """Six prompts in one generation batch, their features read FEATURE_ROWS sequences at a time: each sequence's
-    features and choices are what the target computes over that sequence alone."""
-    from lmpress.distill.draft_head import FEATURE_ROWS
+def test_the_capture_keeps_each_continuations_features_and_choices(eight_layers, monkeypatch):
+    """Six prompts in one generation batch, their prompts read a few positions at a time (LOGIT_ROWS), then one token
+    a step: each sequence's features, choices and likeliest tokens are what the target computes over that sequence
+    alone."""
+    from lmpress.distill import draft_head
 
     hf, target = eight_layers
     layers = Eagle3Config.for_target(target, hf.config, 64).feature_layers
-    prompts = torch.randint(3, 256, (FEATURE_ROWS + 2, 6), generator=torch.Generator().manual_seed(3))
-    data = capture_draft_data(target, prompts, 5, layers, batch_size=8)
+    prompts = torch.randint(3, 256, (6, 6), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(draft_head, "LOGIT_ROWS", 16)  # the prompts in reads of 2 positions
+    data = capture_draft_data(target, prompts, 5, layers, batch_size=8, soft_labels=4)
     assert data.tokens.shape == data.choices.shape == (6, 11) and data.features.shape == (6, 11, 3 * target.args.dim)
     for row, text in enumerate(data.tokens):
         assert text[:6].tolist() == prompts[row].tolist()
@@ -136,6 +144,33 @@ def test_the_capture_keeps_each_continuations_features_and_choices(eight_layers)
         # a batch of sequences sums in another order: one bfloat16 step apart at most
         torch.testing.assert_close(data.features[row].float(), features[0].float(), rtol=2**-7, atol=1e-6)
         assert data.choices[row].tolist() == logits[0].argmax(-1).tolist()
+        probs = logits[0].float().softmax(-1)
+        assert data.top_tokens[row, :, 0].tolist() == data.choices[row].tolist()  # the likeliest first
+        torch.testing.assert_close(
+            data.top_probs[row].float(), probs.gather(-1, data.top_tokens[row].long()), rtol=2**-7, atol=1e-6
+        )
+        assert (data.top_probs[row, :, :-1] >= data.top_probs[row, :, 1:]).all()
+
+
+def test_the_soft_loss_is_the_cross_entropy_to_the_targets_renormalized_distribution():
+    """Against torch's cross-entropy with probability targets: the target's top tokens outside the draft vocabulary
+    dropped and the rest renormalized; with one token at probability 1 it is the hard cross-entropy; positions not
+    scored do not count."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 10)
+    top_rows = torch.tensor([[[3, IGNORE, 7], [1, 2, 0]] * 2 + [[4, 5, 6]]] * 2)  # (2, 5, 3)
+    top_probs = torch.tensor([[[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]] * 2 + [[0.4, 0.4, 0.2]]] * 2)
+    scored = torch.tensor([[True, True, True, False, True], [True] * 5])
+    dense = torch.zeros(2, 5, 10)
+    for b, t, i in torch.cartesian_prod(torch.arange(2), torch.arange(5), torch.arange(3)).tolist():
+        if top_rows[b, t, i] != IGNORE:
+            dense[b, t, top_rows[b, t, i]] += top_probs[b, t, i]
+    dense = dense / dense.sum(-1, keepdim=True)
+    want = torch.nn.functional.cross_entropy(logits[scored], dense[scored])
+    torch.testing.assert_close(soft_cross_entropy(logits, top_rows, top_probs, scored), want)
+    one_hot = soft_cross_entropy(logits, top_rows[..., :1].clamp_min(0), torch.ones(2, 5, 1), scored)
+    hard = torch.nn.functional.cross_entropy(logits[scored], top_rows[..., 0].clamp_min(0)[scored])
+    torch.testing.assert_close(one_hot, hard)
 
 
 def test_text_is_read_teacher_forced_and_a_head_learns_from_it(monkeypatch):
@@ -164,3 +199,29 @@ def test_text_is_read_teacher_forced_and_a_head_learns_from_it(monkeypatch):
     stage = DraftHeadConfig(prompts=6, draft_vocab=24, epochs=1, held_out=2)
     _, summary = train_head_for(target, hf, data, stage, config, held_out=held_out)
     assert scored == [held_out] and summary["sequences"] == 6
+
+
+def test_a_resumed_stage_reuses_its_capture_unless_it_lacks_the_soft_labels_asked_for(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from lmpress.distill import draft_head_stage
+    from lmpress.distill.draft_head_stage import DraftHeadConfig
+
+    hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=32)
+    target = Transformer.from_hf(hf)
+    layers = Eagle3Config.for_target(target, hf.config, 24).feature_layers
+    samples = torch.randint(3, 32, (6, 8), generator=torch.Generator().manual_seed(5))
+    ctx = SimpleNamespace(
+        state_dir=tmp_path, resume=True, fingerprint="f", calibration=lambda: samples, bars=draft_head_stage.QUIET
+    )
+    captures = []
+    real = draft_head_stage.capture_draft_data
+    monkeypatch.setattr(
+        draft_head_stage, "capture_draft_data", lambda *a, **k: captures.append(k["soft_labels"]) or real(*a, **k)
+    )
+    for soft_labels in (0, 0, 4, 4, 2, 0):
+        config = DraftHeadConfig(prompts=6, prompt_tokens=4, new_tokens=3, held_out=2, soft_labels=soft_labels)
+        data = draft_head_stage._draft_data(target, config, ctx, layers)
+        assert data.tokens.shape == (6, 7)
+        assert (data.top_tokens is not None and data.top_tokens.shape[-1] >= soft_labels) or soft_labels == 0
+    assert captures == [0, 4]  # a capture with 4 labels serves 2 and none; one without serves none

@@ -14,8 +14,10 @@ from lmpress.runtime.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
     Eagle3Head,
+    compiled_head_step,
     default_feature_layers,
     drafting_head,
+    eager_head_step,
 )
 from lmpress.runtime.generate import generate, model_forward, static_forward
 from lmpress.runtime.model import Transformer
@@ -119,6 +121,47 @@ def test_verification_with_features_steps_through_a_static_forward(eight_layers)
     got = static_forward()(target, torch.tensor([ids[:3]]), cache_b, layers)
     torch.testing.assert_close(got[1], want[1][:, :3], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[0], want[0][:, :3], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("weights", "tolerance"), [("float", 1e-4), ("8-bit", 1e-2)])
+def test_the_compiled_head_step_reads_what_the_op_by_op_step_reads(eight_layers, monkeypatch, weights, tolerance):
+    """The compiled step reads the whole cache with later slots masked, the op-by-op one the filled slots: a round's
+    first step over several positions, chain steps of one, and a second round's first step give the same outputs
+    and scores (to float rounding with float weights; with the drafter's 8-bit weights within a few activation
+    steps: an activation on a rounding boundary moves by a whole int8 step), and both write the same cache."""
+    from lmpress.runtime import eagle3
+
+    hf, target = eight_layers
+    head = head_for(target, hf, 64)
+    if weights == "float":
+        monkeypatch.setattr(eagle3, "drafting_head", lambda h: h)
+    tokens = prompt(seed=6)[:12]
+    drafters = [
+        Eagle3Drafter(head, target, 40, SamplingConfig(temperature=0.0), torch.Generator(), step)
+        for step in (eager_head_step, compiled_head_step())
+    ]
+    features = torch.randn(1, 12, head.fc.in_features)
+    reads = [(tokens[:5], 0), (tokens[5:6], 5), (tokens[6:7], 6), (tokens[7:10], 7), (tokens[10:11], 10)]
+    with torch.no_grad():
+        for part, start in reads:
+            hidden = drafters[0].head.fc(features[:, start : start + len(part)])
+            (out_a, scores_a), (out_b, scores_b) = (d._read(part, hidden, start) for d in drafters)
+            torch.testing.assert_close(out_b, out_a, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(scores_b, scores_a, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(drafters[1].k[:, :, :11], drafters[0].k[:, :, :11], atol=tolerance, rtol=tolerance)
+    assert not drafters[1].k[:, :, 11:].any()
+
+
+def test_greedy_output_identical_to_plain_decoding_with_a_compiled_head_step(eight_layers):
+    hf, target = eight_layers
+    head = head_for(target, hf, 64)
+    step = compiled_head_step()
+    stats = SpeculativeStats()
+    for seed in range(2):
+        ids = prompt(seed=seed)
+        got = speculative_decode(target, ids, draft_head=head, max_new_tokens=32, k=3, head_step=step, stats=stats)
+        assert list(got) == generate(target, ids, max_new_tokens=32)[0]
+    assert stats.drafted > 0
 
 
 @pytest.mark.long
