@@ -319,16 +319,11 @@ _HEAD_STEP_PARAMS = ("head", "embeds", "hidden", "positions", "k_cache", "v_cach
 
 
 def eager_head_step(
-    head: Eagle3Head,
-    embeds: torch.Tensor,
-    hidden: torch.Tensor,
-    positions: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``head_step`` op by op over the caches' slots up to the last position (none masked)."""
+    """``head_step`` op by op over the caches' (keys', values') slots up to the last position: none masked."""
     filled = int(positions[-1]) + 1
-    return head_step(head, embeds, hidden, positions, k_cache[:, :, :filled], v_cache[:, :, :filled])
+    return head_step(head, embeds, hidden, positions, *(cache[:, :, :filled] for cache in caches))
 
 
 def compiled_head_step() -> HeadStep:
