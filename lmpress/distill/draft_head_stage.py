@@ -84,7 +84,8 @@ class DraftHeadConfig(StageConfig):
         width = 3 * shape.hidden  # the three target layers the head reads (default_feature_layers)
         runtime = 4 * shape.vocab * shape.hidden + packed
         features = self.prompts * length * (width * 2 + self.soft_labels * 6)  # bfloat16; int32 ids, bfloat16 p
-        forward = LOGIT_ROWS * (shape.vocab + width) * 4 + length * shape.vocab * 4  # + a sequence's logsumexp
+        forward = LOGIT_ROWS * (shape.vocab + width) * 4
+        forward += length * shape.vocab * 4 if self.soft_labels else 0  # a sequence's logsumexp for its top tokens
         head = width * shape.hidden + 2 * shape.layer_parameters + self.draft_vocab * shape.hidden
         training = 16 * head + self.batch_size * length * (self.steps * 2 * self.draft_vocab + width) * 4
         return runtime + features + max(forward, training)

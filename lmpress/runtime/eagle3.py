@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import read_speculators, speculators_config, write_speculators
-from lmpress.runtime.attention import apply_rope
+from lmpress.runtime.attention import apply_rope, few_query_attention
 from lmpress.runtime.direct_graph import DirectCalls
 from lmpress.runtime.generate import step_compiler, tensor_meta
 from lmpress.runtime.linears import Build, runtime_linear
@@ -298,19 +298,9 @@ def head_step(
     k_cache.index_copy_(2, positions, k)
     v_cache.index_copy_(2, positions, v)
     mask = torch.arange(k_cache.shape[2], device=positions.device) <= positions[:, None]
-    attended = grouped_attention(q[:, :, -1:], k_cache, v_cache, mask[-1:])  # only the last output is read
+    attended = few_query_attention(q[:, :, -1:], k_cache, v_cache, mask[None, None, -1:])  # only the last is read
     out = head.finish(attended, residual[:, -1:])
     return out, head.logits(out)[0]
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of queries ``(1, heads, n, head_dim)`` over keys and values ``(1, kv_heads, slots, head_dim)``
-    shared by groups of consecutive query heads (``repeat_kv``'s grouping), where ``mask`` ``(n, slots)`` holds:
-    each group's queries stacked along the query axis, so no key or value is copied per query head."""
-    b, heads, n, d = q.shape
-    group = heads // k.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], group * n, d), k, v, attn_mask=mask.repeat(group, 1))
-    return out.reshape(b, heads, n, d)
 
 
 # (head, embeds, hidden, positions, k_cache, v_cache) -> (output, scores): ``head_step``'s arguments and results
