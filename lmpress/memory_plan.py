@@ -122,6 +122,9 @@ class ModelShape:
     hidden: int
     vocab: int
     linears: tuple[tuple[str, int, int], ...]  # (full name, out_features, in_features) of every decoder linear
+    layers: int = 0
+    heads: int = 0  # attention's query heads
+    kv_width: int = 0  # one layer's keys (as its values) per token: key-value heads x head size
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
@@ -131,12 +134,17 @@ class ModelShape:
             for name, linear in layer_linears(layer).items():
                 linears.append((f"{index}.{name}", linear.out_features, linear.in_features))
         config = model.config
+        heads = getattr(config, "num_attention_heads", 0) or 0
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
         return cls(
             parameters=sum(p.numel() for p in model.parameters()),
             layer_parameters=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
             hidden=config.hidden_size,
             vocab=config.vocab_size,
             linears=tuple(linears),
+            layers=len(layers),
+            heads=heads,
+            kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
         )
 
     @property

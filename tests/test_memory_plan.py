@@ -373,8 +373,8 @@ def test_learned_rotations_forecast_their_backpropagation(tiny_llama_dir):
 
 def test_a_draft_head_stage_forecasts_the_runtime_copy_its_capture_and_its_training(tiny_llama_dir):
     """The draft head runs the whole quantized target in lmpress's runtime (a copy of its packed weights and its
-    embeddings in float32), keeps every captured feature, and then the larger of a features forward and training;
-    nothing streams."""
+    embeddings in float32), keeps every captured feature, and then the larger of the capture (a batch's KV cache,
+    one read's logits) and training (which grows with the batch and the drafting steps); nothing streams."""
     skeleton = model_skeleton(tiny_llama_dir)
     rtn = stage_config("rtn")(method="rtn", bits=4, group_size=32)
     head = stage_config("draft_head")(method="draft_head", prompts=16, prompt_tokens=8, new_tokens=24, held_out=2)
@@ -386,8 +386,18 @@ def test_a_draft_head_stage_forecasts_the_runtime_copy_its_capture_and_its_train
     shape = ModelShape.of(skeleton)
     packed = drafted.phases["stages"]["quantized"]
     features = 16 * 32 * 3 * shape.hidden * 2
-    assert drafted.phases["stages"]["draft head"] >= 4 * shape.vocab * shape.hidden + packed + features
+    config = skeleton.config
+    assert (shape.layers, shape.heads) == (config.num_hidden_layers, config.num_attention_heads)
+    assert shape.kv_width == config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    cache = 16 * 32 * shape.layers * 2 * shape.kv_width * 4  # float32 keys and values of 16 sequences
+    assert drafted.phases["stages"]["draft head"] >= 4 * shape.vocab * shape.hidden + packed + features + cache
     assert longer.phases["stages"]["draft head"] - drafted.phases["stages"]["draft head"] == 3 * features
+    for update in ({"batch_size": 64}, {"batch_size": 64, "steps": 6}):
+        bigger = forecast_memory(
+            skeleton, tiny_llama_dir, "float32", [rtn, head.model_copy(update=update)], 16, 32, cpu
+        )
+        assert bigger.phases["stages"]["draft head"] > drafted.phases["stages"]["draft head"]
+        drafted = bigger
     assert "draft head" not in alone.phases["stages"] and drafted.ram_bytes > alone.ram_bytes
 
 

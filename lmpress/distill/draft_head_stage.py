@@ -33,6 +33,7 @@ from pydantic import Field
 from torch import nn
 
 from lmpress.distill.draft_head import (
+    CAPTURE_BATCH,
     LOGIT_ROWS,
     DraftData,
     DraftHeadTraining,
@@ -44,6 +45,7 @@ from lmpress.distill.draft_head import (
 )
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
+from lmpress.memory import large_frees_unmapped
 from lmpress.progress import QUIET, Bars
 from lmpress.registry import StageConfig, StageContext, register_stage
 from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, attach_draft_head, draft_head_of, save_draft_head
@@ -78,17 +80,26 @@ class DraftHeadConfig(StageConfig):
 
     def learning_bytes(self, shape: Any, seq_len: int, packed: int = 0) -> int:
         """The runtime's copy of the target (float32 embeddings, its packed weights), the captured features
-        (bfloat16), and the larger of a features forward (its float32 logits) and training (the head with AdamW's
-        state; each drafting step's draft-vocabulary scores and their log-softmax, kept for the backward pass)."""
+        (bfloat16), and the larger of the capture (a batch's KV cache, one read's float32 logits) and training.
+        Training, in float32: the head with AdamW's state (16 bytes a trained parameter, 4 a frozen output row);
+        per sequence and position, the last step's scores, their log-softmax and its gradient, and what each drafting
+        step keeps for the backward pass: its log-softmax, its attention weights (a query head's over the
+        positions), four MLP-wide and about ten hidden-wide tensors. SmolLM2, batches of 4: 512 MiB counted against
+        508-556 MiB measured with large blocks unmapped, 700-760 MiB with glibc's freed heap (docs/recipes.md)."""
         length = self.prompt_tokens + self.new_tokens
+        positions = length - 1  # a sequence's training positions: each reads the next token's embedding
         width = 3 * shape.hidden  # the three target layers the head reads (default_feature_layers)
         runtime = 4 * shape.vocab * shape.hidden + packed
         features = self.prompts * length * (width * 2 + self.soft_labels * 6)  # bfloat16; int32 ids, bfloat16 p
-        forward = LOGIT_ROWS * (shape.vocab + width) * 4
-        forward += length * shape.vocab * 4 if self.soft_labels else 0  # a sequence's logsumexp for its top tokens
-        head = width * shape.hidden + 2 * shape.layer_parameters + self.draft_vocab * shape.hidden
-        training = 16 * head + self.batch_size * length * (self.steps * 2 * self.draft_vocab + width) * 4
-        return runtime + features + max(forward, training)
+        cache = CAPTURE_BATCH * length * shape.layers * 2 * shape.kv_width * 4
+        capture = cache + LOGIT_ROWS * (shape.vocab + width) * 4
+        capture += length * shape.vocab * 4 if self.soft_labels else 0  # a sequence's logsumexp for its top tokens
+        output_rows = self.draft_vocab * shape.hidden
+        trained = width * shape.hidden + 2 * shape.layer_parameters + (output_rows if self.train_lm_head else 0)
+        per_step = self.draft_vocab + shape.heads * positions + 4 * shape.widest_input + 10 * shape.hidden
+        activations = self.batch_size * positions * 4 * (3 * self.draft_vocab + self.steps * per_step)
+        training = 16 * trained + (0 if self.train_lm_head else 4 * output_rows) + activations
+        return runtime + features + max(capture, training)
 
     def training_texts(self, data_source: str) -> list[str]:
         return [data_source]  # the prompts the target continues
@@ -174,9 +185,12 @@ def run_draft_head(model: nn.Module, config: DraftHeadConfig, ctx: StageContext)
     began = time.perf_counter()
     target = Transformer.from_hf(model)  # the compressed model as lmpress's runtime runs it (its CPU kernels)
     head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
-    data = _draft_data(target, config, ctx, head_config.feature_layers)
-    captured = time.perf_counter()
-    head, summary = train_head_for(target, model, data, config, head_config, ctx.bars)
+    # every decode step and training step frees buffers of a few MiB between long-lived ones: held as freed heap
+    # they cost the stage 150-250 MiB of its peak (SmolLM2, 32 prompts: training 700 -> 556 MiB over the capture)
+    with large_frees_unmapped():
+        data = _draft_data(target, config, ctx, head_config.feature_layers)
+        captured = time.perf_counter()
+        head, summary = train_head_for(target, model, data, config, head_config, ctx.bars)
     attach_draft_head(model, head)
     return {**summary, "capture_seconds": captured - began, "train_seconds": time.perf_counter() - captured}
 
