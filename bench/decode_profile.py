@@ -4,6 +4,7 @@
                                                     # --head float --float-dtype bfloat16), 2 threads
     python bench/decode_profile.py RUN/compressed-tensors --threads 2 --steps 128
     python bench/decode_profile.py ARTIFACT --prompt-tokens 4000 --kv-cache int8 --results DIR   # a long cache
+    python bench/decode_profile.py --read 4         # a verifying read of 4 tokens (speculative decoding, 3 drafts)
 
 One command diagnoses a host kind: results go to ``bench/results/decode_profile.{json,md}``, one entry per host
 (CPU model and instruction sets, as ``bench/runtime_hosts.py`` names it); a run replaces only its own host's.
@@ -18,7 +19,10 @@ One command diagnoses a host kind: results go to ``bench/results/decode_profile.
   the step's time without the profiler.
 
 Each figure is ms per decode step at the prompt's length (``--prompt-tokens``, default 128), medians over
-``--steps`` steps (eager) or their mean (profiler). Nothing else should run meanwhile.
+``--steps`` steps (eager) or their mean (profiler). Nothing else should run meanwhile. ``--read N`` profiles a
+read of N tokens in place of the one-token step (what speculative decoding's target pays to verify N - 1
+drafts), its slots written again at every step so each reads the same cache; its entry sits beside the host's
+one-token entry. Profile both in one sitting to compare them: a host's speed moves by tens of percent in an hour.
 """
 
 from __future__ import annotations
@@ -77,19 +81,31 @@ def part_timers(model: torch.nn.Module) -> tuple[dict[str, list[float]], list[An
     return step, hooks
 
 
-def eager_parts(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> dict[str, float]:
-    """ms per step of each part (linears taken out of attention and feed-forward), medians over ``steps``."""
+def next_tokens(model: torch.nn.Module, forward: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+    """One step: a decode step (one token: the cache grows by it), or a read of several tokens whose slots the
+    next step writes again (the cache keeps its length); the tokens the next step reads."""
+    length = cache.length
+    chosen = forward(model, tokens, cache).argmax(-1)
+    if tokens.shape[1] == 1:
+        return chosen
+    cache.truncate(length)
+    return chosen
+
+
+def eager_parts(model: torch.nn.Module, prompt: torch.Tensor, steps: int, read: int = 1) -> dict[str, float]:
+    """ms per step (a read of ``read`` tokens) of each part (linears taken out of attention and feed-forward),
+    medians over ``steps``."""
     from lmpress.runtime.generate import prefill, static_forward
 
     forward = static_forward()
     step, hooks = part_timers(model)
     per_step: dict[str, list[float]] = defaultdict(list)
-    cache = model.new_cache(1, prompt.shape[1] + steps + 8)
-    token = prefill(model, prompt, cache).argmax(-1)
+    cache = model.new_cache(1, prompt.shape[1] + steps + 8 + read)
+    tokens = prefill(model, prompt, cache).argmax(-1)[:, None].repeat(1, read)
     for _ in range(steps):
         step.clear()
         began = time.perf_counter()
-        token = forward(model, token[:, None], cache)[:, -1].argmax(-1)
+        tokens = next_tokens(model, forward, tokens, cache)
         total = time.perf_counter() - began
         for where in ("attention", "feed-forward"):
             inner = sum(v for k, v in step.items() if k.startswith(f"linears in {where}"))
@@ -103,24 +119,25 @@ def eager_parts(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> dic
     return {part: 1e3 * statistics.median(values) for part, values in per_step.items()}
 
 
-def compiled_ops(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> dict[str, float]:
-    """ms per step of each op the compiled step calls (self time), the rest and the step without the profiler."""
+def compiled_ops(model: torch.nn.Module, prompt: torch.Tensor, steps: int, read: int = 1) -> dict[str, float]:
+    """ms per step (a read of ``read`` tokens) of each op the compiled step calls (self time), the rest and the
+    step without the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lmpress.runtime.generate import decode_with, decoding_forward, prefill
+    from lmpress.runtime.generate import decoding_forward, prefill
 
-    decode = decode_with(decoding_forward(model.device, compile=True))
-    cache = model.new_cache(1, prompt.shape[1] + 3 * steps + 16)
-    token = prefill(model, prompt, cache).argmax(-1)
+    forward = decoding_forward(model.device, compile=True)
+    cache = model.new_cache(1, prompt.shape[1] + 3 * steps + 16 + read)
+    tokens = prefill(model, prompt, cache).argmax(-1)[:, None].repeat(1, read)
     for _ in range(8):  # compiles, then warms up
-        token = decode(model, token, cache).argmax(-1)
+        tokens = next_tokens(model, forward, tokens, cache)
     began = time.perf_counter()
     for _ in range(steps):
-        token = decode(model, token, cache).argmax(-1)
+        tokens = next_tokens(model, forward, tokens, cache)
     step = (time.perf_counter() - began) / steps
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            token = decode(model, token, cache).argmax(-1)
+            tokens = next_tokens(model, forward, tokens, cache)
     ops = {
         FUSED if e.key.startswith("## Call CompiledFxGraph") else e.key: e.self_cpu_time_total / 1e3 / steps
         for e in prof.key_averages()
@@ -138,7 +155,7 @@ def render(hosts: dict[str, Any]) -> str:
         meta = entry["meta"]
         pages.append(
             f"## {key}\n\n{meta['artifact']}; {meta['threads']} threads, {meta['prompt_tokens']}-token prompt, "
-            f"{meta.get('kv_cache', 'float')} KV cache, "
+            f"{meta.get('kv_cache', 'float')} KV cache, {meta.get('read', 1)}-token reads, "
             f"{meta['steps']} steps, {meta['when']}, load average {meta['load']}.\n"
         )
         eager = entry["eager"]
@@ -168,6 +185,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--kv-cache", choices=("int8", "int4", "fp8"), help="quantize the cache (default float)")
+    parser.add_argument("--read", type=int, default=1, help="tokens a step reads (4: verifying 3 drafts)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not args.artifact.is_dir():
@@ -184,8 +202,8 @@ def main() -> None:
     ids = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.args.vocab_size, (1, args.prompt_tokens), generator=ids)
     with torch.inference_mode():
-        eager = eager_parts(model, prompt, args.steps)
-        compiled = compiled_ops(model, prompt, args.steps)
+        eager = eager_parts(model, prompt, args.steps, args.read)
+        compiled = compiled_ops(model, prompt, args.steps, args.read)
     host = cpu_identity()
     meta = {
         "host": host,
@@ -194,11 +212,13 @@ def main() -> None:
         "steps": args.steps,
         "prompt_tokens": args.prompt_tokens,
         "kv_cache": args.kv_cache or "float",
+        "read": args.read,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load": f"{os.getloadavg()[0]:.2f}",
     }
     entry = {"meta": meta, "eager": eager, "compiled": compiled}
-    print(file_host_entry(args.results / "decode_profile.json", host["key"], entry, render))
+    key = host["key"] if args.read == 1 else f"{host['key']}, {args.read}-token reads"
+    print(file_host_entry(args.results / "decode_profile.json", key, entry, render))
 
 
 if __name__ == "__main__":

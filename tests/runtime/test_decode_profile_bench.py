@@ -38,3 +38,23 @@ def test_parts_of_an_eager_step_add_up_to_it():
         }
     )
     assert "attention without its linears" in page and "| op | 1.000 | 50% |" in page
+
+
+def test_a_read_of_several_tokens_is_profiled_on_the_same_cache_at_every_step():
+    """``--read 4`` (a verifying read): each step reads 4 tokens after the same cache, its slots written again the
+    next step; a one-token step grows the cache as decoding does."""
+    from lmpress.runtime.generate import prefill, static_forward
+
+    model = Transformer.from_hf(tiny_hf_model("llama"))
+    prompt = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    forward = static_forward()
+    with torch.inference_mode():
+        cache = model.new_cache(1, 20)
+        prefill(model, prompt, cache)
+        read = decode_profile.next_tokens(model, forward, torch.tensor([[5, 6, 7, 8]]), cache)
+        again = decode_profile.next_tokens(model, forward, torch.tensor([[5, 6, 7, 8]]), cache)
+        assert cache.length == 12 and read.shape == (1, 4) and torch.equal(read, again)
+        decode_profile.next_tokens(model, forward, read[:, :1], cache)
+        assert cache.length == 13
+        parts = decode_profile.eager_parts(model, prompt, steps=3, read=4)
+    assert parts["step"] > 0 and any(p.startswith("head (") for p in parts)
