@@ -347,7 +347,10 @@ def forecast_memory(
     float32_layer = {"float32 layer": 4 * max(shape.layer_parameters, shape.vocab * shape.hidden)} if widened else {}
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
-    candidate = float_model - replaced + quantized  # the stages' result: its float parts and its packed codes
+    # A tied table counted once among the parameters and replaced as the head: the input embedding keeps it float
+    tied = getattr(model.config, "tie_word_embeddings", False) and get_anatomy(model).lm_head in planned
+    kept_table = shape.vocab * shape.hidden * size if tied else 0
+    candidate = float_model - replaced + kept_table + quantized  # the stages' result: float parts, packed codes
     if exports:
         sizes = [float_model if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
         read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked

@@ -216,6 +216,30 @@ def test_run_prints_and_reports_its_forecast(tiny_llama_dir, tmp_path, capsys):
     )
 
 
+def test_a_tied_table_whose_head_is_quantized_stays_in_the_candidate(tiny_llama_dir):
+    """The tiny Llama ties its embedding and head: quantizing the head leaves the table float as the embedding, so
+    the candidate the read-back and the runtime agreement hold is what the quantized model holds (its float
+    parameters and its packed buffers), the table included."""
+    settings = {"bits": 4, "group_size": 32, "overrides": {"lm_head": {"bits": 8, "group_size": -1}}, "ignore": []}
+    rtn = stage_config("rtn")(method="rtn", **settings)
+    skeleton = model_skeleton(tiny_llama_dir)
+    assert skeleton.config.tie_word_embeddings
+    forecast = forecast_memory(
+        skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, torch.device("cpu"), 4 * 64, ["compressed-tensors"], 64
+    )
+    loaded = load_model(str(tiny_llama_dir))
+    quantize_model(loaded.model, method="rtn", **settings)
+    assert isinstance(loaded.model.lm_head, QuantizedLinear)
+    floats = {id(p): p.numel() * p.element_size() for p in loaded.model.parameters()}
+    packed = sum(
+        b.numel() * b.element_size()
+        for m in loaded.model.modules()
+        if isinstance(m, QuantizedLinear)
+        for b in (m.qweight, m.scales, m.zeros)
+    )
+    assert forecast.phases["runtime agreement"]["candidate"] == sum(floats.values()) + packed
+
+
 def test_every_phase_after_the_stages_is_forecast(tiny_llama_dir):
     """With exports, the read-back holds the candidate and the export, the runtime agreement the candidate, the
     read-back export, the runtime's model and both sides' logits over the first window, the candidate eval the
