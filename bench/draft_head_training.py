@@ -119,6 +119,7 @@ def main() -> None:
                 "train_s": round(time.perf_counter() - began),
                 "held_out_step_accuracy": [round(a, 3) for a in summary["held_out_step_accuracy"]],
                 "expected_accept_length": round(summary["held_out_expected_accept_length"], 3),
+                "accept_length": round(summary["held_out_accept_length"], 3),  # as decoding's rounds get it
                 "epoch_losses": [round(x, 3) for x in summary["epoch_losses"]],
             }
             with (RESULTS / "draft_head_training.jsonl").open("a") as f:
@@ -137,9 +138,9 @@ def render(rows: list[dict]) -> str:
         f"keys over the stage's defaults (today batch_size {defaults.batch_size}, lr {defaults.lr}, epochs "
         f"{defaults.epochs}, train_lm_head {str(defaults.train_lm_head).lower()}).",
         "",
-        "| date | host | prompts | variant | labels | held-out step accuracy | tokens per pass (3 drafts) "
-        "| epoch losses | train s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| date | host | prompts | variant | labels | held-out step accuracy | tokens per pass (3 drafts), "
+        "from the accuracies | as decoding's rounds give them | epoch losses | train s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes = sorted({r["note"] for r in rows if r.get("note")})
     for r in rows:
@@ -151,10 +152,11 @@ def render(rows: list[dict]) -> str:
         labels = f"target's top {r['soft_labels']}" if r.get("soft_labels") else "target's choice"
         accuracy = " / ".join(f"{a:.3f}" for a in r["held_out_step_accuracy"])
         losses = " / ".join(f"{x:.2f}" for x in r["epoch_losses"])
+        rounds = f"{r['accept_length']:.3f}" if "accept_length" in r else "not recorded"
         lines.append(
             f"| {r['date']} | {r['host']}, {r['threads']} threads | {r.get('prompts', 256)} | {variant} | {labels} | "
             f"{accuracy} | "
-            f"{r['expected_accept_length']:.3f} | {losses} | {r['train_s']} |"
+            f"{r['expected_accept_length']:.3f} | {rounds} | {losses} | {r['train_s']} |"
         )
     lines += [f"\n{'*' * (i + 1)} {note}." for i, note in enumerate(notes)]
     return "\n".join(lines) + "\n"

@@ -6,9 +6,11 @@ The head: the ``draft_head`` stage's defaults trained on ``bench/draft_head_trai
 head-W8 SmolLM2's own continuations of ``--prompts`` WikiText-2 valid prompts, cached), scored on its 16 held-out
 continuations. A tree keeps the head's top ``b_j`` choices at drafting step ``j`` and continues each kept branch
 as a chain: branching ``(b0, b1, b2)`` drafts ``b0 + b0 b1 + b0 b1 b2`` tokens, verified in one target read of
-that many tokens and one more. A round from position ``s`` accepts step ``j``'s draft when the target's token is
-among the head's top ``b_j`` there and every earlier step's was: the training-time test's chain reads the target's
-own tokens, which is what an accepted branch continues from, so this is measured, not modelled. The target's read
+that many tokens and one more. A round accepts step ``j``'s draft when the target's token is among the head's top
+``b_j`` there and every earlier step's was (the training-time test's chain reads the target's own tokens, which is
+what an accepted branch continues from), and rounds follow each other as decoding runs them
+(``draft_head.decoding_accept_length``: for the chain, the tokens per pass speculative decoding measures on the
+same continuations). The target's read
 of N tokens is timed compiled (the runtime's fixed graphs up to 4 tokens, its symbolic graph beyond), interleaved
 with a one-token step, medians over ``--repeats``. The bound a tree can reach: tokens per pass divided by the read's
 cost in steps (drafting taken as free). Results: ``bench/results/draft_tree.{json,md}``, one entry per host.
@@ -33,11 +35,11 @@ from quant_table import SMOLLM2  # noqa: E402
 from runtime_hosts import cpu_identity, file_host_entry  # noqa: E402
 
 import lmpress  # noqa: E402
-from lmpress.distill.draft_head import batches, training_time_outputs  # noqa: E402
+from lmpress.distill.draft_head import decoding_accept_length, draft_hits  # noqa: E402
 from lmpress.distill.draft_head_stage import DraftHeadConfig, train_head_for  # noqa: E402
 from lmpress.loader import load_model  # noqa: E402
 from lmpress.progress import Bars  # noqa: E402
-from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
+from lmpress.runtime.eagle3 import Eagle3Config  # noqa: E402
 from lmpress.runtime.generate import decoding_forward, prefill  # noqa: E402
 from lmpress.runtime.model import Transformer  # noqa: E402
 
@@ -52,37 +54,6 @@ def drafts_of(branching: tuple[int, ...]) -> int:
         width *= b
         total += width
     return total
-
-
-def accepted_per_pass(hits: list[torch.Tensor]) -> float:
-    """Mean tokens per target pass over every round start: ``hits[j]`` ``(batch, n)`` says whether step ``j``'s
-    draft at each position is accepted given the steps before it were (position ``p`` holds the step of the round
-    that starts at ``p - j``); a pass gives the target's own token plus every draft accepted in a row."""
-    steps, n = len(hits), hits[0].shape[1]
-    starts = n - steps + 1
-    run = torch.ones(hits[0].shape[0], starts, dtype=torch.bool)
-    tokens = torch.ones(hits[0].shape[0], starts)
-    for j, hit in enumerate(hits):
-        run = run & hit[:, j : j + starts]
-        tokens += run.float()
-    return float(tokens.mean())
-
-
-@torch.no_grad()
-def tree_acceptance(head: Eagle3Head, target: Transformer, data, trees: list[tuple[int, ...]]) -> dict:
-    """Tokens per pass of each tree on ``data`` (held out)."""
-    totals = {tree: [0.0, 0] for tree in trees}
-    steps = len(trees[0])
-    for embeds, features, rows, _ in batches(data, target, head, 8, None):
-        ranked = [
-            head.logits(out).topk(max(t[j] for t in trees), -1).indices
-            for j, out in enumerate(training_time_outputs(head, embeds, features, steps))
-        ]
-        for tree in trees:
-            hits = [(ranked[j][..., : tree[j]] == rows[..., None]).any(-1) for j in range(steps)]
-            totals[tree][0] += accepted_per_pass(hits) * len(embeds)
-            totals[tree][1] += len(embeds)
-    return {tree: total / count for tree, (total, count) in totals.items()}
 
 
 @torch.inference_mode()
@@ -143,7 +114,9 @@ def main() -> None:
         data = captured(target, loaded.tokenizer, args.prompts, head_config.feature_layers, bars)
         head, _ = train_head_for(target, model, data, config, head_config, bars)
     head.eval()
-    accepted = tree_acceptance(head, target, data.split(HELD_OUT)[1], TREES)
+    held_out = data.split(HELD_OUT)[1]
+    first = config.prompt_tokens - 1  # decoding's first round drafts after the prompt
+    accepted = {tree: decoding_accept_length(draft_hits(head, target, held_out, 3, tree), first) for tree in TREES}
     counts = [1] + sorted({drafts_of(tree) + 1 for tree in TREES})
     reads = read_times(target, counts, args.repeats)
     rows = []

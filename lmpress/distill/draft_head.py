@@ -17,7 +17,7 @@ what the drafter's cache holds when it drafts there.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -320,6 +320,43 @@ def step_accuracies(head: Eagle3Head, target: Transformer, data: DraftData, step
         sums = [s + a * len(embeds) for s, a in zip(sums, accuracies, strict=True)]
         count += len(embeds)
     return [s / count for s in sums]
+
+
+@torch.no_grad()
+def draft_hits(
+    head: Eagle3Head, target: Transformer, data: DraftData, steps: int, top: Sequence[int] = ()
+) -> Iterator[list[torch.Tensor]]:
+    """Per batch of ``data``, for each drafting step ``j``, whether the target's token after each position is among
+    the head's ``top[j]`` likeliest (default 1: its draft) ``(batch, n)``, every earlier step's having been the
+    target's (the training-time test's chain reads the target's own tokens)."""
+    for embeds, features, rows, _ in batches(data, target, head, 8, None):
+        outputs = training_time_outputs(head, embeds, features, steps)
+        hits = []
+        for j, out in enumerate(outputs):
+            ranked = head.logits(out).topk(top[j] if top else 1, -1).indices
+            hits.append((ranked == rows[..., None]).any(-1))
+        yield hits
+
+
+def decoding_accept_length(batches_of_hits: Iterable[list[torch.Tensor]], first: int) -> float:
+    """Tokens per target pass as decoding gets them from ``draft_hits``: a round drafting at position ``s``
+    accepts step ``j``'s draft (at ``s + j``) while every step so far hit, gives the target's token besides, and the
+    next round drafts after them. Rounds start at ``first`` (the prompt's last position), then wherever the last
+    one left off: after a rejection more often than an average position is, which is why this is lower than the
+    steps' accuracies averaged over every position suggest (SmolLM2 W4, 16 held-out continuations: 1.59, what
+    speculative decoding measured on them, against 1.89 over every position)."""
+    tokens = passes = 0
+    for hits in batches_of_hits:
+        steps, n = len(hits), hits[0].shape[1]
+        for row in zip(*(h.tolist() for h in hits), strict=True):
+            s = first
+            while s + steps <= n:
+                accepted = 0
+                while accepted < steps and row[accepted][s + accepted]:
+                    accepted += 1
+                tokens, passes = tokens + 1 + accepted, passes + 1
+                s += 1 + accepted
+    return tokens / passes if passes else 1.0
 
 
 def initialize_from_target(head: Eagle3Head, hf_model: torch.nn.Module) -> bool:

@@ -38,6 +38,8 @@ from lmpress.distill.draft_head import (
     DraftData,
     DraftHeadTraining,
     capture_draft_data,
+    decoding_accept_length,
+    draft_hits,
     draft_vocabulary,
     initialize_from_target,
     step_accuracies,
@@ -164,6 +166,7 @@ def train_head_for(
     )
     losses = train_draft_head(head, target, train, training, bars)
     accuracies = step_accuracies(head, target, held_out, config.steps)
+    rounds = decoding_accept_length(draft_hits(head, target, held_out, config.steps), config.prompt_tokens - 1)
     expected, run = 1.0, 1.0
     for a in accuracies:  # a round of `steps` drafts: each accepted only after the ones before it
         run *= a
@@ -176,7 +179,8 @@ def train_head_for(
         "tokens": int(data.tokens.numel()),
         "epoch_losses": losses,
         "held_out_step_accuracy": accuracies,
-        "held_out_expected_accept_length": expected,
+        "held_out_expected_accept_length": expected,  # the steps' accuracies alone: decoding gets less
+        "held_out_accept_length": rounds,  # as decoding's rounds get it, on the held-out continuations
     }
 
 

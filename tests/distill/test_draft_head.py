@@ -9,13 +9,17 @@ import torch
 from lmpress.distill.draft_head import (
     IGNORE,
     DraftHeadTraining,
+    batches,
     capture_draft_data,
+    decoding_accept_length,
+    draft_hits,
     draft_vocabulary,
     initialize_from_target,
     soft_cross_entropy,
     step_accuracies,
     train_draft_head,
     training_time_outputs,
+    training_time_test,
 )
 from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from lmpress.runtime.generate import generate
@@ -173,6 +177,42 @@ def test_the_capture_frees_a_batchs_cache_before_the_next_batchs_is_made(eight_l
     target.new_cache = tracked
     capture_draft_data(target, torch.randint(3, 256, (5, 4)), 3, layers, batch_size=2)
     assert len(made) == 3
+
+
+def test_rounds_follow_each_other_as_decoding_runs_them():
+    """A round drafting at s accepts step j's draft (at s + j) while every step so far hit, gives the target's token
+    besides, and the next round drafts after them; rounds start at the prompt's last position and stop where fewer
+    positions than steps are left."""
+    t, f = True, False
+    hits = [  # one sequence, 8 positions, 3 steps
+        torch.tensor([[f, t, f, f, t, t, t, f]]),
+        torch.tensor([[f, f, t, f, f, t, f, f]]),
+        torch.tensor([[f, f, f, f, f, f, t, f]]),
+    ]
+    # from 1: step 0 at 1 hits, step 1 at 2 hits, step 2 at 3 misses -> 3 tokens, next at 4; from 4: step 0 at 4
+    # hits, step 1 at 5 hits, step 2 at 6 hits -> 4 tokens, next at 8: no room for 3 steps
+    assert decoding_accept_length([hits], first=1) == (3 + 4) / 2
+    # from 0: a miss (1 token), then from 1 and 4 as above
+    assert decoding_accept_length([hits], first=0) == (1 + 3 + 4) / 3
+    assert decoding_accept_length([hits, hits], first=0) == (1 + 3 + 4) / 3  # batches pooled by passes
+
+
+def test_draft_hits_count_a_token_among_the_heads_top_choices(eight_layers):
+    """Step j's hit with top b: the target's token is among the head's b likeliest there. Top 1 is the draft (its
+    rate over the positions the draft vocabulary can give is the training-time test's accuracy); top 64, the whole
+    draft vocabulary, hits wherever that vocabulary holds the target's token."""
+    hf, target = eight_layers
+    config = Eagle3Config.for_target(target, hf.config, 64)
+    data = capture_draft_data(target, torch.randint(3, 256, (4, 6)), 10, config.feature_layers)
+    head = Eagle3Head(config)
+    head.draft_tokens.copy_(torch.arange(64))
+    (drafts,), (whole,) = list(draft_hits(head, target, data, 2)), list(draft_hits(head, target, data, 2, (64, 64)))
+    embeds, features, rows, _ = next(batches(data, target, head, 8, None))
+    _, accuracies = training_time_test(head, embeds, features, rows, 2)
+    for j in range(2):
+        scored = rows[:, j:] != IGNORE
+        assert float(drafts[j][:, j:][scored].float().mean()) == pytest.approx(accuracies[j])
+        assert torch.equal(whole[j][:, j:], scored)
 
 
 def test_the_soft_loss_is_the_cross_entropy_to_the_targets_renormalized_distribution():
