@@ -47,7 +47,7 @@ from lmpress.distill.draft_head import (
 )
 from lmpress.errors import LmpressInputError
 from lmpress.export.speculators import export_fingerprint
-from lmpress.memory import large_frees_unmapped
+from lmpress.memory import large_frees_unmapped, trim_c_heap
 from lmpress.progress import QUIET, Bars
 from lmpress.registry import StageConfig, StageContext, register_stage
 from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, attach_draft_head, draft_head_of, save_draft_head
@@ -189,12 +189,14 @@ def run_draft_head(model: nn.Module, config: DraftHeadConfig, ctx: StageContext)
     began = time.perf_counter()
     target = Transformer.from_hf(model)  # the compressed model as lmpress's runtime runs it (its CPU kernels)
     head_config = Eagle3Config.for_target(target, model.config, config.draft_vocab)
-    # every decode step and training step frees buffers of a few MiB between long-lived ones: held as freed heap
-    # they cost the stage 150-250 MiB of its peak (SmolLM2, 32 prompts: training 700 -> 556 MiB over the capture)
+    # each decode step frees buffers of a few MiB between long-lived ones: kept as freed heap they cost the capture
+    # 220 MiB of its peak (SmolLM2, 64 prompts: 657 -> 436 MiB over the runtime, no slower). Training is left as
+    # glibc runs it: unmapped, its buffers cost it 22% of its time (to save 200-250 MiB of its peak)
     with large_frees_unmapped():
         data = _draft_data(target, config, ctx, head_config.feature_layers)
-        captured = time.perf_counter()
-        head, summary = train_head_for(target, model, data, config, head_config, ctx.bars)
+    trim_c_heap()
+    captured = time.perf_counter()
+    head, summary = train_head_for(target, model, data, config, head_config, ctx.bars)
     attach_draft_head(model, head)
     return {**summary, "capture_seconds": captured - began, "train_seconds": time.perf_counter() - captured}
 
