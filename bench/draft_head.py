@@ -8,9 +8,10 @@ Protocol. Targets: SmolLM2-135M-Instruct in float32 and its RTN W4 g64 (asymmetr
 lmpress's runtime (CPU kernels, int8 activations) on this machine's threads. Each head: the ``draft_head`` stage
 (``train_head_for``) on the target's greedy continuations of ``--prompts`` WikiText-2 valid windows
 (``--prompt-tokens`` + ``--new-tokens``). Acceptance: greedy, 3 drafts per round (fixed, so heads compare on
-equal terms), over 8 WikiText-2 test windows of 64 tokens and 8 chat prompts in SmolLM2's chat template, 64 new
-tokens each; tokens per target pass = accepted drafts + 1, and every output is checked against plain decoding (equal,
-or parting at a near tie of it: int8-activation kernels sum a multi-token read in another order).
+equal terms), over ``--eval-prompts`` WikiText-2 test windows of 64 tokens and as many chat prompts in SmolLM2's
+chat template (default 32 each), 64 new tokens each; tokens per target pass = accepted drafts + 1, and every output
+is checked against plain decoding (equal, or parting at a near tie of it: int8-activation kernels sum a multi-token
+read in another order).
 Speed: ``lmpress bench``'s protocol (plain and speculative decoding timed in turn, both compiled, adaptive draft
 length), the W4 target with its own head, on a 64-token WikiText-2 test prompt and 128 new tokens.
 Writes bench/results/draft_head.md and .json and the table into docs/results.md ("EAGLE-3 draft heads").
@@ -55,6 +56,30 @@ CHAT = [
     "Summarize the plot of Romeo and Juliet in a few sentences.",
     "How do I make a cup of tea?",
     "Why is the sky blue?",
+    "What should I pack for a weekend hiking trip?",
+    "Explain the difference between weather and climate.",
+    "Write a friendly email inviting my team to a lunch on Friday.",
+    "How does a vaccine help the body fight disease?",
+    "What are some good habits for getting better sleep?",
+    "Describe how plants make their food.",
+    "Can you suggest a simple recipe for dinner tonight?",
+    "What is the difference between a virus and a bacterium?",
+    "Tell me a short story about a lost dog who finds its way home.",
+    "How do airplanes stay in the air?",
+    "What are the benefits of regular exercise?",
+    "Explain what a computer program is in simple words.",
+    "Why do leaves change color in the autumn?",
+    "Give me some ideas for a birthday party for a seven-year-old.",
+    "What is the water cycle?",
+    "How can I save money on groceries?",
+    "Who was Albert Einstein and what is he famous for?",
+    "What are the planets in our solar system?",
+    "Write a thank-you note to a teacher.",
+    "How do I start learning to play the guitar?",
+    "What causes earthquakes?",
+    "Explain why we need to recycle.",
+    "What is photosynthesis and why does it matter?",
+    "How should I prepare for a job interview?",
 ]
 W4_HEAD8 = dict(
     method="rtn",
@@ -66,10 +91,10 @@ W4_HEAD8 = dict(
 )
 
 
-def chat_prompts(tokenizer) -> list[list[int]]:
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        for text in CHAT
+        for text in CHAT[:count]
     ]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
@@ -101,7 +126,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab)
+    parser.add_argument("--eval-prompts", type=int, default=len(CHAT), help=f"per set, at most {len(CHAT)}")
     args = parser.parse_args()
+    if not 1 <= args.eval_prompts <= len(CHAT):
+        parser.error(f"--eval-prompts: 1 to {len(CHAT)}")
     config = DraftHeadConfig(
         prompts=args.prompts,
         prompt_tokens=args.prompt_tokens,
@@ -126,7 +154,10 @@ def main() -> None:
             heads[name], summary = train_head_for(target, models[name], data, config, head_config, bars)
             training[name] = {**summary, "capture_s": captured - began, "train_s": time.perf_counter() - captured}
     test = tokenize(loaded.tokenizer, load_text("builtin:wikitext2:test"))
-    sets = {"wikitext2 test": eval_prompts(test, 8, 64), "chat": chat_prompts(loaded.tokenizer)}
+    sets = {
+        "wikitext2 test": eval_prompts(test, args.eval_prompts, 64),
+        "chat": chat_prompts(loaded.tokenizer, args.eval_prompts),
+    }
     rows = []
     for target_name, head_name in (("w4", "w4"), ("w4", "float"), ("float", "float")):
         for set_name, set_prompts in sets.items():
@@ -140,6 +171,7 @@ def main() -> None:
         "host": cpu_description(),
         "threads": torch.get_num_threads(),
         "config": config.model_dump(),
+        "eval_prompts": args.eval_prompts,
         "training": training,
         "acceptance": rows,
         "speed": speed,
@@ -156,7 +188,8 @@ def render(result: dict) -> str:
     lines = [
         f"SmolLM2-135M, {result['host']}, {result['threads']} threads; `python bench/draft_head.py` "
         f"({result['config']['prompts']} prompts x {result['config']['new_tokens']} new tokens, "
-        f"{result['config']['epochs']} epochs, draft vocabulary {result['config']['draft_vocab']}).",
+        f"{result['config']['epochs']} epochs, draft vocabulary {result['config']['draft_vocab']}; "
+        f"{result.get('eval_prompts', 8)} prompts per set, 64 new tokens each).",
         "",
         "| target | head trained for | prompts | tokens per target pass (k = 3) | acceptance | output as plain |",
         "| --- | --- | --- | --- | --- | --- |",

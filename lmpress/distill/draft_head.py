@@ -310,16 +310,14 @@ def train_draft_head(
     return epoch_losses
 
 
-@torch.no_grad()
-def step_accuracies(head: Eagle3Head, target: Transformer, data: DraftData, steps: int) -> list[float]:
-    """Each drafting step's accuracy on ``data`` (held out): how often step ``j`` gives the target's choice when
-    the steps before it did."""
-    sums, count = [0.0] * steps, 0
-    for embeds, features, rows, _ in batches(data, target, head, 8, None):
-        _, accuracies = training_time_test(head, embeds, features, rows, steps)
-        sums = [s + a * len(embeds) for s, a in zip(sums, accuracies, strict=True)]
-        count += len(embeds)
-    return [s / count for s in sums]
+def _batch_hits(
+    head: Eagle3Head, embeds: torch.Tensor, features: torch.Tensor, rows: torch.Tensor, steps: int, top: Sequence[int]
+) -> list[torch.Tensor]:
+    hits = []
+    for j, out in enumerate(training_time_outputs(head, embeds, features, steps)):
+        ranked = head.logits(out).topk(top[j] if top else 1, -1).indices
+        hits.append((ranked == rows[..., None]).any(-1))
+    return hits
 
 
 @torch.no_grad()
@@ -330,12 +328,26 @@ def draft_hits(
     the head's ``top[j]`` likeliest (default 1: its draft) ``(batch, n)``, every earlier step's having been the
     target's (the training-time test's chain reads the target's own tokens)."""
     for embeds, features, rows, _ in batches(data, target, head, 8, None):
-        outputs = training_time_outputs(head, embeds, features, steps)
-        hits = []
-        for j, out in enumerate(outputs):
-            ranked = head.logits(out).topk(top[j] if top else 1, -1).indices
-            hits.append((ranked == rows[..., None]).any(-1))
-        yield hits
+        yield _batch_hits(head, embeds, features, rows, steps, top)
+
+
+@torch.no_grad()
+def held_out_scores(
+    head: Eagle3Head, target: Transformer, data: DraftData, steps: int, first: int
+) -> tuple[list[float], float]:
+    """From one pass of the head over ``data`` (held out): each drafting step's accuracy (how often step ``j`` gives
+    the target's choice when the steps before it did; batches weighted by their sequences) and the tokens per pass
+    decoding gets (``decoding_accept_length`` of its drafts, rounds from ``first``)."""
+    sums, count, per_batch = [0.0] * steps, 0, []
+    for embeds, features, rows, _ in batches(data, target, head, 8, None):
+        hits = _batch_hits(head, embeds, features, rows, steps, ())
+        for j, hit in enumerate(hits):  # a chain of j steps starts at a position >= 0
+            scored = rows[:, j:] != IGNORE
+            if scored.any():
+                sums[j] += float(hit[:, j:][scored].float().mean()) * len(embeds)
+        count += len(embeds)
+        per_batch.append(hits)
+    return [s / count for s in sums], decoding_accept_length(per_batch, first)
 
 
 def decoding_accept_length(batches_of_hits: Iterable[list[torch.Tensor]], first: int) -> float:

@@ -38,11 +38,9 @@ from lmpress.distill.draft_head import (
     DraftData,
     DraftHeadTraining,
     capture_draft_data,
-    decoding_accept_length,
-    draft_hits,
     draft_vocabulary,
+    held_out_scores,
     initialize_from_target,
-    step_accuracies,
     train_draft_head,
 )
 from lmpress.errors import LmpressInputError
@@ -165,8 +163,7 @@ def train_head_for(
         config.epochs, config.steps, config.lr, config.batch_size, config.seed, config.soft_labels
     )
     losses = train_draft_head(head, target, train, training, bars)
-    accuracies = step_accuracies(head, target, held_out, config.steps)
-    rounds = decoding_accept_length(draft_hits(head, target, held_out, config.steps), config.prompt_tokens - 1)
+    accuracies, rounds = held_out_scores(head, target, held_out, config.steps, config.prompt_tokens - 1)
     expected, run = 1.0, 1.0
     for a in accuracies:  # a round of `steps` drafts: each accepted only after the ones before it
         run *= a

@@ -14,9 +14,9 @@ from lmpress.distill.draft_head import (
     decoding_accept_length,
     draft_hits,
     draft_vocabulary,
+    held_out_scores,
     initialize_from_target,
     soft_cross_entropy,
-    step_accuracies,
     train_draft_head,
     training_time_outputs,
     training_time_test,
@@ -79,13 +79,18 @@ def test_a_trained_head_drafts_the_targets_choices_on_held_out_prompts(soft_labe
     head = Eagle3Head(config)
     head.draft_tokens.copy_(draft_vocabulary(train.choices, 24, 32))
     initialize_from_target(head, hf)
-    before = step_accuracies(head, target, held_out, 3)
+    before, _ = held_out_scores(head, target, held_out, 3, 7)
     training = DraftHeadTraining(epochs=4, steps=3, lr=3e-3, soft_labels=soft_labels)
     losses = train_draft_head(head, target, train, training)
-    after = step_accuracies(head, target, held_out, 3)
+    after, after_rounds = held_out_scores(head, target, held_out, 3, 7)
     # the soft loss keeps the target's own entropy over its top tokens: it cannot fall as far
     assert losses[-1] < (0.5 if not soft_labels else 0.8) * losses[0], losses
     assert all(a > b + 0.15 for a, b in zip(after, before, strict=True)), (before, after)
+    # one pass scores both: the training-time test's accuracies (8 held-out sequences: one batch) and the rounds
+    ((embeds, features, rows, _),) = list(batches(held_out, target, head, 8, None))
+    with torch.no_grad():
+        assert after == pytest.approx(training_time_test(head, embeds, features, rows, 3)[1], abs=1e-6)
+    assert after_rounds == decoding_accept_length(draft_hits(head, target, held_out, 3), 7)
 
     stats = SpeculativeStats()
     for seed in range(3):
@@ -257,8 +262,8 @@ def test_text_is_read_teacher_forced_and_a_head_learns_from_it(monkeypatch):
         assert data.choices[row].tolist() == logits[0].argmax(-1).tolist()
     held_out = capture_draft_data(target, torch.randint(3, 32, (3, 6)), 6, config.feature_layers)
     scored = []
-    real = draft_head_stage.step_accuracies
-    monkeypatch.setattr(draft_head_stage, "step_accuracies", lambda h, t, d, s: scored.append(d) or real(h, t, d, s))
+    real = draft_head_stage.held_out_scores
+    monkeypatch.setattr(draft_head_stage, "held_out_scores", lambda h, t, d, *a: scored.append(d) or real(h, t, d, *a))
     stage = DraftHeadConfig(prompts=6, draft_vocab=24, epochs=1, held_out=2)
     _, summary = train_head_for(target, hf, data, stage, config, held_out=held_out)
     assert scored == [held_out] and summary["sequences"] == 6
