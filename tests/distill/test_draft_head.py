@@ -91,6 +91,21 @@ def test_a_trained_head_drafts_the_targets_choices_on_held_out_prompts(soft_labe
     with torch.no_grad():
         assert after == pytest.approx(training_time_test(head, embeds, features, rows, 3)[1], abs=1e-6)
     assert after_rounds == decoding_accept_length(draft_hits(head, target, held_out, 3), 7)
+    # and the rounds are what speculative decoding gets on those continuations (its last rounds, cut short by the
+    # end, and the 8-bit drafting copy aside), not what the steps' accuracies suggest (every position a start)
+    decoded = SpeculativeStats()
+    for row in held_out.tokens:
+        prompt, continuation = row[:8].tolist(), row[8:].tolist()
+        assert (
+            list(
+                speculative_decode(
+                    target, prompt, draft_head=head, max_new_tokens=32, k=3, adaptive=False, stats=decoded
+                )
+            )
+            == continuation
+        )
+    assert after_rounds == pytest.approx(decoded.tokens_per_step, abs=0.05)
+    assert 1 + after[0] + after[0] * after[1] + after[0] * after[1] * after[2] > after_rounds + 0.1
 
     stats = SpeculativeStats()
     for seed in range(3):
