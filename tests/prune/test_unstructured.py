@@ -251,14 +251,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.long
-def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
-    path = _resume_recipe(deep_llama_dir, tmp_path)
-    assert main(["run", str(path), "--out", str(tmp_path / "ref"), "--quiet"]) == 0
+def run_killed_then_resumed(recipe: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Run ``recipe`` whole into ``tmp_path/ref``, then into ``tmp_path/run`` in a child killed once layer 1's state
+    is saved, then resumed there; the two outputs (the run's, the reference's) for the caller to compare."""
+    assert main(["run", str(recipe), "--out", str(tmp_path / "ref"), "--quiet"]) == 0
     out = tmp_path / "run"
     killed = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, "run", str(path), "--out", str(out), "--quiet"],
+        [sys.executable, "-c", KILLED_CHILD, "run", str(recipe), "--out", str(out), "--quiet"],
         cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache")},
         capture_output=True,
@@ -267,8 +266,14 @@ def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_pa
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not out.exists() and (tmp_path / ".run.partial").exists()
-    assert main(["run", str(path), "--out", str(out), "--quiet", "--resume"]) == 0
-    _assert_resumed_identically(out, tmp_path / "ref")
+    assert main(["run", str(recipe), "--out", str(out), "--quiet", "--resume"]) == 0
+    return out, tmp_path / "ref"
+
+
+@pytest.mark.long
+def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
+    _assert_resumed_identically(*run_killed_then_resumed(_resume_recipe(deep_llama_dir, tmp_path), tmp_path))
 
 
 def test_sparsegpt_and_gptq_in_one_pass_share_each_groups_hessian(tiny_llama_dir, tmp_path, monkeypatch):

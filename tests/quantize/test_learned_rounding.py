@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pydantic
@@ -38,7 +34,7 @@ from lmpress.registry import StageContext
 from lmpress.weights.qlinear import QuantizedLinear
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme, compute_qparams, quantize_to_int, quantize_weight_rtn
 from tests.conftest import save_tiny_model
-from tests.prune.test_unstructured import KILLED_CHILD
+from tests.prune.test_unstructured import run_killed_then_resumed
 
 SCHEMES = [QuantScheme(4, 64, True), QuantScheme(3, 32, False), QuantScheme(2, -1, True), QuantScheme(8, 128, False)]
 
@@ -403,20 +399,7 @@ def _assert_resumed_identically(out: Path, ref: Path) -> None:
 def test_resume_after_a_kill_gives_the_identical_artifact(deep_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path / "cache"))
     path = _recipe(deep_llama_dir, tmp_path, RESUME_STAGE, RESUME_FORMATS)
-    assert main(["run", str(path), "--out", str(tmp_path / "ref"), "--quiet"]) == 0
-    out = tmp_path / "run"
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, "run", str(path), "--out", str(out), "--quiet"],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "LMPRESS_CACHE": str(tmp_path / "cache")},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert not out.exists() and (tmp_path / ".run.partial").exists()
-    assert main(["run", str(path), "--out", str(out), "--quiet", "--resume"]) == 0
-    _assert_resumed_identically(out, tmp_path / "ref")
+    _assert_resumed_identically(*run_killed_then_resumed(path, tmp_path))
 
 
 def test_learned_values_stay_in_range(tiny_llama_dir, monkeypatch):
