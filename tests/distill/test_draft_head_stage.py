@@ -119,3 +119,41 @@ def test_outputs_may_part_only_at_a_near_tie():
     with pytest.raises(RuntimeError, match="not a near tie"):
         check_near_tie(target, prompt, plain, parted, FLOAT32_UNIT)
     check_near_tie(target, prompt, plain, parted, 1.0)  # a unit as coarse as the logits: any split is a tie
+
+
+def test_accept_length_is_scored_at_a_fixed_draft_length(tmp_path):
+    """eval.speculation's accept_length is tokens per target pass with ``k`` drafts every round (a head's mean
+    acceptance length as serving engines report it); the adaptive length that ``generate`` runs is timed and
+    reported beside it."""
+    import torch
+
+    from lmpress.distill.draft_head import DraftHeadTraining, capture_draft_data, draft_vocabulary, train_draft_head
+    from lmpress.evals.speculation import SpeculationConfig, eval_prompts, run_speculation
+    from lmpress.registry import EvalContext
+    from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, attach_draft_head
+    from lmpress.runtime.model import Transformer
+    from lmpress.runtime.speculative import SpeculativeStats, speculative_decode
+    from tests.runtime.conftest import tiny_hf_model
+
+    hf = tiny_hf_model("llama", num_hidden_layers=8, vocab_size=32)
+    target = Transformer.from_hf(hf)
+    config = Eagle3Config.for_target(target, hf.config, 24)
+    prompts = torch.randint(3, 32, (48, 8), generator=torch.Generator().manual_seed(1))
+    data = capture_draft_data(target, prompts, 32, config.feature_layers)
+    torch.manual_seed(0)
+    head = Eagle3Head(config)
+    head.draft_tokens.copy_(draft_vocabulary(data.choices, 24, 32))
+    train_draft_head(head, target, data, DraftHeadTraining(epochs=4, steps=3, lr=3e-3))
+    attach_draft_head(hf, head)
+    text = torch.randint(3, 32, (400,), generator=torch.Generator().manual_seed(2))
+    ctx = EvalContext(text=None, ids=lambda: text, role="candidate", store=tmp_path)
+    result = run_speculation(hf, None, SpeculationConfig(prompts=4, prompt_tokens=8, new_tokens=24, k=3), ctx)
+
+    fixed = SpeculativeStats()
+    for prompt in eval_prompts(text, 4, 8):
+        list(speculative_decode(target, prompt, draft_head=head, max_new_tokens=24, k=3, adaptive=False, stats=fixed))
+    assert result.metrics["accept_length"] == pytest.approx(fixed.tokens_per_step, abs=1e-9)
+    assert result.metrics["accept_length"] > 1.3  # the head drafts: rounds of 3 accept some
+    details = result.details["speculation"]
+    assert details["k"] == 3 and details["target_passes"] == fixed.target_steps
+    assert details["adaptive_tokens_per_pass"] > 1.0 and result.metrics["draft_speedup"] > 0
