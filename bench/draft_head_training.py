@@ -43,8 +43,12 @@ HELD_OUT = 16
 TOP = 32  # the target's likeliest tokens each capture keeps: variants may learn them (soft_labels <= TOP)
 
 
+def continuations_file(prompts: int) -> Path:
+    return CACHE / f"draft-data-w4-{prompts}x64+192-top{TOP}.pt"  # the target's top tokens kept too
+
+
 def captured(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ...], bars: Bars) -> DraftData:
-    path = CACHE / f"draft-data-w4-{prompts}x64+192-top{TOP}.pt"  # the target's top tokens kept too
+    path = continuations_file(prompts)
     if path.is_file():
         return DraftData(**torch.load(path, weights_only=True))
     valid = tokenize(tokenizer, load_text("builtin:wikitext2:valid"))
@@ -69,8 +73,9 @@ def text_captured(target: Transformer, tokenizer, sequences: int, layers: tuple[
 
 
 def held_out_continuations(target: Transformer, tokenizer, prompts: int, layers: tuple[int, ...], bars: Bars):
-    """The held-out rows of the ``prompts`` capture (its last 16 continuations), generated alone."""
-    path = CACHE / f"draft-data-w4-{prompts}x64+192-top{TOP}.pt"
+    """The held-out rows of the ``prompts`` capture (its last 16 continuations): from its cached file, else those 16
+    generated alone."""
+    path = continuations_file(prompts)
     if path.is_file():
         return DraftData(**torch.load(path, weights_only=True)).split(HELD_OUT)[1]
     valid = tokenize(tokenizer, load_text("builtin:wikitext2:valid"))
