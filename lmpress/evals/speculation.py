@@ -43,7 +43,7 @@ class SpeculationConfig(EvalConfig):
     prompts: int = Field(8, ge=1)
     prompt_tokens: int = Field(64, ge=1)
     new_tokens: int = Field(64, ge=2)
-    k: int = Field(3, ge=1, le=K_MAX)  # drafts a round for accept_length: the draft_head stage's steps by default
+    k: int = Field(3, ge=1, le=K_MAX)  # drafts a round for accept_length (3: the draft_head stage's default steps)
     candidate_only: ClassVar[frozenset[str]] = frozenset({"accept_length", "draft_speedup"})
 
     def metric_names(self) -> list[str]:
