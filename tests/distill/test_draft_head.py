@@ -104,8 +104,9 @@ def test_a_trained_head_drafts_the_targets_choices_on_held_out_prompts(soft_labe
             )
             == continuation
         )
-    assert after_rounds == pytest.approx(decoded.tokens_per_step, abs=0.05)
-    assert 1 + after[0] + after[0] * after[1] + after[0] * after[1] * after[2] > after_rounds + 0.1
+    from_accuracies = 1 + after[0] + after[0] * after[1] + after[0] * after[1] * after[2]
+    miss = abs(after_rounds - decoded.tokens_per_step)  # 0.024 and 0.043 here (soft labels 0, 8)
+    assert miss < 0.1 and miss < abs(from_accuracies - decoded.tokens_per_step) / 2  # those: 0.17 and 0.15
 
     stats = SpeculativeStats()
     for seed in range(3):
