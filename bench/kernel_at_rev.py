@@ -3,12 +3,9 @@ namespace of its own: the benches' ``--against REV`` (two versions of a kernel t
 
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,9 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 def build_at_rev(rev: str, source: str, namespace: str) -> None:
     """``lmpress/runtime/kernels/<source>`` at ``rev``, with the headers it includes from there, its ops registered
     as ``torch.ops.<namespace>`` instead of ``torch.ops.lmpress_cpu``; built once into lmpress's cache."""
-    from torch.utils.cpp_extension import load
-
-    from lmpress.cache import cache_root
+    from lmpress.runtime.kernels.cpp_build import build_directory, build_library
 
     def at_rev(name: str) -> str:
         path = f"{rev}:lmpress/runtime/kernels/{name}"
@@ -26,19 +21,9 @@ def build_at_rev(rev: str, source: str, namespace: str) -> None:
 
     text = re.sub(r"\b(TORCH_LIBRARY\w*)\(lmpress_cpu,", rf"\1({namespace},", at_rev(source))
     headers = {name: at_rev(name) for name in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)}
-    digest = hashlib.sha256((text + "".join(headers.values())).encode() + torch.__version__.encode()).hexdigest()[:16]
-    name = f"{namespace}_{digest}"
-    build = cache_root() / "kernels" / name
-    build.mkdir(parents=True, exist_ok=True)
+    name, build = build_directory(namespace, (text + "".join(headers.values())).encode())
     for header, body in headers.items():  # the revision's own headers, beside the source that includes them
         (build / header).write_text(body)
     path = build / f"{Path(source).stem}_{namespace}.cpp"
     path.write_text(text)
-    load(
-        name,
-        [str(path)],
-        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-    )
+    build_library(name, [path], build, ["-O3", "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"])

@@ -5,13 +5,13 @@ through SIMDe's portable intrinsics where this host has no AVX-512 (simde-py ins
 from __future__ import annotations
 
 import functools
-import hashlib
 
 import pytest
 import torch
 from torch import nn
 
 from lmpress.runtime.kernels import cpu_fp4, cpu_int
+from lmpress.runtime.kernels.cpp_build import build_directory, build_library
 from lmpress.weights.fp4 import Fp4Linear, e2m1_values, pack_fp4, unpack_fp4
 from lmpress.weights.scheme import QuantScheme
 
@@ -213,25 +213,11 @@ def simde_ops():
         import simde_py
     except ImportError:
         return None
-    from torch.utils.cpp_extension import load
-
-    from lmpress.cache import cache_root
-
     source = cpu_fp4.SOURCE
     text = source.read_bytes() + source.with_name("cpu_quantize_acts.h").read_bytes()  # the source and its header
-    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
-    name = f"lmpress_cpu_fp4_simde_{digest}"
-    build = cache_root() / "kernels" / name
-    build.mkdir(parents=True, exist_ok=True)
+    name, build = build_directory("lmpress_cpu_fp4_simde", text)
     flags = ["-O1", "-std=c++17", "-DLMPRESS_FP4_SIMDE", "-DLMPRESS_FP4_NAMESPACE=lmpress_cpu_simde"]
-    load(
-        name,
-        [str(source)],
-        extra_cflags=flags,
-        extra_include_paths=[simde_py.get_include()],
-        build_directory=str(build),
-        is_python_module=False,
-    )
+    build_library(name, [source], build, flags, extra_include_paths=[simde_py.get_include()])
     return torch.ops.lmpress_cpu_simde
 
 

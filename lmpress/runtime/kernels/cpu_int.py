@@ -14,7 +14,6 @@ built (no compiler), ``available()`` is False and the runtime keeps torch's pack
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 import warnings
 from collections.abc import Iterable
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from lmpress.runtime.kernels.cpp_build import build_directory, build_library
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py),
@@ -61,26 +62,11 @@ def available() -> bool:
 @functools.cache
 def load_library() -> None:
     """Build (once per host and torch version, into lmpress's cache) and load the kernels' library."""
-    from torch.utils.cpp_extension import load
-
-    from lmpress.cache import cache_root
-
     text = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
-    name = f"lmpress_cpu_int_{digest}"
-    build = cache_root() / "kernels" / name
-    build.mkdir(parents=True, exist_ok=True)
+    name, build = build_directory("lmpress_cpu_int", text)
     if not (build / f"{name}.so").exists():  # once per host and torch version: say why this start is slow
         print(f"lmpress: compiling its CPU kernels once for this host and torch version, into {build}", file=sys.stderr)
-    flags = ["-O3", "-fopenmp", "-std=c++17"]
-    load(
-        name,
-        [str(s) for s in SOURCES],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-    )
+    build_library(name, SOURCES, build, ["-O3", "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"])
     _register_fakes()
 
 
