@@ -273,6 +273,13 @@ def forecast_memory(
     # the engine maps finished layers' packed weights from its state files; a whole-model stage (RTN) holds them
     mapped = streams and quantizers and all(s.calibrates_layerwise for s in quantizers)
     replaced = sum(rows * cols for rows, cols, _, _ in planned.values()) * size
+    # A tied table counted once among the parameters and replaced as the head: the input embedding keeps it float.
+    # A stage that unties a float head (R1 folds the final norm into it) adds the head's own table to the model.
+    table = shape.vocab * shape.hidden * size
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    head_quantized = get_anatomy(model).lm_head in planned
+    kept_table = table if tied and head_quantized else 0
+    float_head = table if tied and not head_quantized and any(s.unties_tied_head for s in stages) else 0
 
     process = {"process": PROCESS_BYTES}
     # A checkpoint stored in the run's dtype is memory-mapped, and the mapping lives as long as any of its tensors
@@ -295,7 +302,7 @@ def forecast_memory(
     copied = {"float weights until quantized": replaced} if not file_backed else {}
     resident = (
         {
-            "weights": streamed_layer if streams else float_model - replaced,
+            "weights": streamed_layer if streams else float_model - replaced + float_head,
             "quantized": max(by_layer.values(), default=0) if mapped else quantized,
         }
         | float_pages
@@ -347,12 +354,9 @@ def forecast_memory(
     float32_layer = {"float32 layer": 4 * max(shape.layer_parameters, shape.vocab * shape.hidden)} if widened else {}
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
-    # A tied table counted once among the parameters and replaced as the head: the input embedding keeps it float
-    tied = getattr(model.config, "tie_word_embeddings", False) and get_anatomy(model).lm_head in planned
-    kept_table = shape.vocab * shape.hidden * size if tied else 0
-    candidate = float_model - replaced + kept_table + quantized  # the stages' result: float parts, packed codes
+    candidate = float_model - replaced + kept_table + float_head + quantized  # the stages' result
     if exports:
-        sizes = [float_model if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
+        sizes = [float_model + float_head if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
         read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked
         forecast.phases["read-back"] = (
             process

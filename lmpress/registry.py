@@ -78,6 +78,12 @@ class StageConfig(StrictConfig):
     learning_label: ClassVar[str] = "learning"
 
     @property
+    def unties_tied_head(self) -> bool:
+        """Whether it gives a head tied to the embedding weights of its own (the memory forecast counts a table
+        more in the candidate and in dense exports)."""
+        return False
+
+    @property
     def hessian_copies(self) -> int:
         """n x n float32 matrices a layer-wise stage holds per linear at its solve (the memory forecast)."""
         return 2

@@ -145,8 +145,10 @@ def test_a_rotation_holds_the_whole_float_model(tiny_llama_dir):
     linears = sum(
         m.weight.numel() for n, m in skeleton.named_modules() if ".layers." in n and hasattr(m, "in_features")
     )
-    # the model is held whole: what is not quantized stays float, and every layer's codes are held
-    assert rotated.parts["weights"] == whole - 4 * linears
+    # the model is held whole: what is not quantized stays float (and the head R1 unties from the embedding),
+    # and every layer's codes are held
+    table = skeleton.get_output_embeddings().weight.numel() * 4
+    assert skeleton.config.tie_word_embeddings and rotated.parts["weights"] == whole - 4 * linears + table
     assert rotated.parts["quantized"] > streamed.parts["quantized"]
     # ... and the quantized linears' float pages stay mapped beside their codes; streamed layers' are dropped
     assert rotated.parts["mapped float pages"] == 4 * linears and "mapped float pages" not in streamed.parts
@@ -238,6 +240,38 @@ def test_a_tied_table_whose_head_is_quantized_stays_in_the_candidate(tiny_llama_
         for b in (m.qweight, m.scales, m.zeros)
     )
     assert forecast.phases["runtime agreement"]["candidate"] == sum(floats.values()) + packed
+
+
+def test_a_rotation_that_unties_the_head_counts_its_table_in_the_candidate_and_dense_exports(tiny_llama_dir, tmp_path):
+    """R1 folds the final norm's scale into a tied head: the head gets a float table of its own, which the stages,
+    the candidate and a dense export (hf) hold beside the embedding's."""
+    loaded = load_model(str(tiny_llama_dir))
+    loaded.model.model.norm.weight.data.uniform_(0.5, 1.5)  # a trained norm's scale: never all ones
+    loaded.model.save_pretrained(tmp_path)
+    loaded.tokenizer.save_pretrained(tmp_path)
+    rotate = stage_config("rotate")(method="rotate")
+    rtn = stage_config("rtn")(method="rtn", bits=4, group_size=32)
+    skeleton = model_skeleton(tmp_path)
+    assert skeleton.config.tie_word_embeddings
+    args = (tmp_path, "float32", [rotate, rtn], 4, 32, torch.device("cpu"), 4 * 64, ["compressed-tensors", "hf"], 64)
+    forecast = forecast_memory(skeleton, *args)
+    model = load_model(str(tmp_path)).model
+    quantize_model(model, method="rotate")
+    quantize_model(model, method="rtn", bits=4, group_size=32)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied, kept float
+    floats = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    packed = sum(
+        b.numel() * b.element_size()
+        for m in model.modules()
+        if isinstance(m, QuantizedLinear)
+        for b in (m.qweight, m.scales, m.zeros)
+    )
+    assert forecast.phases["runtime agreement"]["candidate"] == sum(floats.values()) + packed
+    dense = sum(p.numel() for p in skeleton.parameters()) * 4 + model.lm_head.weight.numel() * 4
+    assert forecast.phases["read-back"]["read-back"] == sum(floats.values()) + packed + dense
+    kept = forecast_memory(skeleton, tmp_path, "float32", [rtn], 4, 32, torch.device("cpu"), 4 * 64, ["hf"], 64)
+    table = model.lm_head.weight.numel() * 4
+    assert forecast.phases["stages"]["weights"] == kept.phases["stages"]["weights"] + table
 
 
 def test_every_phase_after_the_stages_is_forecast(tiny_llama_dir):

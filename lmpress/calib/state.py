@@ -225,9 +225,7 @@ class LayerState:
             if value.shape != current.shape or value.dtype != current.dtype:
                 continue
             module._buffers[buffer] = value
-            if isinstance(module, Fp4Linear):
-                module._dequantized = None
-            else:
+            if not isinstance(module, Fp4Linear):
                 module._kernel_cache = None
             mapped += 1
         return mapped

@@ -372,7 +372,12 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             raise LmpressInputError(
                 f"{path}: {key!r} has shape {tuple(value.shape)}, the model expects {tuple(expected[key].shape)}"
             )
-    model.load_state_dict(dense, strict=False)
+    # The dense tensors become the parameters themselves (assign), in the requested dtype: a copy into the
+    # skeleton's would leave the file's pages resident beside it (the mapping lives as long as the packed codes
+    # viewing it), so each float tensor would be held twice (an untied float32 head and table: 226 MB)
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in dense.items()}, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):  # assigned parameters replace the tied ones: tie them again
+        model.tie_weights()
     return model.eval()
 
 

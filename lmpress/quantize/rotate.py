@@ -140,6 +140,10 @@ class RotateConfig(StageConfig):
     def learning_bytes(self, shape, seq_len: int, packed: int = 0) -> int:
         return 0 if self.learn is None else learning_bytes(shape, self.learn.batch_size * seq_len)
 
+    @property
+    def unties_tied_head(self) -> bool:
+        return self.residual  # R1 folds the final norm's scale into the head (rotate_residual_ends)
+
     def down_block(self, width: int) -> int:
         return self.down_proj_block or largest_power_of_two_block(width)
 

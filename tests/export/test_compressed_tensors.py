@@ -1,6 +1,7 @@
 """compressed-tensors pack-quantized checkpoints: round trip, and the compressed-tensors package as consumer."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -143,3 +144,33 @@ def test_lmpress_reads_what_compressed_tensors_compresses(quantized_tiny, export
     for name, module in quantized_layers(model).items():
         assert torch.equal(back[name].qweight, module.codes()), name
         assert torch.equal(back[name].zeros, module.zeros.float()), name
+
+
+def mapped_files_holding(address: int) -> list[str]:
+    """The files whose memory mapping in this process holds ``address`` (Linux's /proc/self/maps)."""
+    held = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        if start <= address < end and len(fields) > 5:
+            held.append(fields[5])
+    return held
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_read_back_float_tensors_are_the_files_pages_not_copies(quantized_tiny, export):
+    model, tokenizer = quantized_tiny(bits=4, group_size=32, symmetric=True)
+    assert model.config.tie_word_embeddings
+    out = export("compressed-tensors", model, tokenizer)
+    loaded = load_quantized_model(out)
+    table = loaded.get_input_embeddings().weight
+    # a copy would hold every float tensor twice while the packed codes keep the file mapped
+    assert str(out / "model.safetensors") in mapped_files_holding(table.data_ptr())
+    assert loaded.get_output_embeddings().weight is table  # the tie survives the parameters' replacement
+    ids = torch.tensor([[1, 7, 42, 99, 3, 250]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    table.data.mul_(2)  # the mapping is private: writing the model leaves the export as it was
+    assert torch.equal(load_quantized_model(out).get_input_embeddings().weight, model.get_input_embeddings().weight)
+    half = load_quantized_model(out, torch.bfloat16)
+    assert half.get_input_embeddings().weight.dtype == torch.bfloat16  # the requested dtype, not the stored one
