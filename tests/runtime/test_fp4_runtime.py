@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmpress.registry import exporter
+from lmpress.runtime.kernels import kernel_of
 from lmpress.runtime.kernels.select import DeviceCase, LayerCase, kernel_candidates
 from lmpress.weights.fp4 import Fp4Linear, fp4_layers
 from lmpress.weights.scheme import QuantScheme
@@ -43,7 +44,7 @@ def assert_close_to_int8_activations(runtime: torch.Tensor, reference: torch.Ten
 
 
 @pytest.mark.parametrize("rtn", [{"fp4": "nvfp4"}, {"fp4": "mxfp4"}, {"fp4": "mxfp4", "activations": "fp4"}])
-def test_runtime_reads_a_compressed_tensors_fp4_checkpoint(tiny_llama_dir, tmp_path, rtn):
+def test_runtime_reads_a_compressed_tensors_fp4_checkpoint(tiny_llama_dir, tmp_path, rtn, monkeypatch):
     from lmpress.runtime.checkpoint import load_checkpoint
     from lmpress.runtime.throughput import layer_kernels
 
@@ -52,7 +53,13 @@ def test_runtime_reads_a_compressed_tensors_fp4_checkpoint(tiny_llama_dir, tmp_p
     kernels = layer_kernels(runtime)
     if rtn.get("activations"):  # W4A4: each layer runs itself, activations quantized per block
         assert kernels["layers.0.attention.wqkv.0"] == "fp4-simulated" == kernels["layers.1.feed_forward.w2"]
-        torch.testing.assert_close(runtime_logits(runtime), reference_logits(model), atol=1e-4, rtol=1e-4)
+        reference = reference_logits(model)
+
+        def dequantize_again(*_):  # noqa: ANN202 - Fp4Linear.dequantized_weight's
+            raise AssertionError("the runtime dequantizes an FP4 weight at each call")
+
+        monkeypatch.setattr(Fp4Linear, "dequantized_weight", dequantize_again)  # built once, when loaded
+        torch.testing.assert_close(runtime_logits(runtime), reference, atol=1e-4, rtol=1e-4)
     else:  # A16: lmpress's FP4 x int8 CPU kernel, q/k/v (and gate/up) fused into one
         assert kernels["layers.0.attention.wqkv"] == "cpu-fp4a8" == kernels["layers.1.feed_forward.w13"]
         assert_close_to_int8_activations(runtime_logits(runtime), reference_logits(model))
@@ -80,7 +87,8 @@ def test_runtime_built_from_a_transformers_model_with_fp4_layers(tiny_llama_dir,
 
     model, _ = rtn_quantizer(tiny_llama_dir, tmp_path)(fp4="mxfp4", overrides={".*o_proj": {"activations": "fp4"}})
     runtime = Transformer.from_hf(model)
-    assert isinstance(runtime.layers[0].attention.wo.parts[0], Fp4Linear)  # W4A4: runs itself
+    # W4A4: its weight dequantized once, its activations quantized per block at each call
+    assert kernel_of(runtime.layers[0].attention.wo.parts[0]) == "fp4-simulated"
     assert_close_to_int8_activations(runtime_logits(runtime), reference_logits(model))
 
 

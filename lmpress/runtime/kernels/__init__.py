@@ -68,7 +68,11 @@ def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
         from lmpress.runtime.kernels.fp8 import ScaledMMLinear
 
         return ScaledMMLinear(layer)
-    if name in ("fp8-simulated", "fp4-simulated", "reference"):
+    if name == "fp4-simulated":
+        from lmpress.runtime.kernels.dense import fp4_activations_linear
+
+        return fp4_activations_linear(layer, dtype)
+    if name in ("fp8-simulated", "reference"):
         return layer
     if name in ("cpu-w4a8", "cpu-w8a8", "cpu-int4", "cpu-int8"):
         from lmpress.runtime.kernels.cpu import cpu_linear

@@ -19,3 +19,24 @@ def linear_over(cls: type[nn.Linear], weight: torch.Tensor, bias: torch.Tensor |
 def dense_linear(layer: nn.Module, dtype: torch.dtype, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
     """``layer``'s weight dequantized once into a ``cls`` of ``dtype``: full speed, no memory saving."""
     return linear_over(cls, layer.dequantized_weight(dtype).contiguous(), layer.bias)
+
+
+class Fp4ActivationsLinear(nn.Linear):
+    """An FP4 W4A4 layer in the runtime: its weight dequantized once, its activations quantized per block at each
+    call as the layer was scored (``Fp4Linear`` itself dequantizes at each call, which decoding cannot afford)."""
+
+    KERNEL = "fp4-simulated"
+    fmt: str = "nvfp4"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from lmpress.weights.fp4 import fake_quantize_fp4_activations
+
+        return super().forward(fake_quantize_fp4_activations(x, self.fmt, self.input_global_scale))
+
+
+def fp4_activations_linear(layer: nn.Module, dtype: torch.dtype) -> Fp4ActivationsLinear:
+    """``layer`` (an ``Fp4Linear`` with FP4 activations) as an ``Fp4ActivationsLinear`` of ``dtype``."""
+    module = dense_linear(layer, dtype, Fp4ActivationsLinear)
+    module.fmt = layer.fmt
+    module.register_buffer("input_global_scale", layer.input_global_scale)  # NVFP4's static scale; None for MXFP4
+    return module

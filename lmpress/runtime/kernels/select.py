@@ -163,8 +163,8 @@ def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
     """Every kernel that runs ``layer`` on ``device``, expected-fastest first; the last always applies.
 
     An FP4 A16 layer runs lmpress's FP4 x int8 kernel on the CPU (cpu_fp4.cpp, where it holds the layer) and its
-    weight dequantized once (the library's dense matmul) elsewhere; a W4A4 layer runs itself (its activations
-    quantized per block, as it was scored)."""
+    weight dequantized once (the library's dense matmul) elsewhere; a W4A4 layer its weight dequantized once and
+    its activations quantized per block at each call, as it was scored (``dense.Fp4ActivationsLinear``)."""
     if layer.fp4 is not None:
         if layer.activations == "fp4":
             return ("fp4-simulated",)
