@@ -115,6 +115,7 @@ def test_fp4_linear_forward_equals_dequantized_matmul(fmt):
     q = quantize_weight_fp4(w, scheme(fmt), mse=True)
     layer = Fp4Linear.from_weight(q, bias)
     torch.testing.assert_close(layer(x), x @ q.dequantize().T + bias)
+    assert torch.equal(layer.dequantized_weight(), q.dequantize())  # from the packed bytes, bit for bit
     back = layer.unpack()
     assert torch.equal(back.codes, q.codes) and torch.equal(back.scales, q.scales)
     layer.to(torch.bfloat16)  # scales keep their encoding; the forward follows the input's dtype
