@@ -355,6 +355,10 @@ def forecast_memory(
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
     candidate = float_model - replaced + kept_table + float_head + quantized  # the stages' result
+    simulated = [planned[name] for name in simulated_in_runtime(model, quantizers)]
+    runtime_model = candidate + sum(
+        rows * cols * size - packed_bytes(rows, cols, *rest) for rows, cols, *rest in simulated
+    )
     if exports:
         sizes = [float_model + float_head if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
         read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked
@@ -374,7 +378,7 @@ def forecast_memory(
             | {
                 "candidate": candidate,
                 "read-back": read_back,
-                "runtime model": candidate,
+                "runtime model": runtime_model,
                 "logits": 2
                 * agreement_tokens
                 * shape.vocab
@@ -399,11 +403,21 @@ def forecast_memory(
 
 def quantized_linears(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[int, int, int, int]]:
     """(out, in, bits, group width) of every linear the quantization stages replace (a later stage's plan wins)."""
+    return {name: plan for name, (plan, _) in _plans(model, quantizers).items()}
+
+
+def simulated_in_runtime(model: nn.Module, quantizers: Sequence) -> list[str]:
+    """The quantized linears lmpress's runtime holds as float weights: FP4 W4A4 layers, their weight dequantized
+    once (``kernels.dense.Fp4ActivationsLinear``)."""
+    return [name for name, (_, scheme) in _plans(model, quantizers).items() if scheme.fp4 and scheme.activations]
+
+
+def _plans(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[tuple[int, int, int, int], Any]]:
     planned = {}
     for stage in quantizers:
         for name, (linear, scheme) in stage.targets(model).items():
             cols = linear.in_features
-            planned[name] = (linear.out_features, cols, scheme.bits, scheme.group_width(cols))
+            planned[name] = ((linear.out_features, cols, scheme.bits, scheme.group_width(cols)), scheme)
     return planned
 
 

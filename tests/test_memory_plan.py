@@ -274,6 +274,35 @@ def test_a_rotation_that_unties_the_head_counts_its_table_in_the_candidate_and_d
     assert forecast.phases["stages"]["weights"] == kept.phases["stages"]["weights"] + table
 
 
+@pytest.mark.parametrize("activations", [None, "fp4"])
+def test_the_runtime_model_counts_the_float_weights_of_fp4_w4a4_layers(tiny_llama_dir, tmp_path, activations):
+    """The runtime holds an FP4 W4A4 layer's weight dequantized once (float, the run's dtype); A16 layers stay
+    packed on the CPU. The forecast's runtime model adds those float weights over the candidate's codes."""
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from lmpress.runtime.kernels import kernel_of
+    from tests.runtime.test_fp4_runtime import export_fp4
+
+    scheme = {"fp4": "mxfp4", "activations": activations}  # MXFP4: no static activation scale for RTN to lack
+    rtn = stage_config("rtn")(method="rtn", **scheme)
+    skeleton = model_skeleton(tiny_llama_dir)
+    forecast = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, torch.device("cpu"), 0, ["hf"], 64)
+    extra = forecast.phases["runtime agreement"]["runtime model"] - forecast.phases["runtime agreement"]["candidate"]
+    _, out = export_fp4(tiny_llama_dir, tmp_path, "compressed-tensors", **scheme)
+    runtime = load_checkpoint(out)
+    float_weights = sum(m.weight.numel() * 4 for m in runtime.modules() if kernel_of(m) == "fp4-simulated")
+    assert (float_weights > 0) == (activations is not None)
+    packed = sum(packed_bytes(o, i, 4, 32) for o, i in linear_shapes(skeleton)) if activations else 0
+    assert extra == float_weights - packed
+
+
+def linear_shapes(model) -> list[tuple[int, int]]:
+    return [
+        (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if ".layers." in n and hasattr(m, "in_features")
+    ]
+
+
 def test_every_phase_after_the_stages_is_forecast(tiny_llama_dir):
     """With exports, the read-back holds the candidate and the export, the runtime agreement the candidate, the
     read-back export, the runtime's model and both sides' logits over the first window, the candidate eval the
