@@ -6,10 +6,11 @@ the baseline eval, the read-back of the exports, the runtime agreement check and
 hold what stays resident for the whole run and the largest working set of one stage:
 
 - ``process``: Python, torch, transformers and lmpress, and the allocator's arenas (measured, a constant);
-- ``weights``: the float model. A safetensors checkpoint read in the dtype it is stored in is memory-mapped:
-  a run that only streams layers (one-shot stages, no eval, no training) keeps about one decoder layer of it
-  resident at a time (the engine drops a finished layer's pages); anything that reads the whole model (an eval,
-  a training stage) holds all of it. A MoE checkpoint's experts are mapped too where stored one tensor each (the
+- ``weights``: the float model (and the head's own table where a rotation unties it from the embedding). A
+  safetensors checkpoint read in the dtype it is stored in is memory-mapped: a run that only streams layers
+  (one-shot stages, no eval, no training) keeps about one decoder layer of it resident at a time (the engine
+  drops a finished layer's pages); anything that reads the whole model (an eval, a training stage) holds all of
+  it. A MoE checkpoint's experts are mapped too where stored one tensor each (the
   usual layout; ``expert_checkpoint``);
 - ``float weights until quantized``: where the weights were copied in at load (another dtype than stored, a MoE
   checkpoint storing its experts stacked, as gpt-oss's does), the quantized linears' float weights, all held
@@ -30,7 +31,8 @@ CPU without that dtype's matrix unit also one decoder layer or the output layer 
 evals and the read-back and agreement checks compute so, calib.compute_dtype). After the stages
 the run holds the candidate (its float parts and packed codes): the read-back loads each
 export beside it (a dense format is the float model again); the runtime agreement builds lmpress's runtime from
-the first export beside both and compares both sides' float32 logits over the first eval window; the candidate
+the first export beside both (its FP4 W4A4 layers as float weights, dequantized once) and compares both sides'
+float32 logits over the first eval window; the candidate
 eval scores the read-back export alone (the in-memory candidate is dropped first) with the eval's logits.
 
 On a CUDA device the one-shot engine keeps one layer, its statistics and one batch's activations there; the
