@@ -82,3 +82,15 @@ def test_the_build_directory_is_named_by_its_sources(tmp_path: Path, monkeypatch
     name, build = cpp_build.build_directory("lib", b"int f();")
     assert build.is_dir() and build == tmp_path / "kernels" / name and name.startswith("lib_")
     assert cpp_build.build_directory("lib", b"int g();")[0] != name
+
+
+def test_a_filesystem_without_locks_builds_under_torch_s_lock_alone(tmp_path: Path, monkeypatch) -> None:
+    import fcntl
+
+    def refuse(*_) -> None:  # noqa: ANN002 - fcntl.flock's arguments
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    (tmp_path / cpp_build.TORCH_BATON).touch()  # without our lock it cannot be known stale: it is left to torch
+    with cpp_build.sole_builder(tmp_path):
+        assert (tmp_path / cpp_build.TORCH_BATON).exists()

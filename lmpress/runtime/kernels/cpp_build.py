@@ -41,7 +41,11 @@ def sole_builder(build: Path) -> Iterator[None]:
         yield
         return
     with open(build / OWN_LOCK, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks (some network mounts): torch's own lock file is all there is
+            yield
+            return
         try:
             stale = build / TORCH_BATON
             if stale.exists():
