@@ -63,6 +63,11 @@ def rtn(scheme: dict, mse: bool = False) -> dict:
     return {"method": "rtn", **scheme, "mse": mse}
 
 
+def learned(scheme: dict, init: str = "rtn") -> dict:
+    """Learned rounding on the CPU budget of recipes/learned-w4.yaml: 110 sign-gradient steps of 4 samples."""
+    return {"method": "learned", **scheme, "iterations": 110, "batch_size": 4, "init": init}
+
+
 W4_G64 = {"fp4": None, "bits": 4, "group_size": 64}  # integer W4 g64 (SmolLM2's 576 = 9 x 64)
 W4A8_G64 = {**W4_G64, "activations": "int8"}  # and int8 activations per token
 
@@ -86,6 +91,14 @@ ROWS: dict[str, tuple[str, list[dict] | None]] = {
     "rotate-r4-actorder-gptq-nvfp4a16": (
         "lmpress rotate (R1 R2 R4) + GPTQ NVFP4A16 with static act-order, MSE scale search",
         [ROTATE_R4, {**gptq(NVFP4A16), "act_order": True, "static_groups": True}],
+    ),
+    "rotate-r4-learned-nvfp4a16": (
+        "lmpress rotate (R1 R2 R4) + learned rounding NVFP4A16 (110 steps of 4, from round-to-nearest)",
+        [ROTATE_R4, learned(NVFP4A16)],
+    ),
+    "rotate-r4-learned-gptq-nvfp4a16": (
+        "lmpress rotate (R1 R2 R4) + learned rounding NVFP4A16 (110 steps of 4, from GPTQ's codes)",
+        [ROTATE_R4, learned(NVFP4A16, init="gptq")],
     ),
     "rotate-blocks64-gptq-nvfp4a16": (
         "lmpress rotate (R1 R2, every linear's input turned online in blocks of 64) + GPTQ NVFP4A16, MSE scale search",
@@ -162,6 +175,8 @@ GOALS: list[tuple[list[str], str, Any]] = [
             "rotate-gptq-nvfp4a16",
             "rotate-r4-gptq-nvfp4a16",
             "rotate-r4-actorder-gptq-nvfp4a16",
+            "rotate-r4-learned-nvfp4a16",
+            "rotate-r4-learned-gptq-nvfp4a16",
             "rotate-blocks64-gptq-nvfp4a16",
         ],
         "delta <= 0.7x llm-compressor NVFP4A16's (its best row measured)",

@@ -57,7 +57,9 @@ from lmpress.calib.moe import expert_of, is_experts_block_name
 from lmpress.errors import LmpressInputError
 from lmpress.expert_checkpoint import experts_stream
 from lmpress.metrics import NLL_CHUNK
+from lmpress.quantize.fp8 import FP8_WEIGHTS, FP8Config
 from lmpress.quantize.targets import WeightQuantConfig
+from lmpress.weights.float8 import real_fp8_matmul_available
 
 if TYPE_CHECKING:
     from lmpress.recipe import Recipe
@@ -265,8 +267,9 @@ def forecast_memory(
     file_backed = stored_dtype(checkpoint) == dtype and experts_stream(checkpoint, model)
     streams = file_backed and not logit_tokens and not training and not whole
     float_model = shape.parameters * size
-    quantizers = [s for s in stages if isinstance(s, WeightQuantConfig)]
-    planned = quantized_linears(model, quantizers)
+    quantizers = [s for s in stages if isinstance(s, WeightQuantConfig | FP8Config)]
+    plans = linear_plans(model, quantizers)
+    planned = {name: plan for name, (plan, _) in plans.items()}
     quantized = sum(packed_bytes(*plan) for plan in planned.values())
     by_layer: dict[str, int] = {}
     for name, plan in planned.items():
@@ -357,10 +360,15 @@ def forecast_memory(
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
     candidate = float_model - replaced + kept_table + float_head + quantized  # the stages' result
-    simulated = [planned[name] for name in simulated_in_runtime(model, quantizers)]
-    runtime_model = candidate + sum(
-        rows * cols * size - packed_bytes(rows, cols, *rest) for rows, cols, *rest in simulated
-    )
+    # lmpress's runtime holds FP4 W4A4 layers' weights dequantized once, in the run's dtype
+    # (kernels.dense.Fp4ActivationsLinear), and FP8 W8A8 ones' E4M3 values in float32 beside their codes where no
+    # FP8 matmul runs (kernels.fp8.Fp8SimulatedLinear)
+    runtime_model = candidate
+    for (rows, cols, *rest), scheme in plans.values():
+        if scheme.fp4 and scheme.activations:
+            runtime_model += rows * cols * size - packed_bytes(rows, cols, *rest)
+        elif scheme.activations == "fp8" and not fp8_matmul_runs(device, rows, cols):
+            runtime_model += rows * cols * 4
     if exports:
         sizes = [float_model + float_head if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
         read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked
@@ -403,24 +411,24 @@ def forecast_memory(
     return forecast
 
 
-def quantized_linears(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[int, int, int, int]]:
-    """(out, in, bits, group width) of every linear the quantization stages replace (a later stage's plan wins)."""
-    return {name: plan for name, (plan, _) in _plans(model, quantizers).items()}
-
-
-def simulated_in_runtime(model: nn.Module, quantizers: Sequence) -> list[str]:
-    """The quantized linears lmpress's runtime holds as float weights: FP4 W4A4 layers, their weight dequantized
-    once (``kernels.dense.Fp4ActivationsLinear``)."""
-    return [name for name, (_, scheme) in _plans(model, quantizers).items() if scheme.fp4 and scheme.activations]
-
-
-def _plans(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[tuple[int, int, int, int], Any]]:
+def linear_plans(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[tuple[int, int, int, int], Any]]:
+    """Every linear the quantization stages replace: its (out, in, bits, group width) and its scheme (a later
+    stage's plan wins). An FP8 stage's layers hold a byte per weight and a float32 scale per row, counted as 8-bit
+    codes in one group per row (a zero point's byte more)."""
     planned = {}
     for stage in quantizers:
-        for name, (linear, scheme) in stage.targets(model).items():
+        targets = stage.targets(model)
+        if isinstance(stage, FP8Config):
+            targets = {name: (linear, FP8_WEIGHTS) for name, linear in targets.items()}
+        for name, (linear, scheme) in targets.items():
             cols = linear.in_features
             planned[name] = ((linear.out_features, cols, scheme.bits, scheme.group_width(cols)), scheme)
     return planned
+
+
+def fp8_matmul_runs(device: torch.device, rows: int, cols: int) -> bool:
+    """Whether the runtime multiplies an FP8 layer of ``rows`` x ``cols`` in FP8 (``select.kernel_candidates``)."""
+    return real_fp8_matmul_available(device) and rows % 16 == 0 and cols % 16 == 0
 
 
 def eval_bytes(shape: ModelShape, logit_tokens: int, size: int, row_tokens: int) -> int:

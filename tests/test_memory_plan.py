@@ -295,6 +295,42 @@ def test_the_runtime_model_counts_the_float_weights_of_fp4_w4a4_layers(tiny_llam
     assert extra == float_weights - packed
 
 
+@pytest.mark.parametrize("fp8_matmul", [False, True])
+def test_an_fp8_stage_counts_its_codes_and_the_runtime_its_float32_values(
+    tiny_llama_dir, tmp_path, fp8_matmul, monkeypatch
+):
+    """An FP8 stage's layers hold a byte per weight and a scale per row; where no FP8 matmul runs (the CPU), the
+    runtime keeps each one's E4M3 values in float32 beside the codes (kernels.fp8.Fp8SimulatedLinear)."""
+    import lmpress.memory_plan
+    from lmpress.export.compressed_tensors import export_compressed_tensors
+    from lmpress.quantize.fp8 import run_fp8
+    from lmpress.registry import StageContext
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from lmpress.runtime.kernels import kernel_of
+    from lmpress.weights.float8 import fp8_layers
+
+    monkeypatch.setattr(lmpress.memory_plan, "real_fp8_matmul_available", lambda device: fp8_matmul)
+    config = stage_config("fp8")(method="fp8")
+    skeleton = model_skeleton(tiny_llama_dir)
+    forecast = forecast_memory(
+        skeleton, tiny_llama_dir, "float32", [config], 4, 32, torch.device("cpu"), 0, ["compressed-tensors"], 64
+    )
+    loaded = load_model(str(tiny_llama_dir))
+    ctx = StageContext(calibration=lambda: None, state_dir=tmp_path / "state", resume=False, fingerprint="x")
+    run_fp8(loaded.model, config, ctx)
+    layers = fp8_layers(loaded.model)
+    held = sum(b.numel() * b.element_size() for m in layers.values() for b in (m.weight, m.weight_scale))
+    rows = sum(m.out_features for m in layers.values())
+    assert held <= forecast.phases["stages"]["quantized"] <= held + rows  # plus a zero point's byte per row
+    out = tmp_path / "artifact"
+    export_compressed_tensors(loaded.model, loaded.tokenizer, out)
+    runtime = load_checkpoint(out)
+    values = sum(m.values.numel() * 4 for m in runtime.modules() if kernel_of(m) == "fp8-simulated")
+    assert values == sum(m.weight.numel() * 4 for m in layers.values())
+    agreement = forecast.phases["runtime agreement"]
+    assert agreement["runtime model"] - agreement["candidate"] == (0 if fp8_matmul else values)
+
+
 def linear_shapes(model) -> list[tuple[int, int]]:
     return [
         (m.out_features, m.in_features)

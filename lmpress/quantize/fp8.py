@@ -21,6 +21,8 @@ from lmpress.weights.float8 import Fp8Linear, Strategy, require_float8
 from lmpress.weights.online_rotation import carry_input_rotation
 from lmpress.weights.scheme import QuantScheme
 
+FP8_WEIGHTS = QuantScheme(8, -1, True, "fp8")  # E4M3 weights with E4M3 activations, as the plans name them
+
 
 class FP8Config(StageConfig):
     method: Literal["fp8"] = "fp8"
@@ -39,7 +41,7 @@ class FP8Config(StageConfig):
 
     def planned_schemes(self) -> list[tuple[str, QuantScheme]]:
         """E4M3 weights with E4M3 activations: only a format that describes quantized activations holds them."""
-        return [("", QuantScheme(8, -1, True, "fp8"))]
+        return [("", FP8_WEIGHTS)]
 
 
 @register_stage("fp8", FP8Config)

@@ -142,7 +142,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype))
         self.register_buffer("weight_scale", torch.ones(out_features, 1) if strategy == "channel" else torch.ones(1))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self._simulated: torch.Tensor | None = None
 
     @classmethod
     def from_weight(cls, fp8: Fp8Weight, bias: torch.Tensor | None = None) -> Fp8Linear:
@@ -172,11 +171,16 @@ class Fp8Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         # model.to(dtype) would cast the E4M3 codes and their scales; only their device follows the module
         weight, scale = self.weight, self.weight_scale
-        self._simulated = None
         result = super()._apply(fn, recurse)
         self.weight = weight.to(device=self.weight.device)
         self.weight_scale = scale.to(device=self.weight.device)
         return result
+
+    def simulated_weight(self) -> torch.Tensor:
+        """The E4M3 weight values in float32, transposed, for the product where no FP8 matmul runs: converted at
+        each call (a kept copy would hold 4 bytes per weight beside the 1-byte codes; the runtime's
+        ``kernels.fp8.Fp8SimulatedLinear`` keeps one, for decoding)."""
+        return self.weight.float().t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -191,9 +195,7 @@ class Fp8Linear(nn.Module):
                 out_dtype=torch.float32,
             )
         else:
-            if self._simulated is None or self._simulated.device != x.device:
-                self._simulated = self.weight.float().t().contiguous()
-            y = (codes.float() @ self._simulated).mul_(x_scale).mul_(w_scale)
+            y = (codes.float() @ self.simulated_weight()).mul_(x_scale).mul_(w_scale)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lmpress.errors import LmpressInputError
@@ -75,3 +76,21 @@ def test_missing_float8_is_an_input_error(monkeypatch, tiny_llama_dir):
 def test_config_refuses_unknown_strategy():
     with pytest.raises(pydantic.ValidationError):
         FP8Config(weights="group")
+
+
+def test_the_runtime_keeps_the_float32_values_the_layer_converts_at_each_call():
+    """``Fp8Linear`` holds 1 byte per weight (no float copy after a forward); the runtime's simulated kernel keeps
+    the E4M3 values in float32 once, whatever the runtime's dtype, and computes the layer's product bit for bit."""
+    from lmpress.runtime.kernels import build_kernel, kernel_of
+
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(64, 32, bias=True), "channel")
+    x = torch.randn(3, 64)
+    layer(x)
+    assert [name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)] == []
+    runtime = build_kernel("fp8-simulated", layer, torch.bfloat16)
+    assert kernel_of(runtime) == "fp8-simulated" and torch.equal(runtime(x), layer(x))
+    runtime, layer = runtime.to(torch.bfloat16), layer.to(torch.bfloat16)  # the bias follows, the weights do not
+    assert runtime.values.dtype == torch.float32 and runtime.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(runtime.values, layer.weight.float())
+    assert torch.equal(runtime(x), layer(x)) and torch.equal(runtime(x.bfloat16()), layer(x.bfloat16()))

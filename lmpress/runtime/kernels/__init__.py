@@ -72,7 +72,11 @@ def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
         from lmpress.runtime.kernels.dense import fp4_activations_linear
 
         return fp4_activations_linear(layer, dtype)
-    if name in ("fp8-simulated", "reference"):
+    if name == "fp8-simulated":
+        from lmpress.runtime.kernels.fp8 import Fp8SimulatedLinear
+
+        return Fp8SimulatedLinear(layer)
+    if name == "reference":
         return layer
     if name in ("cpu-w4a8", "cpu-w8a8", "cpu-int4", "cpu-int8"):
         from lmpress.runtime.kernels.cpu import cpu_linear

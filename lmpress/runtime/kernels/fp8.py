@@ -48,3 +48,25 @@ class ScaledMMLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, FP8 W8A8 _scaled_mm"
+
+
+class Fp8SimulatedLinear(Fp8Linear):
+    """``Fp8Linear`` where no FP8 matmul runs (the CPU, GPUs before Ada): its E4M3 weight values converted to
+    float32 once, which decoding needs (``Fp8Linear`` converts them at each call, to hold 1 byte per weight)."""
+
+    KERNEL = "fp8-simulated"
+
+    def __init__(self, layer: Fp8Linear) -> None:
+        super().__init__(layer.in_features, layer.out_features, layer.strategy, bias=layer.bias is not None)
+        self.weight, self.weight_scale = layer.weight.detach(), layer.weight_scale.detach()
+        if layer.bias is not None:
+            self.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
+        self.values = layer.weight.detach().float()
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        self.values = self.values.to(device=self.weight.device)  # float32 whatever the runtime's dtype
+        return result
+
+    def simulated_weight(self) -> torch.Tensor:
+        return self.values.t()

@@ -23,7 +23,7 @@ KERNELS = {
     "triton": "lmpress Triton W4A16/W8A16 (act-order, W8)",
     "int8-mm": "torch _int_mm, W8A8 (int8 activations)",
     "fp8-scaled-mm": "torch _scaled_mm, FP8 W8A8 (sm89+)",
-    "fp8-simulated": "FP8 W8A8 simulated in float (E4M3 values, no FP8 tensor cores)",
+    "fp8-simulated": "FP8 W8A8 simulated in float (E4M3 values converted to float32 once, no FP8 tensor cores)",
     "cpu-w4a8": "lmpress C++ int4 x int8 dot (AVX-512 VNNI / AVX2), activations int8 per 64",
     "cpu-w8a8": "lmpress C++ int8 x int8 dot per-row weights (AVX-512 VNNI / AVX2), activations int8 per 64",
     "cpu-int4": "torch _weight_int4pack_mm_for_cpu",
