@@ -84,6 +84,25 @@ def test_training_only_scales_and_norms_keeps_the_latent_weights_and_still_recov
     assert recovered["export_checks"][0]["passed"]
 
 
+@pytest.mark.long
+def test_an_nvfp4_model_trains_its_block_scales_and_norms_and_ships_as_nvfp4(tiny_llama_dir, tmp_path, training_text):
+    rtn = {"method": "rtn", "fp4": "nvfp4", "ignore": ["lm_head"]}
+    stage = distill_stage(text=training_text, steps=30, learn_weights=False, scale_lr=1e-4, norm_lr=1e-2)
+    exports = {"formats": ["compressed-tensors"]}
+    recovered = run(tmp_path, tiny_llama_dir, [rtn, stage], "fp4", export=exports)
+    summary = recovered["stages"][1]["summary"]
+    assert summary["fake_quantized_layers"] == summary["frozen_quantized_layers"] == 14
+    config = json.loads((Path(tiny_llama_dir) / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    scales = sum(out * inp // 16 for out, inp in _linear_shapes(config)) * layers  # one per block of 16
+    assert summary["trainable_parameters"] == (2 * layers + 1) * hidden + scales
+    losses = [row["loss"] for row in summary["training"]["losses"]]
+    assert sum(losses[-5:]) < sum(losses[:5])
+    assert recovered["export_checks"][0]["passed"]
+    quantization = json.loads((tmp_path / "fp4" / "compressed-tensors" / "config.json").read_text())
+    assert quantization["quantization_config"]["format"] == "nvfp4-pack-quantized"
+
+
 def _linear_shapes(config: dict) -> list[tuple[int, int]]:
     """(out, in) of each linear of a Llama decoder layer."""
     d, ff = config["hidden_size"], config["intermediate_size"]

@@ -101,3 +101,78 @@ def test_with_learn_weights_off_only_scales_and_norms_train_each_at_its_own_lr(t
     assert groups[2e-5] == {id(params["model.layers.0.mlp.down_proj.scales"])}
     norms = {id(p) for name, p in params.items() if "norm" in name}
     assert groups[3e-4] == norms
+
+
+def fp4_layer(fmt="nvfp4", activations=None, seed=0, in_features=64, out_features=48):
+    from lmpress.weights.fp4 import FP4_BLOCK, Fp4Linear, nvfp4_global_scale, quantize_weight_fp4
+
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=True)
+    scheme = QuantScheme(4, FP4_BLOCK[fmt], True, activations=activations, fp4=fmt)
+    fp4 = quantize_weight_fp4(linear.weight.data, scheme, mse=True)
+    if activations:
+        fp4.input_global_scale = nvfp4_global_scale(torch.randn(8, in_features)) if fmt == "nvfp4" else None
+    return Fp4Linear.from_weight(fp4, linear.bias.data)
+
+
+@pytest.mark.parametrize("fmt,activations", [("nvfp4", None), ("mxfp4", None), ("nvfp4", "fp4"), ("mxfp4", "fp4")])
+def test_fp4_fake_quant_starts_at_the_layer_and_freezes_to_what_it_computes(fmt, activations):
+    """An FP4 layer trains on its own grid: at the start it is the layer (frozen untrained: the same bytes); after
+    training, its block scales in the format's encoding, and the frozen layer computes what the last forward did."""
+    from lmpress.distill.student import FakeQuantFp4Linear
+    from lmpress.weights.fp4 import Fp4Linear
+
+    layer = fp4_layer(fmt, activations)
+    x = torch.randn(5, 64)
+    fake = FakeQuantFp4Linear(layer)
+    torch.testing.assert_close(fake(x), layer(x), rtol=0, atol=1e-6)
+    untrained = fake.freeze()
+    for name, buffer in layer.named_buffers():
+        assert torch.equal(getattr(untrained, name).view(torch.uint8), buffer.view(torch.uint8)), name
+    x.requires_grad_(True)
+    groups = [{"params": [fake.weight, fake.bias], "lr": 1e-2}, {"params": [fake.scales], "lr": 1e-3}]
+    opt = torch.optim.Adam(groups)  # the block scales are ~0.01: a step of 1e-2 would take them through zero
+    for _ in range(20):
+        opt.zero_grad()
+        fake(x).pow(2).mean().backward()
+        opt.step()
+    assert x.grad is not None and x.grad.abs().sum() > 0  # straight through the activations' quantization too
+    frozen = fake.freeze()
+    assert isinstance(frozen, Fp4Linear) and frozen.scheme == layer.scheme
+    assert not torch.equal(frozen.weight_scale.view(torch.uint8), layer.weight_scale.view(torch.uint8))
+    assert not torch.equal(frozen.weight_packed, layer.weight_packed)
+    torch.testing.assert_close(frozen.dequantized_weight(), fake.quantized_weight().detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(frozen(x), fake(x), rtol=0, atol=1e-5)
+
+
+def test_fp4_block_scales_get_the_lsq_gradient_through_their_encoding():
+    """d/ds of Σ e2m1(w/s)·s with straight-through rounding: Σ (e2m1(w/s) − w/s) inside the range, the scale's own
+    rounding to E4M3 passed straight through."""
+    from lmpress.distill.student import FakeQuantFp4Linear
+    from lmpress.weights.fp4 import fake_quantize_e2m1
+
+    fake = FakeQuantFp4Linear(fp4_layer(in_features=16, out_features=1))
+    w, s = fake.weight.detach()[0], fake._effective_scales()[0, 0]
+    fake(torch.ones(1, 16)).sum().backward()
+    t = (w / s).clamp(-6, 6)
+    inside = (w / s).abs() <= 6
+    expected = ((fake_quantize_e2m1(t) - t) * inside).sum()
+    assert fake.scales.grad[0, 0].item() == pytest.approx(expected.item(), abs=1e-4)
+
+
+def test_an_fp4_model_trains_its_block_scales_and_norms_with_learn_weights_off(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lmpress.distill.student import FakeQuantFp4Linear
+    from lmpress.weights.fp4 import Fp4Linear
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    layer = model.model.layers[0]
+    down = layer.mlp.down_proj
+    layer.mlp.down_proj = fp4_layer(in_features=down.in_features, out_features=down.out_features)
+    counts = prepare_student(model, learn_weights=False)
+    assert counts["fake_quantized_layers"] == 1 and isinstance(layer.mlp.down_proj, FakeQuantFp4Linear)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert "model.layers.0.mlp.down_proj.scales" in trainable and "model.norm.weight" in trainable
+    assert "model.layers.0.mlp.down_proj.weight" not in trainable
+    assert freeze_student(model) == 1 and isinstance(layer.mlp.down_proj, Fp4Linear)
