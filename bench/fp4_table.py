@@ -11,9 +11,6 @@ that artifact is scored. llm-compressor's rows run in its own virtual environmen
 index: `python -m venv PEER && PEER/bin/pip install TORCH_CPU_WHEEL llmcompressor==0.14.0.1`) through
 bench/llmc_fp4.py on the same tokens (written once into runs/bench-fp4/); their recipes are its own examples.
 lm_head (tied to the embeddings) stays float in every row.
-
-A row whose stages begin with another row's whole stages (``BASES``) starts from that row's export, kept under
-~/.cache/lmpress/bench/fp4_artifacts/ when it was measured; its seconds are the base row's plus its own stages'.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +36,6 @@ ROW_DIR = RESULTS / "fp4_rows"
 QUANT_TABLE_FP32 = RESULTS / "rows" / "fp32.json"
 PEER_DATA = REPO / "runs" / "bench-fp4"
 THREADS = 2
-ARTIFACTS = Path.home() / ".cache" / "lmpress" / "bench" / "fp4_artifacts"  # the exports BASES' rows start from
 
 ROTATE = {"method": "rotate"}  # R1 (residual stream) and R2 (v/o per head), fused into the weights
 ROTATE_R4 = {"method": "rotate", "rotate_down_proj": True}  # and R4: down_proj's input turned online
@@ -77,9 +72,10 @@ DISTILL = {
 }  # fmt: skip
 
 
-def learned(scheme: dict, init: str = "rtn") -> dict:
-    """Learned rounding on the CPU budget of recipes/learned-w4.yaml: 110 sign-gradient steps of 4 samples."""
-    return {"method": "learned", **scheme, "iterations": 110, "batch_size": 4, "init": init}
+def learned(scheme: dict) -> dict:
+    """Learned rounding on the CPU budget of recipes/learned-w4.yaml: 110 sign-gradient steps of 4 samples from
+    round-to-nearest."""
+    return {"method": "learned", **scheme, "iterations": 110, "batch_size": 4, "init": "rtn"}
 
 
 W4_G64 = {"fp4": None, "bits": 4, "group_size": 64}  # integer W4 g64 (SmolLM2's 576 = 9 x 64)
@@ -110,13 +106,9 @@ ROWS: dict[str, tuple[str, list[dict] | None]] = {
         "lmpress rotate (R1 R2 R4) + learned rounding NVFP4A16 (110 steps of 4, from round-to-nearest)",
         [ROTATE_R4, learned(NVFP4A16)],
     ),
-    "rotate-r4-learned-gptq-nvfp4a16": (
-        "lmpress rotate (R1 R2 R4) + learned rounding NVFP4A16 (110 steps of 4, from GPTQ's codes)",
-        [ROTATE_R4, learned(NVFP4A16, init="gptq")],
-    ),
-    "rotate-r4-learned-distill-nvfp4a16": (
-        "lmpress rotate (R1 R2 R4) + learned rounding NVFP4A16 (110 steps of 4), then block scales and norms distilled",
-        [ROTATE_R4, learned(NVFP4A16), DISTILL],
+    "rotate-r4-gptq-distill-nvfp4a16": (
+        "lmpress rotate (R1 R2 R4) + GPTQ NVFP4A16, MSE scale search, then block scales and norms distilled",
+        [ROTATE_R4, gptq(NVFP4A16), DISTILL],
     ),
     "rotate-blocks64-gptq-nvfp4a16": (
         "lmpress rotate (R1 R2, every linear's input turned online in blocks of 64) + GPTQ NVFP4A16, MSE scale search",
@@ -177,8 +169,6 @@ ROWS: dict[str, tuple[str, list[dict] | None]] = {
     ),
 }
 PEER_ROWS = [name for name in ROWS if name.startswith("llmc-")]
-# row -> the row whose export it starts from (its stages are that row's, then more)
-BASES = {"rotate-r4-learned-distill-nvfp4a16": "rotate-r4-learned-nvfp4a16"}
 
 ROTATED_NVFP4 = [
     "rotate-gptq-nvfp4", "rotate-r4-gptq-nvfp4", "learned-r4-gptq-nvfp4", "r4-only-gptq-nvfp4", "blocks-gptq-nvfp4",
@@ -196,8 +186,7 @@ GOALS: list[tuple[list[str], str, Any]] = [
             "rotate-r4-gptq-nvfp4a16",
             "rotate-r4-actorder-gptq-nvfp4a16",
             "rotate-r4-learned-nvfp4a16",
-            "rotate-r4-learned-gptq-nvfp4a16",
-            "rotate-r4-learned-distill-nvfp4a16",
+            "rotate-r4-gptq-distill-nvfp4a16",
             "rotate-blocks64-gptq-nvfp4a16",
         ],
         "delta <= 0.7x llm-compressor NVFP4A16's (its best row measured)",
@@ -250,15 +239,9 @@ def measure_row(name: str) -> dict:
     calibration = calibration_samples(
         tokenize(tokenizer, load_text(str(WIKITEXT / "wiki.valid.tokens"))), **CALIBRATION
     )
-    summaries, seconds, done = [], 0.0, 0
-    base = start_of(name)
-    if base is not None:  # the base row's export: its stages' result, read back as the base row scored it
-        model = load_model(str(ARTIFACTS / base / "artifact"), fingerprint=False).model
-        base_row = _row(base)
-        seconds, done = base_row["seconds"], len(base_row["stages"])
-        summaries.append({"started_from": base})
+    summaries, seconds = [], 0.0
     with tempfile.TemporaryDirectory() as work:
-        for i, stage in enumerate(stages[done:], start=done):
+        for i, stage in enumerate(stages):
             config = stage_config(stage["method"])(**stage)
             ctx = StageContext(
                 calibration=lambda: calibration,
@@ -276,10 +259,6 @@ def measure_row(name: str) -> dict:
         out.mkdir()
         exporter("compressed-tensors")(model, tokenizer, out)
         size = sum(p.stat().st_size for p in out.rglob("*.safetensors"))
-        if name in BASES.values():  # kept for the rows that start from it
-            shutil.rmtree(ARTIFACTS / name, ignore_errors=True)
-            shutil.copytree(out, ARTIFACTS / name / "artifact")
-            (ARTIFACTS / name / "stages.json").write_text(json.dumps(stages))
         del model, loaded
         model = load_model(str(out), fingerprint=False).model
         load_average = os.getloadavg()[0]
@@ -296,30 +275,6 @@ def measure_row(name: str) -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu": cpu_description(),
     }
-
-
-def start_of(name: str) -> str | None:
-    """The row whose kept export row ``name`` starts from; raises where its base row's export is not kept."""
-    base = BASES.get(name)
-    if base is None:
-        return None
-    kept = ARTIFACTS / base / "stages.json"
-    row = _row(base)
-    if (
-        not kept.exists()
-        or row is None
-        or json.loads(kept.read_text()) != ROWS[base][1]
-        or row["stages"] != ROWS[base][1]
-    ):
-        raise SystemExit(f"{name} starts from {base}'s export: measure {base} first (--rows {base})")
-    if ROWS[name][1][: len(ROWS[base][1])] != ROWS[base][1]:
-        raise SystemExit(f"{name}'s stages do not begin with {base}'s")
-    return base
-
-
-def _row(name: str) -> dict | None:
-    path = ROW_DIR / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _window_args() -> dict:
