@@ -176,6 +176,9 @@ class Fp8Linear(nn.Module):
         self.weight_scale = scale.to(device=self.weight.device)
         return result
 
+    def multiplies_in_fp8(self, device: torch.device) -> bool:
+        return real_fp8_matmul_available(device)
+
     def simulated_weight(self) -> torch.Tensor:
         """The E4M3 weight values in float32, transposed, for the product where no FP8 matmul runs: converted at
         each call (a kept copy would hold 4 bytes per weight beside the 1-byte codes; the runtime's
@@ -186,7 +189,7 @@ class Fp8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         codes, x_scale = quantize_fp8_per_token(flat)
         w_scale = self.weight_scale.float().reshape(1, -1) if self.strategy == "channel" else self.weight_scale
-        if real_fp8_matmul_available(x.device):
+        if self.multiplies_in_fp8(x.device):
             y = torch._scaled_mm(
                 codes,
                 self.weight.t(),

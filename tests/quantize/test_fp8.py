@@ -94,3 +94,5 @@ def test_the_runtime_keeps_the_float32_values_the_layer_converts_at_each_call():
     assert runtime.values.dtype == torch.float32 and runtime.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(runtime.values, layer.weight.float())
     assert torch.equal(runtime(x), layer(x)) and torch.equal(runtime(x.bfloat16()), layer(x.bfloat16()))
+    # chosen where an FP8 GPU cannot take the layer's shape (select.kernel_candidates): never _scaled_mm
+    assert not runtime.multiplies_in_fp8(torch.device("cuda"))

@@ -51,8 +51,9 @@ class ScaledMMLinear(nn.Module):
 
 
 class Fp8SimulatedLinear(Fp8Linear):
-    """``Fp8Linear`` where no FP8 matmul runs (the CPU, GPUs before Ada): its E4M3 weight values converted to
-    float32 once, which decoding needs (``Fp8Linear`` converts them at each call, to hold 1 byte per weight)."""
+    """``Fp8Linear`` simulated (the CPU; on an FP8 GPU, a layer whose sides are not multiples of 16): its E4M3
+    weight values converted to float32 once, which decoding needs (``Fp8Linear`` converts them at each call, to hold
+    1 byte per weight)."""
 
     KERNEL = "fp8-simulated"
 
@@ -67,6 +68,9 @@ class Fp8SimulatedLinear(Fp8Linear):
         result = super()._apply(fn, recurse)
         self.values = self.values.to(device=self.weight.device)  # float32 whatever the runtime's dtype
         return result
+
+    def multiplies_in_fp8(self, device: torch.device) -> bool:
+        return False
 
     def simulated_weight(self) -> torch.Tensor:
         return self.values.t()
