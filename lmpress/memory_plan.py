@@ -60,6 +60,7 @@ from lmpress.metrics import NLL_CHUNK
 from lmpress.quantize.fp8 import FP8_WEIGHTS, FP8Config
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.weights.float8 import real_fp8_matmul_available
+from lmpress.weights.scheme import QuantScheme
 
 if TYPE_CHECKING:
     from lmpress.recipe import Recipe
@@ -182,10 +183,19 @@ def stored_dtype(checkpoint: Path) -> str | None:
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def packed_bytes(rows: int, cols: int, bits: int, group_size: int) -> int:
-    """``QuantizedLinear``'s buffers: int32 words of codes, a float32 scale and a uint8 zero point per group."""
+def packed_bytes(rows: int, cols: int, bits: int, group_size: int, group_bytes: int = 4 + 1) -> int:
+    """A quantized linear's buffers: int32 words of codes and ``group_bytes`` per group (``QuantizedLinear``'s: a
+    float32 scale and a uint8 zero point; ``scale_bytes`` gives each format's)."""
     groups = rows * (1 if group_size <= 0 else cols // group_size)
-    return rows * -(-cols * bits // 32) * 4 + groups * (4 + 1)
+    return rows * -(-cols * bits // 32) * 4 + groups * group_bytes
+
+
+def scale_bytes(scheme: QuantScheme) -> int:
+    """Bytes a group of ``scheme`` keeps beside its codes: FP4's one-byte block scale (E4M3 or E8M0), FP8's float32
+    scale per row (no zero point), the integer schemes' float32 scale and uint8 zero point."""
+    if scheme.fp4:
+        return 1
+    return 4 if scheme.activations == "fp8" else 4 + 1
 
 
 def share_of_samples(samples: int, batch_size: int, processes: int, by_rows: bool = False) -> int:
@@ -277,7 +287,7 @@ def forecast_memory(
         by_layer[layer] = by_layer.get(layer, 0) + packed_bytes(*plan)
     # the engine maps finished layers' packed weights from its state files; a whole-model stage (RTN) holds them
     mapped = streams and quantizers and all(s.calibrates_layerwise for s in quantizers)
-    replaced = sum(rows * cols for rows, cols, _, _ in planned.values()) * size
+    replaced = sum(rows * cols for rows, cols, *_ in planned.values()) * size
     # A tied table counted once among the parameters and replaced as the head: the input embedding keeps it float.
     # A stage that unties a float head (R1 folds the final norm into it) adds the head's own table to the model.
     table = shape.vocab * shape.hidden * size
@@ -346,7 +356,13 @@ def forecast_memory(
     )
     learner = max(stages, key=lambda s: s.learning_bytes(shape, seq_len, quantized), default=None)
     learning = learner.learning_bytes(shape, seq_len, quantized) if learner is not None else 0
-    work = {"training": (4 * 4 + size) * shape.parameters} if training else {"calibration": calibration}
+    if training:
+        weights = sum(rows * cols for rows, cols, *_ in planned.values())
+        groups = sum(rows * (1 if width <= 0 else cols // width) for rows, cols, _, width, _ in planned.values())
+        trained = [s.training_bytes(shape, size, (weights, groups), seq_len, processes) for s in stages]
+        work = {"training": max(trained)}
+    else:
+        work = {"calibration": calibration}
     if calibration and upcast and not streams and not training:  # the calibrated layer's float32 copy
         work["float32 layer"] = 4 * shape.layer_parameters
     if learning > sum(work.values()) and not training:  # the stages run one at a time: the larger need is the peak
@@ -411,10 +427,10 @@ def forecast_memory(
     return forecast
 
 
-def linear_plans(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[tuple[int, int, int, int], Any]]:
+def linear_plans(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[tuple[int, int, int, int, int], Any]]:
     """Every linear the quantization stages replace: its (out, in, bits, group width) and its scheme (a later
-    stage's plan wins). An FP8 stage's layers hold a byte per weight and a float32 scale per row, counted as 8-bit
-    codes in one group per row (a zero point's byte more)."""
+    stage's plan wins), its bytes per group (``scale_bytes``) last. An FP8 stage's layers hold a byte per weight and
+    a float32 scale per row: 8-bit codes in one group per row."""
     planned = {}
     for stage in quantizers:
         targets = stage.targets(model)
@@ -422,7 +438,8 @@ def linear_plans(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[tupl
             targets = {name: (linear, FP8_WEIGHTS) for name, linear in targets.items()}
         for name, (linear, scheme) in targets.items():
             cols = linear.in_features
-            planned[name] = ((linear.out_features, cols, scheme.bits, scheme.group_width(cols)), scheme)
+            plan = (linear.out_features, cols, scheme.bits, scheme.group_width(cols), scale_bytes(scheme))
+            planned[name] = (plan, scheme)
     return planned
 
 

@@ -99,6 +99,11 @@ class StageConfig(StrictConfig):
         ``lmpress.memory_plan.ModelShape``, ``packed``: the bytes of the packed weights the stages make)."""
         return 0
 
+    def training_bytes(self, shape: Any, size: int, quantized: tuple[int, int], seq_len: int, processes: int) -> int:
+        """Bytes a training stage (``trains_across_processes``) holds beside the student's weights, in each of
+        ``processes`` (``quantized``: the weights and the scale groups of the quantized layers it trains)."""
+        return 0
+
     def check(self, model: Any) -> None:
         """Raise LmpressInputError when this stage cannot run on ``model`` (before any work)."""
 

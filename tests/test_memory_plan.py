@@ -118,6 +118,33 @@ def test_packed_bytes_counts_words_scales_and_zeros():
     assert packed_bytes(16, 96, 3, 96) == 16 * 9 * 4 + 16 * 5  # 288 bits in 9 words, one group per row
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", None])
+def test_a_plans_bytes_are_what_the_quantized_layer_holds(fmt):
+    """The forecast's bytes for a layer are its module's buffers (FP4: packed E2M1 and a byte per block scale; FP8:
+    a byte per weight and a float32 scale per row; integer W4 g32: codes, scales and zero points), within the
+    per-tensor global scales."""
+    from lmpress.memory_plan import scale_bytes
+    from lmpress.quantize.fp8 import FP8_WEIGHTS
+    from lmpress.weights.float8 import Fp8Linear
+    from lmpress.weights.fp4 import FP4_BLOCK, Fp4Linear, quantize_weight_fp4
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 16, bias=False)
+    if fmt == "fp8":
+        scheme, layer = FP8_WEIGHTS, Fp8Linear.from_linear(linear, "channel")
+    elif fmt:
+        scheme = QuantScheme(4, FP4_BLOCK[fmt], True, fp4=fmt)
+        layer = Fp4Linear.from_weight(quantize_weight_fp4(linear.weight.data, scheme), None)
+    else:
+        scheme = QuantScheme(4, 32, False)
+        layer = QuantizedLinear.from_quantized_weight(quantize_weight_rtn(linear.weight.data, scheme), None)
+    held = sum(b.numel() * b.element_size() for b in layer.buffers() if b is not None)
+    planned = packed_bytes(16, 96, scheme.bits, scheme.group_width(96), scale_bytes(scheme))
+    assert 0 <= held - planned <= 8  # NVFP4's float32 global scale (and its input one) are not planned
+
+
 def test_forecast_streams_a_mapped_checkpoint_without_eval(tiny_llama_dir):
     """A bfloat16 run with no eval keeps about a layer of the float model; an eval holds it all."""
     skeleton = model_skeleton(tiny_llama_dir)
@@ -291,7 +318,8 @@ def test_the_runtime_model_counts_the_float_weights_of_fp4_w4a4_layers(tiny_llam
     runtime = load_checkpoint(out)
     float_weights = sum(m.weight.numel() * 4 for m in runtime.modules() if kernel_of(m) == "fp4-simulated")
     assert (float_weights > 0) == (activations is not None)
-    packed = sum(packed_bytes(o, i, 4, 32) for o, i in linear_shapes(skeleton)) if activations else 0
+    # MXFP4: packed E2M1 codes and an E8M0 byte a block
+    packed = sum(packed_bytes(o, i, 4, 32, 1) for o, i in linear_shapes(skeleton)) if activations else 0
     assert extra == float_weights - packed
 
 
@@ -522,6 +550,35 @@ def test_a_draft_head_stage_forecasts_the_runtime_copy_its_capture_and_its_train
         assert bigger.phases["stages"]["draft head"] > drafted.phases["stages"]["draft head"]
         drafted = bigger
     assert "draft head" not in alone.phases["stages"] and drafted.ram_bytes > alone.ram_bytes
+
+
+def test_a_distill_stage_forecasts_the_teacher_the_optimizer_and_one_micro_batch(tiny_llama_dir):
+    """Distillation holds the teacher, AdamW's state of what trains (with fixed codes: the scales and norms; with
+    latent weights: every weight, and a float copy of each quantized one) and one micro-batch's activations and
+    logits, which grow with its tokens, halve with two micro-batches a step and shrink with checkpointing."""
+    from lmpress.distill.config import STEP_ACTIVATION_COPIES, STEP_LOGIT_COPIES
+
+    skeleton = model_skeleton(tiny_llama_dir)
+    shape = ModelShape.of(skeleton)
+    rtn = stage_config("rtn")(method="rtn", fp4="nvfp4")
+    distill = stage_config("distill")(method="distill", train_on="calibration", batch_size=4, learn_weights=False)
+    cpu = torch.device("cpu")
+
+    def training(**update) -> int:
+        stages = [rtn, distill.model_copy(update=update)]
+        return forecast_memory(skeleton, tiny_llama_dir, "float32", stages, 8, 32, cpu).phases["stages"]["training"]
+
+    weights = sum(rows * cols for _, rows, cols in shape.linears)
+    norms = (2 * shape.layers + 1) * shape.hidden
+    widths = sum(rows + cols for _, rows, cols in shape.linears)
+    per_token = 4 * (STEP_ACTIVATION_COPIES * widths + STEP_LOGIT_COPIES * shape.vocab)
+    fixed = training()
+    assert fixed == int(4 * shape.parameters + 12 * (norms + weights // 16) + 4 * 32 * per_token)
+    assert training(batch_size=8) - fixed == int(4 * 32 * per_token)
+    assert training(batch_size=8, grad_accum=2) == fixed
+    assert training(gradient_checkpointing=True) < fixed
+    latent = training(learn_weights=True) - fixed
+    assert latent == 4 * weights + 12 * (shape.parameters - shape.vocab * shape.hidden - norms)
 
 
 @pytest.mark.long

@@ -83,6 +83,8 @@ def run_distill(model: nn.Module, config: DistillConfig, ctx: StageContext) -> d
         raise LmpressInputError("stage distill: nothing to train (learn_weights and learn_scales are off, no norms)")
     # the student and the teacher on the compute device for the whole stage; back on the CPU after, where the
     # student is frozen into its packed form
+    # a step's activations are freed between steps: mapped on their own, they go back to the OS at once instead of
+    # staying resident as freed heap that the next step's slightly different blocks do not all reuse
     with on_device(ctx.device, model, teacher):
         if config.teacher_answers is not None:
             answers = teacher_answer_windows(

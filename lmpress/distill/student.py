@@ -11,6 +11,8 @@ A compressed model trains in place (recovery):
 - each ``Fp4Linear`` likewise becomes a :class:`FakeQuantFp4Linear`: E2M1 rounding, and block
   scales rounded to the format's encoding (E4M3 under NVFP4's global scale; powers of two),
   both straight-through; W4A4 layers quantize their inputs per block as ``Fp4Linear`` does;
+- with ``learn_weights: false`` neither holds a latent weight: the layer's codes stay fixed and
+  only the scales train, by the exact derivative of ``codes · s`` (EfficientQAT's end-to-end step);
 - a pruned layer keeps its mask: entries that are exactly zero in a float linear of a
   decoder layer (an N:M pattern in a quantized one) are zeroed again after every
   optimizer step, so 2:4 stays 2:4.
@@ -33,6 +35,7 @@ from lmpress.weights.fp4 import (
     Fp4Linear,
     Fp4Weight,
     decode_e8m0,
+    e2m1_values,
     encode_e8m0,
     fake_quantize_e2m1,
     fake_quantize_fp4_activations,
@@ -41,7 +44,7 @@ from lmpress.weights.fp4 import (
 )
 from lmpress.weights.online_rotation import carry_input_rotation
 from lmpress.weights.qlinear import QuantizedLinear
-from lmpress.weights.scheme import QuantizedWeight, round_ste
+from lmpress.weights.scheme import QuantizedWeight, round_ste, straight_through
 
 # A float layer with at least this fraction of exact zeros is taken as pruned (a trained dense
 # layer has essentially none); smaller fractions are left free to move.
@@ -49,35 +52,45 @@ PRUNED_FRACTION = 0.05
 
 
 class FakeQuantLinear(nn.Module):
-    """A quantized linear in training: ``y = x @ ((clamp(⌊w/s⌉ + z) − z) · s).T + b``."""
+    """A quantized linear in training: ``y = x @ ((clamp(⌊w/s⌉ + z) − z) · s).T + b`` with ``learn_weights`` (a
+    latent float weight ``w``, LSQ), ``y = x @ ((q − z) · s).T + b`` with the layer's codes ``q`` fixed without
+    (the scales' gradient then ``Σ (q − z)`` times the weight's: see ``Fp4BlocksLinear`` for why not LSQ's)."""
 
-    def __init__(self, layer: QuantizedLinear, learn_scales: bool = True) -> None:
+    def __init__(self, layer: QuantizedLinear, learn_scales: bool = True, learn_weights: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scheme = layer.in_features, layer.out_features, layer.scheme
         self.scale_dtype = layer.scales.dtype
-        self.weight = nn.Parameter(layer.dequantized_weight(torch.float32))
+        dequantized = layer.dequantized_weight(torch.float32)
+        if learn_weights:
+            self.weight = nn.Parameter(dequantized)
+            self.register_buffer("codes", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_buffer("codes", layer.codes())
         self.scales = nn.Parameter(layer.scales.float().clone(), requires_grad=learn_scales)
         self.register_buffer("zeros", layer.zeros.float().clone())
         self.register_buffer("g_idx", None if layer.g_idx is None else layer.g_idx.clone())
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float().clone())
         self.register_buffer("mask", None)  # True = pruned (kept at zero)
-        if nm_pattern(self.weight.data) is not None:
-            self.mask = self.weight.data == 0
+        if nm_pattern(dequantized) is not None:
+            self.mask = dequantized == 0  # fixed codes keep their zeros by themselves
 
     def _groups(self) -> torch.Tensor:
         if self.g_idx is not None:
             return self.g_idx.long()
         width = self.scheme.group_width(self.in_features)
-        return torch.arange(self.in_features, device=self.weight.device) // width
+        return torch.arange(self.in_features, device=self.scales.device) // width
 
     def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         groups = self._groups()
         # the scales the export will store (e.g. float16) are the ones trained against
-        scales = self.scales + (self.scales.to(self.scale_dtype).float() - self.scales).detach()
+        scales = straight_through(self.scales, self.scales.to(self.scale_dtype).float())
         return scales[:, groups], self.zeros[:, groups]
 
     def quantized_weight(self) -> torch.Tensor:
         scale, zero = self._scale_zero()
+        if self.codes is not None:
+            return (self.codes.float() - zero) * scale
         q = torch.clamp(round_ste(self.weight / scale) + zero, 0, self.scheme.maxq)
         return (q - zero) * scale
 
@@ -87,10 +100,12 @@ class FakeQuantLinear(nn.Module):
 
     @torch.no_grad()
     def freeze(self) -> QuantizedLinear:
-        scale, zero = self._scale_zero()
-        codes = torch.clamp(torch.round(self.weight / scale) + zero, 0, self.scheme.maxq)
+        codes = self.codes
+        if codes is None:
+            scale, zero = self._scale_zero()
+            codes = torch.clamp(torch.round(self.weight / scale) + zero, 0, self.scheme.maxq).to(torch.uint8)
         qw = QuantizedWeight(
-            qweight=codes.to(torch.uint8),
+            qweight=codes,
             scales=self.scales.detach().to(self.scale_dtype),
             zeros=self.zeros.clone(),
             scheme=self.scheme,
@@ -99,23 +114,69 @@ class FakeQuantLinear(nn.Module):
         return QuantizedLinear.from_quantized_weight(qw, None if self.bias is None else self.bias.detach())
 
 
-def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
-    """``rounded`` forward (exactly: ``x − x`` is 0 however far ``x`` has moved from it), the identity backward."""
-    return rounded.detach() + (x - x.detach())
+class Fp4BlocksLinear(torch.autograd.Function):
+    """``x (e2m1 · s)ᵀ`` over blocks ``(out, in / block, block)`` of E2M1 codes and one scale ``s`` each.
+
+    With latent weights ``w`` (``blocks``), the codes are ``e2m1(clamp(w / s))``, rounding straight-through: for
+    ``w`` the gradient ``1[|w/s| <= 6]``, for ``s`` LSQ's ``Σ e2m1(w/s) − (w/s)·1[|w/s| <= 6]`` (Esser et al. 2020,
+    eq. 3). With the codes fixed (``blocks`` None), ``s`` gets ``Σ e2m1`` times the weight's gradient, the exact
+    derivative of ``e2m1 · s`` (EfficientQAT's end-to-end step, Chen et al. 2024). LSQ's gradient over a latent
+    weight that sits on the grid (``w = e2m1 · s₀``) is ``Σ e2m1 · (s − s₀)/s``: zero at the start and of the
+    wrong sign below ``s₀``, so fixed codes must not be trained through it.
+
+    Autograd over the same expression keeps four weight-sized float32 tensors per layer until the backward pass
+    (the quotient, its clamp's input, the product's operand, the product); this keeps each code in a byte and
+    rebuilds the product from it."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor | None, blocks: torch.Tensor | None
+    ) -> torch.Tensor:
+        if blocks is not None:
+            codes = round_to_e2m1((blocks / scales).clamp(-E2M1_MAX, E2M1_MAX))
+        ctx.save_for_backward(x, scales, codes, blocks)
+        weight = (e2m1_values(codes) * scales).reshape(codes.shape[0], -1)
+        return nn.functional.linear(x, weight.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, scales, codes, blocks = ctx.saved_tensors
+        values = e2m1_values(codes)
+        grad_x = grad_scales = grad_blocks = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ (values * scales).reshape(codes.shape[0], -1).to(grad.dtype)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
+            flat = grad.reshape(-1, grad.shape[-1]).float()
+            grad_weight = (flat.T @ x.reshape(-1, x.shape[-1]).float()).reshape(codes.shape)
+            step = values
+            if blocks is not None:
+                t = blocks / scales
+                inside = (t >= -E2M1_MAX) & (t <= E2M1_MAX)
+                step = values - torch.where(inside, t, 0.0)
+                grad_blocks = grad_weight * inside if ctx.needs_input_grad[3] else None
+            if ctx.needs_input_grad[1]:
+                grad_scales = (grad_weight * step).sum(-1, keepdim=True)
+        return grad_x, grad_scales, None, grad_blocks
 
 
 class FakeQuantFp4Linear(nn.Module):
-    """An FP4 linear in training: ``y = A(x) (e2m1(w / s) · s)ᵀ + b`` per block, ``s`` stored in the format's
-    encoding (an E4M3 value over NVFP4's global scale, or a power of two) and ``A`` the layer's activation
-    quantization (W4A4), every rounding straight-through."""
+    """An FP4 linear in training: ``y = A(x) (e2m1 · s)ᵀ + b`` per block, ``s`` stored in the format's encoding
+    (an E4M3 value over NVFP4's global scale, or a power of two; straight-through) and ``A`` the layer's activation
+    quantization (W4A4). With ``learn_weights`` the E2M1 values round a latent float weight straight-through;
+    without, they are the layer's codes, fixed."""
 
-    def __init__(self, layer: Fp4Linear, learn_scales: bool = True) -> None:
+    def __init__(self, layer: Fp4Linear, learn_scales: bool = True, learn_weights: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scheme, self.fmt = (
             layer.in_features, layer.out_features, layer.scheme, layer.fmt,
         )  # fmt: skip
         fp4 = layer.unpack()
-        self.weight = nn.Parameter(fp4.dequantize(torch.float32))
+        if learn_weights:
+            self.weight = nn.Parameter(fp4.dequantize(torch.float32))
+            self.register_buffer("codes", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_buffer("codes", self._blocks(fp4.codes.clone()))
         self.scales = nn.Parameter(fp4.effective_scales().float().clone(), requires_grad=learn_scales)
         self.register_buffer("global_scale", fp4.global_scale)
         self.register_buffer("input_global_scale", fp4.input_global_scale)
@@ -136,21 +197,31 @@ class FakeQuantFp4Linear(nn.Module):
         stored = self.stored_scales()
         return stored if self.global_scale is None else stored / self.global_scale
 
+    def _scales_ste(self) -> torch.Tensor:
+        return straight_through(self.scales, self._effective_scales())[..., None]
+
     def quantized_weight(self) -> torch.Tensor:
-        scales = straight_through(self.scales, self._effective_scales())[..., None]
+        """The weight the forward multiplies by, as plain autograd over straight-through rounding (the reference
+        ``Fp4BlocksLinear`` is tested against)."""
+        scales = self._scales_ste()
+        if self.codes is not None:
+            return (e2m1_values(self.codes) * scales).reshape(self.out_features, self.in_features)
         t = (self._blocks(self.weight) / scales).clamp(-E2M1_MAX, E2M1_MAX)
         return (straight_through(t, fake_quantize_e2m1(t)) * scales).reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.activations == "fp4":
             x = straight_through(x, fake_quantize_fp4_activations(x, self.fmt, self.input_global_scale))
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, self.quantized_weight().to(x.dtype), bias)
+        blocks = None if self.weight is None else self._blocks(self.weight)
+        y = Fp4BlocksLinear.apply(x, self._scales_ste(), self.codes, blocks)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @torch.no_grad()
     def freeze(self) -> Fp4Linear:
-        effective = self._effective_scales()
-        codes = round_to_e2m1((self._blocks(self.weight) / effective[..., None]).clamp(-E2M1_MAX, E2M1_MAX))
+        codes = self.codes
+        if codes is None:
+            t = self._blocks(self.weight) / self._effective_scales()[..., None]
+            codes = round_to_e2m1(t.clamp(-E2M1_MAX, E2M1_MAX))
         fp4 = Fp4Weight(
             codes=codes.reshape(self.out_features, self.in_features),
             scales=self.stored_scales(),
@@ -179,8 +250,8 @@ def prepare_student(
     linear layers (latent weights of quantized ones) only when ``learn_weights``, else what trains is
     the quantization scales, norms and biases. Returns counts for the report.
     """
-    quantized = _replace(model, QuantizedLinear, lambda layer: FakeQuantLinear(layer, learn_scales))
-    quantized += _replace(model, Fp4Linear, lambda layer: FakeQuantFp4Linear(layer, learn_scales))
+    quantized = _replace(model, QuantizedLinear, lambda layer: FakeQuantLinear(layer, learn_scales, learn_weights))
+    quantized += _replace(model, Fp4Linear, lambda layer: FakeQuantFp4Linear(layer, learn_scales, learn_weights))
     masked = 0
     for layer in decoder_layers(model):
         for module in layer.modules():
@@ -193,9 +264,9 @@ def prepare_student(
                 masked += 1
     for name, p in model.named_parameters():
         p.requires_grad_(learn_scales or not name.endswith(".scales"))
-    if not learn_weights:
+    if not learn_weights:  # the quantized layers hold fixed codes: no weight
         for module in model.modules():
-            if isinstance(module, nn.Linear | FakeQuantLinear | FakeQuantFp4Linear):
+            if isinstance(module, nn.Linear):
                 module.weight.requires_grad_(False)
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
         if module is not None and not train_embeddings:
@@ -213,7 +284,7 @@ def apply_masks(model: nn.Module) -> None:
     """Zero every pruned entry again (after an optimizer step)."""
     for module in model.modules():
         mask = getattr(module, "prune_mask", None) if isinstance(module, nn.Linear) else getattr(module, "mask", None)
-        if mask is not None:
+        if mask is not None and module.weight is not None:
             module.weight.data.masked_fill_(mask, 0.0)
 
 

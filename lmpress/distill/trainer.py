@@ -32,6 +32,7 @@ from lmpress.distill.losses import hidden_state_loss, logit_divergence
 from lmpress.distill.student import apply_masks, norm_parameters
 from lmpress.distill.teacher import TeacherCache, TeacherOutputs, teacher_forward
 from lmpress.errors import LmpressInputError
+from lmpress.memory import trim_c_heap
 from lmpress.metrics import token_nll
 from lmpress.placement import naming_out_of_memory
 from lmpress.progress import QUIET, Bars
@@ -232,6 +233,7 @@ def train_student(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             apply_masks(student)
+            trim_c_heap()
         log.step += 1
         log.tokens += rows.numel() * windows.train.shape[1] * world
         log.seconds = time.perf_counter() - began

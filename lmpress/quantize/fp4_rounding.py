@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from lmpress.weights.fp4 import E2M1_MAX, E2M1_VALUES, Fp4Format, fp4_block_scales
-from lmpress.weights.scheme import round_ste
+from lmpress.weights.scheme import round_ste, straight_through
 
 
 def e2m1_rounder(device: torch.device | str) -> Callable[[torch.Tensor], None]:
@@ -72,5 +72,5 @@ def block_scales_ste(
         proxy = proxy * global_scale
     with torch.no_grad():
         stored = fp4_block_scales(clipped.detach()[..., None], fmt, global_scale)  # one-element blocks: max = amax·α
-    stored = proxy + (stored - proxy).detach()
+    stored = straight_through(proxy, stored)
     return stored, stored if global_scale is None else stored / global_scale

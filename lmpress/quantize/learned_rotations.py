@@ -50,6 +50,7 @@ from lmpress.registry import StrictConfig
 from lmpress.weights.fp4 import E2M1_MAX, FP4_BLOCK, activation_block_scales, fake_quantize_e2m1, nvfp4_global_scale
 from lmpress.weights.int8_linear import INT8_MAX
 from lmpress.weights.online_rotation import blockwise_hadamard
+from lmpress.weights.scheme import straight_through
 
 LearnedActivations = Literal["nvfp4", "mxfp4", "int8"]
 # What backpropagation through the hooked model keeps a token (the memory forecast), in float32 values: this many
@@ -94,11 +95,6 @@ def cayley(generator: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(eye - skew / 2, eye + skew / 2)
 
 
-def _straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
-    """``rounded``'s values with ``x``'s gradient."""
-    return x + (rounded - x).detach()
-
-
 def quantize_activations_ste(x: torch.Tensor, kind: LearnedActivations) -> torch.Tensor:
     """The values per-call activation quantization leaves of ``x`` (``fake_quantize_fp4_activations``,
     ``fake_quantize_per_token``), differentiable: rounding passes the gradient straight through, the scales
@@ -106,14 +102,14 @@ def quantize_activations_ste(x: torch.Tensor, kind: LearnedActivations) -> torch
     if kind == "int8":
         scale = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny) / INT8_MAX
         t = x / scale
-        return _straight_through(t, t.round()) * scale
+        return straight_through(t, t.round()) * scale
     block = FP4_BLOCK[kind]
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = blocks.abs().amax(-1)
     gs = nvfp4_global_scale(x) if kind == "nvfp4" else None
-    scale = _straight_through(amax / E2M1_MAX, activation_block_scales(amax.detach(), kind, gs))[..., None]
+    scale = straight_through(amax / E2M1_MAX, activation_block_scales(amax.detach(), kind, gs))[..., None]
     t = (blocks / scale).clamp(-E2M1_MAX, E2M1_MAX)
-    return (_straight_through(t, fake_quantize_e2m1(t)) * scale).reshape(x.shape)
+    return (straight_through(t, fake_quantize_e2m1(t)) * scale).reshape(x.shape)
 
 
 def per_head(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -125,9 +125,15 @@ def quantize_to_int(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ma
     return torch.clamp(torch.round(w.float() / scale) + zero, 0, maxq)
 
 
+def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """``rounded`` forward (exactly: ``x − x`` is 0 however far ``x`` has moved from it), the identity backward
+    (straight-through; Bengio et al. 2013)."""
+    return rounded.detach() + (x - x.detach())
+
+
 def round_ste(x: torch.Tensor) -> torch.Tensor:
-    """⌊x⌉ forward, identity gradient (straight-through; Bengio et al. 2013): for weights that learn their rounding."""
-    return x + (torch.round(x) - x).detach()
+    """⌊x⌉ forward, identity gradient: for weights that learn their rounding."""
+    return straight_through(x, torch.round(x))
 
 
 def dequantize_int(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -146,18 +146,83 @@ def test_fp4_fake_quant_starts_at_the_layer_and_freezes_to_what_it_computes(fmt,
 
 
 def test_fp4_block_scales_get_the_lsq_gradient_through_their_encoding():
-    """d/ds of Σ e2m1(w/s)·s with straight-through rounding: Σ (e2m1(w/s) − w/s) inside the range, the scale's own
-    rounding to E4M3 passed straight through."""
+    """d/ds of Σ e2m1(w/s)·s with straight-through rounding (LSQ): e2m1(w/s) − w/s inside the range, ±6 outside,
+    the scale's own rounding to E4M3 passed straight through."""
     from lmpress.distill.student import FakeQuantFp4Linear
     from lmpress.weights.fp4 import fake_quantize_e2m1
 
     fake = FakeQuantFp4Linear(fp4_layer(in_features=16, out_features=1))
+    with torch.no_grad():
+        fake.scales.mul_(0.5)  # some weights now beyond ±6 steps: clipped
     w, s = fake.weight.detach()[0], fake._effective_scales()[0, 0]
     fake(torch.ones(1, 16)).sum().backward()
-    t = (w / s).clamp(-6, 6)
-    inside = (w / s).abs() <= 6
-    expected = ((fake_quantize_e2m1(t) - t) * inside).sum()
+    t = w / s
+    inside = t.abs() <= 6
+    assert 0 < int(inside.sum()) < 16
+    expected = torch.where(inside, fake_quantize_e2m1(t.clamp(-6, 6)) - t, torch.sign(t) * 6).sum()
     assert fake.scales.grad[0, 0].item() == pytest.approx(expected.item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("learn_weights", [True, False])
+def test_fp4_fake_quant_forward_and_gradients_are_autograds_over_the_same_expression(learn_weights):
+    """Fp4BlocksLinear's hand-written backward gives what autograd gives over ``F.linear(x, quantized_weight())``
+    (a latent weight's e2m1 rounding written with straight_through; or the fixed codes times the scales) for the
+    input, the latent weights and the block scales, with scales where some weights clip; its forward is that
+    expression's, bit for bit."""
+    from lmpress.distill.student import FakeQuantFp4Linear
+
+    fake = FakeQuantFp4Linear(fp4_layer(in_features=64, out_features=12), learn_weights=learn_weights)
+    fake.bias = None
+    with torch.no_grad():
+        fake.scales[:, ::2].mul_(0.6)  # every other block clips its largest weights (with a latent weight)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    grad = torch.randn(3, 5, 12)
+    wanted = [x, fake.scales] + ([fake.weight] if learn_weights else [])
+    ours = fake(x)
+    reference = torch.nn.functional.linear(x, fake.quantized_weight())
+    assert torch.equal(ours, reference)
+    for a, b in zip(torch.autograd.grad(ours, wanted, grad), torch.autograd.grad(reference, wanted, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))  # sums that cancel
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "int4"])
+def test_with_codes_fixed_the_scales_get_a_gradient_at_the_start_and_the_codes_never_move(kind):
+    """learn_weights off: the scales' gradient is Σ code · ∂L/∂w from the first step (LSQ's over a weight on the
+    grid is 0 there), training them lowers the loss, and the frozen layer keeps the original codes."""
+    from lmpress.distill.student import FakeQuantFp4Linear, FakeQuantLinear
+    from lmpress.weights.qlinear import quantized_linear_from
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+
+    if kind == "nvfp4":
+        layer = fp4_layer(in_features=64, out_features=12)
+        fake = FakeQuantFp4Linear(layer, learn_weights=False)
+        codes = layer.weight_packed
+    else:
+        torch.manual_seed(0)
+        linear = nn.Linear(64, 12)
+        layer = quantized_linear_from(linear, quantize_weight_rtn(linear.weight.data, QuantScheme(4, 32, False)))
+        fake = FakeQuantLinear(layer, learn_weights=False)
+        codes = layer.qweight
+    assert fake.weight is None and [n for n, p in fake.named_parameters()] == ["scales", "bias"]
+    torch.manual_seed(1)
+    x, target = torch.randn(32, 64), torch.randn(32, 12)
+
+    def loss() -> torch.Tensor:
+        return (fake(x) - target).pow(2).mean()
+
+    start = loss()
+    start.backward()
+    assert fake.scales.grad.abs().min() > 0
+    opt = torch.optim.Adam([fake.scales], lr=1e-3)
+    for _ in range(30):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    assert loss() < 0.9 * start
+    frozen = fake.freeze()
+    frozen_codes = frozen.weight_packed if kind == "nvfp4" else frozen.qweight
+    assert torch.equal(frozen_codes, codes)
+    torch.testing.assert_close(frozen(x), fake(x), rtol=0, atol=1e-5)
 
 
 def test_an_fp4_model_trains_its_block_scales_and_norms_with_learn_weights_off(tiny_llama_dir):
