@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lmpress.weights.fp4 import Fp4Linear
+from lmpress.weights.online_rotation import input_rotation_of, rotate_weight_input
 from lmpress.weights.qlinear import QuantizedLinear
 
 FP4_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "bias")
@@ -127,6 +128,9 @@ def _compare_layer(name: str, cand: QuantizedLinear | Fp4Linear, art: nn.Module)
         return None, change, f"quantized, scales as {str(art.scales.dtype).removeprefix('torch.')}"
     if isinstance(art, nn.Linear):
         expected = cand.dequantized_weight(art.weight.dtype)
+        rotation = input_rotation_of(cand)
+        if rotation is not None and input_rotation_of(art) is None:  # hf: R4's turn folded back (dense_state_dict)
+            expected = rotate_weight_input(expected, rotation.block)
         if not torch.equal(art.weight, expected):
             diff = (art.weight.float() - expected.float()).abs().max().item()
             return f"{name}: dense weight differs from the candidate's dequantized weight (max {diff:.3g})", 0.0, ""

@@ -12,6 +12,7 @@ from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.errors import LmpressInputError
 from lmpress.export.formats import check_recipe_exports, load_quantized_model
 from lmpress.export.inspect import inspect_artifact
+from lmpress.export.verify import check_export, window_ppl
 from lmpress.loader import load_model
 from lmpress.quantize.awq import AWQConfig, run_awq
 from lmpress.quantize.gptq import GPTQConfig, run_gptq
@@ -152,6 +153,8 @@ def test_r4_compressed_tensors_export_runs_the_same_in_the_loader_and_the_runtim
         plain = AutoModelForCausalLM.from_pretrained(hf).eval()
         with torch.no_grad():
             torch.testing.assert_close(plain(IDS).logits, want, rtol=1e-4, atol=1e-4)
+        check = check_export("hf", model, plain, IDS, window_ppl(model, IDS))  # what a run reports for hf
+        assert check.weights_match, check.weights
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "gptq", "awq", "onnx"])
