@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from table_rows import copy_fp32_row, kept_rows, measure_in_child, publish, wanted_rows  # noqa: E402
 
@@ -63,13 +65,14 @@ def rtn(scheme: dict, mse: bool = False) -> dict:
     return {"method": "rtn", **scheme, "mse": mse}
 
 
-# the block scales and norms distilled end to end against the FP32 model on the calibration samples (the
-# recipes/learned-w4-gpu.yaml stage's settings); the linear layers' codes stay as the stage before chose them
-DISTILL = {
-    "method": "distill", "train_on": "calibration", "seq_len": 512, "batch_size": 2, "steps": 128,
-    "learn_weights": False, "scale_lr": 5.0e-5, "norm_lr": 1.0e-3, "warmup_steps": 3, "loss": "forward_kl",
-    "eval_every": 64, "eval_windows": 2, "checkpoint_every": 32,
-}  # fmt: skip
+# the block scales and norms distilled end to end against the FP32 model on the calibration samples, as
+# recipes/nvfp4-w4a16.yaml's last stage does (its settings read from the recipe, so the row is the recipe's); the
+# linear layers' codes stay as the stage before chose them
+DISTILL = next(
+    stage
+    for stage in yaml.safe_load((REPO / "recipes" / "nvfp4-w4a16.yaml").read_text())["stages"]
+    if stage["method"] == "distill"
+)
 
 
 def learned(scheme: dict) -> dict:
@@ -277,6 +280,43 @@ def measure_row(name: str) -> dict:
     }
 
 
+def row_from_run(name: str, run: Path) -> dict:
+    """Row ``name`` from a ``lmpress run`` of the same stages on this table's protocol (``run``: its output folder):
+    the score is that run's candidate, its compressed-tensors export read back from disk, as ``measure_row`` scores
+    one (recipes/nvfp4-w4a16.yaml reproduced row rotate-r4-gptq-distill-nvfp4a16 to the last digit, 21.664826445122124,
+    on 2026-12-06). Refused unless the run's stages, calibration and perplexity protocol are this table's."""
+    import json as json_
+
+    from lmpress.registry import stage_config
+
+    report = json_.loads((run / "report.json").read_text())
+    recipe = report["recipe"]
+    wanted = [json_.loads(stage_config(s["method"])(**s).model_dump_json()) for s in ROWS[name][1]]
+    data, ppl = recipe["data"], recipe["eval"].get("perplexity") or {}
+    same = (
+        recipe["stages"] == wanted
+        and (data["source"], data["samples"], data["seq_len"], data["seed"])
+        == ("builtin:wikitext2:valid", CALIBRATION["n_samples"], CALIBRATION["seq_len"], CALIBRATION["seed"])
+        and (recipe["eval"]["text"], ppl.get("seq_len"), ppl.get("windows"), ppl.get("stride"), ppl.get("bos"))
+        == ("builtin:wikitext2:test", EVAL["seq_len"], EVAL["windows"], None, False)
+        and recipe["export"]["formats"][0] == "compressed-tensors"
+    )
+    if not same:
+        raise SystemExit(f"{run}: its stages, calibration, eval or first export are not row {name}'s protocol")
+    return {
+        "row": name,
+        "label": ROWS[name][0],
+        "stages": ROWS[name][1],
+        "ppl": report["candidate"]["metrics"]["ppl"],
+        "seconds": sum(stage["seconds"] for stage in report["stages"]),
+        "safetensors_bytes": sum(p.stat().st_size for p in (run / "compressed-tensors").rglob("*.safetensors")),
+        "summary": [stage["summary"] for stage in report["stages"]],
+        "torch_threads": THREADS,
+        "cpu": cpu_description(),
+        "from_run": f"lmpress run, {run / 'report.json'}",
+    }
+
+
 def _window_args() -> dict:
     return {"seq_len": EVAL["seq_len"], "n_windows": EVAL["windows"]}
 
@@ -380,12 +420,17 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--reuse", action="store_true", help="keep rows measured before with the same stages")
     parser.add_argument("--llmc-python", help="python of llm-compressor's virtual environment (its rows need it)")
+    parser.add_argument("--from-run", type=Path, help="take the one row of --rows from this lmpress run's folder")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure_row(args.one)))
         return 0
-    for name in copy_fp32_row(wanted_rows(parser, args.rows, ROWS), ROW_DIR, QUANT_TABLE_FP32):
+    if args.from_run:
+        (name,) = wanted_rows(parser, args.rows, ROWS)
+        (ROW_DIR / f"{name}.json").write_text(json.dumps(row_from_run(name, args.from_run), indent=2) + "\n")
+    to_measure = [] if args.from_run else copy_fp32_row(wanted_rows(parser, args.rows, ROWS), ROW_DIR, QUANT_TABLE_FP32)
+    for name in to_measure:
         path = ROW_DIR / f"{name}.json"
         if args.reuse and path.exists() and json.loads(path.read_text()).get("stages") == ROWS[name][1]:
             continue
