@@ -46,7 +46,8 @@ from lmpress.registry import StageConfig, StrictConfig
 # the decoder linears' input and output widths (what autograd keeps for the backward pass, the gradients it makes)
 # and of the logits (the teacher's and the student's, their log-softmaxes, the gradient). SmolLM2-135M, R4 + NVFP4
 # with its scales and norms trained, the freed heap handed back after each step: peaks of 3.88 GiB at 512 tokens a
-# step and 5.95 GiB at 1,024, 4.05 MB a token = 2.5 x 1.22 MB of widths + 5 x 0.197 MB of logits.
+# step and 5.95 GiB at 1,024, 4.05 MB a token = 2.5 x 1.22 MB of widths + 5 x 0.197 MB of logits
+# (bench/distill_memory.py measures the forecast against the stage's peak).
 STEP_ACTIVATION_COPIES = 2.5
 STEP_LOGIT_COPIES = 5
 

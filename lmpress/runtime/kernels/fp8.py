@@ -58,10 +58,11 @@ class Fp8SimulatedLinear(Fp8Linear):
     KERNEL = "fp8-simulated"
 
     def __init__(self, layer: Fp8Linear) -> None:
-        super().__init__(layer.in_features, layer.out_features, layer.strategy, bias=layer.bias is not None)
-        self.weight, self.weight_scale = layer.weight.detach(), layer.weight_scale.detach()
-        if layer.bias is not None:
-            self.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
+        nn.Module.__init__(self)  # not Fp8Linear's: it would allocate a weight of zeros that this one replaces
+        self.in_features, self.out_features, self.strategy = layer.in_features, layer.out_features, layer.strategy
+        self.register_buffer("weight", layer.weight.detach())
+        self.register_buffer("weight_scale", layer.weight_scale.detach())
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach(), requires_grad=False)
         self.values = layer.weight.detach().float()
 
     def _apply(self, fn, recurse=True):
