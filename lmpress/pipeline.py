@@ -286,6 +286,9 @@ def read_back_exports(
         return [], None
     window = first_eval_window(recipe, loaded.tokenizer)
     candidate_ppl = window_ppl(loaded.model, window)
+    # each forward's and each read's freed buffers go back to the OS before the next read: kept by glibc, the
+    # tokenized eval text and the candidate's forward alone held 1 GiB into the next load (SmolLM2, 2,048 tokens)
+    return_freed_memory()
     checks, shipped = [], None
     for fmt in recipe.export.formats:
         bars.log(f"reading back {fmt}/ and checking it against the candidate")
@@ -296,6 +299,7 @@ def read_back_exports(
         if shipped is None:
             shipped = artifact
         del artifact  # only the first export is kept (it is scored); the others go as soon as they are checked
+        return_freed_memory()
         if not check.passed:
             bars.log(
                 f"[red]export {fmt} does not match the candidate:[/] {check.weights}; "

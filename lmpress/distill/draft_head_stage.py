@@ -52,6 +52,10 @@ from lmpress.runtime.eagle3 import Eagle3Config, Eagle3Head, attach_draft_head, 
 from lmpress.runtime.model import Transformer
 
 DATA_FILE = "draft-data.pt"
+# Training's activations that glibc keeps resident as freed heap between steps, as a share of one step's: SmolLM2,
+# batches of 4, 700-760 MiB measured against 512 counted without them, of which the activations were 374 (0.5-0.66).
+# Handing them back each step would cost training about a fifth of its time (as unmapping them did: 22%).
+TRAINING_FREED_HEAP = 0.6
 
 
 class DraftHeadConfig(StageConfig):
@@ -84,8 +88,10 @@ class DraftHeadConfig(StageConfig):
         Training, in float32: the head with AdamW's state (16 bytes a trained parameter, 4 a frozen output row);
         per sequence and position, the last step's scores, their log-softmax and its gradient, and what each drafting
         step keeps for the backward pass: its log-softmax, its attention weights (a query head's over the
-        positions), four MLP-wide and about ten hidden-wide tensors. SmolLM2, batches of 4: 512 MiB counted against
-        508-556 MiB measured with large blocks unmapped, 700-760 MiB with glibc's freed heap (docs/recipes.md)."""
+        positions), four MLP-wide and about ten hidden-wide tensors, and the blocks of them glibc keeps freed between
+        steps (``TRAINING_FREED_HEAP``: training runs with glibc's heap as it is). SmolLM2, batches of 4: 512 MiB
+        counted without them against 508-556 MiB measured with large blocks unmapped, 700-760 MiB with glibc's freed
+        heap (docs/recipes.md)."""
         length = self.prompt_tokens + self.new_tokens
         positions = length - 1  # a sequence's training positions: each reads the next token's embedding
         width = 3 * shape.hidden  # the three target layers the head reads (default_feature_layers)
@@ -98,8 +104,9 @@ class DraftHeadConfig(StageConfig):
         trained = width * shape.hidden + 2 * shape.layer_parameters + (output_rows if self.train_lm_head else 0)
         per_step = self.draft_vocab + shape.heads * positions + 4 * shape.widest_input + 10 * shape.hidden
         activations = self.batch_size * positions * 4 * (3 * self.draft_vocab + self.steps * per_step)
+        activations *= 1 + TRAINING_FREED_HEAP
         training = 16 * trained + (0 if self.train_lm_head else 4 * output_rows) + activations
-        return runtime + features + max(capture, training)
+        return int(runtime + features + max(capture, training))
 
     def training_texts(self, data_source: str) -> list[str]:
         return [data_source]  # the prompts the target continues
