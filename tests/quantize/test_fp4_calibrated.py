@@ -18,14 +18,13 @@ from lmpress.quantize.awq_search import apply_clip, fake_quantize_weight, search
 from lmpress.quantize.fp4_rounding import e2m1_rounder, neighbours, offsets_towards, round_between_neighbours
 from lmpress.quantize.gptq import GPTQConfig, run_gptq
 from lmpress.quantize.gptq_quantize import gptq_quantize_layer, layer_output_error
-from lmpress.quantize.learned_rounding import (
-    LearnedRoundingConfig,
+from lmpress.quantize.learned_rounding import LearnedRoundingConfig, run_learned
+from lmpress.quantize.learned_rounding_quantize import (
     Rounding,
     _fp4_learned,
     freeze,
     init_rounding,
     learned_fake_quantize,
-    run_learned,
 )
 from lmpress.quantize.rtn import RTNConfig, run_rtn
 from lmpress.registry import StageContext
