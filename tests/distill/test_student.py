@@ -185,6 +185,55 @@ def test_fp4_fake_quant_forward_and_gradients_are_autograds_over_the_same_expres
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))  # sums that cancel
 
 
+@pytest.mark.parametrize("learn_weights", [True, False])
+@pytest.mark.parametrize("symmetric, act_order", [(True, False), (False, False), (False, True)])
+def test_int_fake_quant_forward_and_gradients_are_autograds_over_the_same_expression(
+    learn_weights, symmetric, act_order
+):
+    """IntGroupsLinear's hand-written backward gives what autograd gives over ``F.linear(x, quantized_weight())``
+    (LSQ's straight-through rounding of a latent weight, or the fixed codes times the scales) for the input, the
+    latent weights and the group scales, with scales where some weights clip and with act-order's column groups;
+    its forward is that expression's, bit for bit."""
+    layer = quantized(bits=3, group=16, symmetric=symmetric, in_features=64, out_features=12)
+    if act_order:
+        layer.g_idx = torch.randperm(64, generator=torch.Generator().manual_seed(3)).int() // 16
+    fake = FakeQuantLinear(layer, learn_weights=learn_weights)
+    fake.bias = None
+    with torch.no_grad():
+        fake.scales[:, ::2].mul_(0.6)  # every other group clips its largest weights (with a latent weight)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    grad = torch.randn(3, 5, 12)
+    wanted = [x, fake.scales] + ([fake.weight] if learn_weights else [])
+    ours = fake(x)
+    reference = torch.nn.functional.linear(x, fake.quantized_weight())
+    assert torch.equal(ours, reference)
+    if learn_weights:
+        scale, zero = fake._scale_zero()
+        rounded = torch.round(fake.weight / scale) + zero
+        assert bool(((rounded < 0) | (rounded > fake.scheme.maxq)).any())  # some weights clip
+    for a, b in zip(torch.autograd.grad(ours, wanted, grad), torch.autograd.grad(reference, wanted, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))  # sums that cancel
+
+
+@pytest.mark.parametrize("learn_weights", [True, False])
+def test_int_fake_quant_keeps_no_float_copy_of_the_weight_for_the_backward_pass(learn_weights):
+    """What the forward leaves for the backward pass: the input, the codes in a byte, the scales (and the latent
+    weight itself), never a float32 tensor of the weight's size made by the forward."""
+    fake = FakeQuantLinear(quantized(bits=4, group=16, in_features=64, out_features=48), learn_weights=learn_weights)
+    x = torch.randn(2, 64)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fake(x).sum().backward()
+    made = [t for t in saved if t.is_floating_point() and t.numel() >= 48 * 64 and t is not fake.weight]
+    assert not made, [tuple(t.shape) for t in made]
+    assert any(t.dtype == torch.uint8 and t.numel() == 48 * 64 for t in saved)
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "int4"])
 def test_with_codes_fixed_the_scales_get_a_gradient_at_the_start_and_the_codes_never_move(kind):
     """learn_weights off: the scales' gradient is Σ code · ∂L/∂w from the first step (LSQ's over a weight on the
