@@ -163,6 +163,23 @@ def test_fp4_block_scales_get_the_lsq_gradient_through_their_encoding():
     assert fake.scales.grad[0, 0].item() == pytest.approx(expected.item(), abs=1e-4)
 
 
+def assert_gradients_are_autograds(fake: nn.Module) -> None:
+    """A fake-quantized layer (64 inputs, 12 outputs), every other group's scale shrunk so that some latent weights
+    clip: its forward equals ``F.linear(x, quantized_weight())`` bit for bit and its gradients for the input, the
+    scales and any latent weight are autograd's over that expression."""
+    fake.bias = None
+    with torch.no_grad():
+        fake.scales[:, ::2].mul_(0.6)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    grad = torch.randn(3, 5, 12)
+    wanted = [x, fake.scales] + ([fake.weight] if fake.weight is not None else [])
+    ours = fake(x)
+    reference = torch.nn.functional.linear(x, fake.quantized_weight())
+    assert torch.equal(ours, reference)
+    for a, b in zip(torch.autograd.grad(ours, wanted, grad), torch.autograd.grad(reference, wanted, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))  # sums that cancel
+
+
 @pytest.mark.parametrize("learn_weights", [True, False])
 def test_fp4_fake_quant_forward_and_gradients_are_autograds_over_the_same_expression(learn_weights):
     """Fp4BlocksLinear's hand-written backward gives what autograd gives over ``F.linear(x, quantized_weight())``
@@ -172,17 +189,7 @@ def test_fp4_fake_quant_forward_and_gradients_are_autograds_over_the_same_expres
     from lmpress.distill.student import FakeQuantFp4Linear
 
     fake = FakeQuantFp4Linear(fp4_layer(in_features=64, out_features=12), learn_weights=learn_weights)
-    fake.bias = None
-    with torch.no_grad():
-        fake.scales[:, ::2].mul_(0.6)  # every other block clips its largest weights (with a latent weight)
-    x = torch.randn(3, 5, 64, requires_grad=True)
-    grad = torch.randn(3, 5, 12)
-    wanted = [x, fake.scales] + ([fake.weight] if learn_weights else [])
-    ours = fake(x)
-    reference = torch.nn.functional.linear(x, fake.quantized_weight())
-    assert torch.equal(ours, reference)
-    for a, b in zip(torch.autograd.grad(ours, wanted, grad), torch.autograd.grad(reference, wanted, grad), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))  # sums that cancel
+    assert_gradients_are_autograds(fake)
 
 
 @pytest.mark.parametrize("learn_weights", [True, False])
@@ -198,21 +205,11 @@ def test_int_fake_quant_forward_and_gradients_are_autograds_over_the_same_expres
     if act_order:
         layer.g_idx = torch.randperm(64, generator=torch.Generator().manual_seed(3)).int() // 16
     fake = FakeQuantLinear(layer, learn_weights=learn_weights)
-    fake.bias = None
-    with torch.no_grad():
-        fake.scales[:, ::2].mul_(0.6)  # every other group clips its largest weights (with a latent weight)
-    x = torch.randn(3, 5, 64, requires_grad=True)
-    grad = torch.randn(3, 5, 12)
-    wanted = [x, fake.scales] + ([fake.weight] if learn_weights else [])
-    ours = fake(x)
-    reference = torch.nn.functional.linear(x, fake.quantized_weight())
-    assert torch.equal(ours, reference)
+    assert_gradients_are_autograds(fake)
     if learn_weights:
         scale, zero = fake._scale_zero()
         rounded = torch.round(fake.weight / scale) + zero
-        assert bool(((rounded < 0) | (rounded > fake.scheme.maxq)).any())  # some weights clip
-    for a, b in zip(torch.autograd.grad(ours, wanted, grad), torch.autograd.grad(reference, wanted, grad), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))  # sums that cancel
+        assert bool(((rounded < 0) | (rounded > fake.scheme.maxq)).any())  # some weights clipped
 
 
 @pytest.mark.parametrize("learn_weights", [True, False])
