@@ -121,6 +121,66 @@ def test_large_frees_unmapped_hands_freed_blocks_back_where_glibc_keeps_them():
     assert freed("unmapped") > 56  # all eight blocks handed back
 
 
+HEAP_REUSED = """
+import ctypes, resource
+from lmpress.memory import freed_heap_reused, large_frees_unmapped
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+def written(size):
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    return block
+
+def faults_per_step():  # minor page faults of a step that allocates, writes and frees 8 MiB (after a first one)
+    libc.free(written(8 << 20))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        libc.free(written(8 << 20))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
+
+def freed_between_pins(size):  # the resident MiB freed by freeing 8 blocks of size, each followed by a kept one
+    blocks, pins = [], []
+    for _ in range(8):
+        blocks.append(written(size))
+        pins.append(written(1 << 20))
+    before = rss_mb()
+    for block in blocks:
+        libc.free(block)
+    return before - rss_mb()
+
+with large_frees_unmapped():
+    unmapped = faults_per_step()
+    with freed_heap_reused():
+        reused = faults_per_step()
+        freed_within = freed_between_pins(8 << 20)  # freed blocks between long-lived pins: kept within
+        kept = rss_mb()
+    handed_back = kept - rss_mb()  # ... and handed back on leaving
+    # 9 MiB: no freed 8 MiB chunk fits, so the blocks are new ones, mapped on their own again
+    after = freed_between_pins(9 << 20)
+print(unmapped, reused, freed_within, handed_back, after)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_heap_reused_within_then_handed_back_and_the_threshold_restored():
+    """Within ``freed_heap_reused`` a step's 8 MiB buffer reuses the last step's pages (no page faults) where the
+    engine's ``large_frees_unmapped`` maps it afresh (2,048 faults); leaving hands the freed heap back to the OS and
+    maps large blocks on their own again (freed, they leave at once)."""
+    done = subprocess.run([sys.executable, "-c", HEAP_REUSED], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    unmapped, reused, freed_within, handed_back, after = map(float, done.stdout.split())
+    assert unmapped > 1800  # every step's 2,048 pages fresh from the kernel
+    assert reused < 100
+    assert freed_within < 8
+    assert handed_back > 56  # the eight freed blocks between the pins
+    assert after > 64  # eight 9 MiB blocks handed back as they are freed
+
+
 FREED_IN_A_PHASE = """
 import torch
 from lmpress.memory import RunPhases

@@ -51,6 +51,11 @@ from lmpress.weights.scheme import QuantizedWeight, round_ste, straight_through
 PRUNED_FRACTION = 0.05
 
 
+def int_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """``clamp(⌊w/s⌉ + z, 0, maxq)`` in a byte: the codes a latent weight rounds to (``scale``, ``zero`` per entry)."""
+    return torch.clamp(torch.round(weight / scale) + zero, 0, maxq).to(torch.uint8)
+
+
 class FakeQuantLinear(nn.Module):
     """A quantized linear in training: ``y = x @ ((clamp(⌊w/s⌉ + z) − z) · s).T + b`` with ``learn_weights`` (a
     latent float weight ``w``, LSQ), ``y = x @ ((q − z) · s).T + b`` with the layer's codes ``q`` fixed without
@@ -81,11 +86,13 @@ class FakeQuantLinear(nn.Module):
         width = self.scheme.group_width(self.in_features)
         return torch.arange(self.in_features, device=self.scales.device) // width
 
+    def _stored_scales(self) -> torch.Tensor:
+        # the scales the export will store (e.g. float16) are the ones trained against
+        return straight_through(self.scales, self.scales.to(self.scale_dtype).float())
+
     def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         groups = self._groups()
-        # the scales the export will store (e.g. float16) are the ones trained against
-        scales = straight_through(self.scales, self.scales.to(self.scale_dtype).float())
-        return scales[:, groups], self.zeros[:, groups]
+        return self._stored_scales()[:, groups], self.zeros[:, groups]
 
     def quantized_weight(self) -> torch.Tensor:
         """The weight the forward multiplies by, as plain autograd over straight-through rounding (the reference
@@ -97,8 +104,9 @@ class FakeQuantLinear(nn.Module):
         return (q - zero) * scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scales = straight_through(self.scales, self.scales.to(self.scale_dtype).float())
-        y = IntGroupsLinear.apply(x, scales, self.zeros, self._groups(), self.scheme.maxq, self.codes, self.weight)
+        y = IntGroupsLinear.apply(
+            x, self._stored_scales(), self.zeros, self._groups(), self.scheme.maxq, self.codes, self.weight
+        )
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @torch.no_grad()
@@ -106,7 +114,7 @@ class FakeQuantLinear(nn.Module):
         codes = self.codes
         if codes is None:
             scale, zero = self._scale_zero()
-            codes = torch.clamp(torch.round(self.weight / scale) + zero, 0, self.scheme.maxq).to(torch.uint8)
+            codes = int_codes(self.weight, scale, zero, self.scheme.maxq)
         qw = QuantizedWeight(
             qweight=codes,
             scales=self.scales.detach().to(self.scale_dtype),
@@ -125,8 +133,9 @@ class IntGroupsLinear(torch.autograd.Function):
     gradient ``1[0 <= ⌊w/s⌉ + z <= maxq]``, for ``s`` LSQ's ``Σ (q − z) − (w/s)·1[inside]`` (Esser et al. 2020,
     eq. 3). With the codes fixed (``weight`` None), ``s`` gets ``Σ (q − z)`` times the weight's gradient.
 
-    Autograd over the same expression keeps three weight-sized float32 tensors per layer until the backward pass
-    (``q − z``, the expanded scales, their product); this keeps the codes in a byte and rebuilds the product."""
+    Autograd over the same expression keeps weight-sized float32 tensors per layer until the backward pass (``q − z``
+    and the product among them: four with a latent weight, two with fixed codes, counted with saved-tensor hooks on a
+    layer whose input needs a gradient); this keeps the codes in a byte and rebuilds the product."""
 
     @staticmethod
     def forward(
@@ -141,7 +150,7 @@ class IntGroupsLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         scale, zero = scales[:, groups], zeros[:, groups]
         if weight is not None:
-            codes = torch.clamp(torch.round(weight / scale) + zero, 0, maxq).to(torch.uint8)
+            codes = int_codes(weight, scale, zero, maxq)
         ctx.save_for_backward(x, scales, zeros, groups, codes, weight)
         ctx.maxq = maxq
         return nn.functional.linear(x, ((codes.float() - zero) * scale).to(x.dtype))
