@@ -179,14 +179,15 @@ _mmap_threshold = [GLIBC_MMAP_THRESHOLD_MAX]  # the thresholds set by the open l
 
 @contextmanager
 def freed_heap_reused() -> Iterator[None]:
-    """Within: blocks under 32 MiB come from glibc's heap and, freed, are reused by the next allocation; on exit the
-    freed heap goes back to the OS and the threshold is the enclosing ``large_frees_unmapped``'s again.
+    """Within: blocks under 32 MiB come from glibc's heap and, freed, are reused by the next allocation (nor is the
+    heap's top handed back at each free); on exit the freed heap goes back to the OS, the mmap threshold is the
+    enclosing ``large_frees_unmapped``'s again and the trim threshold glibc's default.
 
     For a loop that allocates the same buffers at every step (training a layer): with each block mapped on its
     own, every step's buffers come back as fresh pages from the kernel. Learned rounding on SmolLM2's layers took
     280,000 page faults a second, 28% of its CPU time in the kernel (2-vCPU Xeon, 2026-12-06)."""
     mallopt = getattr(c_library(), "mallopt", None)
-    if mallopt is None or not mallopt(M_TRIM_THRESHOLD, 1 << 30):  # nor the heap's top handed back at each free
+    if mallopt is None or not mallopt(M_TRIM_THRESHOLD, 1 << 30):
         yield
         return
     try:
