@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -205,18 +205,26 @@ def _hub_text(source: str, default_split: str) -> str:
     return "\n\n".join(rows["text"])
 
 
+# each tokenizer's last few texts' ids (a run tokenizes its calibration and eval texts more than once); an entry
+# dies with its tokenizer, where a cache keyed by the tokenizer would keep every tokenizer a process made alive
+_token_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+TEXTS_KEPT_PER_TOKENIZER = 4
+
+
 def tokenize(tokenizer, text: Text) -> torch.Tensor:
     """The whole text as one 1-D stream of token ids, without special tokens."""
-    return _tokenize_cached(tokenizer, text.text)
-
-
-@lru_cache(maxsize=4)
-def _tokenize_cached(tokenizer, text: str) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    ids = torch.tensor(ids, dtype=torch.long)
-    # the tokenizer's transient buffers go back to the OS: after WikiText-2's test text (SmolLM2's tokenizer) the
-    # process held 121 MiB more than before, 27 with them handed back
-    trim_c_heap()
+    kept = _token_ids.setdefault(tokenizer, {})
+    ids = kept.pop(text.text, None)
+    if ids is None:
+        ids = torch.tensor(
+            tokenizer(text.text, add_special_tokens=False, return_attention_mask=False)["input_ids"], dtype=torch.long
+        )
+        # the tokenizer's transient buffers go back to the OS: after WikiText-2's test text (SmolLM2's tokenizer) the
+        # process held 121 MiB more than before, 27 with them handed back
+        trim_c_heap()
+    kept[text.text] = ids  # the most recent last
+    while len(kept) > TEXTS_KEPT_PER_TOKENIZER:
+        del kept[next(iter(kept))]
     return ids
 
 

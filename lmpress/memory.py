@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
@@ -152,50 +152,48 @@ GLIBC_TRIM_THRESHOLD = 128 << 10  # its default
 
 
 @contextmanager
-def large_frees_unmapped(threshold: int = 1 << 20) -> Iterator[None]:
-    """Within: glibc maps blocks of ``threshold`` bytes or more on their own, so freeing one hands it back at once.
+def large_frees_unmapped(threshold: int = 1 << 20, keep_free: int = GLIBC_TRIM_THRESHOLD) -> Iterator[None]:
+    """Within: glibc maps blocks of ``threshold`` bytes or more on their own, so freeing one hands it back at once,
+    and keeps up to ``keep_free`` bytes freed at its heap's top for the next allocations.
 
     glibc raises its mmap threshold to the size of each mapped block freed (up to 32 MiB): blocks of that size
     then come from the heap and, freed between long-lived allocations, stay resident. Over a layer-wise pass
     that holds each layer's transient buffers (a Hessian, float copies of a weight) as 200-300 MiB of freed heap
-    above what is live (``bench/scale.py``, the Llama-3.2-1B shape: peak 1.44 -> 1.32 GiB). On exit the
-    threshold is the enclosing block's, or glibc's ceiling outside any, where its moving rule ends anyway (glibc
-    cannot restore the rule). A no-op off glibc."""
+    above what is live (``bench/scale.py``, the Llama-3.2-1B shape: peak 1.44 -> 1.32 GiB). Blocks under the
+    threshold come from the heap and are reused; each one mapped on its own comes back as fresh pages from the
+    kernel at every allocation (a page fault per 4 KiB). On exit both settings are the enclosing block's, or
+    outside any glibc's ceiling and its default trim (glibc cannot restore its moving rule), and a raised
+    ``keep_free`` is handed back. A no-op off glibc."""
     mallopt = getattr(c_library(), "mallopt", None)
-    previous = _mmap_threshold[-1]
+    previous = _heap_settings[-1]
     if mallopt is None or not mallopt(M_MMAP_THRESHOLD, threshold):
         yield
         return
-    _mmap_threshold.append(threshold)
+    mallopt(M_TRIM_THRESHOLD, keep_free)
+    _heap_settings.append((threshold, keep_free))
     try:
         yield
     finally:
-        _mmap_threshold.pop()
-        mallopt(M_MMAP_THRESHOLD, previous)
+        _heap_settings.pop()
+        mallopt(M_MMAP_THRESHOLD, previous[0])
+        mallopt(M_TRIM_THRESHOLD, previous[1])
+        if keep_free > previous[1]:
+            trim_c_heap()
 
 
-_mmap_threshold = [GLIBC_MMAP_THRESHOLD_MAX]  # the thresholds set by the open large_frees_unmapped blocks
+# the (mmap threshold, trim threshold) pairs set by the open large_frees_unmapped blocks
+_heap_settings = [(GLIBC_MMAP_THRESHOLD_MAX, GLIBC_TRIM_THRESHOLD)]
 
 
-@contextmanager
-def freed_heap_reused() -> Iterator[None]:
+def freed_heap_reused() -> AbstractContextManager[None]:
     """Within: blocks under 32 MiB come from glibc's heap and, freed, are reused by the next allocation (nor is the
-    heap's top handed back at each free); on exit the freed heap goes back to the OS, the mmap threshold is the
-    enclosing ``large_frees_unmapped``'s again and the trim threshold glibc's default.
+    heap's top handed back at each free); on exit the freed heap goes back to the OS and the enclosing
+    ``large_frees_unmapped``'s settings hold again.
 
     For a loop that allocates the same buffers at every step (training a layer): with each block mapped on its
     own, every step's buffers come back as fresh pages from the kernel. Learned rounding on SmolLM2's layers took
     280,000 page faults a second, 28% of its CPU time in the kernel (2-vCPU Xeon, 2026-12-06)."""
-    mallopt = getattr(c_library(), "mallopt", None)
-    if mallopt is None or not mallopt(M_TRIM_THRESHOLD, 1 << 30):
-        yield
-        return
-    try:
-        with large_frees_unmapped(GLIBC_MMAP_THRESHOLD_MAX):
-            yield
-    finally:
-        mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
-        trim_c_heap()
+    return large_frees_unmapped(GLIBC_MMAP_THRESHOLD_MAX, keep_free=1 << 30)
 
 
 def drop_pages(address: int, length: int) -> None:

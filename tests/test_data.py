@@ -1,10 +1,20 @@
+import gc
 import hashlib
 import json
 
 import pytest
 import torch
 
-from lmpress.data import calibration_samples, check_text_source, load_text, token_windows, wikitext2_bytes
+from lmpress.data import (
+    Text,
+    _token_ids,
+    calibration_samples,
+    check_text_source,
+    load_text,
+    token_windows,
+    tokenize,
+    wikitext2_bytes,
+)
 from lmpress.errors import LmpressInputError
 
 
@@ -169,3 +179,30 @@ def test_calibration_samples_are_seeded_distinct_chunks():
     assert len(set(starts.tolist())) == 8 and all(s % 50 == 0 for s in starts.tolist())
     with pytest.raises(LmpressInputError, match="calibration text too short"):
         calibration_samples(ids, 30, 50, 0)
+
+
+class CountingTokenizer:
+    """One id per character; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, text, add_special_tokens, return_attention_mask):
+        self.calls += 1
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_tokenize_reuses_a_texts_ids_and_forgets_them_with_the_tokenizer():
+    tokenizer = CountingTokenizer()
+    texts = [Text(text=f"text {i}", source=f"s{i}") for i in range(6)]
+    first = tokenize(tokenizer, texts[0])
+    assert first.tolist() == [ord(c) for c in "text 0"]
+    assert tokenize(tokenizer, texts[0]) is first and tokenizer.calls == 1
+    for text in texts[1:]:  # the oldest texts make way
+        tokenize(tokenizer, text)
+    assert tokenize(tokenizer, texts[5]) is not None and tokenizer.calls == 6
+    tokenize(tokenizer, texts[0])
+    assert tokenizer.calls == 7
+    del tokenizer
+    gc.collect()
+    assert not any(isinstance(t, CountingTokenizer) for t in _token_ids.keys())

@@ -181,6 +181,47 @@ def test_freed_heap_reused_within_then_handed_back_and_the_threshold_restored():
     assert after > 64  # eight 9 MiB blocks handed back as they are freed
 
 
+ENGINE_HEAP = """
+import ctypes, resource
+from lmpress.calib.engine import HEAP_KEPT_BYTES, MAPPED_FROM_BYTES
+from lmpress.memory import large_frees_unmapped
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+def faults_per_step(size):  # minor page faults of a step that allocates, writes and frees size bytes
+    def step():
+        block = libc.malloc(size)
+        ctypes.memset(block, 1, size)
+        libc.free(block)
+    step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+
+with large_frees_unmapped():
+    with large_frees_unmapped(MAPPED_FROM_BYTES, keep_free=HEAP_KEPT_BYTES):
+        batch = faults_per_step(8 << 20)
+        hessian = faults_per_step(20 << 20)
+    after = faults_per_step(8 << 20)
+print(batch, hessian, after)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_calibration_pass_reuses_batch_buffers_and_maps_large_ones():
+    """Within the engine's pass a batch's 8 MiB buffer reuses the last batch's pages, even at the heap's top (kept,
+    not trimmed at each free); a 20 MiB one (a Hessian) is mapped on its own (5,120 fresh pages a step); leaving
+    restores the enclosing block's 1 MiB threshold and default trim."""
+    done = subprocess.run([sys.executable, "-c", ENGINE_HEAP], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    batch, hessian, after = map(float, done.stdout.split())
+    assert batch < 100
+    assert hessian > 4500
+    assert after > 1800
+
+
 FREED_IN_A_PHASE = """
 import torch
 from lmpress.memory import RunPhases

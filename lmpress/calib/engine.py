@@ -82,6 +82,15 @@ class CalibrationMethod:
         """Take back, on resume, what :meth:`carried` returned after the last finished layer."""
 
 
+# Within a pass, each layer's large transient buffers (Hessians, float copies of a weight) are mapped on their own
+# and go back to the OS when freed, not kept as heap between long-lived tensors (bench/scale.py: the Llama-3.2-1B
+# shape peaked 1.44 -> 1.32 GiB). The smaller ones that every batch's forward allocates come from the heap and are
+# reused: mapped on their own (from 1 MiB), each came back as fresh pages, and gptq-w4.yaml's stage took 265-300
+# thousand page faults a second, 31% of its CPU time in the kernel (2-vCPU Xeon, 2026-12-07; docs/scale.md).
+MAPPED_FROM_BYTES = 16 << 20
+HEAP_KEPT_BYTES = 64 << 20  # freed at the heap's top and kept for the next batch rather than handed back at each free
+
+
 def layer_kinds(model: nn.Module) -> list[str] | None:
     """Each decoder layer's type (``config.layer_types``) where the layers receive different masks or rotary
     embeddings by type (sliding-window layers, Gemma 3's local and global layers); None where all are alike."""
@@ -276,8 +285,7 @@ def run_calibration(
     if widen and done < len(layers):
         kind = str(dtype).removeprefix("torch.")
         ctx.bars.log(f"{name}: each layer computes in float32 while calibrated (this CPU has no {kind} matrix unit)")
-    # each layer's transient buffers (Hessians, float copies) go back to the OS when freed, not kept as heap
-    with large_frees_unmapped():
+    with large_frees_unmapped(MAPPED_FROM_BYTES, keep_free=HEAP_KEPT_BYTES):
         kinds = layer_kinds(model)
         for index in ctx.bars.track(range(done, len(layers)), f"{name}: layers", total=len(layers) - done):
             layer = layers[index]
