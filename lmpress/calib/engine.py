@@ -83,10 +83,11 @@ class CalibrationMethod:
 
 
 # Within a pass, each layer's large transient buffers (Hessians, float copies of a weight) are mapped on their own
-# and go back to the OS when freed, not kept as heap between long-lived tensors (bench/scale.py: the Llama-3.2-1B
-# shape peaked 1.44 -> 1.32 GiB). The smaller ones that every batch's forward allocates come from the heap and are
-# reused: mapped on their own (from 1 MiB), each came back as fresh pages, and gptq-w4.yaml's stage took 265-300
-# thousand page faults a second, 31% of its CPU time in the kernel (2-vCPU Xeon, 2026-12-07; docs/scale.md).
+# and go back to the OS when freed, not kept as heap between long-lived tensors. The smaller ones that every
+# batch's forward allocates come from the heap and are reused: mapped on their own (from 1 MiB, the setting
+# before), each came back as fresh pages, and gptq-w4.yaml's stage took 265-300 thousand page faults a second, 31%
+# of its CPU time in the kernel. A trade: that stage 281-315 s -> 199 s, the Llama-3.2-1B shape of bench/scale.py
+# 14.7 -> 12.7-13.4 s a layer but peak 1.33 -> 1.51-1.55 GiB (2-vCPU Xeon, 2026-12-07; docs/scale.md).
 MAPPED_FROM_BYTES = 16 << 20
 HEAP_KEPT_BYTES = 64 << 20  # freed at the heap's top and kept for the next batch rather than handed back at each free
 
