@@ -161,28 +161,42 @@ def large_frees_unmapped(threshold: int = 1 << 20, keep_free: int = GLIBC_TRIM_T
     that holds each layer's transient buffers (a Hessian, float copies of a weight) as 200-300 MiB of freed heap
     above what is live (``bench/scale.py``, the Llama-3.2-1B shape: peak 1.44 -> 1.32 GiB). Blocks under the
     threshold come from the heap and are reused; each one mapped on its own comes back as fresh pages from the
-    kernel at every allocation (a page fault per 4 KiB). On exit both settings are the enclosing block's, or
-    outside any glibc's ceiling and its default trim (glibc cannot restore its moving rule), and a raised
-    ``keep_free`` is handed back. A no-op off glibc."""
+    kernel at every allocation (a page fault per 4 KiB). On exit both settings are the latest still-open block's
+    (of any thread: glibc's settings are the process's), or outside any glibc's ceiling and its default trim
+    (glibc cannot restore its moving rule), and a raised ``keep_free`` is handed back. A no-op off glibc."""
     mallopt = getattr(c_library(), "mallopt", None)
-    previous = _heap_settings[-1]
-    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, threshold):
+    setting = _HeapSetting(threshold, keep_free)
+    with _heap_settings_lock:
+        if mallopt is None or not mallopt(M_MMAP_THRESHOLD, threshold):
+            mallopt = None
+        else:
+            mallopt(M_TRIM_THRESHOLD, keep_free)
+            _heap_settings.append(setting)
+    if mallopt is None:
         yield
         return
-    mallopt(M_TRIM_THRESHOLD, keep_free)
-    _heap_settings.append((threshold, keep_free))
     try:
         yield
     finally:
-        _heap_settings.pop()
-        mallopt(M_MMAP_THRESHOLD, previous[0])
-        mallopt(M_TRIM_THRESHOLD, previous[1])
-        if keep_free > previous[1]:
-            trim_c_heap()
+        with _heap_settings_lock:
+            _heap_settings.remove(setting)  # threads' blocks may close out of order
+            current = _heap_settings[-1]
+            mallopt(M_MMAP_THRESHOLD, current.threshold)
+            mallopt(M_TRIM_THRESHOLD, current.keep_free)
+            if keep_free > current.keep_free:
+                trim_c_heap()
 
 
-# the (mmap threshold, trim threshold) pairs set by the open large_frees_unmapped blocks
-_heap_settings = [(GLIBC_MMAP_THRESHOLD_MAX, GLIBC_TRIM_THRESHOLD)]
+@dataclass(eq=False)  # compared by identity: two threads' blocks with the same settings are two entries
+class _HeapSetting:
+    threshold: int
+    keep_free: int
+
+
+# the settings of the open large_frees_unmapped blocks, after the process's own; glibc's settings are the process's,
+# so the blocks of every thread share this stack
+_heap_settings = [_HeapSetting(GLIBC_MMAP_THRESHOLD_MAX, GLIBC_TRIM_THRESHOLD)]
+_heap_settings_lock = threading.Lock()
 
 
 def freed_heap_reused() -> AbstractContextManager[None]:

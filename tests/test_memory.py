@@ -222,6 +222,49 @@ def test_calibration_pass_reuses_batch_buffers_and_maps_large_ones():
     assert after > 1800
 
 
+
+def test_heap_settings_are_the_latest_open_blocks_when_threads_close_them_out_of_order(monkeypatch):
+    """glibc's settings are the process's: two threads' blocks that close in the order they opened leave the
+    settings of the block still open, then the process's own, never the first block's restored over the second."""
+    import threading
+
+    from lmpress import memory
+
+    calls: list[tuple[int, int]] = []
+
+    class RecordingLibc:
+        def mallopt(self, parameter: int, value: int) -> int:
+            calls.append((parameter, value))
+            return 1
+
+        def malloc_trim(self, pad: int) -> int:
+            return 1
+
+    monkeypatch.setattr(memory, "c_library", lambda: RecordingLibc())
+
+    def settings() -> tuple[int, int]:
+        mmap_at = [v for p, v in calls if p == memory.M_MMAP_THRESHOLD][-1]
+        trim_at = [v for p, v in calls if p == memory.M_TRIM_THRESHOLD][-1]
+        return mmap_at, trim_at
+
+    first_open, second_open, first_may_close = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with memory.large_frees_unmapped(1 << 20):
+            first_open.set()
+            first_may_close.wait()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_open.wait()
+    with memory.large_frees_unmapped(16 << 20, keep_free=64 << 20):
+        assert settings() == (16 << 20, 64 << 20)
+        first_may_close.set()
+        thread.join()
+        assert settings() == (16 << 20, 64 << 20)  # the first block closed; the second still holds
+    assert settings() == (memory.GLIBC_MMAP_THRESHOLD_MAX, memory.GLIBC_TRIM_THRESHOLD)
+    assert len(memory._heap_settings) == 1
+
 FREED_IN_A_PHASE = """
 import torch
 from lmpress.memory import RunPhases
