@@ -225,7 +225,7 @@ def tokenize(tokenizer, text: Text) -> torch.Tensor:
     kept[text.text] = ids  # the most recent last
     while len(kept) > TEXTS_KEPT_PER_TOKENIZER:
         del kept[next(iter(kept))]
-    return ids.clone()  # the caller's own: writing into it must not change the next caller's ids (2.4 MB for WikiText-2)
+    return ids.clone()  # the caller's own: a write into it must not change the next caller's (2.4 MB, WikiText-2)
 
 
 def token_windows(

@@ -247,7 +247,7 @@ def test_heap_settings_are_the_latest_open_blocks_when_threads_close_them_out_of
         trim_at = [v for p, v in calls if p == memory.M_TRIM_THRESHOLD][-1]
         return mmap_at, trim_at
 
-    first_open, second_open, first_may_close = threading.Event(), threading.Event(), threading.Event()
+    first_open, first_may_close = threading.Event(), threading.Event()
 
     def first() -> None:
         with memory.large_frees_unmapped(1 << 20):
