@@ -222,7 +222,6 @@ def test_calibration_pass_reuses_batch_buffers_and_maps_large_ones():
     assert after > 1800
 
 
-
 def test_heap_settings_are_the_latest_open_blocks_when_threads_close_them_out_of_order(monkeypatch):
     """glibc's settings are the process's: two threads' blocks that close in the order they opened leave the
     settings of the block still open, then the process's own, never the first block's restored over the second."""
@@ -264,6 +263,7 @@ def test_heap_settings_are_the_latest_open_blocks_when_threads_close_them_out_of
         assert settings() == (16 << 20, 64 << 20)  # the first block closed; the second still holds
     assert settings() == (memory.GLIBC_MMAP_THRESHOLD_MAX, memory.GLIBC_TRIM_THRESHOLD)
     assert len(memory._heap_settings) == 1
+
 
 FREED_IN_A_PHASE = """
 import torch
