@@ -376,6 +376,9 @@ def forecast_memory(
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
     candidate = float_model - replaced + kept_table + float_head + quantized  # the stages' result
+    # a W8A8 layer the evals run keeps its int8 weights transposed beside its packed codes from its first forward on
+    # (QuantizedLinear._w8a8_forward): the candidate's from the read-back's first window, each artifact's from its check
+    evaluated = candidate + sum(rows * cols for (rows, cols, *_), scheme in plans.values() if scheme.int8_matmul_holds)
     # lmpress's runtime holds FP4 W4A4 layers' weights dequantized once, in the run's dtype
     # (kernels.dense.Fp4ActivationsLinear), and FP8 W8A8 ones' E4M3 values in float32 beside their codes where no
     # FP8 matmul runs (kernels.fp8.Fp8SimulatedLinear)
@@ -386,12 +389,12 @@ def forecast_memory(
         elif scheme.activations == "fp8" and not fp8_matmul_runs(device, rows, cols):
             runtime_model += rows * cols * 4
     if exports:
-        sizes = [float_model + float_head if fmt in DENSE_FORMATS or not quantized else candidate for fmt in exports]
+        sizes = [float_model + float_head if fmt in DENSE_FORMATS or not quantized else evaluated for fmt in exports]
         read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked
         forecast.phases["read-back"] = (
             process
             | {
-                "candidate": candidate,
+                "candidate": evaluated,
                 "read-back": read_back + max(sizes[1:], default=0),
                 # one side's first-window forward at a time, its log-softmax by chunks (metrics.mean_token_nll)
                 "logits": (agreement_tokens + min(agreement_tokens, NLL_CHUNK)) * shape.vocab * 4,
@@ -402,7 +405,7 @@ def forecast_memory(
         forecast.phases["runtime agreement"] = (
             process
             | {
-                "candidate": candidate,
+                "candidate": evaluated,
                 "read-back": read_back,
                 "runtime model": runtime_model,
                 "logits": 2
@@ -419,7 +422,7 @@ def forecast_memory(
             )
     elif logit_tokens:
         forecast.phases["candidate eval"] = (
-            process | {"candidate": candidate, "eval": eval_work} | float_pages | float32_layer
+            process | {"candidate": evaluated, "eval": eval_work} | float_pages | float32_layer
         )
     if device.type == "cuda":
         layer = 4 * shape.layer_parameters

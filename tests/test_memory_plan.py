@@ -619,3 +619,23 @@ def test_a_moe_layers_expert_hessians_are_forecast_held_at_once_and_spread_by_ex
     assert shape.layer_expert_parameters == experts and llama.layer_expert_parameters == 0
     one, eight = (forecast_checkpoint(recipe, n).phases["stages"]["weights"] for n in (1, 8))
     assert one == 2 * 2 * shape.layer_parameters and one - eight == 2 * (experts - experts // 8)
+
+
+def test_w8a8_layers_are_forecast_with_their_transposed_int8_weights_once_evaluated(tiny_llama_dir):
+    """A W8A8 layer the evals run keeps its int8 weights transposed beside its packed codes from its first forward
+    (the read-back's first window) to the end of the run: the candidate and each read-back artifact hold one byte
+    per weight more than a W8 weight-only layer's; the stages' quantized layers do not."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    cpu = torch.device("cpu")
+    w8a8 = stage_config("smoothquant")(method="smoothquant", alpha=0.5, ignore=["lm_head"])
+    w8 = stage_config("gptq")(method="gptq", bits=8, group_size=-1, ignore=["lm_head"])
+
+    def forecast(stage):
+        return forecast_memory(skeleton, tiny_llama_dir, "float32", [stage], 4, 32, cpu, 64, ["compressed-tensors"])
+
+    with_int8, weight_only = forecast(w8a8), forecast(w8)
+    weights = sum(rows * cols for name, rows, cols in ModelShape.of(skeleton).linears if "lm_head" not in name)
+    held = [("read-back", "candidate"), ("read-back", "read-back"), ("runtime agreement", "candidate")]
+    for phase, part in [*held, ("candidate eval", "read-back")]:
+        assert with_int8.phases[phase][part] - weight_only.phases[phase][part] == weights, (phase, part)
+    assert with_int8.phases["stages"]["quantized"] == weight_only.phases["stages"]["quantized"]

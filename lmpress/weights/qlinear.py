@@ -148,10 +148,7 @@ class QuantizedLinear(nn.Module):
 
     @property
     def int8_matmul_holds(self) -> bool:
-        """Whether the layer's int8 activations meet int8 weights in one int8 matmul (W8A8: 8-bit symmetric
-        per-channel weights); other integer weights with int8 activations (W4A8) run dequantized."""
-        scheme = self.scheme
-        return scheme.activations == "int8" and (scheme.bits, scheme.group_size, scheme.symmetric) == (8, -1, True)
+        return self.scheme.int8_matmul_holds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_matmul_holds:

@@ -72,6 +72,12 @@ class QuantScheme:
     def maxq(self) -> int:
         return 2**self.bits - 1
 
+    @property
+    def int8_matmul_holds(self) -> bool:
+        """Whether int8 activations meet int8 weights in one int8 matmul (W8A8: 8-bit symmetric per-channel
+        weights); other integer weights with int8 activations (W4A8) run dequantized."""
+        return self.activations == "int8" and (self.bits, self.group_size, self.symmetric) == (8, -1, True)
+
     def group_width(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
 
