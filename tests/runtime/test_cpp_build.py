@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
     start = time.perf_counter()
-    cpp_build.build_library("lib", [tmp_path / "a.cpp"], tmp_path, ["-O3"])
+    cpp_build.build_library("lib", [tmp_path / "a.cpp"], tmp_path, ["-O3"], "a test library")
     assert acquired == [True] and time.perf_counter() - start < 10
     assert f"removing {tmp_path / cpp_build.TORCH_BATON}" in capfd.readouterr().err
 
@@ -94,3 +95,32 @@ def test_a_filesystem_without_locks_builds_under_torch_s_lock_alone(tmp_path: Pa
     (tmp_path / cpp_build.TORCH_BATON).touch()  # without our lock it cannot be known stale: it is left to torch
     with cpp_build.sole_builder(tmp_path):
         assert (tmp_path / cpp_build.TORCH_BATON).exists()
+
+
+@pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja")
+def test_a_build_whose_inputs_changed_is_stale(tmp_path: Path) -> None:
+    """ninja's own verdict: built and untouched, nothing to do; a file it was built from newer than the result (a
+    reinstalled torch's headers), a build to come."""
+    (tmp_path / "header.h").write_text("int f();")
+    (tmp_path / "build.ninja").write_text("rule copy\n  command = cp $in $out\nbuild lib.so: copy header.h\n")
+    subprocess.run(["ninja", "-C", str(tmp_path)], check=True, capture_output=True)
+    assert not cpp_build.build_is_stale(tmp_path)
+    later = (tmp_path / "lib.so").stat().st_mtime + 10
+    os.utime(tmp_path / "header.h", (later, later))
+    assert cpp_build.build_is_stale(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("built", "stale", "said"), [(False, False, "once"), (True, True, "again"), (True, False, None)]
+)
+def test_a_start_that_compiles_says_so(tmp_path: Path, monkeypatch, capfd, built, stale, said) -> None:
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *_, **__: None)
+    monkeypatch.setattr(cpp_build, "build_is_stale", lambda build: stale)
+    if built:
+        (tmp_path / "lib.so").touch()
+    cpp_build.build_library("lib", [tmp_path / "a.cpp"], tmp_path, ["-O3"], "the test kernels")
+    err = capfd.readouterr().err
+    if said is None:
+        assert "compiling" not in err
+    else:
+        assert f"compiling the test kernels {said}" in err and str(tmp_path) in err

@@ -217,7 +217,8 @@ def simde_ops():
     text = source.read_bytes() + source.with_name("cpu_quantize_acts.h").read_bytes()  # the source and its header
     name, build = build_directory("lmpress_cpu_fp4_simde", text)
     flags = ["-O1", "-std=c++17", "-DLMPRESS_FP4_SIMDE", "-DLMPRESS_FP4_NAMESPACE=lmpress_cpu_simde"]
-    build_library(name, [source], build, flags, extra_include_paths=[simde_py.get_include()])
+    includes = [simde_py.get_include()]
+    build_library(name, [source], build, flags, "the FP4 kernels over SIMDe", extra_include_paths=includes)
     return torch.ops.lmpress_cpu_simde
 
 

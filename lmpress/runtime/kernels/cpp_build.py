@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -56,11 +57,33 @@ def sole_builder(build: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_library(name: str, sources: Sequence[Path], build: Path, cflags: Sequence[str], **options: object) -> None:
-    """Compile ``sources`` into ``build`` (once: later calls load the library) and load it, registering its ops."""
+def build_is_stale(build: Path) -> bool:
+    """Whether ninja would compile again in ``build``, a library built before: a file it was compiled from is newer
+    than the library. A torch reinstalled at the same version gives its headers new times, and the next start
+    recompiled lmpress's CPU kernels for two minutes with no word (2026-12-07, a fresh environment on the Xeon)."""
+    try:
+        done = subprocess.run(["ninja", "-C", str(build), "-n"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False  # no ninja: torch's load says so itself
+    return done.returncode != 0 or "no work to do" not in done.stdout
+
+
+def build_library(
+    name: str, sources: Sequence[Path], build: Path, cflags: Sequence[str], what: str, **options: object
+) -> None:
+    """Compile ``sources`` into ``build`` (once: later calls load the library) and load it, registering its ops;
+    a start that compiles says so first (``what`` the library is), as it takes a minute or more."""
     from torch.utils.cpp_extension import load
 
     with sole_builder(build):
+        if not (build / f"{name}.so").exists():
+            print(f"lmpress: compiling {what} once for this host and torch version, into {build}", file=sys.stderr)
+        elif build_is_stale(build):
+            print(
+                f"lmpress: compiling {what} again: files they were built from changed since (torch reinstalled?), "
+                f"into {build}",
+                file=sys.stderr,
+            )
         load(
             name,
             [str(s) for s in sources],

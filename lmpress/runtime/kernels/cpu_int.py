@@ -14,7 +14,6 @@ built (no compiler), ``available()`` is False and the runtime keeps torch's pack
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,9 +63,8 @@ def load_library() -> None:
     """Build (once per host and torch version, into lmpress's cache) and load the kernels' library."""
     text = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
     name, build = build_directory("lmpress_cpu_int", text)
-    if not (build / f"{name}.so").exists():  # once per host and torch version: say why this start is slow
-        print(f"lmpress: compiling its CPU kernels once for this host and torch version, into {build}", file=sys.stderr)
-    build_library(name, SOURCES, build, ["-O3", "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"])
+    cflags = ["-O3", "-fopenmp", "-std=c++17"]
+    build_library(name, SOURCES, build, cflags, "its CPU kernels", extra_ldflags=["-fopenmp"])
     _register_fakes()
 
 
