@@ -57,6 +57,7 @@ from lmpress.calib.moe import expert_of, is_experts_block_name
 from lmpress.errors import LmpressInputError
 from lmpress.expert_checkpoint import experts_stream
 from lmpress.metrics import NLL_CHUNK
+from lmpress.prune.sparsegpt import SparseGPTConfig
 from lmpress.quantize.fp8 import FP8_WEIGHTS, FP8Config
 from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.weights.float8 import real_fp8_matmul_available
@@ -277,7 +278,9 @@ def forecast_memory(
     file_backed = stored_dtype(checkpoint) == dtype and experts_stream(checkpoint, model)
     streams = file_backed and not logit_tokens and not training and not whole
     float_model = shape.parameters * size
-    quantizers = [s for s in stages if isinstance(s, WeightQuantConfig | FP8Config)]
+    # SparseGPT's joint quantization writes what a GPTQ stage of its settings would (SparseGPTConfig.rounding)
+    quantizers = [s.rounding() if isinstance(s, SparseGPTConfig) and s.quantize else s for s in stages]
+    quantizers = [s for s in quantizers if isinstance(s, WeightQuantConfig | FP8Config)]
     plans = linear_plans(model, quantizers)
     planned = {name: plan for name, (plan, _) in plans.items()}
     quantized = sum(packed_bytes(*plan) for plan in planned.values())

@@ -639,3 +639,23 @@ def test_w8a8_layers_are_forecast_with_their_transposed_int8_weights_once_evalua
     for phase, part in [*held, ("candidate eval", "read-back")]:
         assert with_int8.phases[phase][part] - weight_only.phases[phase][part] == weights, (phase, part)
     assert with_int8.phases["stages"]["quantized"] == weight_only.phases["stages"]["quantized"]
+
+
+def test_sparsegpt_with_joint_quantization_is_forecast_as_the_quantized_model_it_writes(tiny_llama_dir):
+    """SparseGPT with ``quantize:`` leaves packed codes, as GPTQ of the same settings does: the run after its stage
+    is forecast as GPTQ's (it had been forecast holding float weights and none of their mapped pages)."""
+    skeleton = model_skeleton(tiny_llama_dir)
+    cpu = torch.device("cpu")
+    joint = stage_config("sparsegpt")(
+        method="sparsegpt", pattern="2:4", quantize={"bits": 4, "group_size": 32}, ignore=["lm_head"]
+    )
+    gptq = stage_config("gptq")(method="gptq", bits=4, group_size=32, ignore=["lm_head"])
+    pruned_only = stage_config("sparsegpt")(method="sparsegpt", pattern="2:4", ignore=["lm_head"])
+
+    def forecast(stage):
+        formats = ["compressed-tensors"]
+        return forecast_memory(skeleton, tiny_llama_dir, "float32", [stage], 4, 32, cpu, 64, formats).phases
+
+    for phase in ("read-back", "runtime agreement", "candidate eval"):
+        assert forecast(joint)[phase] == forecast(gptq)[phase], phase
+    assert forecast(pruned_only)["read-back"]["candidate"] > forecast(joint)["read-back"]["candidate"]
