@@ -97,9 +97,6 @@ def load_model(
         raise LmpressInputError(f"cannot load model from {path}: {first_line}") from e
     model.eval()
     get_anatomy(model)
-    # the readers' transient buffers (unpacked codes, copies) go back to the OS: kept, 190 MiB of a W8A8 SmolLM2
-    # export's read sat under the read-back's check that followed it
-    return_freed_memory()
     return LoadedModel(model, tokenizer, path, checkpoint_fingerprint(path) if fingerprint else "")
 
 
@@ -112,7 +109,6 @@ def load_export_artifact(path: Path, loader, dtype: str, fingerprint: bool) -> L
     model = loader(path, DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(path)
     get_anatomy(model)
-    return_freed_memory()  # as load_model does
     files = sorted(p for p in path.iterdir() if p.is_file())
     digest = files_fingerprint(files) if fingerprint else ""
     return LoadedModel(model, tokenizer, path, digest)
