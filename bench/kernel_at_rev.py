@@ -26,4 +26,5 @@ def build_at_rev(rev: str, source: str, namespace: str) -> None:
         (build / header).write_text(body)
     path = build / f"{Path(source).stem}_{namespace}.cpp"
     path.write_text(text)
-    build_library(name, [path], build, ["-O3", "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"])
+    flags = ["-O3", "-fopenmp", "-std=c++17"]
+    build_library(name, [path], build, flags, f"{source} as of {rev}", extra_ldflags=["-fopenmp"])
