@@ -157,7 +157,7 @@ def window_ppl(model: nn.Module, window: torch.Tensor) -> float:
 
     device = next(model.parameters()).device
     # each layer's activations handed back as they are freed: kept in glibc's heap, they sat beside the logits and
-    # their log-softmax: the candidate's check rose 1.27 -> 0.97 GiB over its start (SmolLM2 W8A8, 2,048 tokens)
+    # their log-softmax: the candidate's check rose 1.21-1.27 -> 0.95 GiB over its start (SmolLM2 W8A8, 2,048 tokens)
     with layers_in_float32(model), large_frees_unmapped():
         logits = model(window.to(device), use_cache=False).logits
         return math.exp(mean_token_nll(logits, window))
