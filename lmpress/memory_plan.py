@@ -57,9 +57,6 @@ from lmpress.calib.moe import expert_of, is_experts_block_name
 from lmpress.errors import LmpressInputError
 from lmpress.expert_checkpoint import experts_stream
 from lmpress.metrics import NLL_CHUNK
-from lmpress.prune.sparsegpt import SparseGPTConfig
-from lmpress.quantize.fp8 import FP8_WEIGHTS, FP8Config
-from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.weights.float8 import real_fp8_matmul_available
 from lmpress.weights.scheme import QuantScheme
 
@@ -278,10 +275,8 @@ def forecast_memory(
     file_backed = stored_dtype(checkpoint) == dtype and experts_stream(checkpoint, model)
     streams = file_backed and not logit_tokens and not training and not whole
     float_model = shape.parameters * size
-    # SparseGPT's joint quantization writes what a GPTQ stage of its settings would (SparseGPTConfig.rounding)
-    quantizers = [s.rounding() if isinstance(s, SparseGPTConfig) and s.quantize else s for s in stages]
-    quantizers = [s for s in quantizers if isinstance(s, WeightQuantConfig | FP8Config)]
-    plans = linear_plans(model, quantizers)
+    plans = linear_plans(model, stages)
+    quantizers = [s for s in stages if s.quantized_linears(model)]
     planned = {name: plan for name, (plan, _) in plans.items()}
     quantized = sum(packed_bytes(*plan) for plan in planned.values())
     by_layer: dict[str, int] = {}
@@ -433,16 +428,12 @@ def forecast_memory(
     return forecast
 
 
-def linear_plans(model: nn.Module, quantizers: Sequence) -> dict[str, tuple[tuple[int, int, int, int, int], Any]]:
-    """Every linear the quantization stages replace: its (out, in, bits, group width) and its scheme (a later
-    stage's plan wins), its bytes per group (``scale_bytes``) last. An FP8 stage's layers hold a byte per weight and
-    a float32 scale per row: 8-bit codes in one group per row."""
+def linear_plans(model: nn.Module, stages: Sequence) -> dict[str, tuple[tuple[int, int, int, int, int], Any]]:
+    """Every linear the stages replace by a quantized one (``StageConfig.quantized_linears``): its (out, in, bits,
+    group width) and its scheme (a later stage's plan wins), its bytes per group (``scale_bytes``) last."""
     planned = {}
-    for stage in quantizers:
-        targets = stage.targets(model)
-        if isinstance(stage, FP8Config):
-            targets = {name: (linear, FP8_WEIGHTS) for name, linear in targets.items()}
-        for name, (linear, scheme) in targets.items():
+    for stage in stages:
+        for name, (linear, scheme) in stage.quantized_linears(model).items():
             cols = linear.in_features
             plan = (linear.out_features, cols, scheme.bits, scheme.group_width(cols), scale_bytes(scheme))
             planned[name] = (plan, scheme)

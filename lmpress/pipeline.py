@@ -67,7 +67,6 @@ from lmpress.quantize.kv_attention import (
     kv_cache_report,
     kv_quantized,
 )
-from lmpress.quantize.targets import WeightQuantConfig
 from lmpress.recipe import Recipe
 from lmpress.registry import StageContext, exporter, stage_handler_for
 
@@ -130,8 +129,7 @@ def check_plan(recipe: Recipe, model: nn.Module) -> None:
     targets = {}
     for stage in recipe.stages:
         stage.check(model)
-        if isinstance(stage, WeightQuantConfig):
-            targets.update(stage.targets(model))
+        targets.update(stage.quantized_linears(model))
     for fmt in recipe.export.formats:
         check_export_plan(fmt, model, targets)
     if recipe.kv_cache is not None:

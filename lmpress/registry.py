@@ -94,6 +94,11 @@ class StageConfig(StrictConfig):
         the per-expert Hessians of a MoE layer, held at once."""
         return False
 
+    def quantized_linears(self, model: Any) -> dict[str, tuple[Any, Any]]:
+        """The ``nn.Linear`` layers of ``model`` this stage replaces by quantized ones, each with its
+        ``QuantScheme``: what the export checks (before any work) and the memory forecast plan for."""
+        return {}
+
     def learning_bytes(self, shape: Any, seq_len: int, packed: int = 0) -> int:
         """Bytes a whole-model stage holds beside the weights while it learns (the memory forecast; ``shape``:
         ``lmpress.memory_plan.ModelShape``, ``packed``: the bytes of the packed weights the stages make)."""

@@ -614,15 +614,29 @@ def test_bad_cli_input_is_exit_2(env, capsys, build, fragment):
 
 
 @pytest.mark.parametrize(
+    "stage",
+    [
+        {"method": "rtn", "bits": 4, "group_size": 32},
+        # SparseGPT's joint quantization writes quantized layers too: the plan checks see them before any work
+        {"method": "sparsegpt", "pattern": "2:4", "quantize": {"bits": 4, "group_size": 32}},
+    ],
+    ids=["rtn", "sparsegpt-quantize"],
+)
+@pytest.mark.parametrize(
     ("fmt", "fragment"),
     [
         ("gguf", "export gguf: architecture 'opt' is not written by lmpress's GGUF writer"),
         ("onnx", "export onnx: architecture 'opt' is not written by lmpress's ONNX exporter"),
     ],
 )
-def test_export_of_unsupported_architecture_is_exit_2(env, capsys, tiny_opt_dir, fmt, fragment):
+def test_export_of_unsupported_architecture_is_exit_2(env, capsys, monkeypatch, tiny_opt_dir, fmt, fragment, stage):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the plan was not refused before the weights were loaded")
+
+    monkeypatch.setattr("lmpress.pipeline.load_model", no_weights)
     raw = base_recipe(env)
     raw["model"]["source"] = str(tiny_opt_dir)
+    raw["stages"] = [stage]
     raw["export"]["formats"] = [fmt]
     out = out_with_a_file(env.tmp)
     code = main(["run", env.recipe(raw), "--out", str(out), "--overwrite", "--quiet"])

@@ -103,7 +103,6 @@ def stage_configs(spec: SchemeSpec) -> list[Any]:
 def refusal_before_work(spec: SchemeSpec, fmt: str, skeleton: nn.Module) -> str | None:
     """What a recipe run would refuse before loading weights (``check_recipe_exports`` and the plan checks)."""
     from lmpress.export.formats import check_export_plan, check_recipe_exports
-    from lmpress.quantize.targets import WeightQuantConfig
 
     stages = stage_configs(spec)
     try:
@@ -111,8 +110,7 @@ def refusal_before_work(spec: SchemeSpec, fmt: str, skeleton: nn.Module) -> str 
         targets = {}
         for stage in stages:
             stage.check(skeleton)
-            if isinstance(stage, WeightQuantConfig):
-                targets.update(stage.targets(skeleton))
+            targets.update(stage.quantized_linears(skeleton))
         check_export_plan(fmt, skeleton, targets)
     except LmpressInputError as e:
         return str(e)

@@ -156,9 +156,8 @@ def artifact_loader(path: Path) -> Callable[[Path, torch.dtype], nn.Module] | No
 def check_export_plan(fmt: str, model: nn.Module, targets: dict[str, tuple[nn.Module, QuantScheme]]) -> None:
     """Refuse, before any work, a format that cannot hold the layers the stages will quantize.
 
-    ``targets`` is what ``WeightQuantConfig.targets(model)`` returns (merged over the
-    recipe's quantization stages). Act-order is only known after quantization and is
-    checked when writing.
+    ``targets`` is what the recipe's stages' ``quantized_linears(model)`` return, merged. Act-order is only
+    known after quantization and is checked when writing.
     """
     check = export_format(fmt).check_plan or (lambda model, plan: None)
     plan = {name: PlannedLayer(scheme, m.in_features, m.out_features) for name, (m, scheme) in targets.items()}

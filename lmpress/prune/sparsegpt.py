@@ -112,6 +112,10 @@ class SparseGPTConfig(PruneConfig):
         scheme = self.scheme()
         return [] if scheme is None else [(".quantize", scheme)]
 
+    def quantized_linears(self, model: nn.Module) -> dict[str, tuple[nn.Linear, QuantScheme]]:
+        """What a GPTQ stage of the joint quantization's settings would quantize (``rounding``), none without it."""
+        return {} if self.quantize is None else self.rounding().quantized_linears(model)
+
     def rounding(self) -> object:
         """The GPTQ stage config of the joint quantization (same Hessian dampening, block and batches)."""
         q = self.quantize

@@ -36,6 +36,10 @@ class FP8Config(StageConfig):
             if isinstance(module, nn.Linear) and not any(re.fullmatch(p, name) for p in self.ignore)
         }
 
+    def quantized_linears(self, model: nn.Module) -> dict[str, tuple[nn.Linear, QuantScheme]]:
+        """A byte per weight and a float32 scale per row (or matrix): 8-bit codes in one group per row."""
+        return {name: (linear, FP8_WEIGHTS) for name, linear in self.targets(model).items()}
+
     def check(self, model: nn.Module) -> None:
         require_float8("stage fp8")
 

@@ -118,6 +118,9 @@ class WeightQuantConfig(StageConfig):
                     found[name] = (module, scheme)
         return found
 
+    def quantized_linears(self, model: nn.Module) -> dict[str, tuple[nn.Linear, QuantScheme]]:
+        return self.targets(model)
+
     def check(self, model: nn.Module) -> None:
         targets = self.targets(model)
         bad = {}
