@@ -21,10 +21,10 @@ def build_at_rev(rev: str, source: str, namespace: str) -> None:
 
     text = re.sub(r"\b(TORCH_LIBRARY\w*)\(lmpress_cpu,", rf"\1({namespace},", at_rev(source))
     headers = {name: at_rev(name) for name in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)}
-    name, build = build_directory(namespace, (text + "".join(headers.values())).encode())
+    flags, ldflags = ["-O3", "-fopenmp", "-std=c++17"], ["-fopenmp"]
+    name, build = build_directory(namespace, (text + "".join(headers.values())).encode(), [*flags, *ldflags])
     for header, body in headers.items():  # the revision's own headers, beside the source that includes them
         (build / header).write_text(body)
     path = build / f"{Path(source).stem}_{namespace}.cpp"
     path.write_text(text)
-    flags = ["-O3", "-fopenmp", "-std=c++17"]
-    build_library(name, [path], build, flags, f"{source} as of {rev}", extra_ldflags=["-fopenmp"])
+    build_library(name, [path], build, flags, f"{source} as of {rev}", extra_ldflags=ldflags)

@@ -78,11 +78,14 @@ def test_a_live_builder_is_waited_for_and_its_lock_file_left_alone(tmp_path: Pat
     assert "removing" not in capfd.readouterr().err
 
 
-def test_the_build_directory_is_named_by_its_sources(tmp_path: Path, monkeypatch) -> None:
+def test_the_build_directory_is_named_by_its_sources_and_flags(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LMPRESS_CACHE", str(tmp_path))
-    name, build = cpp_build.build_directory("lib", b"int f();")
+    name, build = cpp_build.build_directory("lib", b"int f();", ["-O3"])
     assert build.is_dir() and build == tmp_path / "kernels" / name and name.startswith("lib_")
-    assert cpp_build.build_directory("lib", b"int g();")[0] != name
+    assert cpp_build.build_directory("lib", b"int f();", ["-O3"])[0] == name
+    assert cpp_build.build_directory("lib", b"int g();", ["-O3"])[0] != name
+    assert cpp_build.build_directory("lib", b"int f();", ["-O2"])[0] != name  # ninja would compile it again
+    assert cpp_build.build_directory("lib", b"int f();", ["-O3", "-g"])[0] != name
 
 
 def test_a_filesystem_without_locks_builds_under_torch_s_lock_alone(tmp_path: Path, monkeypatch) -> None:

@@ -22,11 +22,14 @@ TORCH_BATON = "lock"  # the file torch.utils.file_baton.FileBaton creates in the
 OWN_LOCK = "build.lock"
 
 
-def build_directory(name: str, text: bytes) -> tuple[str, Path]:
-    """The library's name (``name`` + a digest of its sources and torch's version) and its directory in the cache."""
+def build_directory(name: str, text: bytes, flags: Sequence[str] = ()) -> tuple[str, Path]:
+    """The library's name (``name`` + a digest of its sources, the compiler and linker ``flags`` and torch's
+    version) and its directory in the cache. New flags get a directory of their own: in the old one torch's load
+    would rewrite ``build.ninja`` and ninja compile again, which ``build_is_stale`` (asked before) cannot foresee."""
     from lmpress.cache import cache_root
 
-    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"\0".join([text, *(f.encode() for f in flags), torch.__version__.encode()]))
+    digest = digest.hexdigest()[:16]
     full = f"{name}_{digest}"
     build = cache_root() / "kernels" / full
     build.mkdir(parents=True, exist_ok=True)

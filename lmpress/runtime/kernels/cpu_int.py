@@ -62,9 +62,9 @@ def available() -> bool:
 def load_library() -> None:
     """Build (once per host and torch version, into lmpress's cache) and load the kernels' library."""
     text = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
-    name, build = build_directory("lmpress_cpu_int", text)
-    cflags = ["-O3", "-fopenmp", "-std=c++17"]
-    build_library(name, SOURCES, build, cflags, "its CPU kernels", extra_ldflags=["-fopenmp"])
+    cflags, ldflags = ["-O3", "-fopenmp", "-std=c++17"], ["-fopenmp"]
+    name, build = build_directory("lmpress_cpu_int", text, [*cflags, *ldflags])
+    build_library(name, SOURCES, build, cflags, "its CPU kernels", extra_ldflags=ldflags)
     _register_fakes()
 
 
