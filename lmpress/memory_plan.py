@@ -42,6 +42,7 @@ each run's report (its forecast per phase beside the measured peak).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -266,7 +267,9 @@ def forecast_memory(
     the runtime agreement check's first window, a perplexity window's log-softmax); with ``processes`` launched,
     each one's (the main process's: the others stop after the stages), where a spread pass holds a share of the
     calibration activations."""
-    shape = ModelShape.of(model)
+    shape = ModelShape.of(model)  # as loaded: the baseline eval, a distillation's teacher
+    final = skeleton_after(model, stages)  # as the stages leave it: the candidate, its exports and evals
+    final_shape = ModelShape.of(final) if final is not model else shape
     size = DTYPE_BYTES[dtype]
     training = any(s.trains_across_processes for s in stages)
     whole = any(s.reads_whole_model for s in stages)
@@ -275,8 +278,8 @@ def forecast_memory(
     file_backed = stored_dtype(checkpoint) == dtype and experts_stream(checkpoint, model)
     streams = file_backed and not logit_tokens and not training and not whole
     float_model = shape.parameters * size
-    plans = linear_plans(model, stages)
-    quantizers = [s for s in stages if s.quantized_linears(model)]
+    plans = linear_plans(final, stages)
+    quantizers = [s for s in stages if s.quantized_linears(final)]
     planned = {name: plan for name, (plan, _) in plans.items()}
     quantized = sum(packed_bytes(*plan) for plan in planned.values())
     by_layer: dict[str, int] = {}
@@ -299,8 +302,11 @@ def forecast_memory(
     # (the embedding, the norms): the pages of the quantized linears' float weights, once read whole (a baseline
     # eval, RTN, a rotation), stay resident beside their codes to the end of the run (the quickstart's phases after
     # its baseline eval measured 500-600 MB over a forecast without them). Only the layer-wise engine's streaming
-    # drops a layer's pages once it is quantized.
+    # drops a layer's pages once it is quantized. So do the pages of the weights a structural stage removed (within
+    # the stages, "weights" below counts them).
+    removed = (shape.parameters - final_shape.parameters) * size
     float_pages = {"mapped float pages": replaced} if file_backed and not streams else {}
+    pages_after = {"mapped float pages": replaced + removed} if file_backed and not streams else {}
     # a streamed layer's float weights give way to its codes; a model read whole keeps what is not quantized. A
     # 16-bit layer calibrated on a CPU without 16-bit matrix units is held in float32, its checkpoint pages given
     # back meanwhile (calib.compute_dtype; bench/scale.py's 8B layers measured so on an AVX2 EPYC)
@@ -355,10 +361,7 @@ def forecast_memory(
     learner = max(stages, key=lambda s: s.learning_bytes(shape, seq_len, quantized), default=None)
     learning = learner.learning_bytes(shape, seq_len, quantized) if learner is not None else 0
     if training:
-        weights = sum(rows * cols for rows, cols, *_ in planned.values())
-        groups = sum(rows * (1 if width <= 0 else cols // width) for rows, cols, _, width, _ in planned.values())
-        trained = [s.training_bytes(shape, size, (weights, groups), seq_len, processes) for s in stages]
-        work = {"training": max(trained)}
+        work = {"training": max(training_bytes(model, stages, shape, size, seq_len, processes))}
     else:
         work = {"calibration": calibration}
     if calibration and upcast and not streams and not training:  # the calibrated layer's float32 copy
@@ -373,7 +376,8 @@ def forecast_memory(
     float32_layer = {"float32 layer": 4 * max(shape.layer_parameters, shape.vocab * shape.hidden)} if widened else {}
     if logit_tokens:  # the baseline is scored before any stage, on the whole float model
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
-    candidate = float_model - replaced + kept_table + float_head + quantized  # the stages' result
+    final_float = final_shape.parameters * size
+    candidate = final_float - replaced + kept_table + float_head + quantized  # the stages' result
     # a W8A8 layer the evals run keeps its int8 weights transposed beside its packed codes from its first forward on
     # (QuantizedLinear._w8a8_forward): the candidate's from the read-back's first window, each artifact's from its check
     evaluated = candidate + sum(rows * cols for (rows, cols, *_), scheme in plans.values() if scheme.int8_matmul_holds)
@@ -387,7 +391,7 @@ def forecast_memory(
         elif scheme.activations == "fp8" and not fp8_matmul_runs(device, rows, cols):
             runtime_model += rows * cols * 4
     if exports:
-        sizes = [float_model + float_head if fmt in DENSE_FORMATS or not quantized else evaluated for fmt in exports]
+        sizes = [final_float + float_head if fmt in DENSE_FORMATS or not quantized else evaluated for fmt in exports]
         read_back = sizes[0]  # the first export is kept (it is scored), each other one only while it is checked
         forecast.phases["read-back"] = (
             process
@@ -397,7 +401,7 @@ def forecast_memory(
                 # one side's first-window forward at a time, its log-softmax by chunks (metrics.mean_token_nll)
                 "logits": (agreement_tokens + min(agreement_tokens, NLL_CHUNK)) * shape.vocab * 4,
             }
-            | float_pages
+            | pages_after
             | float32_layer
         )
         forecast.phases["runtime agreement"] = (
@@ -411,21 +415,49 @@ def forecast_memory(
                 * shape.vocab
                 * 4,  # both sides', float32 (compared in float64 by blocks)
             }
-            | float_pages
+            | pages_after
             | float32_layer
         )
         if logit_tokens:
             forecast.phases["candidate eval"] = (
-                process | {"read-back": read_back, "eval": eval_work} | float_pages | float32_layer
+                process | {"read-back": read_back, "eval": eval_work} | pages_after | float32_layer
             )
     elif logit_tokens:
         forecast.phases["candidate eval"] = (
-            process | {"candidate": evaluated, "eval": eval_work} | float_pages | float32_layer
+            process | {"candidate": evaluated, "eval": eval_work} | pages_after | float32_layer
         )
     if device.type == "cuda":
         layer = 4 * shape.layer_parameters
         forecast.device_parts = {"layer": layer, "work": next(iter(work.values()))}
     return forecast
+
+
+def skeleton_after(model: nn.Module, stages: Sequence) -> nn.Module:
+    """``model`` (a skeleton on the meta device) as the stages' structural changes leave it: a reshaped copy, or
+    ``model`` itself where no stage removes layers, heads or channels."""
+    if not any(s.reshapes_model for s in stages):
+        return model
+    model = copy.deepcopy(model)
+    for stage in stages:
+        stage.reshape_skeleton(model)
+    return model
+
+
+def training_bytes(
+    model: nn.Module, stages: Sequence, teacher: ModelShape, size: int, seq_len: int, processes: int
+) -> list[int]:
+    """What each training stage holds beside the weights: its student as the stages before it leave ``model``
+    (layers removed, linears quantized), its teacher the model as loaded."""
+    held = []
+    for index, stage in enumerate(stages):
+        if not stage.trains_across_processes:
+            continue
+        student = skeleton_after(model, stages[:index])
+        plans = [plan for plan, _ in linear_plans(student, stages[:index]).values()]
+        weights = sum(rows * cols for rows, cols, *_ in plans)
+        groups = sum(rows * (1 if width <= 0 else cols // width) for rows, cols, _, width, _ in plans)
+        held.append(stage.training_bytes(ModelShape.of(student), teacher, size, (weights, groups), seq_len, processes))
+    return held
 
 
 def linear_plans(model: nn.Module, stages: Sequence) -> dict[str, tuple[tuple[int, int, int, int, int], Any]]:

@@ -76,6 +76,8 @@ class StageConfig(StrictConfig):
     reads_whole_model: ClassVar[bool] = False
     # the memory forecast's name for what learning_bytes counts
     learning_label: ClassVar[str] = "learning"
+    # removes layers, heads or channels: the forecast plans the later stages on the skeleton reshape_skeleton leaves
+    reshapes_model: ClassVar[bool] = False
 
     @property
     def unties_tied_head(self) -> bool:
@@ -99,14 +101,22 @@ class StageConfig(StrictConfig):
         ``QuantScheme``: what the export checks (before any work) and the memory forecast plan for."""
         return {}
 
+    def reshape_skeleton(self, model: Any) -> None:
+        """Make on ``model``, a skeleton on the meta device, the structural change this stage makes
+        (``reshapes_model``): the shapes only, as which layers or channels go is the calibration data's call."""
+
     def learning_bytes(self, shape: Any, seq_len: int, packed: int = 0) -> int:
         """Bytes a whole-model stage holds beside the weights while it learns (the memory forecast; ``shape``:
         ``lmpress.memory_plan.ModelShape``, ``packed``: the bytes of the packed weights the stages make)."""
         return 0
 
-    def training_bytes(self, shape: Any, size: int, quantized: tuple[int, int], seq_len: int, processes: int) -> int:
+    def training_bytes(
+        self, shape: Any, teacher: Any, size: int, quantized: tuple[int, int], seq_len: int, processes: int
+    ) -> int:
         """Bytes a training stage (``trains_across_processes``) holds beside the student's weights, in each of
-        ``processes`` (``quantized``: the weights and the scale groups of the quantized layers it trains)."""
+        ``processes``: ``shape`` is the student as the stages before leave it, ``teacher`` the model as loaded
+        (``lmpress.memory_plan.ModelShape``), ``quantized`` the weights and scale groups of the quantized layers it
+        trains (those the stages before it quantized)."""
         return 0
 
     def check(self, model: Any) -> None:

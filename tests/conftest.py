@@ -51,9 +51,9 @@ def compiled_kernels() -> Path:
     """Where lmpress's C++ CPU kernels are compiled: ``kernels/`` of the cache the session started with.
 
     lmpress/runtime/kernels/cpu_int.py builds its library into ``<cache>/kernels/<name>``, the name keyed by the
-    source's digest, its compiler flags and torch's version. Every test's private cache links to this one folder, so that each
-    ``lmpress run`` a test starts in a subprocess on a fresh cache does not compile the library again (15 s of
-    the 2 cores each time); baselines, tunings and everything else stay private.
+    source's digest, its compiler flags and torch's version. Every test's private cache links to this one folder,
+    so that each ``lmpress run`` a test starts in a subprocess on a fresh cache does not compile the library again
+    (15 s of the 2 cores each time); baselines, tunings and everything else stay private.
     """
     from lmpress.cache import cache_root
 

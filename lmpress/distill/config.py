@@ -123,8 +123,10 @@ class DistillConfig(StageConfig):
 
     trains_across_processes: ClassVar[bool] = True
 
-    def training_bytes(self, shape: Any, size: int, quantized: tuple[int, int], seq_len: int, processes: int) -> int:
-        """The teacher (the whole model in the run's dtype), float32 gradients and AdamW's two moments of what
+    def training_bytes(
+        self, shape: Any, teacher: Any, size: int, quantized: tuple[int, int], seq_len: int, processes: int
+    ) -> int:
+        """The teacher (the model as loaded, in the run's dtype), float32 gradients and AdamW's two moments of what
         trains, a latent float weight for each quantized weight that trains (``learn_weights``), and one step's
         tensors: ``STEP_ACTIVATION_COPIES`` float32 copies of the decoder linears' widths and ``STEP_LOGIT_COPIES``
         of the logits per token of a micro-batch (with ``gradient_checkpointing``, each decoder layer's input and
@@ -143,7 +145,7 @@ class DistillConfig(StageConfig):
         else:  # the quantized layers' codes fixed: their scales and the norms train
             trained = (2 * shape.layers + 1) * shape.hidden + (groups if self.learn_scales else 0)
         latent = 4 * weights if self.learn_weights else 0
-        return int(shape.parameters * size + latent + 12 * trained + step)
+        return int(teacher.parameters * size + latent + 12 * trained + step)
 
     def check_processes(self, world: int) -> None:
         if fsdp_requested():

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import ClassVar, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -61,6 +61,7 @@ MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 class StructuredConfig(StageConfig):
     method: Literal["structured"] = "structured"
     calibrates_layerwise: ClassVar[bool] = True
+    reshapes_model: ClassVar[bool] = True
     mlp_channels: float = Field(0.0, ge=0, lt=1, description="fraction of MLP intermediate channels removed")
     heads: int = Field(0, ge=0, description="query heads removed per layer (whole GQA groups)")
     layers: int = Field(0, ge=0, description="whole decoder layers removed")
@@ -112,6 +113,21 @@ class StructuredConfig(StageConfig):
             )
         if round(config.intermediate_size * (1 - self.mlp_channels)) < 1:
             raise LmpressInputError(f"stage structured: mlp_channels: {self.mlp_channels} removes every MLP channel")
+
+    def reshape_skeleton(self, model: nn.Module) -> None:
+        """The last ``layers`` layers removed, each kept layer's first channels and KV groups kept: the sizes the
+        stage leaves, whichever ones the calibration data picks (for the memory forecast)."""
+        n, mc = len(decoder_layers(model)), model.config
+
+        def first(kind: str, i: int) -> torch.Tensor:  # the lowest index scores highest
+            return -torch.arange(mc.intermediate_size if kind == "channels" else mc.num_key_value_heads).float()
+
+        shrink_model(model, list(range(n - self.layers, n)), *self.kept(mc), first)
+
+    def kept(self, mc: Any) -> tuple[int, int]:
+        """(MLP channels, KV groups) each kept layer keeps."""
+        group = mc.num_attention_heads // mc.num_key_value_heads
+        return round(mc.intermediate_size * (1 - self.mlp_channels)), mc.num_key_value_heads - self.heads // group
 
 
 def _sequence_l2(x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +229,31 @@ def remove_layers(model: nn.Module, drop: list[int]) -> None:
     config.num_hidden_layers = len(kept)
 
 
+def shrink_model(
+    model: nn.Module, drop: list[int], channels: int, kv_kept: int, scores: Callable[[str, int], torch.Tensor]
+) -> None:
+    """Remove decoder layers ``drop`` and keep, in every other layer ``i``, the ``channels`` MLP channels and the
+    ``kv_kept`` KV groups (with the query heads that read them) scoring highest in ``scores("channels", i)`` and
+    ``scores("groups", i)``; the config follows."""
+    mc = model.config
+    layers = decoder_layers(model)
+    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    group, head_dim = heads // kv, getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    for i, layer in enumerate(layers):
+        if i in drop:
+            continue
+        if channels < mc.intermediate_size:
+            prune_mlp_channels(layer.mlp, torch.topk(scores("channels", i), channels).indices.sort().values)
+        if kv_kept < kv:
+            keep = torch.topk(scores("groups", i), kv_kept).indices.sort().values
+            prune_kv_groups(layer.self_attn, keep, group, head_dim)
+    if drop:
+        remove_layers(model, drop)
+    mc.intermediate_size = channels
+    if kv_kept < kv:
+        mc.head_dim, mc.num_attention_heads, mc.num_key_value_heads = head_dim, kv_kept * group, kv_kept
+
+
 def parameter_bytes(model: nn.Module) -> tuple[int, int]:
     """(weights, bytes) of ``model``, tied tensors counted once. A quantized linear counts its
     in x out weights, and the bytes of what it holds (packed codes, scales, zeros, g_idx)."""
@@ -261,26 +302,15 @@ def run_structured(model: nn.Module, config: StructuredConfig, ctx: StageContext
             drop, kl_trace = greedy_kl_layer_drop(model, samples, config.layers, ctx.bars)
     else:
         drop = sorted(sorted(range(len(layers)), key=lambda i: distance[i])[: config.layers])
-    kept_layers = [i for i in range(len(layers)) if i not in drop]
-    channels = round(mc.intermediate_size * (1 - config.mlp_channels))
-    kv_kept = kv - config.heads // group
-    for i in kept_layers:
-        layer = layers[i]
-        if channels < mc.intermediate_size:
-            keep = torch.topk(importance.channels[i].cpu(), channels).indices.sort().values
-            prune_mlp_channels(layer.mlp, keep)
-        if kv_kept < kv:
-            # query heads h = g * group + j read KV head g: a group's importance is the sum over its heads
-            group_score = importance.head_outputs[i].cpu().reshape(kv, group).sum(-1)
-            keep = torch.topk(group_score, kv_kept).indices.sort().values
-            prune_kv_groups(layer.self_attn, keep, group, head_dim)
-    if drop:
-        remove_layers(model, drop)
-    mc.intermediate_size = channels
-    if kv_kept < kv:
-        mc.head_dim = head_dim
-        mc.num_attention_heads = kv_kept * group
-        mc.num_key_value_heads = kv_kept
+    channels, kv_kept = config.kept(mc)
+
+    def scores(kind: str, i: int) -> torch.Tensor:
+        if kind == "channels":
+            return importance.channels[i].cpu()
+        # query heads h = g * group + j read KV head g: a group's importance is the sum over its heads
+        return importance.head_outputs[i].cpu().reshape(kv, group).sum(-1)
+
+    shrink_model(model, drop, channels, kv_kept, scores)
     params_after, bytes_after = parameter_bytes(model)
     return {
         "removed_layers": drop,

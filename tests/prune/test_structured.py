@@ -54,6 +54,22 @@ def test_pruned_checkpoint_loads_in_transformers_and_matches_lmpress(deep_llama_
     assert torch.equal(generated, step)
 
 
+def test_the_forecast_s_skeleton_takes_the_shapes_the_stage_leaves(deep_llama_dir, tmp_path):
+    """``reshape_skeleton`` on the meta skeleton gives every tensor the shape the stage gives it on real weights."""
+    from lmpress.loader import model_skeleton
+    from lmpress.memory_plan import skeleton_after
+
+    config = StructuredConfig(mlp_channels=0.25, heads=2, layers=1)
+    loaded = load_model(str(deep_llama_dir))
+    run_structured(loaded.model, config, context(tmp_path, loaded.tokenizer))
+    skeleton = model_skeleton(deep_llama_dir)
+    reshaped = skeleton_after(skeleton, [config])
+    assert len(decoder_layers(skeleton)) == 4  # the skeleton itself is left as loaded (the baseline's model)
+    shapes = {name: tuple(t.shape) for name, t in reshaped.state_dict().items()}
+    assert shapes == {name: tuple(t.shape) for name, t in loaded.model.state_dict().items()}
+    assert reshaped.config.to_dict() == loaded.model.config.to_dict()
+
+
 def test_the_least_changing_layer_goes_first(deep_llama_dir, tmp_path):
     loaded = load_model(str(deep_llama_dir))
     model = loaded.model
