@@ -70,7 +70,7 @@ import gc, json, sys
 import psutil
 from transformers import AutoModelForCausalLM
 from lmpress.loader import load_model
-from lmpress.memory import track_peak_rss
+from lmpress.memory import return_freed_memory, track_peak_rss
 
 
 def load():
@@ -81,6 +81,7 @@ def load():
 
 load()
 gc.collect()
+return_freed_memory()  # the first load's freed heap handed back: a baseline that does not depend on it
 before = psutil.Process().memory_info().rss / 2**20
 with track_peak_rss() as peak:
     model = load()
@@ -119,9 +120,11 @@ def save_moe(path, experts: int = 16, layers: int = 4):
 
 
 def test_reading_back_a_moe_export_packs_each_block_before_the_next_is_split(tmp_path):
-    """A compressed-tensors export of a MoE reads back with one block's float experts made at a time: the peak
-    grows by the export's codes and one layer's float experts (44-54 MiB measured), not by every expert's float
-    weights at once (107 MiB before)."""
+    """A compressed-tensors export of a MoE reads back with one block's float experts made at a time: over a
+    baseline whose freed heap was handed back, the peak grows by the export's codes, one layer's float experts and
+    the load's transient buffers (84-88 MiB measured), against 148-149 MiB with every block's float copies made
+    before any is packed (2026-12-07; over the first load's freed heap, as this test measured before, 48-53
+    against 104-109: a baseline that moved whenever a load handed its freed heap back)."""
     import lmpress
     from lmpress.registry import exporter
 
@@ -134,7 +137,7 @@ def test_reading_back_a_moe_export_packs_each_block_before_the_next_is_split(tmp
     )
     assert done.returncode == 0, done.stderr[-2000:]
     grown = json.loads(done.stdout.strip().splitlines()[-1])
-    assert grown < 0.7 * expert_mb, grown  # its codes and one block of float copies (all at once: 107 MiB)
+    assert grown < 1.2 * expert_mb, grown  # its codes and one block of float copies (all at once: 148 MiB)
 
 
 def resident_kb(path_part: str) -> tuple[int, int]:
