@@ -14,6 +14,7 @@ def build_at_rev(rev: str, source: str, namespace: str) -> None:
     """``lmpress/runtime/kernels/<source>`` at ``rev``, with the headers it includes from there, its ops registered
     as ``torch.ops.<namespace>`` instead of ``torch.ops.lmpress_cpu``; built once into lmpress's cache."""
     from lmpress.runtime.kernels.cpp_build import build_directory, build_library
+    from lmpress.runtime.kernels.cpu_int import CFLAGS, LDFLAGS
 
     def at_rev(name: str) -> str:
         path = f"{rev}:lmpress/runtime/kernels/{name}"
@@ -21,10 +22,9 @@ def build_at_rev(rev: str, source: str, namespace: str) -> None:
 
     text = re.sub(r"\b(TORCH_LIBRARY\w*)\(lmpress_cpu,", rf"\1({namespace},", at_rev(source))
     headers = {name: at_rev(name) for name in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)}
-    flags, ldflags = ["-O3", "-fopenmp", "-std=c++17"], ["-fopenmp"]
-    name, build = build_directory(namespace, (text + "".join(headers.values())).encode(), [*flags, *ldflags])
+    name, build = build_directory(namespace, (text + "".join(headers.values())).encode(), [*CFLAGS, *LDFLAGS])
     for header, body in headers.items():  # the revision's own headers, beside the source that includes them
         (build / header).write_text(body)
     path = build / f"{Path(source).stem}_{namespace}.cpp"
     path.write_text(text)
-    build_library(name, [path], build, flags, f"{source} as of {rev}", extra_ldflags=ldflags)
+    build_library(name, [path], build, CFLAGS, f"{source} as of {rev}", extra_ldflags=LDFLAGS)

@@ -279,8 +279,8 @@ def forecast_memory(
     streams = file_backed and not logit_tokens and not training and not whole
     float_model = shape.parameters * size
     plans = linear_plans(final, stages)
-    quantizers = [s for s in stages if s.quantized_linears(final)]
-    planned = {name: plan for name, (plan, _) in plans.items()}
+    quantizers = list({id(stage): stage for _, _, stage in plans.values()}.values())
+    planned = {name: plan for name, (plan, _, _) in plans.items()}
     quantized = sum(packed_bytes(*plan) for plan in planned.values())
     by_layer: dict[str, int] = {}
     for name, plan in planned.items():
@@ -358,8 +358,9 @@ def forecast_memory(
         ),
         default=0,
     )
-    learner = max(stages, key=lambda s: s.learning_bytes(shape, seq_len, quantized), default=None)
-    learning = learner.learning_bytes(shape, seq_len, quantized) if learner is not None else 0
+    learner, learning = max(
+        learning_bytes(model, stages, seq_len, quantized), key=lambda pair: pair[1], default=(None, 0)
+    )
     if training:
         work = {"training": max(training_bytes(model, stages, shape, size, seq_len, processes))}
     else:
@@ -380,12 +381,14 @@ def forecast_memory(
     candidate = final_float - replaced + kept_table + float_head + quantized  # the stages' result
     # a W8A8 layer the evals run keeps its int8 weights transposed beside its packed codes from its first forward on
     # (QuantizedLinear._w8a8_forward): the candidate's from the read-back's first window, each artifact's from its check
-    evaluated = candidate + sum(rows * cols for (rows, cols, *_), scheme in plans.values() if scheme.int8_matmul_holds)
+    evaluated = candidate + sum(
+        rows * cols for (rows, cols, *_), scheme, _ in plans.values() if scheme.int8_matmul_holds
+    )
     # lmpress's runtime holds FP4 W4A4 layers' weights dequantized once, in the run's dtype
     # (kernels.dense.Fp4ActivationsLinear), and FP8 W8A8 ones' E4M3 values in float32 beside their codes where no
     # FP8 matmul runs (kernels.fp8.Fp8SimulatedLinear)
     runtime_model = candidate
-    for (rows, cols, *rest), scheme in plans.values():
+    for (rows, cols, *rest), scheme, _ in plans.values():
         if scheme.fp4 and scheme.activations:
             runtime_model += rows * cols * size - packed_bytes(rows, cols, *rest)
         elif scheme.activations == "fp8" and not fp8_matmul_runs(device, rows, cols):
@@ -453,22 +456,33 @@ def training_bytes(
         if not stage.trains_across_processes:
             continue
         student = skeleton_after(model, stages[:index])
-        plans = [plan for plan, _ in linear_plans(student, stages[:index]).values()]
+        plans = [plan for plan, _, _ in linear_plans(student, stages[:index]).values()]
         weights = sum(rows * cols for rows, cols, *_ in plans)
         groups = sum(rows * (1 if width <= 0 else cols // width) for rows, cols, _, width, _ in plans)
         held.append(stage.training_bytes(ModelShape.of(student), teacher, size, (weights, groups), seq_len, processes))
     return held
 
 
-def linear_plans(model: nn.Module, stages: Sequence) -> dict[str, tuple[tuple[int, int, int, int, int], Any]]:
+def learning_bytes(model: nn.Module, stages: Sequence, seq_len: int, packed: int) -> list[tuple[Any, int]]:
+    """Each stage with what it holds while it learns (``StageConfig.learning_bytes``), planned on the model as the
+    stages before it leave ``model``; ``packed`` is the bytes of the packed weights the stages make."""
+    learned = []
+    for index, stage in enumerate(stages):
+        learner = skeleton_after(model, stages[:index])
+        learned.append((stage, stage.learning_bytes(ModelShape.of(learner), seq_len, packed)))
+    return learned
+
+
+def linear_plans(model: nn.Module, stages: Sequence) -> dict[str, tuple[tuple[int, int, int, int, int], Any, Any]]:
     """Every linear the stages replace by a quantized one (``StageConfig.quantized_linears``): its (out, in, bits,
-    group width) and its scheme (a later stage's plan wins), its bytes per group (``scale_bytes``) last."""
+    group width, bytes per group: ``scale_bytes``), its scheme and the stage that plans it (a later stage's plan
+    wins)."""
     planned = {}
     for stage in stages:
         for name, (linear, scheme) in stage.quantized_linears(model).items():
             cols = linear.in_features
             plan = (linear.out_features, cols, scheme.bits, scheme.group_width(cols), scale_bytes(scheme))
-            planned[name] = (plan, scheme)
+            planned[name] = (plan, scheme, stage)
     return planned
 
 

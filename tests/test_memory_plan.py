@@ -604,6 +604,25 @@ def test_a_distill_stage_trains_the_student_the_stages_before_it_leave(tiny_llam
     assert training(deep, rtn, distill) > training(deep, distill)  # the quantized weights' latent copies
 
 
+def test_a_learning_stage_after_depth_pruning_is_planned_on_the_layers_left(tmp_path):
+    """A learning stage holds what the model as the stages before it leave needs: rotations learned after a depth
+    pruning backpropagate through the layers left, as they would for a model built that shallow."""
+    from tests.conftest import save_tiny_model
+
+    deep = save_tiny_model(tmp_path / "deep", "llama", num_hidden_layers=3)
+    shallow = save_tiny_model(tmp_path / "shallow", "llama", num_hidden_layers=2)
+    depth = stage_config("structured")(method="structured", layers=1)
+    rotate = stage_config("rotate")(method="rotate", learn={"activations": "int8", "batch_size": 2})
+    gptq = stage_config("gptq")(method="gptq", bits=4, group_size=32)
+    cpu = torch.device("cpu")
+
+    def learning(path: Path, *stages) -> int:
+        forecast = forecast_memory(model_skeleton(path), path, "float32", list(stages), 4, 32, cpu)
+        return forecast.parts["rotation learning"]
+
+    assert learning(deep, depth, rotate, gptq) == learning(shallow, rotate, gptq) < learning(deep, rotate, gptq)
+
+
 @pytest.mark.long
 def test_a_moe_layers_expert_hessians_are_forecast_held_at_once_and_spread_by_expert(tmp_path, monkeypatch):
     """Qwen3-235B-A22B's 128 experts a layer: GPTQ holds each expert's 1536-wide down projection Hessian until

@@ -58,13 +58,15 @@ def available() -> bool:
     return True
 
 
+CFLAGS, LDFLAGS = ["-O3", "-fopenmp", "-std=c++17"], ["-fopenmp"]  # the kernels' build, also bench/kernel_at_rev.py's
+
+
 @functools.cache
 def load_library() -> None:
     """Build (once per host and torch version, into lmpress's cache) and load the kernels' library."""
     text = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
-    cflags, ldflags = ["-O3", "-fopenmp", "-std=c++17"], ["-fopenmp"]
-    name, build = build_directory("lmpress_cpu_int", text, [*cflags, *ldflags])
-    build_library(name, SOURCES, build, cflags, "its CPU kernels", extra_ldflags=ldflags)
+    name, build = build_directory("lmpress_cpu_int", text, [*CFLAGS, *LDFLAGS])
+    build_library(name, SOURCES, build, CFLAGS, "its CPU kernels", extra_ldflags=LDFLAGS)
     _register_fakes()
 
 
