@@ -4,12 +4,15 @@ Each `lmpress generate` is a fresh process, timed as its own summary line report
 start to the first token (the goal: <= 5 s on SmolLM2 once the kernels are built) and the decode rate after the
 first token, which should agree with `lmpress bench`'s on the same export, prompt and threads (within 15%).
 Eager and compiled (``--compile``) are both run; the generate runs and the bench runs alternate. Results go to
-``bench/results/generate_speed.{json,md}``, one entry per host (``bench/runtime_hosts.py``'s name).
+``bench/results/generate_speed.{json,md}``, one entry per host (``bench/runtime_hosts.py``'s name) and export
+format.
 
-    python bench/generate_speed.py [ARTIFACT] [--runs 3] [--threads 2]
+    python bench/generate_speed.py [ARTIFACT ...] [--runs 3] [--threads 2]
 
 The default artifact is bench/serve.py's (SmolLM2 W4 g64 with its bfloat16 head: run ``bench/serve.py --group 64
---head float --float-dtype bfloat16`` once first).
+--head float --float-dtype bfloat16`` once first); the quickstart's two exports (``lmpress run
+recipes/quickstart.yaml --out runs/quickstart``: ``runs/quickstart/compressed-tensors runs/quickstart/gguf``) time
+each format's load.
 """
 
 from __future__ import annotations
@@ -99,8 +102,9 @@ def render(hosts: dict[str, Any]) -> str:
     ]
     for key, entry in hosts.items():
         meta = entry["meta"]
+        artifact = f"{meta['artifact']} ({meta.get('format', 'compressed-tensors')})"
         pages.append(
-            f"## {key}\n\n{meta['artifact']}; {meta['threads']} threads, {meta['new_tokens']} new tokens, "
+            f"## {key}\n\n{artifact}; {meta['threads']} threads, {meta['new_tokens']} new tokens, "
             f"{meta['runs']} runs each, {meta['when']}, load average {meta['load']}.\n"
         )
         pages.append(
@@ -120,25 +124,40 @@ def render(hosts: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact", nargs="?", type=Path, default=SERVE_ARTIFACT)
+    parser.add_argument("artifacts", nargs="*", type=Path, default=[SERVE_ARTIFACT])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    if not args.artifact.is_dir():
-        sys.exit(
-            f"{args.artifact}: no export there (run bench/serve.py --group 64 --head float --float-dtype bfloat16)"
-        )
+    for artifact in args.artifacts:
+        if not artifact.is_dir():
+            sys.exit(f"{artifact}: no export there (run bench/serve.py --group 64 --head float --float-dtype bfloat16)")
+    for artifact in args.artifacts:
+        time_artifact(artifact, args)
+
+
+def export_format_of(artifact: Path) -> str:
+    """The export's format: a single-file format's name, or its config's quantization method (dense: ``hf``)."""
+    from lmpress.checkpoint_files import quant_method, read_config
+    from lmpress.registry import artifact_format
+
+    single = artifact_format(artifact)
+    if single is not None:
+        return single.name
+    return quant_method(read_config(artifact)) or "hf"
+
+
+def time_artifact(artifact: Path, args: argparse.Namespace) -> None:
     prompt = prompt_text()
-    lmpress("generate", str(args.artifact), "--prompt", "warm", "--max-new-tokens", "2", threads=args.threads)
+    lmpress("generate", str(artifact), "--prompt", "warm", "--max-new-tokens", "2", threads=args.threads)
     steps = {}
     for compiled in (False, True):
         generated, benched = [], []
         for run in range(args.runs):
             print(f"{'compiled' if compiled else 'eager'} run {run + 1}/{args.runs}", file=sys.stderr, flush=True)
-            generated.append(run_generate(args.artifact, prompt, args.new_tokens, compiled, args.threads))
-            benched.append(decode_rate_of(run_bench(args.artifact, prompt, args.new_tokens, compiled, args.threads)))
+            generated.append(run_generate(artifact, prompt, args.new_tokens, compiled, args.threads))
+            benched.append(decode_rate_of(run_bench(artifact, prompt, args.new_tokens, compiled, args.threads)))
         steps["compiled" if compiled else "eager"] = {
             "since_start_s": statistics.median(g["since_start"] for g in generated),
             "load_s": statistics.median(g["load"] for g in generated),
@@ -151,7 +170,8 @@ def main() -> None:
         }
     meta = {
         "host": cpu_identity(),
-        "artifact": str(args.artifact),
+        "artifact": str(artifact),
+        "format": export_format_of(artifact),
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "runs": args.runs,
@@ -159,7 +179,8 @@ def main() -> None:
         "load": f"{os.getloadavg()[0]:.2f}",
     }
     entry = {"meta": meta, "steps": steps}
-    print(file_host_entry(args.results / "generate_speed.json", meta["host"]["key"], entry, render))
+    key = f"{meta['host']['key']}, {meta['format']}"
+    print(file_host_entry(args.results / "generate_speed.json", key, entry, render))
 
 
 if __name__ == "__main__":

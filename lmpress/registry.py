@@ -205,6 +205,9 @@ class ExportFormat:
     # a single-file export (no config.json beside it) and its loader (directory, dtype) -> model
     artifact_file: str | None = None
     load_artifact: Callable[[Path, torch.dtype], Any] | None = None
+    # (directory) -> (model config values, {module: quantized weight, or tensor name: float tensor}) of such an
+    # export, which lmpress's runtime builds its model from without a transformers model
+    read_tensors: Callable[[Path], tuple[dict[str, Any], dict[str, Any]]] | None = None
 
 
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {}

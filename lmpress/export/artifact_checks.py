@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from lmpress.checkpoint_files import (
     safetensors_files,
 )
 from lmpress.errors import LmpressInputError
+
+if TYPE_CHECKING:
+    from lmpress.export.gguf_layout import GgufLayout
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -149,32 +152,27 @@ def gguf_header_counts(file: Path) -> tuple[int, int, int]:
     return version, n_tensors, n_metadata
 
 
-def open_gguf(file: Path) -> Any:
-    """gguf's reader over ``file``, after the cheap checks: its header, and every tensor's bytes inside the file
-    without overlapping another's."""
-    import gguf
+def open_gguf(file: Path) -> GgufLayout:
+    """``file``'s metadata and tensor table (``gguf_layout``), after the cheap checks: its header, and every
+    tensor's bytes inside the file without overlapping another's."""
     from gguf.constants import GGML_QUANT_SIZES
 
+    from lmpress.export.gguf_layout import read_gguf_layout
+
     file = Path(file)
-    _, n_tensors, _ = gguf_header_counts(file)
-    try:
-        reader = gguf.GGUFReader(str(file))
-    except (ValueError, OSError, IndexError, KeyError, OverflowError, UnicodeDecodeError, MemoryError) as e:
-        raise LmpressInputError(f"{file}: not a readable GGUF file (damaged or truncated?): {e}") from e
-    if len(reader.tensors) != n_tensors:
-        described = len(reader.tensors)
-        raise LmpressInputError(f"{file}: the header claims {n_tensors} tensors, the file describes {described}")
+    gguf_header_counts(file)
+    reader = read_gguf_layout(file)
     size = file.stat().st_size
     spans = []
     for tensor in reader.tensors:
-        block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-        if int(tensor.shape[0]) % block:
+        block, _ = GGML_QUANT_SIZES[tensor.tensor_type]
+        if tensor.shape and tensor.shape[0] % block:
             raise LmpressInputError(
-                f"{file}: tensor {tensor.name!r} has rows of {int(tensor.shape[0])} values, not whole "
+                f"{file}: tensor {tensor.name!r} has rows of {tensor.shape[0]} values, not whole "
                 f"{tensor.tensor_type.name} blocks of {block}"
             )
-        start = int(tensor.data_offset)
-        end = start + int(tensor.n_elements) // block * type_size
+        start = tensor.data_offset
+        end = start + tensor.n_bytes
         if end > size:
             raise LmpressInputError(
                 f"{file}: tensor {tensor.name!r} lies past the end of the file ({end} > {size} bytes: truncated?)"
@@ -186,7 +184,7 @@ def open_gguf(file: Path) -> Any:
     return reader
 
 
-def check_gguf(file: Path, full: bool = False) -> Any:
+def check_gguf(file: Path, full: bool = False) -> GgufLayout:
     """``open_gguf``'s checks, a layer count that matches the metadata, and with ``full`` every tensor decoded and
     finite; returns the reader."""
     import numpy as np
@@ -211,10 +209,9 @@ def check_gguf(file: Path, full: bool = False) -> Any:
     return reader
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value of a GGUF file (gguf-py's reader), or ``default`` when the file has none."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def gguf_field(reader: GgufLayout, key: str, default: Any = None) -> Any:
+    """A metadata value of a GGUF file, or ``default`` when the file has none."""
+    return reader.fields.get(key, default)
 
 
 def check_onnx(file: Path) -> None:

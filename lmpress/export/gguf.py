@@ -42,7 +42,8 @@ reading back. Its ``qwen2`` and ``qwen3`` rotate halves (NEOX), as transformers 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,6 +74,9 @@ from lmpress.weights.fp4 import Fp4Linear, Fp4Weight, decode_e8m0, fp4_layers
 from lmpress.weights.kquant import SUPER_BLOCK, kquant_grid
 from lmpress.weights.qlinear import QuantizedLinear
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme
+
+if TYPE_CHECKING:
+    from lmpress.export.gguf_layout import GgufLayout
 
 FORMAT = "gguf"
 FILE_NAME = "model.gguf"
@@ -359,18 +363,22 @@ def export_gguf(model: nn.Module, tokenizer: Any, out_dir: Path) -> None:
 # Reading back ------------------------------------------------------------------------------------
 
 
-def gguf_config(reader: Any) -> Any:
-    """A transformers config (Llama, Qwen2, Qwen3) from the metadata of a GGUF file of that architecture."""
-    import transformers
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
 
+
+def gguf_config_values(reader: GgufLayout) -> dict[str, Any]:
+    """The model config (``model_type`` and the transformers config's arguments) that the metadata of a GGUF file of
+    a Llama, Qwen2, Qwen3 or Phi-3 architecture gives."""
     arch = gguf_field(reader, "general.architecture")
-    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
-    if arch not in classes:
-        raise LmpressInputError(f"GGUF architecture {arch!r}: lmpress reads back {', '.join(classes)} GGUF files only")
+    if arch not in CONFIG_CLASSES:
+        raise LmpressInputError(
+            f"GGUF architecture {arch!r}: lmpress reads back {', '.join(CONFIG_CLASSES)} GGUF files only"
+        )
     names = {t.name for t in reader.tensors}
     heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
-    return getattr(transformers, classes[arch])(
+    return dict(
+        model_type=arch,
         vocab_size=len(gguf_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
         intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
@@ -388,11 +396,20 @@ def gguf_config(reader: Any) -> Any:
     )
 
 
-def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | QuantizedWeight | Fp4Weight]]:
-    """(config, {HF module name: QuantizedWeight or Fp4Weight, or HF tensor name: float tensor}) of a GGUF file
-    lmpress wrote."""
+def gguf_config(values: dict[str, Any]) -> Any:
+    """The transformers config of ``gguf_config_values``."""
+    import transformers
+
+    values = dict(values)
+    return getattr(transformers, CONFIG_CLASSES[values.pop("model_type")])(**values)
+
+
+def read_gguf_tensors(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight | Fp4Weight]]:
+    """(``gguf_config_values``, {HF module name: QuantizedWeight or Fp4Weight, or HF tensor name: float tensor}) of
+    a GGUF file lmpress wrote."""
     reader = check_gguf(path)
-    config = gguf_config(reader)
+    values = gguf_config_values(reader)
+    config = SimpleNamespace(**values)
     per_layer = {
         f"blk.{i}.{v}.{kind}": (f"model.layers.{i}.{k}", kind)
         for i in range(config.num_hidden_layers)
@@ -436,7 +453,7 @@ def read_gguf_tensors(path: Path) -> tuple[Any, dict[str, torch.Tensor | Quantiz
             inverse = torch.argsort(rope_row_order(int(tensor.shape[1]), heads))
             value = _take_rows(value, inverse)
         out[module if isinstance(value, (QuantizedWeight, Fp4Weight)) else f"{module}.{kind_of}"] = value
-    return config, out
+    return values, out
 
 
 def q4_k_weight(data: np.ndarray, cols: int, where: str) -> QuantizedWeight:
@@ -494,7 +511,8 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
 
     from lmpress.weights.apply import apply_quantized_weight
 
-    config, tensors = read_gguf_tensors(Path(path) / FILE_NAME)
+    values, tensors = read_gguf_tensors(Path(path) / FILE_NAME)
+    config = gguf_config(values)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if config.tie_word_embeddings:
@@ -521,5 +539,6 @@ register_format(
         check_plan=check_gguf_plan,
         artifact_file=FILE_NAME,
         load_artifact=read_gguf,
+        read_tensors=lambda directory: read_gguf_tensors(Path(directory) / FILE_NAME),
     )
 )

@@ -94,19 +94,29 @@ class CheckpointModel:
         self.reader = _reader_for(path)
         quantization = (self.reader[0].get("quantization_config") or {}) if self.reader else {}
         self.rotations = rotation_plan(quantization.get("transform_config"), self._linear_names(), str(path))
+        self._assemble()
+
+    def _assemble(self) -> None:
         embed = nn.Parameter(self._tensor("model.embed_tokens.weight"), requires_grad=False)
-        tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in self.files
+        tied = getattr(self.config, "tie_word_embeddings", False) and not self._has("lm_head.weight")
         self.model = SimpleNamespace(
             embed_tokens=SimpleNamespace(weight=embed),
             layers=self._layers(),
-            norm=_norm(self._tensor("model.norm.weight"), config),
+            norm=_norm(self._tensor("model.norm.weight"), self.config),
         )
         self.head = _dense(embed) if tied else self._linear("lm_head")
         if not tied and not isinstance(self.head, nn.Linear):
-            self.files.release("lm_head.")  # repacked: its pages of the file are read for good
+            self._release("lm_head.")  # repacked: its pages of the file are read for good
 
     def get_output_embeddings(self) -> nn.Module:
         return self.head
+
+    def _has(self, key: str) -> bool:
+        return key in self.files
+
+    def _release(self, prefix: str) -> int:
+        """Drop the file pages of tensors named ``prefix...``; the bytes dropped."""
+        return self.files.release(prefix)
 
     def _tensor(self, key: str) -> torch.Tensor:
         if key not in self.files:
@@ -123,13 +133,7 @@ class CheckpointModel:
         found = read(config, self.files.tensors(f"{name}."))
         if name not in found:
             raise LmpressInputError(f"{self.path}: checkpoint lacks the weights of {name!r}")
-        if isinstance(found[name], Fp8Weight):
-            return Fp8Linear.from_weight(found[name], bias)
-        if isinstance(found[name], Fp4Weight):
-            return Fp4Linear.from_weight(found[name], bias)
-        if not hasattr(found[name], "zeros"):
-            raise LmpressInputError(f"{self.path}: the runtime cannot run {name}'s {type(found[name]).__name__} layer")
-        return QuantizedLinear.from_quantized_weight(found[name], bias)
+        return _quantized_linear(found[name], bias, name, self.path)
 
     def _linear_names(self) -> Iterator[tuple[str, str]]:
         """(name, class name) of every decoder layer's linear, as a transform_config's targets match them."""
@@ -165,19 +169,58 @@ class CheckpointModel:
                 post_attention_layernorm=_norm(self._tensor(prefix + "post_attention_layernorm.weight"), self.config),
             )
             for norm in LAYER_NORMS[2:]:  # Gemma's sandwich norms
-                if f"{prefix}{norm}.weight" in self.files:
+                if self._has(f"{prefix}{norm}.weight"):
                     setattr(layer, norm, _norm(self._tensor(f"{prefix}{norm}.weight"), self.config))
             for block, names in LINEARS_OF.get(self.config.model_type, LINEARS).items():
                 modules = {name: self._rotated_linear(f"{prefix}{block}.{name}") for name in names}
                 for norm in ("q_norm", "k_norm"):
-                    if block == "self_attn" and f"{prefix}self_attn.{norm}.weight" in self.files:
+                    if block == "self_attn" and self._has(f"{prefix}self_attn.{norm}.weight"):
                         modules[norm] = _norm(self._tensor(f"{prefix}self_attn.{norm}.weight"), self.config)
                 setattr(layer, block, SimpleNamespace(**modules))
             yield layer
-            unreturned += self.files.release(prefix)
+            unreturned += self._release(prefix)
             if unreturned >= TRIM_AFTER_BYTES:
                 trim_c_heap()  # the layers' transient unpacked codes, before the next layer's (no gc: no cycles)
                 unreturned = 0
+
+
+class DecodedModel(CheckpointModel):
+    """``CheckpointModel`` over the tensors an export's reader decoded (a GGUF file's; ``ExportFormat.read_tensors``):
+    ``{module: QuantizedWeight or Fp4Weight}`` for quantized layers, ``{tensor name: tensor}`` for the rest."""
+
+    def __init__(self, path: Path, config: Any, tensors: dict[str, Any]) -> None:
+        self.path, self.config, self.tensors = path, config, tensors
+        self.rotations: dict[str, tuple[str, int]] = {}  # such a format holds no online rotations
+        self._assemble()
+
+    def _has(self, key: str) -> bool:
+        return key in self.tensors or key.removesuffix(".weight") in self.tensors
+
+    def _release(self, prefix: str) -> int:
+        return 0  # decoded into memory: the runtime's copies replace them as the caller drops the dict
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        if key not in self.tensors:
+            raise LmpressInputError(f"{self.path}: the export lacks tensor {key!r}")
+        return self.tensors[key]
+
+    def _linear(self, name: str) -> nn.Module:
+        bias = self.tensors.get(f"{name}.bias")
+        if f"{name}.weight" in self.tensors:
+            return _dense(self.tensors[f"{name}.weight"], bias)
+        if name not in self.tensors:
+            raise LmpressInputError(f"{self.path}: the export lacks the weights of {name!r}")
+        return _quantized_linear(self.tensors[name], bias, name, self.path)
+
+
+def _quantized_linear(weight: Any, bias: torch.Tensor | None, name: str, path: Path) -> nn.Module:
+    if isinstance(weight, Fp8Weight):
+        return Fp8Linear.from_weight(weight, bias)
+    if isinstance(weight, Fp4Weight):
+        return Fp4Linear.from_weight(weight, bias)
+    if not hasattr(weight, "zeros"):
+        raise LmpressInputError(f"{path}: the runtime cannot run {name}'s {type(weight).__name__} layer")
+    return QuantizedLinear.from_quantized_weight(weight, bias)
 
 
 def _reader_for(path: Path) -> tuple[dict, Any] | None:
@@ -211,8 +254,35 @@ def load_checkpoint(
     layers on the CPU take ``cpu_activations`` ("int8" or "bf16")."""
     path = Path(path)
     config = read_model_config(path)
+    return build_runtime(CheckpointModel(path, config), dtype, device, kernels, cpu_activations)
+
+
+def load_decoded(
+    path: str | Path,
+    values: dict[str, Any],
+    tensors: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cpu_activations: str = DEFAULT_CPU_ACTIVATIONS,
+) -> Transformer:
+    """The runtime model of an export at ``path`` whose reader decoded its config ``values`` and ``tensors``
+    (``ExportFormat.read_tensors``)."""
+    config = ConfigView(**values)
+    if "rope_parameters" not in values:
+        config.rope_parameters = {"rope_type": "default", "rope_theta": values.get("rope_theta", 10000.0)}
+    return build_runtime(DecodedModel(Path(path), config, tensors), dtype, device, None, cpu_activations)
+
+
+def build_runtime(
+    source: CheckpointModel,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    kernels: str | None,
+    cpu_activations: str,
+) -> Transformer:
+    """The ``Transformer`` of ``source``'s modules, its kernels the device's unless ``kernels`` names others."""
+    config = source.config
     device = torch.device(device)
-    source = CheckpointModel(path, config)
     kernels = kernels or ("cuda" if device.type == "cuda" else "cpu")
     build = Build(dtype, kernels, map_embedding=device.type == "cpu", cpu_activations=cpu_activations)
     with torch.no_grad():

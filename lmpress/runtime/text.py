@@ -142,6 +142,18 @@ def load_runtime(
         # after both: parsing tokenizer.json leaves ~13 MiB freed in the heap (bench/load_memory.py)
         return_freed_memory()
         return model, tokenizer
+    decoded = _decoded_export(source)
+    if decoded is not None:
+        from lmpress.loader import DTYPES
+        from lmpress.runtime.checkpoint import load_decoded
+        from lmpress.runtime.tokenizer import RuntimeTokenizer
+
+        path, (values, tensors) = decoded
+        model = load_decoded(path, values, tensors, DTYPES[dtype], device, cpu_activations)
+        del tensors  # the runtime holds its own copies
+        tokenizer = RuntimeTokenizer(path)
+        return_freed_memory()
+        return model, tokenizer
     from lmpress.loader import load_model
     from lmpress.weights.float8 import require_fp8_kernels
 
@@ -163,6 +175,20 @@ def stored_dtypes(checkpoint: Path, suffix: str = "") -> set[str]:
     for file in checkpoint.glob("*.safetensors"):
         dtypes |= {dtype for key, (dtype, _) in safetensors_header(file).items() if key.endswith(suffix)}
     return dtypes
+
+
+def _decoded_export(source: str) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]] | None:
+    """A single-file export directory whose format decodes its tensors for the runtime (GGUF), after its manifest
+    check and its reader's: (directory, (config values, tensors)); else None."""
+    from lmpress.export.manifest import verify_artifact
+    from lmpress.registry import artifact_format
+
+    path = Path(os.path.expanduser(source))
+    fmt = artifact_format(path) if path.is_dir() and not (path / "config.json").exists() else None
+    if fmt is None or fmt.read_tensors is None or not (path / "tokenizer.json").is_file():
+        return None
+    verify_artifact(path)
+    return path, fmt.read_tensors(path)
 
 
 def _direct_checkpoint(source: str) -> Path | None:

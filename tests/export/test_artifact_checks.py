@@ -94,6 +94,21 @@ def gguf_bytes(out: Path, offset: int, value: bytes) -> None:
     file.write_bytes(bytes(data))
 
 
+def gguf_first_value_type(out: Path, value: bytes) -> None:
+    """``value`` over the type of the first metadata entry (after its 8-byte key length and its key)."""
+    key_length = struct.unpack_from("<Q", (out / "model.gguf").read_bytes(), 24)[0]
+    gguf_bytes(out, 24 + 8 + key_length, value)
+
+
+def gguf_tensor_entry(out: Path, part: int, value: bytes) -> None:
+    """``value`` over part ``part`` of the first tensor's entry (0 name length, 1 name, 2 dimension count, 3 shape,
+    4 type, 5 offset), found by gguf-py's reader."""
+    import gguf
+
+    field = gguf.GGUFReader(str(out / "model.gguf")).tensors[0].field
+    gguf_bytes(out, field.offset + sum(int(p.nbytes) for p in field.parts[:part]), value)
+
+
 CHECKPOINT_DAMAGE = {
     "nan-scales": (nan_scales, "NaN or infinite"),
     "overlapping-tensors": (overlapping, "overlap"),
@@ -107,6 +122,10 @@ GGUF_DAMAGE = {
     "version": (lambda out: gguf_bytes(out, 4, struct.pack("<I", 99)), "GGUF version 99"),
     "2^40-tensors": (lambda out: gguf_bytes(out, 8, struct.pack("<Q", 2**40)), "more than a"),
     "truncated": (truncated, "model.gguf"),
+    "key-length-past-the-end": (lambda out: gguf_bytes(out, 24, struct.pack("<Q", 2**40)), "past the end of the file"),
+    "unknown-value-type": (lambda out: gguf_first_value_type(out, struct.pack("<I", 99)), "value type 99"),
+    "unknown-tensor-type": (lambda out: gguf_tensor_entry(out, 4, struct.pack("<I", 99)), "type 99"),
+    "nine-dimensions": (lambda out: gguf_tensor_entry(out, 2, struct.pack("<I", 9)), "9 dimensions"),
 }
 
 

@@ -88,3 +88,37 @@ def test_damaged_checkpoints_are_one_line_errors(tmp_path):
     save_file(tensors, other / "model.safetensors")
     with pytest.raises(LmpressInputError, match="lacks tensor 'model.layers.1.mlp.down_proj.weight'"):
         load_checkpoint(other)
+
+
+@pytest.mark.parametrize(
+    "quantize",
+    [
+        {"bits": 4, "group_size": 32},  # Q4_0 / Q4_K
+        {"bits": 8, "group_size": 32},  # Q8_0
+        {"fp4": "mxfp4"},  # MXFP4
+    ],
+)
+def test_a_gguf_export_loads_into_the_runtime_without_a_transformers_model(
+    tiny_llama_dir, tmp_path, quantize, monkeypatch
+):
+    """The runtime builds a GGUF export's model from the tensors its reader decodes (5.4 s of SmolLM2's load went
+    to gguf-py's reader and a transformers model): the same weights, to the bit, as through the transformers model
+    lmpress's evals load."""
+    import transformers
+
+    from lmpress.export import gguf
+    from lmpress.runtime.text import load_runtime
+
+    loaded = lmpress.load_model(str(tiny_llama_dir))
+    lmpress.quantize_model(loaded.model, method="rtn", **quantize)
+    gguf.export_gguf(loaded.model, loaded.tokenizer, tmp_path / "gguf")
+    via_transformers = Transformer.from_hf(gguf.read_gguf(tmp_path / "gguf"))
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_config", lambda *_, **__: pytest.fail("a transformers model was built")
+    )
+    direct, tokenizer = load_runtime(str(tmp_path / "gguf"))
+    assert tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
+    for (name, mine), (_, theirs) in zip(
+        direct.state_dict().items(), via_transformers.state_dict().items(), strict=True
+    ):
+        assert torch.equal(mine, theirs), name
