@@ -512,44 +512,54 @@ def onnx_forward(model: nn.Module, session: Any) -> Any:
     return forward
 
 
-def read_onnx(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The ONNX export in directory ``path``: its weights in a transformers model whose forward runs ONNX Runtime.
-
-    Quantized layers are QuantizedLinear holding the MatMulNBits codes, scales and zero points
-    (so the read-back check compares them with the candidate's); the logits come from the graph.
-    """
+def read_onnx_tensors(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight]]:
+    """(the model config the ONNX export in directory ``path`` records, {module: QuantizedWeight of its
+    MatMulNBits codes, or HF tensor name: float tensor}); the graph's own constants are left out."""
     import onnx
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    from lmpress.weights.apply import apply_quantized_weight
 
     file = Path(path) / FILE_NAME
     proto = onnx.load(str(file))
     props = {p.key: p.value for p in proto.metadata_props}
     if CONFIG_KEY not in props:
         raise LmpressInputError(f"{file}: no {CONFIG_KEY} metadata; lmpress reads back the ONNX files it wrote")
-    config_dict = json.loads(props[CONFIG_KEY])
-    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     arrays = _initializers(proto)
     nbits = _matmul_nbits_attrs(proto)
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for key, array in arrays.items():
+        if key.endswith(".MatMulNBits.B"):
+            name = key.removesuffix(".MatMulNBits.B")
+            tensors[name] = quantized_weight_of(name, arrays, nbits[key])
+        elif key.endswith(".weight.T"):  # a float linear, stored transposed for MatMul
+            tensors[key.removesuffix(".T")] = torch.from_numpy(array.T.copy())
+        elif key == "model.embed_tokens.weight" or key.endswith(("norm.weight", ".bias")):
+            tensors[key] = torch.from_numpy(array.copy())
+    return json.loads(props[CONFIG_KEY]), tensors
+
+
+def read_onnx(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The ONNX export in directory ``path``: its weights in a transformers model whose forward runs ONNX Runtime.
+
+    Quantized layers are QuantizedLinear holding the MatMulNBits codes, scales and zero points
+    (so the read-back check compares them with the candidate's); the logits come from the graph.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from lmpress.weights.apply import apply_quantized_weight
+
+    file = Path(path) / FILE_NAME
+    values, tensors = read_onnx_tensors(path)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    dense = {"model.embed_tokens.weight": torch.from_numpy(arrays["model.embed_tokens.weight"].copy())}
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
-            if f"{name}.MatMulNBits.B" in arrays:
-                qw = quantized_weight_of(name, arrays, nbits[f"{name}.MatMulNBits.B"])
-                apply_quantized_weight(model, name, qw)
-            elif f"{name}.weight.T" in arrays:
-                dense[f"{name}.weight"] = torch.from_numpy(arrays[f"{name}.weight.T"].T.copy())
-            elif name != "lm_head":
+            if isinstance(tensors.get(name), QuantizedWeight):
+                apply_quantized_weight(model, name, tensors[name])
+            elif f"{name}.weight" not in tensors and name != "lm_head":
                 raise LmpressInputError(f"{file}: no weight for {name}")
-            if f"{name}.bias" in arrays:
-                dense[f"{name}.bias"] = torch.from_numpy(arrays[f"{name}.bias"].copy())
-        elif name.endswith("norm") and f"{name}.weight" in arrays:
-            dense[f"{name}.weight"] = torch.from_numpy(arrays[f"{name}.weight"].copy())
-    model.load_state_dict({k: v.to(dtype) for k, v in dense.items()}, strict=False)
+    dense = {key: value.to(dtype) for key, value in tensors.items() if isinstance(value, torch.Tensor)}
+    model.load_state_dict(dense, strict=False)
     if getattr(config, "tie_word_embeddings", False) and not quantized_layers(model).get("lm_head"):
         model.tie_weights()
     model.forward = onnx_forward(model, onnx_session(file, device="auto"))
@@ -564,5 +574,6 @@ register_format(
         check_plan=check_onnx_plan,
         artifact_file=FILE_NAME,
         load_artifact=read_onnx,
+        read_tensors=read_onnx_tensors,
     )
 )

@@ -13,7 +13,7 @@ only transformers' formulas compute.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -58,7 +58,18 @@ def read_model_config(path: Path) -> ConfigView | Any:
     """The model's config: a view of config.json, or transformers' own where RoPE scaling needs its formulas."""
     from lmpress.checkpoint_files import read_config
 
-    raw = read_config(path)
+    def from_transformers() -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path)
+
+    return runtime_config(read_config(path), from_transformers)
+
+
+def runtime_config(raw: dict[str, Any], from_transformers: Callable[[], Any]) -> ConfigView | Any:
+    """A view of the config values ``raw`` (config.json's), or ``from_transformers()`` where RoPE scaling needs
+    transformers' formulas; refused where the runtime cannot read the model directly."""
+    raw = dict(raw)
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise LmpressInputError(
             f"the runtime does not support model type {raw.get('model_type')!r} (supported: "
@@ -71,9 +82,7 @@ def read_model_config(path: Path) -> ConfigView | Any:
         )
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(path)
+        return from_transformers()
     if "rope_parameters" not in raw:
         raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
     return ConfigView(**raw)
@@ -267,9 +276,14 @@ def load_decoded(
 ) -> Transformer:
     """The runtime model of an export at ``path`` whose reader decoded its config ``values`` and ``tensors``
     (``ExportFormat.read_tensors``)."""
-    config = ConfigView(**values)
-    if "rope_parameters" not in values:
-        config.rope_parameters = {"rope_type": "default", "rope_theta": values.get("rope_theta", 10000.0)}
+
+    def from_transformers() -> Any:
+        from transformers import AutoConfig
+
+        others = dict(values)
+        return AutoConfig.for_model(others.pop("model_type"), **others)
+
+    config = runtime_config(values, from_transformers)
     return build_runtime(DecodedModel(Path(path), config, tensors), dtype, device, None, cpu_activations)
 
 

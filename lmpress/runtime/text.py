@@ -188,7 +188,10 @@ def _decoded_export(source: str) -> tuple[Path, tuple[dict[str, Any], dict[str, 
     if fmt is None or fmt.read_tensors is None or not (path / "tokenizer.json").is_file():
         return None
     verify_artifact(path)
-    return path, fmt.read_tensors(path)
+    values, tensors = fmt.read_tensors(path)
+    if values.get("model_type") in MOE_TYPES:
+        return None  # mixtures of experts are read through transformers (checkpoint.py refuses them)
+    return path, (values, tensors)
 
 
 def _direct_checkpoint(source: str) -> Path | None:

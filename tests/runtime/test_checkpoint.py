@@ -91,32 +91,34 @@ def test_damaged_checkpoints_are_one_line_errors(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "quantize",
+    ("fmt", "quantize"),
     [
-        {"bits": 4, "group_size": 32},  # Q4_0 / Q4_K
-        {"bits": 8, "group_size": 32},  # Q8_0
-        {"fp4": "mxfp4"},  # MXFP4
+        ("gguf", {"bits": 4, "group_size": 32}),  # Q4_0 / Q4_K
+        ("gguf", {"bits": 8, "group_size": 32}),  # Q8_0
+        ("gguf", {"fp4": "mxfp4"}),  # MXFP4
+        ("onnx", {"bits": 4, "group_size": 32}),  # MatMulNBits
+        ("onnx", {"bits": 4, "group_size": 32, "symmetric": False}),  # with zero points
     ],
 )
-def test_a_gguf_export_loads_into_the_runtime_without_a_transformers_model(
-    tiny_llama_dir, tmp_path, quantize, monkeypatch
+def test_a_single_file_export_loads_into_the_runtime_without_a_transformers_model(
+    tiny_llama_dir, tmp_path, fmt, quantize, monkeypatch
 ):
-    """The runtime builds a GGUF export's model from the tensors its reader decodes (5.4 s of SmolLM2's load went
-    to gguf-py's reader and a transformers model): the same weights, to the bit, as through the transformers model
-    lmpress's evals load."""
+    """The runtime builds a GGUF or ONNX export's model from the tensors its reader decodes (5.4 and 4.7 s of
+    SmolLM2's loads went to gguf-py's reader, onnx's session and a transformers model): the same weights, to the
+    bit, as through the transformers model lmpress's evals load."""
     import transformers
 
-    from lmpress.export import gguf
+    from lmpress.registry import export_format
     from lmpress.runtime.text import load_runtime
 
     loaded = lmpress.load_model(str(tiny_llama_dir))
     lmpress.quantize_model(loaded.model, method="rtn", **quantize)
-    gguf.export_gguf(loaded.model, loaded.tokenizer, tmp_path / "gguf")
-    via_transformers = Transformer.from_hf(gguf.read_gguf(tmp_path / "gguf"))
+    export_format(fmt).write(loaded.model, loaded.tokenizer, tmp_path / fmt)
+    via_transformers = Transformer.from_hf(export_format(fmt).load_artifact(tmp_path / fmt, torch.float32))
     monkeypatch.setattr(
         transformers.AutoModelForCausalLM, "from_config", lambda *_, **__: pytest.fail("a transformers model was built")
     )
-    direct, tokenizer = load_runtime(str(tmp_path / "gguf"))
+    direct, tokenizer = load_runtime(str(tmp_path / fmt))
     assert tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
     for (name, mine), (_, theirs) in zip(
         direct.state_dict().items(), via_transformers.state_dict().items(), strict=True
