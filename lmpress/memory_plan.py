@@ -384,12 +384,13 @@ def forecast_memory(
     evaluated = candidate + sum(
         rows * cols for (rows, cols, *_), scheme, _ in plans.values() if scheme.int8_matmul_holds
     )
-    # lmpress's runtime holds FP4 W4A4 layers' weights dequantized once, in the run's dtype
-    # (kernels.dense.Fp4ActivationsLinear), and FP8 W8A8 ones' E4M3 values in float32 beside their codes where no
-    # FP8 matmul runs (kernels.fp8.Fp8SimulatedLinear)
+    # lmpress's runtime holds FP4 W4A4 and integer W4A8 layers' weights dequantized once, in the run's dtype
+    # (kernels.dense.Fp4ActivationsLinear, Int8ActivationsLinear), and FP8 W8A8 ones' E4M3 values in float32 beside
+    # their codes where no FP8 matmul runs (kernels.fp8.Fp8SimulatedLinear)
     runtime_model = candidate
     for (rows, cols, *rest), scheme, _ in plans.values():
-        if scheme.fp4 and scheme.activations:
+        simulated = scheme.activations == "int8" and not scheme.int8_matmul_holds
+        if (scheme.fp4 and scheme.activations) or simulated:
             runtime_model += rows * cols * size - packed_bytes(rows, cols, *rest)
         elif scheme.activations == "fp8" and not fp8_matmul_runs(device, rows, cols):
             runtime_model += rows * cols * 4

@@ -323,6 +323,27 @@ def test_the_runtime_model_counts_the_float_weights_of_fp4_w4a4_layers(tiny_llam
     assert extra == float_weights - packed
 
 
+def test_the_runtime_model_counts_the_float_weights_of_w4a8_layers(tiny_llama_dir, tmp_path):
+    """A W4A8 layer (int4 weights in groups, int8 activations per token) runs in the runtime with its weight
+    dequantized once (``int8-simulated``): the forecast's runtime model adds those float weights over its codes."""
+    from lmpress.export.compressed_tensors import export_compressed_tensors
+    from lmpress.runtime.checkpoint import load_checkpoint
+    from lmpress.runtime.kernels import kernel_of
+
+    scheme = {"bits": 4, "group_size": 32, "activations": "int8"}
+    skeleton = model_skeleton(tiny_llama_dir)
+    rtn = stage_config("rtn")(method="rtn", **scheme)
+    forecast = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, torch.device("cpu"), 0, ["hf"], 64)
+    extra = forecast.phases["runtime agreement"]["runtime model"] - forecast.phases["runtime agreement"]["candidate"]
+    loaded = load_model(str(tiny_llama_dir))
+    quantize_model(loaded.model, method="rtn", **scheme)
+    export_compressed_tensors(loaded.model, loaded.tokenizer, tmp_path / "ct")
+    runtime = load_checkpoint(tmp_path / "ct")
+    float_weights = sum(m.weight.numel() * 4 for m in runtime.modules() if kernel_of(m) == "int8-simulated")
+    packed = sum(packed_bytes(o, i, 4, 32) for o, i in linear_shapes(skeleton))
+    assert float_weights > 0 and extra == float_weights - packed
+
+
 @pytest.mark.parametrize("fp8_matmul", [False, True])
 def test_an_fp8_stage_counts_its_codes_and_the_runtime_its_float32_values(
     tiny_llama_dir, tmp_path, fp8_matmul, monkeypatch

@@ -78,16 +78,17 @@ def case(bits=4, group=128, k=4096, n=4096, **kw) -> LayerCase:
         (case(bits=8, group=-1), DeviceCase("cpu", torch.float32), "cpu-w8a8"),
         (case(bits=8, group=-1, k=4100), DeviceCase("cpu", torch.float32), "cpu-int8"),  # K % 64
         (case(bits=8, group=-1, activations="int8"), DeviceCase("cpu", torch.float32), "int8-mm"),
-        # W4A8: no int8 matmul holds group scales; the layer's own per-token simulation, as it was scored
-        (case(group=64, activations="int8"), DeviceCase("cpu", torch.float32), "reference"),
-        (case(group=64, activations="int8"), H100, "reference"),
+        # W4A8: no int8 matmul holds group scales; the per-token simulation it was scored with, weight dequantized once
+        (case(group=64, activations="int8"), DeviceCase("cpu", torch.float32), "int8-simulated"),
+        (case(group=64, activations="int8"), H100, "int8-simulated"),
         (case(bits=8, group=-1, activations="fp8"), DeviceCase("cpu", torch.float32), "fp8-simulated"),
         (case(bits=3, group=128), DeviceCase("cpu", torch.float32), "dense"),
     ],
 )
 def test_kernel_selection_table(layer, device, expected):
     assert select_kernel(layer, device) == expected
-    assert kernel_candidates(layer, device)[-1] in ("dense", "int8-mm", "fp8-simulated", "reference")  # a fallback
+    fallbacks = ("dense", "int8-mm", "fp8-simulated", "int8-simulated", "fp4-simulated")
+    assert kernel_candidates(layer, device)[-1] in fallbacks
 
 
 def test_tinygemm_and_gemlite_are_measured_only_when_both_hold():

@@ -72,6 +72,10 @@ def build_kernel(name: str, layer: nn.Module, dtype: torch.dtype) -> nn.Module:
         from lmpress.runtime.kernels.dense import fp4_activations_linear
 
         return fp4_activations_linear(layer, dtype)
+    if name == "int8-simulated":
+        from lmpress.runtime.kernels.dense import Int8ActivationsLinear
+
+        return dense_linear(layer, dtype, Int8ActivationsLinear)
     if name == "fp8-simulated":
         from lmpress.runtime.kernels.fp8 import Fp8SimulatedLinear
 

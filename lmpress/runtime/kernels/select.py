@@ -24,13 +24,14 @@ KERNELS = {
     "int8-mm": "torch _int_mm, W8A8 (int8 activations)",
     "fp8-scaled-mm": "torch _scaled_mm, FP8 W8A8 (sm89+)",
     "fp8-simulated": "FP8 W8A8 simulated in float (E4M3 values converted to float32 once, no FP8 tensor cores)",
-    "cpu-w4a8": "lmpress C++ int4 x int8 dot (AVX-512 VNNI / AVX2), activations int8 per 64",
-    "cpu-w8a8": "lmpress C++ int8 x int8 dot per-row weights (AVX-512 VNNI / AVX2), activations int8 per 64",
+    "cpu-w4a8": "lmpress C++ int4 x int8 dot (AVX-512 VNNI / AVX2), activations int8 per 4",
+    "cpu-w8a8": "lmpress C++ int8 x int8 dot per-row weights (AVX-512 VNNI / AVX2), activations int8 per 4",
     "cpu-int4": "torch _weight_int4pack_mm_for_cpu",
     "cpu-int8": "torch _weight_int8pack_mm",
     "fp4-simulated": "FP4 W4A4 simulated in float (activations fake-quantized per block, weight dequantized once)",
     "dense": "weight dequantized once, dense matmul (FP4 A16 layers too)",
     "cpu-fp4a8": "lmpress C++ NVFP4/MXFP4 x int8 activations per 4 (AVX-512 VNNI / AVX2, cpu_fp4.cpp)",
+    "int8-simulated": "W4A8 simulated in float (activations fake-quantized per token, weight dequantized once)",
     "reference": "lmpress QuantizedLinear (dequantize per call)",
 }
 # Group widths tinygemm holds natively; a wider group that is a multiple of one repeats its scales.
@@ -171,7 +172,7 @@ def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
         return ("cpu-fp4a8", "dense") if device.type == "cpu" and layer.in_features % 64 == 0 else ("dense",)
     if layer.activations == "int8":  # a weight-only kernel would drop the activation quantization it was scored with
         w8a8 = layer.bits == 8 and layer.group_width == layer.in_features and layer.symmetric
-        return ("int8-mm",) if w8a8 else ("reference",)  # W4A8: the layer's own per-token simulation
+        return ("int8-mm",) if w8a8 else ("int8-simulated",)  # W4A8: the per-token simulation it was scored with
     if layer.activations == "fp8":
         fp8 = device.type == "cuda" and device.capability is not None and device.capability >= FP8_MIN_CAPABILITY
         fp8 = fp8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
