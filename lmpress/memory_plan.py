@@ -58,6 +58,7 @@ from lmpress.calib.moe import expert_of, is_experts_block_name
 from lmpress.errors import LmpressInputError
 from lmpress.expert_checkpoint import experts_stream
 from lmpress.metrics import NLL_CHUNK
+from lmpress.runtime.kernels.cpu_int import w4_fits
 from lmpress.weights.float8 import real_fp8_matmul_available
 from lmpress.weights.scheme import QuantScheme
 
@@ -384,12 +385,14 @@ def forecast_memory(
     evaluated = candidate + sum(
         rows * cols for (rows, cols, *_), scheme, _ in plans.values() if scheme.int8_matmul_holds
     )
-    # lmpress's runtime holds FP4 W4A4 and integer W4A8 layers' weights dequantized once, in the run's dtype
-    # (kernels.dense.Fp4ActivationsLinear, Int8ActivationsLinear), and FP8 W8A8 ones' E4M3 values in float32 beside
-    # their codes where no FP8 matmul runs (kernels.fp8.Fp8SimulatedLinear)
+    # lmpress's runtime holds FP4 W4A4 layers' weights dequantized once, in the run's dtype
+    # (kernels.dense.Fp4ActivationsLinear), integer W4A8 ones too where its CPU kernel does not hold their groups
+    # (Int8ActivationsLinear; act-order, which the plan does not know, taken as absent), and FP8 W8A8 ones' E4M3
+    # values in float32 beside their codes where no FP8 matmul runs (kernels.fp8.Fp8SimulatedLinear)
     runtime_model = candidate
     for (rows, cols, *rest), scheme, _ in plans.values():
-        simulated = scheme.activations == "int8" and not scheme.int8_matmul_holds
+        w4a8_kernel = device.type == "cpu" and scheme.bits == 4 and w4_fits(cols, rest[1], act_order=False)
+        simulated = scheme.activations == "int8" and not scheme.int8_matmul_holds and not w4a8_kernel
         if (scheme.fp4 and scheme.activations) or simulated:
             runtime_model += rows * cols * size - packed_bytes(rows, cols, *rest)
         elif scheme.activations == "fp8" and not fp8_matmul_runs(device, rows, cols):

@@ -323,14 +323,22 @@ def test_the_runtime_model_counts_the_float_weights_of_fp4_w4a4_layers(tiny_llam
     assert extra == float_weights - packed
 
 
-def test_the_runtime_model_counts_the_float_weights_of_w4a8_layers(tiny_llama_dir, tmp_path):
-    """A W4A8 layer (int4 weights in groups, int8 activations per token) runs in the runtime with its weight
-    dequantized once (``int8-simulated``): the forecast's runtime model adds those float weights over its codes."""
+@pytest.mark.parametrize(("group", "kernel"), [(32, "int8-simulated"), (64, "cpu-w4a8")])
+def test_the_runtime_model_counts_the_float_weights_of_w4a8_layers_it_dequantizes(
+    tiny_llama_dir, tmp_path, group, kernel
+):
+    """A W4A8 layer (int4 weights in groups, int8 activations per token) runs on lmpress's CPU kernel where it holds
+    the groups (packed, as the candidate holds it), else with its weight dequantized once (``int8-simulated``):
+    the forecast's runtime model adds those float weights over its codes."""
+    from lmpress.runtime.kernels import cpu_int
+
+    if kernel == "cpu-w4a8" and not cpu_int.available():
+        pytest.skip("the C++ kernels do not build on this host")
     from lmpress.export.compressed_tensors import export_compressed_tensors
     from lmpress.runtime.checkpoint import load_checkpoint
     from lmpress.runtime.kernels import kernel_of
 
-    scheme = {"bits": 4, "group_size": 32, "activations": "int8"}
+    scheme = {"bits": 4, "group_size": group, "activations": "int8"}
     skeleton = model_skeleton(tiny_llama_dir)
     rtn = stage_config("rtn")(method="rtn", **scheme)
     forecast = forecast_memory(skeleton, tiny_llama_dir, "float32", [rtn], 4, 32, torch.device("cpu"), 0, ["hf"], 64)
@@ -339,9 +347,10 @@ def test_the_runtime_model_counts_the_float_weights_of_w4a8_layers(tiny_llama_di
     quantize_model(loaded.model, method="rtn", **scheme)
     export_compressed_tensors(loaded.model, loaded.tokenizer, tmp_path / "ct")
     runtime = load_checkpoint(tmp_path / "ct")
+    kernels = {kernel_of(m) for m in runtime.layers.modules() if hasattr(m, "KERNEL")}
     float_weights = sum(m.weight.numel() * 4 for m in runtime.modules() if kernel_of(m) == "int8-simulated")
-    packed = sum(packed_bytes(o, i, 4, 32) for o, i in linear_shapes(skeleton))
-    assert float_weights > 0 and extra == float_weights - packed
+    packed = sum(packed_bytes(o, i, 4, group) for o, i in linear_shapes(skeleton)) if float_weights else 0
+    assert kernels == {kernel} and extra == float_weights - packed
 
 
 @pytest.mark.parametrize("fp8_matmul", [False, True])

@@ -126,19 +126,25 @@ def test_a_single_file_export_loads_into_the_runtime_without_a_transformers_mode
         assert torch.equal(mine, theirs), name
 
 
-def test_a_w4a8_export_runs_its_per_token_simulation_with_the_weight_dequantized_once(tiny_llama_dir, tmp_path):
-    """A W4A8 layer's runtime module dequantizes its weight once (``int8-simulated``) and fake-quantizes its
-    activations per token at each call, as ``QuantizedLinear`` scores it (dequantizing at each call: 4 tok/s on
-    SmolLM2): the same logits, to float rounding."""
+@pytest.mark.parametrize(("group", "kernel"), [(32, "int8-simulated"), (64, "cpu-w4a8")])
+def test_a_w4a8_export_runs_as_its_per_token_simulation_scores_it(tiny_llama_dir, tmp_path, group, kernel):
+    """A W4A8 layer runs lmpress's int4 x int8 kernel with its activations quantized per token where the kernel
+    holds its groups (multiples of 64 columns), else its weight dequantized once (``int8-simulated``) and its
+    activations fake-quantized per token at each call; either way as ``QuantizedLinear`` scores it (dequantizing at
+    each call: 4 tok/s on SmolLM2): the same logits, to float rounding."""
+    from lmpress.runtime.kernels import cpu_int
+
+    if kernel == "cpu-w4a8" and not cpu_int.available():
+        pytest.skip("the C++ kernels do not build on this host")
     from lmpress.export.compressed_tensors import export_compressed_tensors
     from lmpress.runtime.kernels import kernel_of
     from tests.runtime.test_model import sqnr_db
 
     loaded = lmpress.load_model(str(tiny_llama_dir))
-    lmpress.quantize_model(loaded.model, method="rtn", bits=4, group_size=32, activations="int8")
+    lmpress.quantize_model(loaded.model, method="rtn", bits=4, group_size=group, activations="int8")
     export_compressed_tensors(loaded.model, loaded.tokenizer, tmp_path / "ct")
     runtime = load_checkpoint(tmp_path / "ct")
-    assert {kernel_of(m) for m in runtime.layers.modules() if hasattr(m, "KERNEL")} == {"int8-simulated"}
+    assert {kernel_of(m) for m in runtime.layers.modules() if hasattr(m, "KERNEL")} == {kernel}
     reference = Transformer.from_hf(loaded.model, kernels="reference")
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

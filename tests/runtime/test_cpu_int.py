@@ -86,6 +86,35 @@ def test_w4_matches_the_dequantized_weight_on_every_isa(rows, k, group, out):
         assert sqnr_db(x.double() @ weight.t(), y) > 30  # and int8 activations stay close to float ones
 
 
+def test_per_token_activations_quantize_as_w4a8_schemes_do():
+    """A W4A8 layer's activations: one scale a row, the codes ``quantize_per_token`` gives (bit for bit), on every
+    instruction set level; an all-zero row scale 1 and codes 0."""
+    from lmpress.weights.int8_linear import quantize_per_token
+
+    x = inputs(3, 384)
+    x[2] = 0
+    ref_q, ref_scale = quantize_per_token(x)
+    for isa in levels():
+        q, d = cpu_int.quantize_activations(x, isa, per_token=True)
+        assert torch.equal(q, ref_q) and torch.equal(d, ref_scale.expand_as(d)), isa
+
+
+@pytest.mark.parametrize("rows", [1, 5, 11])
+@pytest.mark.parametrize(("k", "group"), [(384, 64), (448, 64), (576, 192)])
+def test_w4_with_per_token_activations_matches_the_w4a8_simulation_on_every_isa(rows, k, group):
+    """A W4A8 layer on the kernel: its per-token int8 activations times the dequantized weight, to float32
+    rounding, on every level (the t16 layout of AVX-512 VNNI included)."""
+    from lmpress.weights.int8_linear import fake_quantize_per_token
+
+    codes, scales, zeros, weight = w4_case(37, k, group)
+    x = inputs(rows, k)
+    exact = fake_quantize_per_token(x).double() @ weight.t()
+    for isa in levels():
+        y = cpu_int.W4A8Linear(codes, scales, zeros, None, isa=isa, per_token=True)(x)
+        assert sqnr_db(exact, y) > 100, (isa, sqnr_db(exact, y))
+        assert sqnr_db(dequantized_x(x) @ weight.t(), y) < 60  # not the per-4 activations of W4A16 layers
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 @pytest.mark.parametrize("out", [80, 37])
 def test_w8_matches_the_dequantized_weight_on_every_isa(rows, out):

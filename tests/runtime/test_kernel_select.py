@@ -78,8 +78,10 @@ def case(bits=4, group=128, k=4096, n=4096, **kw) -> LayerCase:
         (case(bits=8, group=-1), DeviceCase("cpu", torch.float32), "cpu-w8a8"),
         (case(bits=8, group=-1, k=4100), DeviceCase("cpu", torch.float32), "cpu-int8"),  # K % 64
         (case(bits=8, group=-1, activations="int8"), DeviceCase("cpu", torch.float32), "int8-mm"),
-        # W4A8: no int8 matmul holds group scales; the per-token simulation it was scored with, weight dequantized once
-        (case(group=64, activations="int8"), DeviceCase("cpu", torch.float32), "int8-simulated"),
+        # W4A8: no int8 matmul holds group scales; on the CPU lmpress's int4 x int8 kernel with per-token activations,
+        # elsewhere the per-token simulation it was scored with, weight dequantized once
+        (case(group=64, activations="int8"), DeviceCase("cpu", torch.float32), "cpu-w4a8"),
+        (case(group=32, activations="int8"), DeviceCase("cpu", torch.float32), "int8-simulated"),
         (case(group=64, activations="int8"), H100, "int8-simulated"),
         (case(bits=8, group=-1, activations="fp8"), DeviceCase("cpu", torch.float32), "fp8-simulated"),
         (case(bits=3, group=128), DeviceCase("cpu", torch.float32), "dense"),

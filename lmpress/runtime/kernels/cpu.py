@@ -195,13 +195,16 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
 
 def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> bool:
     """Whether lmpress's int8-activation kernel runs ``layer`` on the CPU: ``activations`` "int8", a layout it
-    holds, built on this host."""
+    holds, built on this host; a W4A8 layer's own int8 activations (per token) too."""
     from lmpress.weights.qlinear import trivial_g_idx
 
     scheme, k = layer.scheme, layer.in_features
     act_order = not trivial_g_idx(layer.g_idx, k, scheme)
     width = scheme.group_width(k)
-    if activations != "int8" or scheme.activations is not None or layer.qweight.device.type != "cpu":
+    per_token = scheme.activations == "int8" and scheme.bits == 4
+    if activations != "int8" or (scheme.activations is not None and not per_token):
+        return False
+    if layer.qweight.device.type != "cpu":
         return False
     fits = (scheme.bits == 4 and cpu_int.w4_fits(k, width, act_order)) or (
         scheme.bits == 8 and cpu_int.w8_fits(k, width, act_order)
@@ -210,14 +213,15 @@ def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> boo
 
 
 def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None, activations: str) -> nn.Module | None:
-    """``layer`` on lmpress's int8-activation kernel, or None where it does not hold the layer or ``activations``
-    is not "int8"."""
+    """``layer`` on lmpress's int8-activation kernel (a W4A8 layer's activations quantized per token, as its scheme
+    says, others' per 4 values), or None where it does not hold the layer or ``activations`` is not "int8"."""
     if not int8_activation_kernel_fits(layer, activations):
         return None
     kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
     scales = layer.scales.detach()
     choice = choose_int8_kernel(kernel, layer.out_features, layer.in_features, scales.reshape(len(scales), -1).shape[1])
-    return kernel(layer.codes(), scales, layer.zeros.float(), bias, choice.isa, choice.prefetch)
+    per_token = {"per_token": True} if layer.scheme.activations == "int8" else {}
+    return kernel(layer.codes(), scales, layer.zeros.float(), bias, choice.isa, choice.prefetch, **per_token)
 
 
 @torch.no_grad()

@@ -70,14 +70,20 @@ struct Acts {
 
 #include "cpu_quantize_acts.h"
 
-// lane_scales: build Acts::fb (the SIMD paths of the natural layout); pairs: also Acts::qp and fp (AVX-512's W4).
-void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool lane_scales, bool pairs, Acts& a) {
+// lane_scales: build Acts::fb (the SIMD paths of the natural layout); pairs: also Acts::qp and fp (AVX-512's W4);
+// per_token: one scale a row (W4A8 as compressed-tensors describes it) where the kernels' own is one per 4 values.
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool lane_scales, bool pairs, bool per_token,
+                   Acts& a) {
   const int64_t na = K / ABLOCK;
   a.M = M, a.K = K;
   a.q.resize(M * K);
   a.d.resize(M * na);
   a.s.resize(M * na);
   for (int64_t m = 0; m < M; ++m) {
+    if (per_token) {
+      quantize_row_per_token(x + m * K, K, a.q.data() + m * K, a.d.data() + m * na, a.s.data() + m * na);
+      continue;
+    }
     for (int64_t c = 0; c < K / 16; ++c) {
       const float* xc = x + m * K + c * 16;
       int8_t* qc = a.q.data() + m * K + c * 16;
@@ -276,7 +282,7 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
 }
 
 at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t isa, int64_t prefetch) {
+                     int64_t isa, int64_t prefetch, bool per_token) {
   check(x, codes, scales, zeros, isa, prefetch);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
   TORCH_CHECK(codes.size(1) == K / 2 && scales.size(0) == N && zeros.sizes() == scales.sizes(), "w4 shapes");
@@ -287,7 +293,7 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   static thread_local Acts buffer;
   static thread_local std::vector<float> zsums;
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, isa == 2, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, isa == 2, per_token, buffer);
   group_sums(acts, G, zsums);
   const float* zsum = zsums.data();
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -316,7 +322,7 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // W4 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 8, 64), scales (tiles, G, 16) float32, zeros
 // (tiles, G, 16) uint8, rows past out_features padded (scale 0).
 at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch) {
+                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch, bool per_token) {
   check(x, codes, scales, zeros, 2, prefetch);
   const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), G = scales.size(1), N = out_features;
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 8 && codes.size(3) == 64,
@@ -328,7 +334,7 @@ at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
   static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
   static thread_local std::vector<float> zsums;
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, per_token, buffer);
   group_sums(acts, G, zsums);
   const float* zsum = zsums.data();
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -352,7 +358,7 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = at::empty({M, N}, x.options());
   static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -390,7 +396,7 @@ at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
   at::Tensor y = at::empty({M, N}, x.options());
   static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -429,13 +435,13 @@ at::Tensor huge_page_copy(const at::Tensor& t) {
 }
 
 // The activations as the kernels see them (for tests): (q as float, d per block).
-std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa) {
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa, bool per_token) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % BLOCK == 0,
               "x: contiguous float32 (M, K), K a multiple of 64");
   TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run instruction set level ", isa);
   const int64_t M = x.size(0), K = x.size(1);
   Acts acts;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, false, false, acts);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, false, false, per_token, acts);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / ABLOCK}, x.options());
   std::copy(acts.q.begin(), acts.q.end(), q.data_ptr<int8_t>());
@@ -448,13 +454,14 @@ int64_t cpu_isa() { return best_isa(); }
 }  // namespace
 
 TORCH_LIBRARY(lmpress_cpu, m) {
-  m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096) -> Tensor");
+  m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096, "
+        "bool per_token=False) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096) -> Tensor");
-  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096) -> "
-        "Tensor");
+  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096, "
+        "bool per_token=False) -> Tensor");
   m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096) -> "
         "Tensor");
-  m.def("quantize_activations(Tensor x, int isa) -> (Tensor, Tensor)");
+  m.def("quantize_activations(Tensor x, int isa, bool per_token=False) -> (Tensor, Tensor)");
   m.def("huge_page_copy(Tensor t) -> Tensor");
   m.def("huge_page_empty(int bytes) -> Tensor", &huge_page_empty);  // no tensor in: a kernel for every key
   m.def("cpu_isa", &cpu_isa);

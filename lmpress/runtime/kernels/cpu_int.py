@@ -71,10 +71,10 @@ def load_library() -> None:
 
 
 def _register_fakes() -> None:
-    def fake_linear(x, codes, scales, zeros, isa, prefetch=DEFAULT_PREFETCH):  # noqa: ANN001, ANN202 - torch.library's signature
+    def fake_linear(x, codes, scales, zeros, isa, *options):  # noqa: ANN001, ANN202 - torch.library's signature
         return x.new_empty(x.shape[0], codes.shape[0])
 
-    def fake_tiled(x, codes, scales, zeros, out_features, prefetch=DEFAULT_PREFETCH):  # noqa: ANN001, ANN202 - torch.library's
+    def fake_tiled(x, codes, scales, zeros, out_features, *options):  # noqa: ANN001, ANN202 - torch.library's
         return x.new_empty(x.shape[0], out_features)
 
     for op in ("w4_linear", "w8_linear"):
@@ -259,12 +259,14 @@ class Int8ActivationLinear(nn.Module):
         bias: torch.Tensor | None,
         isa: int | None = None,
         prefetch: int | None = None,
+        per_token: bool = False,
     ) -> None:
         super().__init__()
         load_library()
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
         self.prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
+        self.per_token = per_token  # one activation scale a row (a W4A8 scheme's), not one per 4 values
         codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
         self.register_buffer("codes", huge_pages(codes))
         self.register_buffer("scales", scales)
@@ -280,11 +282,12 @@ class Int8ActivationLinear(nn.Module):
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
+        per_token = (self.per_token,) if self.per_token else ()  # W4 only: W8's ops take no such option
         if self.isa == 2:  # outputs in lanes: OP's "_t16" twin, which takes the output count instead of the ISA
             tiled = getattr(torch.ops.lmpress_cpu, f"{self.OP}_t16")
-            return tiled(flat, self.codes, self.scales, self.zeros, self.out_features, self.prefetch)
+            return tiled(flat, self.codes, self.scales, self.zeros, self.out_features, self.prefetch, *per_token)
         return getattr(torch.ops.lmpress_cpu, self.OP)(
-            flat, self.codes, self.scales, self.zeros, self.isa, self.prefetch
+            flat, self.codes, self.scales, self.zeros, self.isa, self.prefetch, *per_token
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -310,7 +313,7 @@ class W4A8Linear(Int8ActivationLinear):
         group = self.in_features // self.scales.shape[1]
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int4 g{group}, {ISA_NAMES[self.isa]}, "
-            f"prefetch {self.prefetch}"
+            f"prefetch {self.prefetch}" + (", int8 activations per token" if self.per_token else "")
         )
 
 
@@ -354,7 +357,10 @@ def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, o
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def quantize_activations(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 codes ``(M, K)`` and per-4 scales ``(M, K / 4)`` the kernels take ``x`` as (for tests)."""
+def quantize_activations(
+    x: torch.Tensor, isa: int | None = None, per_token: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes ``(M, K)`` and per-4 scales ``(M, K / 4)`` the kernels take ``x`` as (for tests); with
+    ``per_token``, a W4A8 layer's: every block of a row at the row's scale."""
     isa = host_isa() if isa is None else isa
-    return torch.ops.lmpress_cpu.quantize_activations(x.float().contiguous(), isa)
+    return torch.ops.lmpress_cpu.quantize_activations(x.float().contiguous(), isa, per_token)

@@ -18,6 +18,25 @@ int32_t quantize_block_portable(const float* x, int8_t* q, float* d) {
   return sum;
 }
 
+// One row of K values at one scale (W4A8's per-token activations): d = max|x| / 127 (1 for a zero row) and codes
+// round-half-even(x / d), as lmpress.weights.int8_linear.quantize_per_token computes them; every block of the row
+// gets that d, and its s = d * sum(q) over the block.
+void quantize_row_per_token(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < K; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  for (int64_t b = 0; b < K / ABLOCK; ++b) {
+    int32_t sum = 0;
+    for (int64_t i = b * ABLOCK; i < (b + 1) * ABLOCK; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] / scale));
+      q[i] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
+      sum += q[i];
+    }
+    d[b] = scale;
+    s[b] = static_cast<float>(sum) * scale;
+  }
+}
+
 // 16 values (16 / ABLOCK blocks): codes q, each block's d and s = d * sum(q).
 void quantize16_portable(const float* x, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < 16 / ABLOCK; ++b)

@@ -172,7 +172,12 @@ def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
         return ("cpu-fp4a8", "dense") if device.type == "cpu" and layer.in_features % 64 == 0 else ("dense",)
     if layer.activations == "int8":  # a weight-only kernel would drop the activation quantization it was scored with
         w8a8 = layer.bits == 8 and layer.group_width == layer.in_features and layer.symmetric
-        return ("int8-mm",) if w8a8 else ("int8-simulated",)  # W4A8: the per-token simulation it was scored with
+        if w8a8:
+            return ("int8-mm",)
+        # W4A8: lmpress's int4 x int8 kernel with its activations quantized per token, else the simulation it was
+        # scored with (the weight dequantized once)
+        w4a8 = device.type == "cpu" and _cpu_int8_activations(layer) == "cpu-w4a8"
+        return ("cpu-w4a8", "int8-simulated") if w4a8 else ("int8-simulated",)
     if layer.activations == "fp8":
         fp8 = device.type == "cuda" and device.capability is not None and device.capability >= FP8_MIN_CAPABILITY
         fp8 = fp8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
