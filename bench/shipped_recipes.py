@@ -54,7 +54,8 @@ CPU_RECIPES = [
 def run_recipe(name: str, out: Path, log: Path) -> dict:
     """One ``lmpress run`` of ``recipes/NAME.yaml`` into ``out``, its output into ``log``; wall time, exit code and
     the longest gap between two lines of its output (from the start to the first line, and after the last)."""
-    command = [sys.executable, "-m", "lmpress.cli", "run", str(REPO / "recipes" / f"{name}.yaml"), "--out", str(out)]
+    recipe = str(REPO / "recipes" / f"{name}.yaml")
+    command = [sys.executable, "-m", "lmpress.cli", "run", recipe, "--out", str(out), "--overwrite"]  # a fresh run
     began = time.perf_counter()
     stamps, lines = [began], ["(the start)"]
     with log.open("w") as sink:
@@ -163,6 +164,8 @@ def main() -> None:
             out = root / name
             print(f"{name}: running (log {root / f'{name}.log'}) ...", file=sys.stderr, flush=True)
             result = run_recipe(name, out, root / f"{name}.log")
+            if result["exit_code"] not in (0, 1):  # refused or crashed: no run to record (its report is not this run's)
+                sys.exit(f"{name}: lmpress run exited {result['exit_code']}; see {root / f'{name}.log'}")
             report_path = out / "report.json"
             if report_path.is_file():
                 report = json.loads(report_path.read_text())

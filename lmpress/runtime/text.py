@@ -150,7 +150,7 @@ def load_runtime(
 
         path, (values, tensors) = decoded
         model = load_decoded(path, values, tensors, DTYPES[dtype], device, cpu_activations)
-        del tensors  # the runtime holds its own copies
+        del decoded, tensors  # the runtime holds its own copies
         tokenizer = RuntimeTokenizer(path)
         return_freed_memory()
         return model, tokenizer
@@ -178,8 +178,8 @@ def stored_dtypes(checkpoint: Path, suffix: str = "") -> set[str]:
 
 
 def _decoded_export(source: str) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]] | None:
-    """A single-file export directory whose format decodes its tensors for the runtime (GGUF), after its manifest
-    check and its reader's: (directory, (config values, tensors)); else None."""
+    """A single-file export directory whose format decodes its tensors for the runtime (GGUF, ONNX), after its
+    manifest check and its reader's: (directory, (config values, tensors)); else None."""
     from lmpress.export.manifest import verify_artifact
     from lmpress.registry import artifact_format
 
