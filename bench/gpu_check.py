@@ -301,8 +301,10 @@ def smoke(dry_run: bool) -> None:
     recipe = write_smoke_recipe(work, model_dir, device)
     runs = work / "runs"
     run_step("smoke.recipe.gptq+distill+export", 90, lambda: recipe_run(recipe, runs / "w4"))
-    fp8 = write_smoke_recipe(work, model_dir, device, fp8=True)
+    fp8 = write_smoke_recipe(work, model_dir, device, "fp8")
     run_step("smoke.recipe.fp8+export", 60, lambda: recipe_run(fp8, runs / "fp8"))
+    w4a8 = write_smoke_recipe(work, model_dir, device, "w4a8")
+    run_step("smoke.recipe.w4a8+export", 60, lambda: recipe_run(w4a8, runs / "w4a8"))
     artifact = runs / "w4" / "gptq"
     suite = work / "suite.yaml"
     suite.write_text(json.dumps({"eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}}}))
@@ -328,7 +330,8 @@ def smoke(dry_run: bool) -> None:
     run_step("smoke.generate.eager", 60, lambda: generate("eager"))
     run_step("smoke.generate.compiled", 150, lambda: compiled(dry_run, lambda: generate("compiled", "--compile")))
     run_step("smoke.generate.speculative", 60, lambda: generate("speculative", "--draft", str(artifact)))
-    run_step("smoke.generate.fp8", 60, lambda: fp8_generate(runs, device))
+    run_step("smoke.generate.fp8", 60, lambda: artifact_generate(runs / "fp8", device))
+    run_step("smoke.generate.w4a8", 60, lambda: artifact_generate(runs / "w4a8", device))
     run_step("smoke.matmul.fp8", 30, lambda: matmul_fp8(device))
     run_step("smoke.matmul.int8", 30, lambda: matmul_int8(device))
     run_step("smoke.tinygemm.layout", 30, lambda: tinygemm_layout(device))
@@ -355,10 +358,11 @@ def compiled(dry_run: bool, fn: Callable[[], dict]) -> dict:
         torch.compile = original
 
 
-def fp8_generate(runs: Path, device: str) -> dict | str:
-    artifact = runs / "fp8" / "compressed-tensors"
+def artifact_generate(run: Path, device: str) -> dict | str:
+    """``lmpress generate`` on the device from the compressed-tensors export of ``run`` (a recipe step's)."""
+    artifact = run / "compressed-tensors"
     if not artifact.is_dir():
-        return "the fp8 recipe step wrote no artifact"
+        return f"the {run.name} recipe step wrote no artifact"
     cli("generate", str(artifact), "--prompt", "x = ", "--max-new-tokens", "8", "--device", device)
     return {}
 
@@ -373,20 +377,26 @@ def training_text(work: Path) -> str:
     return str(path)
 
 
-def write_smoke_recipe(work: Path, model_dir: Path, device: str, fp8: bool = False) -> Path:
+def write_smoke_recipe(work: Path, model_dir: Path, device: str, kind: str = "w4") -> Path:
+    """A recipe of ``kind``: "w4" (GPTQ then distill, exported as gptq and awq), "fp8" or "w4a8" (RTN W4 g32 with
+    int8 activations per token: the runtime's int8-simulated layers on the GPU), both exported as compressed-tensors."""
     import yaml
 
     distill = {"method": "distill", "seq_len": 32, "batch_size": 2, "steps": 3, "eval_every": 3, "eval_windows": 2}
-    stages = [{"method": "fp8"}] if fp8 else [{"method": "gptq", "bits": 4, "group_size": 32}, distill]
+    stages = {
+        "w4": [{"method": "gptq", "bits": 4, "group_size": 32}, distill],
+        "fp8": [{"method": "fp8"}],
+        "w4a8": [{"method": "rtn", "bits": 4, "group_size": 32, "activations": "int8"}],
+    }[kind]
     recipe = {
         "model": {"source": str(model_dir), "device": device},
         "data": {"source": training_text(work), "samples": 4, "seq_len": 32},
         "stages": stages,
-        "export": {"formats": ["compressed-tensors"] if fp8 else ["gptq", "awq"]},
+        "export": {"formats": ["gptq", "awq"] if kind == "w4" else ["compressed-tensors"]},
         "eval": {"text": "builtin:python-docs", "perplexity": {"seq_len": 64, "windows": 2}},
         "gates": ["ppl_ratio <= 100"],
     }
-    path = work / ("fp8.yaml" if fp8 else "w4.yaml")
+    path = work / f"{kind}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
 

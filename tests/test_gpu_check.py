@@ -34,11 +34,13 @@ EXPECTED = {
     ),  # fmt: skip
     "smoke.recipe.gptq+distill+export",
     "smoke.recipe.fp8+export",
+    "smoke.recipe.w4a8+export",
     "smoke.eval",
     "smoke.generate.eager",
     "smoke.generate.compiled",
     "smoke.generate.speculative",
     "smoke.generate.fp8",
+    "smoke.generate.w4a8",
     "smoke.matmul.fp8",
     "smoke.matmul.int8",
     "smoke.tinygemm.layout",
