@@ -159,3 +159,23 @@ def test_qwen2_pre_tokenizer_splits_in_llama_cpp_as_in_transformers(tmp_path):
     texts = TEXTS + ["DON'T we've 3.14159 and 2024-11-27\r\n\r\n  x\n\n\ty = [1,2]  ", "ÄÖÜ straße — naïve café 東京"]
     for text in texts:
         assert llama_cpp_tokens(tmp_path / "m.gguf", text) == tokenizer(text).input_ids, text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_runtime_reads_the_file_as_the_transformers_path_does(family, tokenizer, tmp_path):
+    """The runtime builds its model from the tensors lmpress's reader decodes (no transformers model): Qwen2's
+    biases, Qwen3's q/k norms and Phi-3's fused linears reach it as through the model the evals load."""
+    from lmpress.export.gguf import export_gguf
+    from lmpress.runtime.model import Transformer
+    from lmpress.runtime.text import load_runtime
+
+    model = family_model(family, tokenizer, tmp_path)
+    rtn(model, tmp_path)
+    export_gguf(model, tokenizer, tmp_path / "gguf")
+    via_transformers = Transformer.from_hf(read_gguf(tmp_path / "gguf"))
+    direct, _ = load_runtime(str(tmp_path / "gguf"))
+    ids = torch.tensor([tokenizer(TEXTS[0]).input_ids])
+    with torch.no_grad():
+        want = via_transformers(ids, via_transformers.new_cache(1, ids.shape[1]))
+        got = direct(ids, direct.new_cache(1, ids.shape[1]))
+    assert torch.equal(got, want)
