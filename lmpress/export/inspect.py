@@ -106,41 +106,10 @@ def _inspect_checkpoint(path: Path, zero_counts: bool = True) -> dict[str, Any]:
     info |= _kv_cache_info(config, tensors)
     rows = []
     for name, qw in layers.items():
-        codes = getattr(qw, "qweight", None)
-        out_features, in_features = (codes if codes is not None else qw.codes).shape
-        weight = qw.dequantize(torch.float32) if zero_counts else None
         stored = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.rpartition(".")[0] == name)
-        rows.append(
-            {
-                "name": name,
-                "shape": [out_features, in_features],
-                "bits": qw.scheme.bits,
-                "group_size": qw.scheme.group_size,
-                "sym": qw.scheme.symmetric,
-                "activations": qw.scheme.activations or "float",
-                "act_order": qw.g_idx is not None,
-                "bytes": stored,
-                "bits_per_weight": round(8 * stored / (out_features * in_features), 3),
-            }
-            | ({"sparsity": float((weight == 0).float().mean()), "pattern": nm_pattern(weight)} if zero_counts else {})
-            | _fp4_fields(qw.scheme)
-        )
-    quantized_bytes = sum(r["bytes"] for r in rows)
-    quantized_weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
-    info |= {
-        "format": "compressed-tensors" if method == "compressed-tensors" else method,
-        "quantized_layers": len(rows),
-        "bits": _single_or_list([r["bits"] for r in rows]) if rows else None,
-        "group_size": _single_or_list([r["group_size"] for r in rows]) if rows else None,
-        "sym": _single_or_list([r["sym"] for r in rows]) if rows else None,
-        "activations": _single_or_list([r["activations"] for r in rows]) if rows else None,
-        "act_order": any(r["act_order"] for r in rows),
-        "fp4": _single_or_list([r["fp4"] for r in rows if "fp4" in r]) if any("fp4" in r for r in rows) else None,
-        "quantized_weights": quantized_weights,
-        "quantized_bytes": quantized_bytes,
-        "other_bytes": sum(t.numel() * t.element_size() for t in tensors.values()) - quantized_bytes,
-        "layers": rows,
-    }
+        rows.append(_layer_row(name, qw, stored, zero_counts))
+    info |= {"format": "compressed-tensors" if method == "compressed-tensors" else method} | _layers_summary(rows)
+    info["other_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values()) - info["quantized_bytes"]
     if rows and zero_counts:
         info["sparsity"] = _overall_sparsity(rows)
     if method == "gptq":
@@ -150,6 +119,69 @@ def _inspect_checkpoint(path: Path, zero_counts: bool = True) -> dict[str, Any]:
     if method == "compressed-tensors":
         info["ct_format"] = qc.get("format")
         info["online_rotations"] = describe_transform_config(qc.get("transform_config"))
+    return info
+
+
+def _layer_row(name: str, qw: Any, stored: int, zero_counts: bool = True) -> dict[str, Any]:
+    """A quantized layer's row of ``inspect``'s table: ``qw`` its weight as a reader gives it, ``stored`` the bytes
+    of its tensors in the file; ``zero_counts``: dequantize it to count its zero weights and find its N:M pattern."""
+    codes = getattr(qw, "qweight", None)
+    out_features, in_features = (codes if codes is not None else qw.codes).shape
+    weight = qw.dequantize(torch.float32) if zero_counts else None
+    return (
+        {
+            "name": name,
+            "shape": [out_features, in_features],
+            "bits": qw.scheme.bits,
+            "group_size": qw.scheme.group_size,
+            "sym": qw.scheme.symmetric,
+            "activations": qw.scheme.activations or "float",
+            "act_order": qw.g_idx is not None,
+            "bytes": stored,
+            "bits_per_weight": round(8 * stored / (out_features * in_features), 3),
+        }
+        | ({"sparsity": float((weight == 0).float().mean()), "pattern": nm_pattern(weight)} if zero_counts else {})
+        | _fp4_fields(qw.scheme)
+    )
+
+
+def _layers_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every quantized layer's row shares (a list where they differ), their weights and bytes, the rows."""
+    quantized_bytes = sum(r["bytes"] for r in rows)
+    quantized_weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
+    return {
+        "quantized_layers": len(rows),
+        "bits": _single_or_list([r["bits"] for r in rows]) if rows else None,
+        "group_size": _single_or_list([r["group_size"] for r in rows]) if rows else None,
+        "sym": _single_or_list([r["sym"] for r in rows]) if rows else None,
+        "activations": _single_or_list([r["activations"] for r in rows]) if rows else None,
+        "act_order": any(r["act_order"] for r in rows),
+        "fp4": _single_or_list([r["fp4"] for r in rows if "fp4" in r]) if any("fp4" in r for r in rows) else None,
+        "quantized_weights": quantized_weights,
+        "quantized_bytes": quantized_bytes,
+        "layers": rows,
+    }
+
+
+def onnx_summary(file: Path) -> dict[str, Any]:
+    """An ONNX export's architecture, size with its external data, and one row per MatMulNBits layer (decoded to
+    count its zeros, as a checkpoint's are)."""
+    from lmpress.export.onnx import initializer_bytes, read_onnx_file
+
+    values, tensors = read_onnx_file(file)
+    stored = initializer_bytes(file)
+    rows = []
+    for name, qw in tensors.items():
+        if hasattr(qw, "scheme"):  # a MatMulNBits layer's QuantizedWeight
+            prefixes = (f"{name}.MatMulNBits.", f"{name}.input_order")
+            rows.append(_layer_row(name, qw, sum(b for k, b in stored.items() if k.startswith(prefixes)), True))
+    info = {
+        "architecture": (values.get("architectures") or [values.get("model_type", "?")])[0],
+        "size_bytes": sum(p.stat().st_size for p in file.parent.glob(f"{file.name}*") if p.is_file()),
+    } | _layers_summary(rows)
+    info["other_bytes"] = sum(stored.values()) - info["quantized_bytes"]
+    if rows:
+        info["sparsity"] = _overall_sparsity(rows)
     return info
 
 
@@ -210,6 +242,7 @@ def _single_file_export(path: Path, verify: bool) -> dict[str, Any] | None:
         info |= gguf_summary(check_gguf(file, full=verify))
     else:
         check_artifact(file, full=verify)
+        info |= onnx_summary(file)
     return _with_consumers(info)
 
 

@@ -515,9 +515,13 @@ def onnx_forward(model: nn.Module, session: Any) -> Any:
 def read_onnx_tensors(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight]]:
     """(the model config the ONNX export in directory ``path`` records, {module: QuantizedWeight of its
     MatMulNBits codes, or HF tensor name: float tensor}); the graph's own constants are left out."""
+    return read_onnx_file(Path(path) / FILE_NAME)
+
+
+def read_onnx_file(file: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight]]:
+    """``read_onnx_tensors`` of the ONNX file ``file`` (its external data beside it)."""
     import onnx
 
-    file = Path(path) / FILE_NAME
     proto = onnx.load(str(file))
     props = {p.key: p.value for p in proto.metadata_props}
     if CONFIG_KEY not in props:
@@ -534,6 +538,18 @@ def read_onnx_tensors(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
         elif key == "model.embed_tokens.weight" or key.endswith(("norm.weight", ".bias")):
             tensors[key] = torch.from_numpy(array.copy())
     return json.loads(props[CONFIG_KEY]), tensors
+
+
+def initializer_bytes(file: Path) -> dict[str, int]:
+    """The stored bytes of each initializer of the ONNX file ``file`` (from its header: no external data read)."""
+    import onnx
+    from onnx import helper
+
+    proto = onnx.load(str(file), load_external_data=False)
+    return {
+        t.name: math.prod(t.dims) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        for t in proto.graph.initializer
+    }
 
 
 def read_onnx(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -147,6 +147,27 @@ def test_onnx_reads_back_as_the_candidate(quantized_tiny, export):
     assert relative_rms(got, candidate_logits(model, ids.numpy())) < 1e-5
 
 
+def test_inspect_summarises_an_onnx_export_layer_by_layer(quantized_tiny, export):
+    """``lmpress inspect`` on an ONNX export: every MatMulNBits layer's bits, block, zero points, act-order and
+    bytes, as the checkpoint formats list theirs, and the size on disk with the external data file (it was the
+    graph's 0.23 MB for SmolLM2's 180 MB export)."""
+    from lmpress.export.inspect import inspect_artifact
+
+    model, tokenizer = quantized_tiny(bits=4, group_size=64, symmetric=False)
+    act_order(model, seed=1)
+    out = export("onnx", model, tokenizer)
+    info = inspect_artifact(out)
+    layers = quantized_layers(model)
+    assert info["format"] == "onnx" and info["quantized_layers"] == len(layers)
+    assert (info["bits"], info["group_size"], info["sym"], info["act_order"]) == (4, 64, False, True)
+    assert sorted(r["name"] for r in info["layers"]) == sorted(layers)
+    files = sum(p.stat().st_size for p in out.glob("model.onnx*"))
+    assert info["size_bytes"] == files > (out / "model.onnx").stat().st_size
+    codes = {r["name"]: r["bytes"] for r in info["layers"]}
+    name, layer = next(iter(layers.items()))
+    assert codes[name] >= layer.out_features * layer.in_features // 2  # 4-bit codes, then scales and zero points
+
+
 def test_dense_model_exports(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
