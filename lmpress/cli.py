@@ -408,13 +408,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from lmpress.export.inspect import inspect_artifact, render_inspect
+    from lmpress.export.inspect import inspect_artifact
+    from lmpress.export.inspect_render import render_inspect
 
     info = inspect_artifact(args.artifact, verify=args.verify)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
-        console.print(render_inspect(info))
+        console.print(render_inspect(info, console.width))
     return 0
 
 

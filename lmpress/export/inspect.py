@@ -2,14 +2,13 @@
 
 ``inspect_artifact`` accepts a checkpoint directory (GPTQ, AWQ, compressed-tensors
 or a dense Hugging Face checkpoint) or a run's output directory (one checkpoint
-per subdirectory, plus manifest.json); ``render_inspect`` turns the result into
+per subdirectory, plus manifest.json); ``inspect_render.render_inspect`` turns the result into
 rich tables. Quantized checkpoints are decoded by lmpress's readers, so a
 damaged file is reported here as it would be on load.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -17,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console, Group
-from rich.table import Table
 
 from lmpress.checkpoint_files import (
     CONFIG_NAME,
@@ -364,141 +361,3 @@ def consumer_warnings(exports: dict[str, Path]) -> list[dict[str, str]]:
             if why:
                 warnings.append({"format": fmt, "consumer": "vllm", "why": why})
     return warnings
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f} MB"
-
-
-# Zero weights are sparsity only where a pruning method made them; a 4-bit grid rounds many small weights to 0.
-SUMMARY_LABELS = {"sparsity": "zero weights", "tensors": "tensors", "group_size": "group / block size"}
-
-
-def _summary_table(info: dict[str, Any]) -> Table:
-    table = Table(title=f"{info['path']}", show_header=False)
-    table.add_column("key", style="bold", no_wrap=True)
-    table.add_column("value", overflow="fold")
-    keys = (
-        "format",
-        "checkpoint_format",
-        "version",
-        "ct_format",
-        "architecture",
-        "bits",
-        "group_size",
-        "sym",
-        "activations",
-        "act_order",
-        "fp4",
-        "quantized_layers",
-        "tensors",
-        "parameters",
-        "sparsity",
-        "dtypes",
-        "tensor_types",
-        "scale_encoding",
-        "kv_cache",
-        "online_rotations",
-        "vllm",
-    )
-    for key in keys:
-        if key in info and info[key] is not None:
-            label = SUMMARY_LABELS.get(key, key)
-            table.add_row(label, f"{info[key]:.1%}" if key == "sparsity" else str(info[key]))
-    for key, value in info.get("metadata", {}).items():
-        table.add_row(key, str(value))
-    table.add_row("size on disk", _mb(info["size_bytes"]))
-    if info.get("quantized_weights"):
-        table.add_row("quantized tensors", _mb(info["quantized_bytes"]))
-        table.add_row("other tensors", _mb(info["other_bytes"]))
-        table.add_row("bits per quantized weight", f"{8 * info['quantized_bytes'] / info['quantized_weights']:.3f}")
-    return table
-
-
-def _layer_table(rows: list[dict[str, Any]]) -> Table:
-    """One row per quantized layer; the activations column only when some layer quantizes its activations, the
-    FP4 columns (grid, block-scale encoding) only when some layer is FP4."""
-    table = Table(title="quantized layers")
-    activations = any(r.get("activations", "float") != "float" for r in rows)
-    fp4 = any("fp4" in r for r in rows)
-    columns = ["layer", "shape", "bits", "group", "sym", "act-order", "size", "bits/weight", "zeros"]
-    if activations:
-        columns.insert(5, "activations")
-    if fp4:
-        columns[2:2] = ["fp4", "scales"]
-    _add_columns(table, columns)
-    for r in sorted(rows, key=lambda r: natural_key(r["name"])):
-        cells = [
-            r["name"],
-            "x".join(str(v) for v in r["shape"]),
-            str(r["bits"]),
-            "channel" if r["group_size"] == -1 else str(r["group_size"]),
-            "yes" if r["sym"] else "no",
-            "yes" if r["act_order"] else "no",
-            f"{r['bytes'] / 1e3:.1f} kB",
-            f"{r['bits_per_weight']:.3f}",
-            _sparsity_text(r),
-        ]
-        if activations:
-            cells.insert(5, _activation_text(r["activations"]))
-        if fp4:
-            cells[2:2] = [r.get("fp4", "int").upper(), r.get("scale_encoding", "")]
-        table.add_row(*cells)
-    return table
-
-
-def _add_columns(table: Table, columns: list[str]) -> None:
-    """The first column (names) folds rather than cutting a name short at any width; numbers stay whole."""
-    for i, column in enumerate(columns):
-        if i == 0:
-            table.add_column(column, overflow="fold", ratio=1)
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
-
-
-def _gguf_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="tensors")
-    _add_columns(table, ["tensor", "type", "shape", "block", "size", "bits/weight"])
-    for r in rows:
-        shape, size = "x".join(str(v) for v in r["shape"]), f"{r['bytes'] / 1e3:.1f} kB"
-        table.add_row(r["name"], r["type"], shape, str(r["block_size"]), size, f"{r['bits_per_weight']:.3f}")
-    return table
-
-
-def _activation_text(activations: str) -> str:
-    if activations == "fp4":
-        return "fp4 per-block"
-    return "float" if activations == "float" else f"{activations} per-token"
-
-
-def _sparsity_text(row: dict[str, Any]) -> str:
-    return f"{row['sparsity']:.1%}" + (f" ({row['pattern']})" if row.get("pattern") else "")
-
-
-def _sparsity_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="sparsity per layer")
-    _add_columns(table, ["layer", "shape", "sparsity"])
-    for r in sorted(rows, key=lambda r: natural_key(r["name"])):
-        table.add_row(r["name"], "x".join(str(v) for v in r["shape"]), _sparsity_text(r))
-    return table
-
-
-def render_inspect(info: dict[str, Any]) -> Group:
-    """Rich tables for ``inspect_artifact``'s result: a summary, then one row per quantized layer."""
-    parts: list[Any] = []
-    for artifact in info["artifacts"] if info["format"] == "run" else [info]:
-        parts.append(_summary_table(artifact))
-        if artifact.get("layers"):
-            parts.append(_layer_table(artifact["layers"]))
-        if artifact.get("gguf_tensors"):
-            parts.append(_gguf_table(artifact["gguf_tensors"]))
-        if artifact.get("sparse_layers"):
-            parts.append(_sparsity_table(artifact["sparse_layers"]))
-    return Group(*parts)
-
-
-def render_inspect_text(info: dict[str, Any], width: int = 120) -> str:
-    """``render_inspect`` as plain text."""
-    buffer = io.StringIO()
-    Console(file=buffer, width=width, color_system=None).print(render_inspect(info))
-    return buffer.getvalue()

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.formats import check_recipe_exports, load_quantized_checkpoint, load_quantized_model
-from lmpress.export.inspect import inspect_artifact, render_inspect_text
+from lmpress.export.inspect import inspect_artifact
+from lmpress.export.inspect_render import render_inspect_text
 from lmpress.quantize.rtn import RTNConfig
 from lmpress.weights.fp4 import Fp4Linear, Fp4Weight, fp4_layers
 from lmpress.weights.qlinear import QuantizedLinear

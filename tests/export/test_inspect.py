@@ -6,7 +6,8 @@ import pytest
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.formats import load_quantized_checkpoint
-from lmpress.export.inspect import inspect_artifact, render_inspect_text
+from lmpress.export.inspect import inspect_artifact
+from lmpress.export.inspect_render import render_inspect_text
 
 
 def test_gptq_checkpoint_summary(quantized_tiny, export):

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmpress.errors import LmpressInputError
 from lmpress.export.formats import check_recipe_exports, load_quantized_model, quantized_layers
-from lmpress.export.inspect import inspect_artifact, render_inspect_text
+from lmpress.export.inspect import inspect_artifact
+from lmpress.export.inspect_render import render_inspect_text
 from lmpress.quantize.smoothquant import SmoothQuantConfig, run_smoothquant
 from lmpress.registry import StageContext
 from tests.quantize.test_awq import calibration_for

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmpress.data import calibration_samples, load_text, tokenize
 from lmpress.export.formats import quantized_layers
-from lmpress.export.inspect import inspect_artifact, render_inspect_text
+from lmpress.export.inspect import inspect_artifact
+from lmpress.export.inspect_render import render_inspect_text
 from lmpress.prune.sparsegpt import SparseGPTConfig, run_sparsegpt
 from lmpress.prune.wanda import WandaConfig, run_wanda
 from lmpress.registry import StageContext

@@ -3,6 +3,8 @@ set level this host runs (AVX-512 VNNI, AVX2, portable C++): tiny shapes, second
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -187,6 +189,34 @@ def test_without_a_compiler_the_runtime_keeps_torchs_kernels(monkeypatch):
             assert isinstance(cpu_linear(layer, torch.float32), Int4Linear)
     finally:
         cpu_int.available.cache_clear()
+
+
+@pytest.mark.parametrize(("group", "compiler"), [(32, True), (64, False)])
+@pytest.mark.parametrize("activations", ["int8", "bf16"])
+def test_w4a8_layers_never_take_a_weight_only_kernel(monkeypatch, group, compiler, activations):
+    """A W4A8 layer lmpress's int4 x int8 kernel does not hold (groups of 32, or no compiler) runs with its
+    activations quantized per token as its scheme says (``Int8ActivationsLinear``), never torch's weight-only int4
+    kernel, whatever the runtime's activations for weight-only layers; its outputs are the layer's own."""
+    from lmpress.runtime.kernels.cpu import cpu_linear
+    from lmpress.runtime.kernels.dense import Int8ActivationsLinear
+    from lmpress.weights.qlinear import QuantizedLinear
+    from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
+
+    scheme = QuantScheme(bits=4, group_size=group, symmetric=True, activations="int8")
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
+    layer = QuantizedLinear.from_quantized_weight(quantize_weight_rtn(weight, scheme))
+    if not compiler:
+        monkeypatch.setattr(cpu_int, "load_library", lambda: (_ for _ in ()).throw(RuntimeError("no C++ compiler")))
+    cpu_int.available.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = cpu_linear(layer, torch.float32, activations)
+    finally:
+        cpu_int.available.cache_clear()
+    assert isinstance(module, Int8ActivationsLinear)
+    x = inputs(3, 128)
+    torch.testing.assert_close(module(x), layer(x), rtol=1e-5, atol=1e-5)
 
 
 def test_rows_split_over_threads_agree_with_one_thread():

@@ -128,14 +128,7 @@ def linear_kernel(
 
             return dense_linear(layer, dtype, DenseLinear)  # FP4 A16 elsewhere: dequantized once
         if case.activations is not None or case.fp4 is not None:
-            names = kernel_candidates(case, DeviceCase("cpu", dtype))
-            if names[0] == "cpu-w4a8":  # W4A8, activations per token: where lmpress's C++ kernels built
-                from lmpress.runtime.kernels.cpu import int8_activation_kernel
-
-                bias = None if layer.bias is None else layer.bias.detach().float().clone()
-                module = int8_activation_kernel(layer, bias, "int8")
-                return module if module is not None else build_kernel(names[1], layer, dtype)
-            return build_kernel(names[0], layer, dtype)
+            return build_kernel(kernel_candidates(case, DeviceCase("cpu", dtype))[0], layer, dtype)
         if family == "triton":
             return build_kernel("triton", layer, dtype)
         from lmpress.runtime.kernels.cpu import cpu_linear

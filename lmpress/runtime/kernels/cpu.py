@@ -23,7 +23,7 @@ from lmpress.runtime.kernels import cpu_int
 from lmpress.runtime.kernels.cpu_half import HalfWeightLinear
 from lmpress.runtime.kernels.cpu_int import DEFAULT_CPU_ACTIVATIONS, W4A8Linear, W8A8RowLinear, finish_output
 from lmpress.runtime.kernels.cpu_probe import choose_int8_kernel, cpu_model
-from lmpress.runtime.kernels.dense import dense_linear, linear_over
+from lmpress.runtime.kernels.dense import Int8ActivationsLinear, dense_linear, linear_over
 from lmpress.runtime.kernels.tuning import default_cache, tune_key
 from lmpress.weights.qlinear import QuantizedLinear
 
@@ -176,7 +176,9 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
 
     With ``activations="int8"``, first lmpress's int8-activation kernels (``cpu_int.py``) where they hold the layer
     (4 bits in groups of 64k columns, 8 bits per row, no act-order) and build on this host; then (and with
-    ``"bf16"``, only) torch's packed kernels, which take bfloat16 activations.
+    ``"bf16"``, only) torch's packed kernels, which take bfloat16 activations. A layer whose scheme quantizes its
+    activations to int8 (W4A8, W8A8) never takes a weight-only kernel: where lmpress's does not hold it, its weight
+    is dequantized once and its activations fake-quantized per token (``Int8ActivationsLinear``).
     Layouts the packed kernels cannot run (2/3 bits, grouped 8 bits, 4 bits with
     out_features not a multiple of 16, act-order groups of unequal size) fall back to
     a dense ``dtype`` weight: as fast as an unquantized layer, without the memory saving.
@@ -185,6 +187,8 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
     dot = int8_activation_kernel(layer, bias, activations)
     if dot is not None:
         return dot
+    if layer.scheme.activations == "int8":  # a weight-only kernel would drop the activations' quantization
+        return dense_linear(layer, dtype, Int8ActivationsLinear)
     prepared = layer._prepare_kernel()  # the same repacking QuantizedLinear's own kernel path uses
     if prepared is not None and prepared[0] == "int4":
         return Int4Linear(prepared, layer.in_features, layer.out_features, bias)
