@@ -30,7 +30,7 @@ ISA_FLAGS = {
 
 def cpu_identity() -> dict[str, Any]:
     """The CPU model, its relevant instruction sets, cores and the host key results are filed under."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags, numbers = platform.processor() or platform.machine(), set(), {}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():
@@ -39,8 +39,19 @@ def cpu_identity() -> dict[str, Any]:
                 model = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
+            elif key.strip() in ("cpu family", "model") and key.strip() not in numbers:
+                numbers[key.strip()] = value.strip()
     isa = [name for flag, name in ISA_FLAGS.items() if flag in flags]
-    return {"cpu_model": model, "isa": isa, "cores": os.cpu_count(), "key": f"{model} [{', '.join(isa) or 'no AVX2'}]"}
+    # a VM often names only "AMD EPYC": the family and model numbers tell Zen 2 (23/49) from Zen 4 (25/17)
+    family = f"family {numbers['cpu family']} model {numbers['model']}" if len(numbers) == 2 else ""
+    key = f"{model} [{', '.join(isa) or 'no AVX2'}]"
+    return {"cpu_model": model, "isa": isa, "cores": os.cpu_count(), "key": key, "family": family}
+
+
+def host_description() -> str:
+    """``cpu_identity`` in words: the host key and, where /proc/cpuinfo gives them, the family and model numbers."""
+    identity = cpu_identity()
+    return f"{identity['key']}, {identity['family']}" if identity["family"] else identity["key"]
 
 
 def worker_environment(environ: dict[str, str], repo: Path, omp_wait_policy: str = "default") -> dict[str, str]:

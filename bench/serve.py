@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_hosts import quartiles, round_orders  # noqa: E402 - standard library only, as vLLM's venv needs
+from runtime_hosts import host_description, quartiles, round_orders  # noqa: E402 - standard library only, as vLLM's venv needs
 from worker_process import WorkerProcess, reply  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -384,7 +383,7 @@ def main() -> None:
         "vllm_eager": args.vllm_eager,
         "lmpress_eager": args.lmpress_eager,
         "head": args.head,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": host_description(),
         "cores": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python " + " ".join([Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]]),

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -450,16 +450,26 @@ def skeleton_after(model: nn.Module, stages: Sequence) -> nn.Module:
     return model
 
 
+def skeletons_before(model: nn.Module, stages: Sequence) -> Iterator[tuple[Any, nn.Module]]:
+    """Each stage with ``model`` as the stages before it leave it: one copy, reshaped stage by stage as the loop
+    goes (so each skeleton is read before the next is asked for), or ``model`` itself until a stage reshapes."""
+    current = model
+    for stage in stages:
+        yield stage, current
+        if stage.reshapes_model:
+            current = copy.deepcopy(model) if current is model else current
+            stage.reshape_skeleton(current)
+
+
 def training_bytes(
     model: nn.Module, stages: Sequence, teacher: ModelShape, size: int, seq_len: int, processes: int
 ) -> list[int]:
     """What each training stage holds beside the weights: its student as the stages before it leave ``model``
     (layers removed, linears quantized), its teacher the model as loaded."""
     held = []
-    for index, stage in enumerate(stages):
+    for index, (stage, student) in enumerate(skeletons_before(model, stages)):
         if not stage.trains_across_processes:
             continue
-        student = skeleton_after(model, stages[:index])
         plans = [plan for plan, _, _ in linear_plans(student, stages[:index]).values()]
         weights = sum(rows * cols for rows, cols, *_ in plans)
         groups = sum(rows * (1 if width <= 0 else cols // width) for rows, cols, _, width, _ in plans)
@@ -470,11 +480,10 @@ def training_bytes(
 def learning_bytes(model: nn.Module, stages: Sequence, seq_len: int, packed: int) -> list[tuple[Any, int]]:
     """Each stage with what it holds while it learns (``StageConfig.learning_bytes``), planned on the model as the
     stages before it leave ``model``; ``packed`` is the bytes of the packed weights the stages make."""
-    learned = []
-    for index, stage in enumerate(stages):
-        learner = skeleton_after(model, stages[:index])
-        learned.append((stage, stage.learning_bytes(ModelShape.of(learner), seq_len, packed)))
-    return learned
+    return [
+        (stage, stage.learning_bytes(ModelShape.of(learner), seq_len, packed))
+        for stage, learner in skeletons_before(model, stages)
+    ]
 
 
 def linear_plans(model: nn.Module, stages: Sequence) -> dict[str, tuple[tuple[int, int, int, int, int], Any, Any]]:

@@ -1,7 +1,7 @@
 """``lmpress inspect``'s tables: ``inspect.inspect_artifact``'s result as a summary and one row per layer.
 
 Readable at any width (a pipe or a CI log is 80 columns): a column whose value every layer shares moves into the
-table's caption, and where the full layer names and the columns left still do not fit, the names are listed under
+table's foot, and where the full layer names and the columns left still do not fit, the names are listed under
 their block (``model.layers.0`` once, then ``self_attn.q_proj`` and the rest) rather than cut.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 from rich import box
 from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from lmpress.export.inspect import natural_key
 
@@ -67,7 +68,7 @@ def _summary_table(info: dict[str, Any]) -> Table:
     return table
 
 
-# Columns a layer table may fold into its caption when every row holds the same value; shapes, sizes and zero
+# Columns a layer table may move to a line below it when every row holds the same value; shapes, sizes and zero
 # counts are each layer's own.
 SHARED_COLUMNS = ("bits", "group", "sym", "act-order", "activations", "fp4", "scales", "type", "block", "bits/weight")
 BLOCK_NAME = re.compile(r"^(.*\.\d+)\.(.+)$")  # "model.layers.0" + "self_attn.q_proj"
@@ -123,35 +124,38 @@ def _sparsity_table(rows: list[dict[str, Any]], width: int) -> Table:
     return _fitted_table("sparsity per layer", "layer", named, width)
 
 
-def _fitted_table(title: str, name_column: str, named: list[tuple[str, dict[str, str]]], width: int) -> Table:
-    """Rows in natural order, full names where they fit in ``width`` and under their block where they do not."""
+def _fitted_table(title: str, name_column: str, named: list[tuple[str, dict[str, str]]], width: int) -> Group:
+    """Rows in natural order, full names where they fit in ``width`` and under their block where they do not; what
+    every row shares on a line below (the console's width, not the table's)."""
+    table, shared = _fitted_rows(title, name_column, named, width)
+    return Group(table, Text(shared)) if shared else Group(table)
+
+
+def _fitted_rows(
+    title: str, name_column: str, named: list[tuple[str, dict[str, str]]], width: int
+) -> tuple[Table, str]:
     named = sorted(named, key=lambda item: natural_key(item[0]))
     columns = list(named[0][1]) if named else []
     shared = {c: named[0][1][c] for c in columns if c in SHARED_COLUMNS and len({cells[c] for _, cells in named}) == 1}
     if len(named) < 2:
         shared = {}
     kept = [c for c in columns if c not in shared]
-    caption = "every row: " + ", ".join(f"{c} {v}" for c, v in shared.items()) if shared else None
-    table = _table(title, caption, name_column, kept)
+    note = "every row: " + ", ".join(f"{c} {v}" for c, v in shared.items()) if shared else ""
+    table = _table(title, name_column, kept)
     for name, cells in named:
         table.add_row(name, *(cells[c] for c in kept))
     if _minimum_width(table) <= width:
-        return table
-    table = _sectioned_table(title, caption, name_column, kept, named, fold=False)
+        return table, note
+    table = _sectioned_table(title, name_column, kept, named, fold=False)
     if _minimum_width(table) <= width:
-        return table
-    return _sectioned_table(title, caption, name_column, kept, named, fold=True)  # values wrap rather than end in …
+        return table, note
+    return _sectioned_table(title, name_column, kept, named, fold=True), note  # values wrap rather than end in …
 
 
 def _sectioned_table(
-    title: str,
-    caption: str | None,
-    name_column: str,
-    kept: list[str],
-    named: list[tuple[str, dict[str, str]]],
-    fold: bool,
+    title: str, name_column: str, kept: list[str], named: list[tuple[str, dict[str, str]]], fold: bool
 ) -> Table:
-    table = _table(title, caption, f"{name_column} (under its block)", kept, fold)
+    table = _table(title, f"{name_column} (under its block)", kept, fold)
     block = None
     for name, cells in named:
         match = BLOCK_NAME.match(name)
@@ -162,8 +166,8 @@ def _sectioned_table(
     return table
 
 
-def _table(title: str, caption: str | None, name_column: str, columns: list[str], fold: bool = False) -> Table:
-    table = Table(title=title, caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+def _table(title: str, name_column: str, columns: list[str], fold: bool = False) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column(name_column, no_wrap=True)
     for column in columns:
         table.add_column(column, justify="right", no_wrap=not fold, overflow="fold")

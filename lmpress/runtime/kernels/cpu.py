@@ -224,8 +224,8 @@ def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None, ac
     kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
     scales = layer.scales.detach()
     choice = choose_int8_kernel(kernel, layer.out_features, layer.in_features, scales.reshape(len(scales), -1).shape[1])
-    per_token = {"per_token": True} if layer.scheme.activations == "int8" else {}
-    return kernel(layer.codes(), scales, layer.zeros.float(), bias, choice.isa, choice.prefetch, **per_token)
+    per_token = layer.scheme.activations == "int8"  # a W4A8 scheme's (the only one that fits with its activations)
+    return kernel(layer.codes(), scales, layer.zeros.float(), bias, choice.isa, choice.prefetch, per_token)
 
 
 @torch.no_grad()
