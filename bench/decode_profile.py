@@ -153,10 +153,8 @@ def render(hosts: dict[str, Any]) -> str:
     pages = ["Measured by `python bench/decode_profile.py` (ms per decode step, batch 1).\n"]
     for key, entry in hosts.items():
         meta = entry["meta"]
-        family = meta.get("host", {}).get("family")  # recorded since 2026-12-07
-        cpu = f"CPU {family}; " if family else ""
         pages.append(
-            f"## {key}\n\n{cpu}{meta['artifact']}; {meta['threads']} threads, {meta['prompt_tokens']}-token prompt, "
+            f"## {key}\n\n{meta['artifact']}; {meta['threads']} threads, {meta['prompt_tokens']}-token prompt, "
             f"{meta.get('kv_cache', 'float')} KV cache, {meta.get('read', 1)}-token reads, "
             f"{meta['steps']} steps, {meta['when']}, load average {meta['load']}.\n"
         )

@@ -42,16 +42,12 @@ def cpu_identity() -> dict[str, Any]:
             elif key.strip() in ("cpu family", "model") and key.strip() not in numbers:
                 numbers[key.strip()] = value.strip()
     isa = [name for flag, name in ISA_FLAGS.items() if flag in flags]
-    # a VM often names only "AMD EPYC": the family and model numbers tell Zen 2 (23/49) from Zen 4 (25/17)
+    # A VM often names only "AMD EPYC", and Zen 1 (family 23 model 1) and Zen 2 (23/49) share these instruction
+    # sets: the family and model numbers, in the key since 2026-12-07, keep their results apart (older sections are
+    # filed under the name and instruction sets alone).
     family = f"family {numbers['cpu family']} model {numbers['model']}" if len(numbers) == 2 else ""
-    key = f"{model} [{', '.join(isa) or 'no AVX2'}]"
+    key = f"{model} [{', '.join(isa) or 'no AVX2'}]" + (f" ({family})" if family else "")
     return {"cpu_model": model, "isa": isa, "cores": os.cpu_count(), "key": key, "family": family}
-
-
-def host_description() -> str:
-    """``cpu_identity`` in words: the host key and, where /proc/cpuinfo gives them, the family and model numbers."""
-    identity = cpu_identity()
-    return f"{identity['key']}, {identity['family']}" if identity["family"] else identity["key"]
 
 
 def worker_environment(environ: dict[str, str], repo: Path, omp_wait_policy: str = "default") -> dict[str, str]:

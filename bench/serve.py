@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_hosts import host_description, quartiles, round_orders  # noqa: E402 - standard library only, as vLLM's venv needs
+from runtime_hosts import cpu_identity, quartiles, round_orders  # noqa: E402 - standard library only, as vLLM's venv needs
 from worker_process import WorkerProcess, reply  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -383,7 +383,7 @@ def main() -> None:
         "vllm_eager": args.vllm_eager,
         "lmpress_eager": args.lmpress_eager,
         "head": args.head,
-        "cpu": host_description(),
+        "cpu": cpu_identity()["key"],
         "cores": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python " + " ".join([Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]]),
