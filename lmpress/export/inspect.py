@@ -163,10 +163,13 @@ def _layers_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def onnx_summary(file: Path) -> dict[str, Any]:
     """An ONNX export's architecture, size with its external data, and one row per MatMulNBits layer (decoded to
     count its zeros, as a checkpoint's are)."""
-    from lmpress.export.onnx import initializer_bytes, read_onnx_file
+    import onnx
 
-    values, tensors = read_onnx_file(file)
-    stored = initializer_bytes(file)
+    from lmpress.export.onnx import initializer_bytes, read_onnx_proto
+
+    proto = onnx.load(str(file))  # once, for the tensors and their stored sizes
+    values, tensors = read_onnx_proto(file, proto)
+    stored = initializer_bytes(proto)
     rows = []
     for name, qw in tensors.items():
         if hasattr(qw, "scheme"):  # a MatMulNBits layer's QuantizedWeight

@@ -522,7 +522,11 @@ def read_onnx_file(file: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor |
     """``read_onnx_tensors`` of the ONNX file ``file`` (its external data beside it)."""
     import onnx
 
-    proto = onnx.load(str(file))
+    return read_onnx_proto(file, onnx.load(str(file)))
+
+
+def read_onnx_proto(file: Path, proto: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight]]:
+    """``read_onnx_file`` of ``proto``, the ONNX file ``file`` loaded with its external data."""
     props = {p.key: p.value for p in proto.metadata_props}
     if CONFIG_KEY not in props:
         raise LmpressInputError(f"{file}: no {CONFIG_KEY} metadata; lmpress reads back the ONNX files it wrote")
@@ -540,12 +544,10 @@ def read_onnx_file(file: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor |
     return json.loads(props[CONFIG_KEY]), tensors
 
 
-def initializer_bytes(file: Path) -> dict[str, int]:
-    """The stored bytes of each initializer of the ONNX file ``file`` (from its header: no external data read)."""
-    import onnx
+def initializer_bytes(proto: Any) -> dict[str, int]:
+    """The stored bytes of each initializer of the ONNX model ``proto`` (from their shapes and types)."""
     from onnx import helper
 
-    proto = onnx.load(str(file), load_external_data=False)
     return {
         t.name: math.prod(t.dims) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
         for t in proto.graph.initializer
