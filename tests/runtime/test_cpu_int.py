@@ -117,26 +117,6 @@ def test_w4_with_per_token_activations_matches_the_w4a8_simulation_on_every_isa(
         assert sqnr_db(dequantized_x(x) @ weight.t(), y) < 60  # not the per-4 activations of W4A16 layers
 
 
-@pytest.mark.parametrize("rows", [1, 5, 9])
-@pytest.mark.parametrize("out", [80, 37])
-def test_w8_with_per_token_activations_computes_w8a8_as_torchs_int8_matmul_on_every_isa(rows, out):
-    """A W8A8 layer (symmetric 8-bit weights per row, int8 activations per token) on the kernel: what
-    ``int8_linear.w8a8_linear`` computes with one exact int32 matmul, to float32 rounding, on every level (the t16
-    layout of AVX-512 VNNI included)."""
-    from lmpress.weights.int8_linear import int8_weight, w8a8_linear
-
-    codes, scales, _, weight = w8_case(out, 320)
-    zeros = torch.full((out, 1), 128.0)  # symmetric: the codes are int8 weights + 128
-    x = inputs(rows, 320)
-    expected = w8a8_linear(x, int8_weight(codes).t().contiguous(), scales[:, 0])
-    for isa in levels():
-        y = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa, per_token=True)(x)
-        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-        assert sqnr_db(dequantized_x(x) @ ((codes.double() - 128) * scales.double()).t(), y) < 60  # not per 4 values
-        cut = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa, per_token=True).rows(torch.tensor([3, 0]))
-        torch.testing.assert_close(cut(x), expected[:, [3, 0]], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 @pytest.mark.parametrize("out", [80, 37])
 def test_w8_matches_the_dequantized_weight_on_every_isa(rows, out):

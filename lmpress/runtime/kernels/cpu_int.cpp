@@ -71,8 +71,7 @@ struct Acts {
 #include "cpu_quantize_acts.h"
 
 // lane_scales: build Acts::fb (the SIMD paths of the natural layout); pairs: also Acts::qp and fp (AVX-512's W4);
-// per_token: one scale a row (W4A8 and W8A8 as compressed-tensors describes them) where the kernels' own is one per
-// 4 values.
+// per_token: one scale a row (W4A8 as compressed-tensors describes it) where the kernels' own is one per 4 values.
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool lane_scales, bool pairs, bool per_token,
                    Acts& a) {
   const int64_t na = K / ABLOCK;
@@ -352,14 +351,14 @@ at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
 }
 
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t isa, int64_t prefetch, bool per_token) {
+                     int64_t isa, int64_t prefetch) {
   check(x, codes, scales, zeros, isa, prefetch);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
   at::Tensor y = at::empty({M, N}, x.options());
   static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, per_token, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -386,7 +385,7 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // W8 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 16, 64), scales (tiles, 16) float32, zeros
 // (tiles, 16) uint8, rows past out_features padded.
 at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch, bool per_token) {
+                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch) {
   check(x, codes, scales, zeros, 2, prefetch);
   const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), N = out_features;
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 16 && codes.size(3) == 64,
@@ -397,7 +396,7 @@ at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
   at::Tensor y = at::empty({M, N}, x.options());
   static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
   const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, per_token, buffer);
+  quantize_acts(x.data_ptr<float>(), M, K, 2, false, false, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
@@ -457,12 +456,11 @@ int64_t cpu_isa() { return best_isa(); }
 TORCH_LIBRARY(lmpress_cpu, m) {
   m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096, "
         "bool per_token=False) -> Tensor");
-  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096, "
-        "bool per_token=False) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096) -> Tensor");
   m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096, "
         "bool per_token=False) -> Tensor");
-  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096, "
-        "bool per_token=False) -> Tensor");
+  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096) -> "
+        "Tensor");
   m.def("quantize_activations(Tensor x, int isa, bool per_token=False) -> (Tensor, Tensor)");
   m.def("huge_page_copy(Tensor t) -> Tensor");
   m.def("huge_page_empty(int bytes) -> Tensor", &huge_page_empty);  // no tensor in: a kernel for every key
