@@ -380,8 +380,9 @@ def forecast_memory(
         forecast.phases["baseline eval"] = process | {"weights": float_model, "eval": eval_work} | float32_layer
     final_float = final_shape.parameters * size
     candidate = final_float - replaced + kept_table + float_head + quantized  # the stages' result
-    # a W8A8 layer the evals run keeps its int8 weights transposed beside its packed codes from its first forward on
-    # (QuantizedLinear._w8a8_forward): the candidate's from the read-back's first window, each artifact's from its check
+    # a W8A8 layer the evals run keeps a byte a weight beside its packed codes from its first forward on (for the CPU
+    # kernel or transposed for _int_mm: QuantizedLinear._prepare_w8a8): the candidate's from the read-back's first
+    # window, each artifact's from its check
     evaluated = candidate + sum(
         rows * cols for (rows, cols, *_), scheme, _ in plans.values() if scheme.int8_matmul_holds
     )
@@ -465,7 +466,7 @@ def training_bytes(
     model: nn.Module, stages: Sequence, teacher: ModelShape, size: int, seq_len: int, processes: int
 ) -> list[int]:
     """What each training stage holds beside the weights: its student as the stages before it leave ``model``
-    (layers removed, linears quantized), its teacher the model as loaded."""
+    (layers removed, linears quantized), its teacher ``teacher`` (the model as loaded) or the one it names."""
     held = []
     for index, (stage, student) in enumerate(skeletons_before(model, stages)):
         if not stage.trains_across_processes:
@@ -473,8 +474,19 @@ def training_bytes(
         plans = [plan for plan, _, _ in linear_plans(student, stages[:index]).values()]
         weights = sum(rows * cols for rows, cols, *_ in plans)
         groups = sum(rows * (1 if width <= 0 else cols // width) for rows, cols, _, width, _ in plans)
-        held.append(stage.training_bytes(ModelShape.of(student), teacher, size, (weights, groups), seq_len, processes))
+        named = getattr(stage, "teacher", None)
+        teacher_shape = teacher if named is None else named_teacher_shape(named)
+        shape = ModelShape.of(student)
+        held.append(stage.training_bytes(shape, teacher_shape, size, (weights, groups), seq_len, processes))
     return held
+
+
+def named_teacher_shape(source: str) -> ModelShape:
+    """The shape of the teacher a stage names (``DistillConfig.teacher``), from its config alone: a teacher larger
+    than the student's model holds more than the model as loaded."""
+    from lmpress.loader import model_skeleton, resolve_checkpoint
+
+    return ModelShape.of(model_skeleton(resolve_checkpoint(source), weights=False))
 
 
 def learning_bytes(model: nn.Module, stages: Sequence, seq_len: int, packed: int) -> list[tuple[Any, int]]:

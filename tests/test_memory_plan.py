@@ -731,3 +731,21 @@ def test_sparsegpt_with_joint_quantization_is_forecast_as_the_quantized_model_it
     for phase in ("read-back", "runtime agreement", "candidate eval"):
         assert forecast(joint)[phase] == forecast(gptq)[phase], phase
     assert forecast(pruned_only)["read-back"]["candidate"] > forecast(joint)["read-back"]["candidate"]
+
+
+def test_a_distill_stage_naming_its_teacher_forecasts_that_teacher(tiny_llama_dir, tmp_path):
+    """``teacher:`` another model: the forecast holds that model's weights, not the model as loaded."""
+    from tests.conftest import save_tiny_model
+
+    larger = save_tiny_model(tmp_path / "larger", "llama", num_hidden_layers=4)
+    skeleton = model_skeleton(tiny_llama_dir)
+    distill = stage_config("distill")(method="distill", train_on="calibration", batch_size=4)
+    cpu = torch.device("cpu")
+
+    def training(**update) -> int:
+        stages = [distill.model_copy(update=update)]
+        return forecast_memory(skeleton, tiny_llama_dir, "float32", stages, 8, 32, cpu).phases["stages"]["training"]
+
+    extra = ModelShape.of(model_skeleton(larger)).parameters - ModelShape.of(skeleton).parameters
+    assert extra > 0
+    assert training(teacher=str(larger)) == training() + 4 * extra

@@ -83,14 +83,18 @@ def w8a8_linear(
     ``weight_t``: the int8 weight transposed, ``(in, out)``; ``weight_scale``: float32 ``(out,)``.
     The result has ``x``'s dtype and leading shape.
     """
-    in_features, out_features = weight_t.shape
-    flat = x.reshape(-1, in_features)
+    flat = x.reshape(-1, weight_t.shape[0])
     codes, scale = quantize_per_token(flat)
     acc = int8_matmul(codes, weight_t)
-    y = acc.float().mul_(scale).mul_(weight_scale.float())
+    return w8a8_output(acc.float().mul_(scale).mul_(weight_scale.float()), x, bias)
+
+
+def w8a8_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A W8A8 product's float32 rows ``y`` ``(rows, out)`` as the layer returns them: plus ``bias`` in float32,
+    then ``x``'s dtype and leading shape."""
     if bias is not None:
         y.add_(bias.float())
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
 def w8a8_reference(

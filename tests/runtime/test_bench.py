@@ -95,8 +95,9 @@ def test_a_quantized_kv_cache_counts_its_codes_and_scales(kv_cache):
 
 
 def test_bench_names_the_kernel_of_every_layer():
-    """A W4 model on the CPU: every decoder linear on torch's int4 kernel, a W8A8 down projection on _int_mm, the
-    float head dense; the table has one row per layer role."""
+    """A W4 model on the CPU: every decoder linear on torch's int4 kernel, a W8A8 down projection on lmpress's int8
+    kernel (or _int_mm), the float head dense; the table has one row per layer role."""
+    from lmpress.runtime.kernels import cpu_int
     from lmpress.runtime.throughput import render_rows
     from lmpress.weights.qlinear import QuantizedLinear
     from lmpress.weights.scheme import QuantScheme, quantize_weight_rtn
@@ -113,9 +114,10 @@ def test_bench_names_the_kernel_of_every_layer():
     result = benchmark(model, list(range(10)), BenchSettings(new_tokens=3, repeats=1))
     kernels = result["kernels"]
     assert kernels["layers.0.attention.wqkv"] == "cpu-int4" and kernels["layers.1.feed_forward.w13"] == "cpu-int4"
-    assert kernels["layers.1.feed_forward.w2"] == "int8-mm" and kernels["output"] == "dense"
+    w8a8 = "cpu-w8a8" if cpu_int.available() else "int8-mm"  # lmpress's int8 kernel, else torch's _int_mm
+    assert kernels["layers.1.feed_forward.w2"] == w8a8 and kernels["output"] == "dense"
     rows = dict(render_rows(result))
-    assert rows["kernel of feed_forward.w2"] == "int8-mm (2 layers)"
+    assert rows["kernel of feed_forward.w2"] == f"{w8a8} (2 layers)"
     assert rows["kernel of attention.wo"] == "cpu-int4 (2 layers)" and rows["kernel of output"] == "dense (1 layer)"
 
 

@@ -117,6 +117,43 @@ def test_w4_with_per_token_activations_matches_the_w4a8_simulation_on_every_isa(
         assert sqnr_db(dequantized_x(x) @ weight.t(), y) < 60  # not the per-4 activations of W4A16 layers
 
 
+@pytest.mark.parametrize("rows", [1, 5, 9])
+@pytest.mark.parametrize("out", [80, 37])
+def test_w8_with_per_token_activations_computes_w8a8_as_torchs_int8_matmul_on_every_isa(rows, out):
+    """A W8A8 layer (symmetric 8-bit weights per row, int8 activations per token) on the kernel: bit for bit what
+    ``int8_linear.w8a8_linear`` computes with one exact int32 matmul (torch._int_mm), on every level; so the runtime
+    decodes what the evaluator scored."""
+    from lmpress.weights.int8_linear import int8_weight, w8a8_linear
+
+    codes, scales, _, weight = w8_case(out, 320)
+    zeros = torch.full((out, 1), 128.0)  # symmetric: the codes are int8 weights + 128
+    x = inputs(rows, 320) * 40  # large activations: float sums of per-4 products would round differently
+    expected = w8a8_linear(x, int8_weight(codes).t().contiguous(), scales[:, 0])
+    for isa in [*levels(), 2]:  # an AVX-512 request runs the exact AVX2 path
+        layer = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=min(isa, cpu_int.host_isa()), per_token=True)
+        assert layer.isa <= 1
+        assert torch.equal(layer(x), expected), isa
+        assert torch.equal(layer.rows(torch.tensor([3, 0]))(x), expected[:, [3, 0]])
+
+
+def test_w8_per_token_with_zero_points_sums_exactly_against_int64():
+    """Asymmetric 8-bit codes (a zero point a row) with per-token int8 activations: float(sum (q - z) * xq) * d * s,
+    the sum checked against an int64 matmul of the same codes."""
+    from lmpress.weights.int8_linear import quantize_per_token
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (24, 448), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 256, (24, 1), generator=g).float()
+    scales = torch.rand(24, 1, generator=g) * 0.01 + 1e-3
+    x = torch.randn(3, 448, generator=g) * 7
+    xq, d = quantize_per_token(x)
+    dot = xq.long() @ (codes.long() - zeros.long()).t()
+    expected = dot.float() * d * scales[:, 0]
+    for isa in levels():
+        y = cpu_int.W8A8RowLinear(codes, scales, zeros, None, isa=isa, per_token=True)(x)
+        assert torch.equal(y, expected), isa
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 @pytest.mark.parametrize("out", [80, 37])
 def test_w8_matches_the_dequantized_weight_on_every_isa(rows, out):

@@ -77,7 +77,9 @@ def case(bits=4, group=128, k=4096, n=4096, **kw) -> LayerCase:
         (case(act_order=True), DeviceCase("cpu", torch.float32), "cpu-int4"),
         (case(bits=8, group=-1), DeviceCase("cpu", torch.float32), "cpu-w8a8"),
         (case(bits=8, group=-1, k=4100), DeviceCase("cpu", torch.float32), "cpu-int8"),  # K % 64
-        (case(bits=8, group=-1, activations="int8"), DeviceCase("cpu", torch.float32), "int8-mm"),
+        # W8A8: lmpress's int8 x int8 kernel with per-token activations where it holds the layer, else torch's
+        (case(bits=8, group=-1, activations="int8"), DeviceCase("cpu", torch.float32), "cpu-w8a8"),
+        (case(bits=8, group=-1, k=4100, activations="int8"), DeviceCase("cpu", torch.float32), "int8-mm"),
         # W4A8: no int8 matmul holds group scales; on the CPU lmpress's int4 x int8 kernel with per-token activations,
         # elsewhere the per-token simulation it was scored with, weight dequantized once
         (case(group=64, activations="int8"), DeviceCase("cpu", torch.float32), "cpu-w4a8"),
@@ -215,7 +217,10 @@ def test_fp8_scaled_mm_module_against_the_dequantized_product(strategy):
     assert sqnr_db(fp8(x), module(x)) >= 45  # the evals' simulated FP8 layer agrees
 
 
-def test_w8a8_runs_int_mm_in_every_family_but_reference():
+def test_w8a8_runs_int8_times_int8_in_every_family_but_reference():
+    """Every family but "reference" runs a CPU W8A8 layer on lmpress's int8 kernel with per-token activations (where it
+    builds), else torch._int_mm: the W8A8 function either way."""
+    from lmpress.runtime.kernels import cpu_int
     from lmpress.weights.int8_linear import w8a8_reference
 
     torch.manual_seed(2)
@@ -223,7 +228,7 @@ def test_w8a8_runs_int_mm_in_every_family_but_reference():
     layer = QuantizedLinear.from_quantized_weight(qw)
     for family in ("cpu", "triton"):
         module = linear_kernel(family)(layer, torch.float32)
-        assert kernel_of(module) == "int8-mm"
+        assert kernel_of(module) == ("cpu-w8a8" if cpu_int.available() else "int8-mm")
         x = torch.randn(3, 128)
         codes = (layer.codes().to(torch.int16) - 128).float()
         expected = w8a8_reference(x, codes, layer.scales[:, 0].float())

@@ -82,6 +82,26 @@ def test_quantized_linear_runs_w8a8_with_int8_matmul(monkeypatch):
     assert not torch.allclose(weight_only, y, atol=1e-4)  # the activations really were quantized
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_cpu_w8a8_runs_lmpress_int8_kernel_with_int_mm_s_bits(monkeypatch, dtype):
+    """Where lmpress's CPU kernels build, an evaluated W8A8 layer runs its int8 kernel (torch._int_mm took 2 minutes
+    a SmolLM2 window on an AVX2-only CPU): the same int32 sums, so the same bits as the _int_mm path."""
+    from lmpress.runtime.kernels import cpu_int
+
+    if not cpu_int.available():
+        pytest.skip("lmpress's C++ kernels do not build on this host")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 192, generator=g)
+    x = (torch.randn(3, 5, 192, generator=g) * 30).to(dtype)
+    module = QuantizedLinear.from_quantized_weight(quantize_weight_rtn(w, W8A8), torch.randn(40, generator=g))
+    expected = w8a8_linear(x, int8_weight(module.codes()).t().contiguous(), module.scales[:, 0], module.bias)
+    calls = []
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape))
+    y = module(x)
+    assert module._kernel_cache[0] == "w8a8-cpu" and not calls
+    assert y.dtype == dtype and torch.equal(y, expected)
+
+
 def test_only_per_channel_symmetric_8bit_weights_take_the_int8_matmul():
     """Other integer weights beside int8 activations (W8A8 in groups, W4A8) run the per-token simulation."""
     assert QuantizedLinear(64, 32, QuantScheme(8, -1, True, "int8")).int8_matmul_holds

@@ -101,9 +101,10 @@ def linear_kernel(
     """The builder of quantized layers' modules for kernel ``family`` (see the module docstring); on the CPU,
     weight-only layers take their activations as ``cpu_activations`` (``CPU_ACTIVATIONS``).
 
-    W8A8 layers (int8 activations) run ``torch._int_mm`` in every family but "reference" (``kernels/int8.py``),
-    and FP8 layers ``_scaled_mm`` where the GPU has FP8 tensor cores: a weight-only kernel would silently
-    drop their activation quantization. FP4 layers run dequantized (``select.kernel_candidates``)."""
+    W8A8 layers (int8 activations) run lmpress's int8 kernel on the CPU where it builds (``cpu_int.py``, summing in
+    int32 as ``torch._int_mm``), else ``_int_mm`` (``kernels/int8.py``), in every family but "reference"; FP8 layers
+    ``_scaled_mm`` where the GPU has FP8 tensor cores: a weight-only kernel would silently drop their activation
+    quantization. FP4 layers run dequantized (``select.kernel_candidates``)."""
     if family == "reference":
         return as_is
     if family not in FAMILIES:

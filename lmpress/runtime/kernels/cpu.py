@@ -177,8 +177,9 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
     With ``activations="int8"``, first lmpress's int8-activation kernels (``cpu_int.py``) where they hold the layer
     (4 bits in groups of 64k columns, 8 bits per row, no act-order) and build on this host; then (and with
     ``"bf16"``, only) torch's packed kernels, which take bfloat16 activations. A layer whose scheme quantizes its
-    activations to int8 (W4A8, W8A8) never takes a weight-only kernel: where lmpress's does not hold it, its weight
-    is dequantized once and its activations fake-quantized per token (``Int8ActivationsLinear``).
+    activations to int8 (W4A8, W8A8) never takes a weight-only kernel: where lmpress's does not hold it, W8A8 runs
+    torch's int8 matmul (``kernels/int8.py``) and others their weight dequantized once with the activations
+    fake-quantized per token (``Int8ActivationsLinear``).
     Layouts the packed kernels cannot run (2/3 bits, grouped 8 bits, 4 bits with
     out_features not a multiple of 16, act-order groups of unequal size) fall back to
     a dense ``dtype`` weight: as fast as an unquantized layer, without the memory saving.
@@ -187,6 +188,10 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
     dot = int8_activation_kernel(layer, bias, activations)
     if dot is not None:
         return dot
+    if layer.scheme.int8_matmul_holds:  # W8A8 where lmpress's kernel does not build: torch's int8 matmul
+        from lmpress.runtime.kernels.int8 import W8A8Linear
+
+        return W8A8Linear(layer)
     if layer.scheme.activations == "int8":  # a weight-only kernel would drop the activations' quantization
         return dense_linear(layer, dtype, Int8ActivationsLinear)
     prepared = layer._prepare_kernel()  # the same repacking QuantizedLinear's own kernel path uses
@@ -199,14 +204,13 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
 
 def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> bool:
     """Whether lmpress's int8-activation kernel runs ``layer`` on the CPU: ``activations`` "int8", a layout it
-    holds, built on this host; a W4A8 layer's own int8 activations (per token) too."""
+    holds, built on this host; a W4A8 or W8A8 layer's own int8 activations (per token) too."""
     from lmpress.weights.qlinear import trivial_g_idx
 
     scheme, k = layer.scheme, layer.in_features
     act_order = not trivial_g_idx(layer.g_idx, k, scheme)
     width = scheme.group_width(k)
-    per_token = scheme.activations == "int8" and scheme.bits == 4
-    if activations != "int8" or (scheme.activations is not None and not per_token):
+    if activations != "int8" or scheme.activations not in (None, "int8"):
         return False
     if layer.qweight.device.type != "cpu":
         return False
@@ -224,7 +228,7 @@ def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None, ac
     kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
     scales = layer.scales.detach()
     choice = choose_int8_kernel(kernel, layer.out_features, layer.in_features, scales.reshape(len(scales), -1).shape[1])
-    per_token = layer.scheme.activations == "int8"  # a W4A8 scheme's (the only one that fits with its activations)
+    per_token = layer.scheme.activations == "int8"  # a W4A8 or W8A8 scheme's
     return kernel(layer.codes(), scales, layer.zeros.float(), bias, choice.isa, choice.prefetch, per_token)
 
 

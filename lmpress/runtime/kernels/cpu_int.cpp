@@ -4,6 +4,7 @@
 // A weight row is dotted with them in integers and scaled per activation block b:
 //   W4: y = sum_g s_g * sum_{b in g} d_b * (dot_b(q, xq) - z_g * sum_b(xq))
 //   W8: y = s * sum_b d_b * (dot_b(q, xq) - z * sum_b(xq))
+// W8A8 per token (one d a row) sums in int32 across the row instead: y = float(dot(q - z, xq)) * d * s.
 // (Blocks of 64 moved SmolLM2 W4's perplexity by +0.78%, 32 by +0.53%, 16 W8's by +0.58%, over the 0.5% the
 // runtime may differ from the evaluator: docs/runtime.md.) A block of 4 is one lane of an int32 dot product
 // (4 codes), so the SIMD paths apply every block's d by a per-lane vector of scales (Acts::fb, fp) at no cost over
@@ -71,7 +72,8 @@ struct Acts {
 #include "cpu_quantize_acts.h"
 
 // lane_scales: build Acts::fb (the SIMD paths of the natural layout); pairs: also Acts::qp and fp (AVX-512's W4);
-// per_token: one scale a row (W4A8 as compressed-tensors describes it) where the kernels' own is one per 4 values.
+// per_token: one scale a row (W4A8 and W8A8 as compressed-tensors describes them) where the kernels' own is one per
+// 4 values.
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t isa, bool lane_scales, bool pairs, bool per_token,
                    Acts& a) {
   const int64_t na = K / ABLOCK;
@@ -196,6 +198,22 @@ void w8_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* 
   }
 }
 
+// W8A8 per token (w8_token_linear): exact int32 sums, then float(sum) * d * s as torch's W8A8 computes it.
+void w8_token_rows_portable(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                            int64_t K, const Acts& a, const int32_t* xsum, int64_t m0, int64_t M, int64_t N, float* y) {
+  const int64_t na = K / ABLOCK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * K;
+    for (int64_t m = m0; m < m0 + M; ++m) {
+      const int8_t* xq = a.q.data() + m * K;
+      int32_t dot = 0;
+      for (int64_t k = 0; k < K; ++k) dot += row[k] * xq[k];
+      dot -= static_cast<int32_t>(zeros[n]) * xsum[m];
+      y[m * N + n] = static_cast<float>(dot) * a.d[m * na] * scales[n];
+    }
+  }
+}
+
 #ifdef LMPRESS_X86
 
 // ---- AVX2 + FMA, then AVX-512 VNNI (kept apart so each file reads in one sitting) ---------------------------------
@@ -251,6 +269,11 @@ template <int M>
 struct W8Avx2 {
   template <typename... A>
   static void run(const A&... a) { w8_rows_avx2<M>(a...); }
+};
+template <int M>
+struct W8TokenAvx2 {
+  template <typename... A>
+  static void run(const A&... a) { w8_token_rows_avx2<M>(a...); }
 };
 #endif
 
@@ -350,19 +373,53 @@ at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at:
   return y;
 }
 
+// W8A8 with per-token activations: one scale d_m a row, so a row's products sum exactly in int32 across all K and
+// y = float(sum (q - z) * xq) * d_m * s_n, what torch._int_mm and int8_linear.w8a8_linear compute (the same
+// rounding, in the same order): the runtime then decodes the tokens the evaluator scored. AVX2 for every SIMD level
+// (AVX-512 hosts have it); the per-4 scales' float sums of the other W8 paths, reordered, moved SmolLM2 W8A8's
+// logits by more than the runtime agreement allows.
+void w8_token_linear(const float* x, int64_t M, int64_t K, const uint8_t* c, const float* s, const uint8_t* z,
+                     int64_t N, int64_t isa, int64_t prefetch, float* out) {
+  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
+  static thread_local std::vector<int32_t> sums;
+  const Acts& acts = buffer;
+  quantize_acts(x, M, K, isa, false, false, true, buffer);
+  sums.assign(M, 0);  // sum(xq) per row: the zero point's term
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) sums[m] += acts.q[m * K + k];
+  const int32_t* xsum = sums.data();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+      const int64_t rows = std::min(ROWS, M - m0);
+#ifdef LMPRESS_X86
+      if (isa >= 1) {
+        by_rows<W8TokenAvx2>(rows, c, s, z, n0, n1, K, acts, xsum, m0, N, out, prefetch);
+        continue;
+      }
+#endif
+      w8_token_rows_portable(c, s, z, n0, n1, K, acts, xsum, m0, rows, N, out);
+    }
+  });
+}
+
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t isa, int64_t prefetch) {
+                     int64_t isa, int64_t prefetch, bool per_token) {
   check(x, codes, scales, zeros, isa, prefetch);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
   at::Tensor y = at::empty({M, N}, x.options());
-  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
-  const Acts& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, false, buffer);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const uint8_t* z = zeros.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
+  if (per_token) {
+    TORCH_CHECK(K <= 65536, "w8_linear per_token sums in int32: in_features at most 65536, not ", K);
+    w8_token_linear(x.data_ptr<float>(), M, K, c, s, z, N, isa, prefetch, out);
+    return y;
+  }
+  static thread_local Acts buffer;  // named through a local in the parallel body (see w4_linear)
+  const Acts& acts = buffer;
+  quantize_acts(x.data_ptr<float>(), M, K, isa, isa != 0, false, false, buffer);
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       const int64_t rows = std::min(ROWS, M - m0);
@@ -456,7 +513,8 @@ int64_t cpu_isa() { return best_isa(); }
 TORCH_LIBRARY(lmpress_cpu, m) {
   m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096, "
         "bool per_token=False) -> Tensor");
-  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096, "
+        "bool per_token=False) -> Tensor");
   m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096, "
         "bool per_token=False) -> Tensor");
   m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096) -> "

@@ -266,7 +266,7 @@ class Int8ActivationLinear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.isa = host_isa() if isa is None else isa
         self.prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
-        self.per_token = per_token  # one activation scale a row (a W4A8 scheme's), not one per 4 values
+        self.per_token = per_token  # one activation scale a row (a W4A8 or W8A8 scheme's), not one per 4 values
         codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
         self.register_buffer("codes", huge_pages(codes))
         self.register_buffer("scales", scales)
@@ -282,7 +282,7 @@ class Int8ActivationLinear(nn.Module):
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
-        per_token = (self.per_token,) if self.per_token else ()  # W4 only: W8's ops take no such option
+        per_token = (self.per_token,) if self.per_token else ()
         if self.isa == 2:  # outputs in lanes: OP's "_t16" twin, which takes the output count instead of the ISA
             tiled = getattr(torch.ops.lmpress_cpu, f"{self.OP}_t16")
             return tiled(flat, self.codes, self.scales, self.zeros, self.out_features, self.prefetch, *per_token)
@@ -318,10 +318,25 @@ class W4A8Linear(Int8ActivationLinear):
 
 
 class W8A8RowLinear(Int8ActivationLinear):
-    """Per-row ``(q - zero) * scale`` 8-bit weights times activations quantized to int8 per 4."""
+    """Per-row ``(q - zero) * scale`` 8-bit weights times activations quantized to int8 per 4, or per token (a W8A8
+    scheme's): then summed exactly in int32 as ``torch._int_mm`` sums them, on the AVX2 path on AVX-512 hosts too."""
 
     KERNEL = "cpu-w8a8"
     OP = "w8_linear"
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        isa: int | None = None,
+        prefetch: int | None = None,
+        per_token: bool = False,
+    ) -> None:
+        if per_token:  # the exact int32 path has AVX2 and portable bodies (w8_token_linear)
+            isa = min(host_isa() if isa is None else isa, 1)
+        super().__init__(codes, scales, zeros, bias, isa, prefetch, per_token)
 
     @staticmethod
     def layout(
@@ -339,12 +354,14 @@ class W8A8RowLinear(Int8ActivationLinear):
         if self.isa == 2:
             codes = unpack_w8_t16(codes, self.out_features)
             scales, zeros = scales.reshape(-1)[: self.out_features], zeros.reshape(-1)[: self.out_features]
-        return W8A8RowLinear(codes[rows], scales[rows], zeros[rows].float(), bias, self.isa, self.prefetch)
+        return W8A8RowLinear(
+            codes[rows], scales[rows], zeros[rows].float(), bias, self.isa, self.prefetch, self.per_token
+        )
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}, "
-            f"prefetch {self.prefetch}"
+            f"prefetch {self.prefetch}" + (", int8 activations per token" if self.per_token else "")
         )
 
 
@@ -361,6 +378,6 @@ def quantize_activations(
     x: torch.Tensor, isa: int | None = None, per_token: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 codes ``(M, K)`` and per-4 scales ``(M, K / 4)`` the kernels take ``x`` as (for tests); with
-    ``per_token``, a W4A8 layer's: every block of a row at the row's scale."""
+    ``per_token``, a W4A8 or W8A8 layer's: every block of a row at the row's scale."""
     isa = host_isa() if isa is None else isa
     return torch.ops.lmpress_cpu.quantize_activations(x.float().contiguous(), isa, per_token)

@@ -124,3 +124,46 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
       y[(m0 + m) * N + n] = scales[n] * (hsum256(acc[m]) + (128.f - static_cast<float>(zeros[n])) * xs[m]);
   }
 }
+
+TARGET_AVX2 inline int32_t hsum256_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// W8A8 per token (cpu_int.cpp's w8_token_linear): w8_rows_avx2's products (the sign trick), their pair sums widened
+// to int32 and summed exactly across the row; then float(sum) * d * s as torch's W8A8 computes it.
+template <int M>
+TARGET_AVX2 void w8_token_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
+                                    int64_t n1, int64_t K, const Acts& a, const int32_t* xsum, int64_t m0, int64_t N,
+                                    float* y, int64_t ahead_bytes) {
+  const int64_t nb = K / BLOCK, na = K / ABLOCK;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * K;
+    __m256i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(row + b * BLOCK) + ahead_bytes, _MM_HINT_T0);
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK)), flip);
+      const __m256i w1 =
+          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK + 32)), flip);
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
+        const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w0);
+        const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)), w1);
+        // each pair sum fits int16 (at most 128 * 127 * 2), two of them need not: widened before they meet
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones);
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(p0, p1));
+      }
+    }
+    for (int m = 0; m < M; ++m) {  // sum (q - 128) * x + (128 - z) * sum(x) = sum (q - z) * x
+      const int32_t dot = hsum256_epi32(acc[m]) + (128 - static_cast<int32_t>(zeros[n])) * xsum[m0 + m];
+      y[(m0 + m) * N + n] = static_cast<float>(dot) * a.d[(m0 + m) * na] * scales[n];
+    }
+  }
+}

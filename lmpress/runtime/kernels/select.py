@@ -24,8 +24,9 @@ KERNELS = {
     "int8-mm": "torch _int_mm, W8A8 (int8 activations)",
     "fp8-scaled-mm": "torch _scaled_mm, FP8 W8A8 (sm89+)",
     "fp8-simulated": "FP8 W8A8 simulated in float (E4M3 values converted to float32 once, no FP8 tensor cores)",
-    "cpu-w4a8": "lmpress C++ int4 x int8 dot (AVX-512 VNNI / AVX2), activations int8 per 4",
-    "cpu-w8a8": "lmpress C++ int8 x int8 dot per-row weights (AVX-512 VNNI / AVX2), activations int8 per 4",
+    "cpu-w4a8": "lmpress C++ int4 x int8 dot (AVX-512 VNNI / AVX2), activations int8 per 4 (per token: W4A8)",
+    "cpu-w8a8": "lmpress C++ int8 x int8 dot, per-row weights (AVX-512 VNNI / AVX2), int8 activations per 4; per token "
+    "(W8A8) summed in int32 as _int_mm (AVX2)",
     "cpu-int4": "torch _weight_int4pack_mm_for_cpu",
     "cpu-int8": "torch _weight_int8pack_mm",
     "fp4-simulated": "FP4 W4A4 simulated in float (activations fake-quantized per block, weight dequantized once)",
@@ -171,13 +172,12 @@ def kernel_candidates(layer: LayerCase, device: DeviceCase) -> tuple[str, ...]:
             return ("fp4-simulated",)
         return ("cpu-fp4a8", "dense") if device.type == "cpu" and layer.in_features % 64 == 0 else ("dense",)
     if layer.activations == "int8":  # a weight-only kernel would drop the activation quantization it was scored with
+        # lmpress's int4 or int8 x int8 kernel on the CPU with the activations quantized per token, else torch's
+        # int8 matmul (W8A8) or the simulation it was scored with (the weight dequantized once)
         w8a8 = layer.bits == 8 and layer.group_width == layer.in_features and layer.symmetric
-        if w8a8:
-            return ("int8-mm",)
-        # W4A8: lmpress's int4 x int8 kernel with its activations quantized per token, else the simulation it was
-        # scored with (the weight dequantized once)
-        w4a8 = device.type == "cpu" and _cpu_int8_activations(layer) == "cpu-w4a8"
-        return ("cpu-w4a8", "int8-simulated") if w4a8 else ("int8-simulated",)
+        ours = _cpu_int8_activations(layer) if device.type == "cpu" else None
+        fallback = "int8-mm" if w8a8 else "int8-simulated"
+        return (ours, fallback) if ours in ("cpu-w4a8", "cpu-w8a8") else (fallback,)
     if layer.activations == "fp8":
         fp8 = device.type == "cuda" and device.capability is not None and device.capability >= FP8_MIN_CAPABILITY
         fp8 = fp8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
