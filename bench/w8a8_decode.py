@@ -8,8 +8,9 @@ int8. The runtime runs it on ``cpu-w8a8`` (``torch.ops.lmpress_cpu.w8_linear(...
 C++ kernels build, else on ``int8-mm`` (``torch._int_mm``, what it ran before 2026-12-07). This bench quantizes
 SmolLM2-135M to W8A8 by RTN (the head kept float, as ``recipes/w8a8-smoothquant.yaml`` leaves it), builds the runtime
 twice, once with each kernel, and times the compiled decode step both ways, alternating (A, B, B, A, ...): each
-round a new cache, a 128-token prompt, 8 warm-up tokens, then ``--tokens`` timed. It reports ms per token and whether
-both produced the same tokens (they should: both sum in int32 and scale in the same order). Results:
+round a new cache, a 128-token prompt, 8 warm-up tokens, then ``--tokens`` timed, then one prefill of a
+``--prefill-tokens`` prompt (where a vendor GEMM, oneDNN's AMX path say, may beat lmpress's AVX2 sums). It reports
+ms per token and per prefill, and whether both produced the same tokens (they should: both sum in int32 and scale in the same order). Results:
 ``bench/results/w8a8_decode.{json,md}``, one entry per host kind.
 """
 
@@ -52,6 +53,16 @@ def runtimes(hf: Any) -> dict[str, Any]:
     return models
 
 
+def timed_prefill(model: Any, prompt: torch.Tensor) -> float:
+    """ms for one prefill of ``prompt`` on a new cache (eager: prefill is not compiled)."""
+    from lmpress.runtime.generate import prefill
+
+    cache = model.new_cache(1, prompt.shape[1])
+    began = time.perf_counter()
+    prefill(model, prompt, cache)
+    return 1e3 * (time.perf_counter() - began)
+
+
 def render(hosts: dict[str, Any]) -> str:
     parts = ["Measured by `python bench/w8a8_decode.py` (ms per decode token; both kernels in one process).\n"]
     for key, entry in hosts.items():
@@ -69,6 +80,17 @@ def render(hosts: dict[str, Any]) -> str:
         parts.append(
             f"\ncpu-w8a8 / int8-mm, per round: {entry['ratio']:.3f}x the time (median); same tokens: {entry['same']}\n"
         )
+        if "prefill" in entry:  # entries from 2026-12-07 19:15 UTC on
+            parts += [
+                f"Prefill of a {meta['prefill_tokens']}-token prompt (eager, the same rounds):\n",
+                "| W8A8 layers on | ms per prefill: median [quartiles] | tok/s at the median |",
+                "| --- | --- | --- |",
+            ]
+            for name in KERNELS:
+                q1, median, q3 = quartiles(entry["prefill"][name])
+                tokens = meta["prefill_tokens"]
+                parts.append(f"| `{name}` | {median:.1f} [{q1:.1f}, {q3:.1f}] | {1e3 * tokens / median:.0f} |")
+            parts.append("")
     return "\n".join(parts)
 
 
@@ -77,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill-tokens", type=int, default=256)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     import lmpress
@@ -89,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     del loaded
     step = decoding_step(torch.device("cpu"), compile=True)
     prompt = torch.randint(100, 49152, (1, 128), generator=torch.Generator().manual_seed(0))
+    long_prompt = torch.randint(100, 49152, (1, args.prefill_tokens), generator=torch.Generator().manual_seed(1))
     ms: dict[str, list[float]] = {name: [] for name in KERNELS}
+    prefill_ms: dict[str, list[float]] = {name: [] for name in KERNELS}
     tokens: dict[str, list[int]] = {}
     with torch.inference_mode():
         for name in KERNELS:  # compiles each
@@ -98,16 +123,22 @@ def main(argv: list[str] | None = None) -> int:
             for name in KERNELS if round_ % 2 == 0 else reversed(KERNELS):
                 took, tokens[name] = timed(models[name], step, prompt, args.tokens)
                 ms[name].append(took)
-            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{k} {ms[k][-1]:.3f} ms" for k in KERNELS))
+                prefill_ms[name].append(timed_prefill(models[name], long_prompt))
+            print(
+                f"round {round_ + 1}/{args.rounds}: "
+                + ", ".join(f"{k} {ms[k][-1]:.3f} ms a token, prefill {prefill_ms[k][-1]:.0f} ms" for k in KERNELS)
+            )
     ratio = statistics.median(b / a for a, b in zip(ms["int8-mm"], ms["cpu-w8a8"], strict=True))
     meta = {
         "model": "SmolLM2-135M W8A8 (RTN, 8-bit symmetric per channel, int8 per-token activations, head float)",
         "tokens": args.tokens,
         "threads": args.threads,
         "rounds": args.rounds,
+        "prefill_tokens": args.prefill_tokens,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     entry = {"meta": meta, "rows": ms, "ratio": ratio, "same": tokens["int8-mm"] == tokens["cpu-w8a8"]}
+    entry["prefill"] = prefill_ms
     print(file_host_entry(args.results / "w8a8_decode.json", cpu_identity()["key"], entry, render))
     return 0
 
