@@ -10,8 +10,8 @@ SmolLM2-135M to W8A8 by RTN (the head kept float, as ``recipes/w8a8-smoothquant.
 twice, once with each kernel, and times the compiled decode step both ways, alternating (A, B, B, A, ...): each
 round a new cache, a 128-token prompt, 8 warm-up tokens, then ``--tokens`` timed, then one prefill of a
 ``--prefill-tokens`` prompt (where a vendor GEMM, oneDNN's AMX path say, may beat lmpress's AVX2 sums). It reports
-ms per token and per prefill, and whether both produced the same tokens (they should: both sum in int32 and scale in the same order). Results:
-``bench/results/w8a8_decode.{json,md}``, one entry per host kind.
+ms per token and per prefill, and whether both produced the same tokens (they should: both sum in int32 and scale
+in the same order). Results: ``bench/results/w8a8_decode.{json,md}``, one entry per host kind.
 """
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ class Int8ActivationLinear(nn.Module):
         super().__init__()
         load_library()
         self.out_features, self.in_features = codes.shape
-        self.isa = host_isa() if isa is None else isa
+        self.isa = self.level(host_isa() if isa is None else isa, per_token)
         self.prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
         self.per_token = per_token  # one activation scale a row (a W4A8 or W8A8 scheme's), not one per 4 values
         codes, scales, zeros = self.layout(codes, scales.float(), zeros.round().to(torch.uint8), self.isa)
@@ -279,6 +279,11 @@ class Int8ActivationLinear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The (codes, float32 scales, uint8 zeros) buffers as the op for ``isa`` reads them."""
         raise NotImplementedError
+
+    @staticmethod
+    def level(isa: int, per_token: bool) -> int:
+        """The instruction set level the layer runs at when ``isa`` is asked for."""
+        return isa
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
@@ -324,19 +329,9 @@ class W8A8RowLinear(Int8ActivationLinear):
     KERNEL = "cpu-w8a8"
     OP = "w8_linear"
 
-    def __init__(
-        self,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
-        bias: torch.Tensor | None,
-        isa: int | None = None,
-        prefetch: int | None = None,
-        per_token: bool = False,
-    ) -> None:
-        if per_token:  # the exact int32 path has AVX2 and portable bodies (w8_token_linear)
-            isa = min(host_isa() if isa is None else isa, 1)
-        super().__init__(codes, scales, zeros, bias, isa, prefetch, per_token)
+    @staticmethod
+    def level(isa: int, per_token: bool) -> int:
+        return min(isa, 1) if per_token else isa  # the exact int32 path has AVX2 and portable bodies (w8_token_linear)
 
     @staticmethod
     def layout(

@@ -86,14 +86,35 @@ TARGET_AVX2 void w4_rows_avx2(const uint8_t* codes, const float* scales, const u
   w4_rows_avx2_by<M, (M <= 2 ? 2 : 1)>(codes, scales, zeros, n0, n1, K, G, a, zsum, m0, N, y, ahead_bytes);
 }
 
+// 64 weight codes as w8_rows_avx2 and w8_token_rows_avx2 take them: maddubs takes unsigned x signed bytes into
+// saturating int16 pairs, and 255 * 127 * 2 overflows, so the codes go in as q - 128 (signed) through the sign trick:
+// |w| * sign(x, w) = w * x, at most 128 * 127 * 2 per pair.
+struct W8Block {
+  __m256i w0, w1, a0, a1;  // codes 0:32 and 32:64 as q - 128, and their magnitudes
+};
+
+TARGET_AVX2 inline W8Block load_w8_block(const uint8_t* codes) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  W8Block w;
+  w.w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)), flip);
+  w.w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32)), flip);
+  w.a0 = _mm256_abs_epi8(w.w0), w.a1 = _mm256_abs_epi8(w.w1);
+  return w;
+}
+
+// The block's products with 64 activation codes xq as int32 lanes, each the sum of 4: d0 over codes 0:32, d1 32:64.
+TARGET_AVX2 inline void w8_block_dots(const W8Block& w, const int8_t* xq, __m256i& d0, __m256i& d1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w.w0);
+  const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)), w.w1);
+  d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w.a0, x0), ones);
+  d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w.a1, x1), ones);
+}
+
 template <int M>
 TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
                               int64_t K, const Acts& a, int64_t m0, int64_t N, float* y, int64_t ahead_bytes) {
-  // maddubs takes unsigned x signed bytes into saturating int16 pairs: 255 * 127 * 2 overflows, so the codes go in
-  // as q - 128 (signed) through the sign trick: |w| * sign(x, w) = w * x, at most 128 * 127 * 2 per pair.
   const int64_t nb = K / BLOCK, na = K / ABLOCK;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
   float xs[M];  // sum of d * sum(q) over the row's blocks: the zero point's term
   for (int m = 0; m < M; ++m) {
     xs[m] = 0.f;
@@ -105,19 +126,13 @@ TARGET_AVX2 void w8_rows_avx2(const uint8_t* codes, const float* scales, const u
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(row + b * BLOCK) + ahead_bytes, _MM_HINT_T0);
-      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK)), flip);
-      const __m256i w1 =
-          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK + 32)), flip);
-      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      const W8Block w = load_w8_block(row + b * BLOCK);
       for (int m = 0; m < M; ++m) {
-        const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
-        const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w0);
-        const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)), w1);
+        __m256i d0, d1;
+        w8_block_dots(w, a.q.data() + (m0 + m) * K + b * BLOCK, d0, d1);
         const float* f = a.fb.data() + ((m0 + m) * nb + b) * 16;
-        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones));
-        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
-        acc[m] = _mm256_fmadd_ps(d0, _mm256_loadu_ps(f), acc[m]);
-        acc[m] = _mm256_fmadd_ps(d1, _mm256_loadu_ps(f + 8), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_loadu_ps(f), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_loadu_ps(f + 8), acc[m]);
       }
     }
     for (int m = 0; m < M; ++m)  // sum d * dot(q - 128, x) + 128 * xs = sum d * dot(q, x)
@@ -132,33 +147,24 @@ TARGET_AVX2 inline int32_t hsum256_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// W8A8 per token (cpu_int.cpp's w8_token_linear): w8_rows_avx2's products (the sign trick), their pair sums widened
-// to int32 and summed exactly across the row; then float(sum) * d * s as torch's W8A8 computes it.
+// W8A8 per token (cpu_int.cpp's w8_token_linear): w8_rows_avx2's products, summed exactly in int32 across the row
+// (each pair sum fits int16, two of them need not: they meet widened); then float(sum) * d * s as torch's W8A8.
 template <int M>
 TARGET_AVX2 void w8_token_rows_avx2(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t n0,
                                     int64_t n1, int64_t K, const Acts& a, const int32_t* xsum, int64_t m0, int64_t N,
                                     float* y, int64_t ahead_bytes) {
   const int64_t nb = K / BLOCK, na = K / ABLOCK;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * K;
     __m256i acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; ++b) {
       if (ahead_bytes) _mm_prefetch(reinterpret_cast<const char*>(row + b * BLOCK) + ahead_bytes, _MM_HINT_T0);
-      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK)), flip);
-      const __m256i w1 =
-          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK + 32)), flip);
-      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      const W8Block w = load_w8_block(row + b * BLOCK);
       for (int m = 0; m < M; ++m) {
-        const int8_t* xq = a.q.data() + (m0 + m) * K + b * BLOCK;
-        const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w0);
-        const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)), w1);
-        // each pair sum fits int16 (at most 128 * 127 * 2), two of them need not: widened before they meet
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones);
-        acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(p0, p1));
+        __m256i d0, d1;
+        w8_block_dots(w, a.q.data() + (m0 + m) * K + b * BLOCK, d0, d1);
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(d0, d1));
       }
     }
     for (int m = 0; m < M; ++m) {  // sum (q - 128) * x + (128 - z) * sum(x) = sum (q - z) * x
