@@ -83,23 +83,33 @@ def main() -> None:
         tiled_base = isa == 2 and hasattr(base, "w4_linear_t16")  # a revision with AVX-512's outputs-in-lanes W4
         tiled_head = isa == 2 and hasattr(base, "w8_linear_t16")
 
+        def base_op(name: str):  # noqa: ANN202
+            """The base revision's op ``name`` with its prefetch and per_token given where that revision has no
+            default for them (since 2026-12-07: see cpu_int.cpp's op definitions)."""
+            op = getattr(base, name)
+            required = [a for a in op.default._schema.arguments if not a.has_default_value()]
+            options = {"prefetch": cpu_int.DEFAULT_PREFETCH, "per_token": 0}
+            return lambda *given: op(*given, *[options[a.name] for a in required[len(given) :]])
+
         def pass_of(ops, part: str):  # noqa: ANN001, ANN202
             def run(rows: int) -> None:
                 if part == "w4" and ops is base and not tiled_base:  # the natural layout (cpu_int.repack_w4)
                     for module, k in ours:
-                        ops.w4_linear(flat[k, rows], *module.natural, module.isa)
+                        base_op("w4_linear")(flat[k, rows], *module.natural, module.isa)
                 elif part == "w4" and ops is base:
                     for module, k in ours:
-                        ops.w4_linear_t16(flat[k, rows], module.codes, module.scales, module.zeros, module.out_features)
+                        base_op("w4_linear_t16")(
+                            flat[k, rows], module.codes, module.scales, module.zeros, module.out_features
+                        )
                 elif part == "w4":
                     for module, k in ours:
                         module.product(flat[k, rows])
                 elif ops is base and not tiled_head:
                     head = heads["ours"]
-                    ops.w8_linear(flat[DIM, rows], *head.natural, head.isa)
+                    base_op("w8_linear")(flat[DIM, rows], *head.natural, head.isa)
                 elif ops is base:
                     head = heads["ours"]
-                    ops.w8_linear_t16(flat[DIM, rows], head.codes, head.scales, head.zeros, head.out_features)
+                    base_op("w8_linear_t16")(flat[DIM, rows], head.codes, head.scales, head.zeros, head.out_features)
                 else:
                     heads["ours"].product(flat[DIM, rows])
 

@@ -4,7 +4,7 @@
     python bench/w8a8_decode.py --rounds 10 --tokens 128
 
 A W8A8 layer (SmoothQuant's, or compressed-tensors' int8 W8A8 scheme) quantizes its input per token and multiplies in
-int8. The runtime runs it on ``cpu-w8a8`` (``torch.ops.lmpress_cpu.w8_linear(..., per_token=True)``) where lmpress's
+int8. The runtime runs it on ``cpu-w8a8`` (``torch.ops.lmpress_cpu.w8_linear(..., per_token=1)``) where lmpress's
 C++ kernels build, else on ``int8-mm`` (``torch._int_mm``, what it ran before 2026-12-07). This bench quantizes
 SmolLM2-135M to W8A8 by RTN (the head kept float, as ``recipes/w8a8-smoothquant.yaml`` leaves it), builds the runtime
 twice, once with each kernel, and times the compiled decode step both ways, alternating (A, B, B, A, ...): each

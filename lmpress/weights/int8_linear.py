@@ -25,11 +25,33 @@ that are not multiples of 8 there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 INT8_MAX = 127
 CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16
 CUDA_PAD_ROWS = 32
+
+# codes (out, in) uint8 and scales (out, 1) -> the layer's float32 product of (rows, in) float32 inputs, or None
+CpuW8A8Kernel = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]
+_cpu_kernels: list[CpuW8A8Kernel] = []
+
+
+def register_cpu_w8a8_kernel(kernel: CpuW8A8Kernel) -> CpuW8A8Kernel:
+    """Register a CPU execution of the W8A8 function that gives ``w8a8_linear``'s bits, faster than ``_int_mm`` (the
+    runtime's C++ kernels register theirs when imported: this unit sits below them). A decorator."""
+    _cpu_kernels.append(kernel)
+    return kernel
+
+
+def cpu_w8a8_product(codes: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The first registered CPU kernel's product for these 8-bit codes (zero 128) and row scales, or None."""
+    for kernel in _cpu_kernels:
+        product = kernel(codes, scales)
+        if product is not None:
+            return product
+    return None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmpress.weights.int8_linear import fake_quantize_per_token, int8_weight, w8a8_linear, w8a8_output
+from lmpress.weights.int8_linear import (
+    cpu_w8a8_product,
+    fake_quantize_per_token,
+    int8_weight,
+    w8a8_linear,
+    w8a8_output,
+)
 from lmpress.weights.pack import ct_pack_weight, ct_unpack_weight, packed_length
 from lmpress.weights.scheme import QuantizedWeight, QuantScheme, dequantize_int
 
@@ -169,21 +175,17 @@ class QuantizedLinear(nn.Module):
         if cache is None or cache[-1] != x.device:
             cache = self._kernel_cache = self._prepare_w8a8(x.device)
         if cache[0] == "w8a8-cpu":
-            return w8a8_output(cache[1].product(x.reshape(-1, self.in_features).float().contiguous()), x, self.bias)
+            return w8a8_output(cache[1](x.reshape(-1, self.in_features).float().contiguous()), x, self.bias)
         return w8a8_linear(x, cache[1], cache[2], self.bias)
 
     def _prepare_w8a8(self, device: torch.device) -> tuple:
-        """On the CPU, lmpress's int8 kernel with per-token activations where it builds and holds the layer: the
-        same int32 sums as ``torch._int_mm`` (the same bits out), where ``_int_mm`` on an AVX2-only CPU took 2 minutes
-        a 2,048-token window of SmolLM2; else the int8 weight transposed for ``_int_mm``. Either holds one byte a
+        """On the CPU, a registered kernel that gives ``torch._int_mm``'s bits (lmpress's int8 kernel, once the runtime
+        is imported, as ``lmpress run`` and ``lmpress eval`` do), where ``_int_mm`` on an AVX2-only CPU took 2 minutes
+        a 2,048-token window of SmolLM2; else the int8 weight transposed for ``_int_mm``. Either holds a byte a
         weight."""
-        if device.type == "cpu" and self.in_features % 64 == 0 and self.in_features <= 65536:
-            from lmpress.runtime.kernels import cpu_int
-
-            if cpu_int.available():
-                zeros = torch.full((self.out_features, 1), 128.0)  # symmetric codes: zero 128 (int8_weight)
-                kernel = cpu_int.W8A8RowLinear(self.codes(), self.scales.detach(), zeros, None, per_token=True)
-                return ("w8a8-cpu", kernel, device)
+        product = cpu_w8a8_product(self.codes(), self.scales.detach()) if device.type == "cpu" else None
+        if product is not None:
+            return ("w8a8-cpu", product, device)
         weight_t = int8_weight(self.codes()).t().contiguous().to(device)
         return ("w8a8", weight_t, self.scales[:, 0].float().to(device), device)
 

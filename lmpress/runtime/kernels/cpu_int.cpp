@@ -305,7 +305,7 @@ void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale
 }
 
 at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t isa, int64_t prefetch, bool per_token) {
+                     int64_t isa, int64_t prefetch, int64_t per_token) {
   check(x, codes, scales, zeros, isa, prefetch);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
   TORCH_CHECK(codes.size(1) == K / 2 && scales.size(0) == N && zeros.sizes() == scales.sizes(), "w4 shapes");
@@ -345,7 +345,7 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // W4 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 8, 64), scales (tiles, G, 16) float32, zeros
 // (tiles, G, 16) uint8, rows past out_features padded (scale 0).
 at::Tensor w4_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch, bool per_token) {
+                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch, int64_t per_token) {
   check(x, codes, scales, zeros, 2, prefetch);
   const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), G = scales.size(1), N = out_features;
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 8 && codes.size(3) == 64,
@@ -403,7 +403,7 @@ void w8_token_linear(const float* x, int64_t M, int64_t K, const uint8_t* c, con
 }
 
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t isa, int64_t prefetch, bool per_token) {
+                     int64_t isa, int64_t prefetch, int64_t per_token) {
   check(x, codes, scales, zeros, isa, prefetch);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && scales.numel() == N && zeros.numel() == N, "w8 shapes");
@@ -442,8 +442,9 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // W8 in the "t16" layout (AVX-512 VNNI only): codes (tiles, K / 64, 16, 64), scales (tiles, 16) float32, zeros
 // (tiles, 16) uint8, rows past out_features padded.
 at::Tensor w8_linear_t16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch) {
+                         const at::Tensor& zeros, int64_t out_features, int64_t prefetch, int64_t per_token) {
   check(x, codes, scales, zeros, 2, prefetch);
+  TORCH_CHECK(!per_token, "w8_linear_t16: per-token activations run w8_linear's exact int32 path");
   const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), N = out_features;
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / BLOCK && codes.size(2) == 16 && codes.size(3) == 64,
               "w8 t16 codes: (tiles, K / 64, 16, 64)");
@@ -511,14 +512,17 @@ int64_t cpu_isa() { return best_isa(); }
 }  // namespace
 
 TORCH_LIBRARY(lmpress_cpu, m) {
-  m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096, "
-        "bool per_token=False) -> Tensor");
-  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch=4096, "
-        "bool per_token=False) -> Tensor");
-  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096, "
-        "bool per_token=False) -> Tensor");
-  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch=4096) -> "
+  // per_token an int (0 or 1), without a default: a graph compiled with inductor's C++ wrapper (torch 2.13) passed a
+  // bool argument to these ops not at all, and the op then read a per_token that was not false (W8 layers ran per
+  // token in compiled steps only).
+  m.def("w4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch, int per_token) -> "
         "Tensor");
+  m.def("w8_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int isa, int prefetch, int per_token) -> "
+        "Tensor");
+  m.def("w4_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch, "
+        "int per_token) -> Tensor");
+  m.def("w8_linear_t16(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features, int prefetch, "
+        "int per_token) -> Tensor");
   m.def("quantize_activations(Tensor x, int isa, bool per_token=False) -> (Tensor, Tensor)");
   m.def("huge_page_copy(Tensor t) -> Tensor");
   m.def("huge_page_empty(int bytes) -> Tensor", &huge_page_empty);  // no tensor in: a kernel for every key

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from lmpress.runtime.kernels.cpp_build import build_directory, build_library
+from lmpress.weights.int8_linear import register_cpu_w8a8_kernel
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py),
@@ -148,7 +149,7 @@ def repack_w4(codes: torch.Tensor) -> torch.Tensor:
 
 
 TILE = 16  # output rows per tile of the AVX-512 layouts
-DEFAULT_PREFETCH = 4096  # bytes ahead of the weights being dotted: cpu_int.cpp's PREFETCH_BYTES, the ops' default
+DEFAULT_PREFETCH = 4096  # bytes ahead of the weights being dotted (cpu_int.cpp's PREFETCH_BYTES)
 # Weights from this size on are copied into memory advised for transparent huge pages (``huge_pages``): SmolLM2's
 # W8 head (28 MiB) streamed 7-8% faster that way on a Xeon with THP "madvise"; the layers' weights (under 2 MiB
 # each) would mostly be padding.
@@ -287,12 +288,12 @@ class Int8ActivationLinear(nn.Module):
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """``(rows, in)`` float32 contiguous input times the weight, ``(rows, out)`` float32."""
-        per_token = (self.per_token,) if self.per_token else ()
+        per_token = int(self.per_token)  # an int: see cpu_int.cpp's op definitions
         if self.isa == 2:  # outputs in lanes: OP's "_t16" twin, which takes the output count instead of the ISA
             tiled = getattr(torch.ops.lmpress_cpu, f"{self.OP}_t16")
-            return tiled(flat, self.codes, self.scales, self.zeros, self.out_features, self.prefetch, *per_token)
+            return tiled(flat, self.codes, self.scales, self.zeros, self.out_features, self.prefetch, per_token)
         return getattr(torch.ops.lmpress_cpu, self.OP)(
-            flat, self.codes, self.scales, self.zeros, self.isa, self.prefetch, *per_token
+            flat, self.codes, self.scales, self.zeros, self.isa, self.prefetch, per_token
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -358,6 +359,17 @@ class W8A8RowLinear(Int8ActivationLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, {ISA_NAMES[self.isa]}, "
             f"prefetch {self.prefetch}" + (", int8 activations per token" if self.per_token else "")
         )
+
+
+@register_cpu_w8a8_kernel
+def w8a8_product(codes: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """An evaluated W8A8 layer's product (``QuantizedLinear``, symmetric codes, zero 128) on this kernel, per token:
+    the same bits as ``torch._int_mm``; None where the kernel does not hold it or does not build."""
+    in_features = codes.shape[1]
+    if in_features % BLOCK or in_features > 65536 or not available():
+        return None
+    zeros = torch.full((codes.shape[0], 1), 128.0)
+    return W8A8RowLinear(codes, scales, zeros, None, per_token=True).product
 
 
 def finish_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
