@@ -136,6 +136,29 @@ def test_w8_with_per_token_activations_computes_w8a8_as_torchs_int8_matmul_on_ev
         assert torch.equal(layer.rows(torch.tensor([3, 0]))(x), expected[:, [3, 0]])
 
 
+def test_w8_per_token_keeps_torchs_bits_in_bfloat16_with_a_bias():
+    """The bias is added in float32 before the cast, as ``w8a8_linear`` adds it: a biased W8A8 layer run in bfloat16
+    gives ``torch._int_mm``'s bits too."""
+    from lmpress.weights.int8_linear import int8_weight, w8a8_linear
+
+    codes, scales, _, _ = w8_case(48, 256)
+    bias = torch.randn(48) * 3
+    x = (inputs(4, 256) * 10).bfloat16()
+    expected = w8a8_linear(x, int8_weight(codes).t().contiguous(), scales[:, 0], bias)
+    layer = cpu_int.W8A8RowLinear(codes, scales, torch.full((48, 1), 128.0), bias, per_token=True)
+    assert layer(x).dtype == torch.bfloat16
+    assert torch.equal(layer(x), expected)
+
+
+def test_per_token_w8_refuses_widths_its_int32_sums_cannot_hold():
+    """Above 65,536 columns a row's int32 sum could overflow: the fit check sends such a W8A8 layer to torch's
+    kernel rather than to the op's error; a per-4 layer of that width still fits."""
+    assert cpu_int.w8_fits(65536, 65536, act_order=False, per_token=True)
+    assert not cpu_int.w8_fits(65536 + 64, 65536 + 64, act_order=False, per_token=True)
+    assert cpu_int.w8_fits(65536 + 64, 65536 + 64, act_order=False)
+    assert cpu_int.w8a8_product(torch.zeros(2, 65536 + 64, dtype=torch.uint8), torch.ones(2)) is None
+
+
 def test_w8_per_token_with_zero_points_sums_exactly_against_int64():
     """Asymmetric 8-bit codes (a zero point a row) with per-token int8 activations: float(sum (q - z) * xq) * d * s,
     the sum checked against an int64 matmul of the same codes."""
@@ -195,6 +218,28 @@ def test_compiles_in_one_graph():
     x = inputs(2, 128)
     compiled = torch.compile(lambda t: w4(t).relu() * 2 + w8(t), fullgraph=True)
     torch.testing.assert_close(compiled(x), w4(x).relu() * 2 + w8(x))
+
+
+@pytest.mark.long
+def test_a_step_compiled_with_the_cpp_wrapper_passes_every_option_to_the_ops():
+    """The runtime's compiled CPU step calls the ops from C++ (generate.wrapper_options): every layer computes there
+    what it computes eagerly, per 4 values and per token alike. Inductor's C++ wrapper once dropped a bool argument,
+    so a per-4 layer read a stale ``per_token`` in the compiled step only."""
+    from lmpress.runtime.generate import wrapper_options
+
+    w4, w8 = w4_case(40, 128, 64)[:3], w8_case(40, 128)[:3]
+    layers = [
+        cpu_int.W4A8Linear(*w4, None),
+        cpu_int.W4A8Linear(*w4, None, per_token=True),
+        cpu_int.W8A8RowLinear(*w8, torch.randn(40)),
+        cpu_int.W8A8RowLinear(*w8, None, per_token=True),
+    ]
+    x = inputs(3, 128) * 30  # per-token and per-4 results differ well beyond rounding
+    assert not torch.allclose(layers[2](x) - layers[2].bias, layers[3](x), rtol=0, atol=1e-3)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: [layer(t) for layer in layers], options=wrapper_options(torch.device("cpu")))
+    for layer, got in zip(layers, compiled(x), strict=True):
+        assert torch.equal(got, layer(x)), layer
 
 
 def test_a_cpu_without_avx2_warns_and_runs_the_portable_path(monkeypatch):

@@ -214,8 +214,9 @@ def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> boo
         return False
     if layer.qweight.device.type != "cpu":
         return False
+    per_token = scheme.activations == "int8"
     fits = (scheme.bits == 4 and cpu_int.w4_fits(k, width, act_order)) or (
-        scheme.bits == 8 and cpu_int.w8_fits(k, width, act_order)
+        scheme.bits == 8 and cpu_int.w8_fits(k, width, act_order, per_token)
     )
     return fits and cpu_int.available()
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lmpress.runtime.kernels.cpp_build import build_directory, build_library
-from lmpress.weights.int8_linear import register_cpu_w8a8_kernel
+from lmpress.weights.int8_linear import register_cpu_w8a8_kernel, w8a8_output
 
 SOURCE = Path(__file__).with_name("cpu_int.cpp")
 # The library's other sources: cpu_attention.cpp (attention over the filled slots of a cache, cpu_attention.py),
@@ -239,8 +239,13 @@ def w4_fits(in_features: int, group_width: int, act_order: bool) -> bool:
     return not act_order and in_features % BLOCK == 0 and group_width % BLOCK == 0 and in_features % group_width == 0
 
 
-def w8_fits(in_features: int, group_width: int, act_order: bool) -> bool:
-    return not act_order and in_features % BLOCK == 0 and group_width == in_features
+MAX_TOKEN_FEATURES = 65536  # w8_token_linear sums a row's products in int32: 65536 * 127 * 255 < 2**31
+
+
+def w8_fits(in_features: int, group_width: int, act_order: bool, per_token: bool = False) -> bool:
+    """Whether ``w8_linear`` holds a per-row 8-bit layer; per token (W8A8: int32 row sums) it bounds the width."""
+    fits = not act_order and in_features % BLOCK == 0 and group_width == in_features
+    return fits and (not per_token or in_features <= MAX_TOKEN_FEATURES)
 
 
 class Int8ActivationLinear(nn.Module):
@@ -343,6 +348,12 @@ class W8A8RowLinear(Int8ActivationLinear):
             return repack_w8_t16(codes, scales, zeros)
         return codes.to(torch.uint8).contiguous(), scales.contiguous(), zeros.contiguous()
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.per_token:
+            return super().forward(x)
+        # torch._int_mm's tail (w8a8_linear): the bias added in float32, so a bfloat16 layer gives its bits too
+        return w8a8_output(self.product(x.reshape(-1, self.in_features).float().contiguous()), x, self.bias)
+
     def rows(self, rows: torch.Tensor) -> W8A8RowLinear:
         """A copy computing only output rows ``rows``."""
         bias = None if self.bias is None else self.bias[rows].clone()
@@ -366,7 +377,7 @@ def w8a8_product(codes: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.T
     """An evaluated W8A8 layer's product (``QuantizedLinear``, symmetric codes, zero 128) on this kernel, per token:
     the same bits as ``torch._int_mm``; None where the kernel does not hold it or does not build."""
     in_features = codes.shape[1]
-    if in_features % BLOCK or in_features > 65536 or not available():
+    if not w8_fits(in_features, in_features, act_order=False, per_token=True) or not available():
         return None
     zeros = torch.full((codes.shape[0], 1), 128.0)
     return W8A8RowLinear(codes, scales, zeros, None, per_token=True).product
