@@ -152,11 +152,22 @@ def test_w8_per_token_keeps_torchs_bits_in_bfloat16_with_a_bias():
 
 def test_per_token_w8_refuses_widths_its_int32_sums_cannot_hold():
     """Above 65,536 columns a row's int32 sum could overflow: the fit check sends such a W8A8 layer to torch's
-    kernel rather than to the op's error; a per-4 layer of that width still fits."""
-    assert cpu_int.w8_fits(65536, 65536, act_order=False, per_token=True)
-    assert not cpu_int.w8_fits(65536 + 64, 65536 + 64, act_order=False, per_token=True)
-    assert cpu_int.w8_fits(65536 + 64, 65536 + 64, act_order=False)
-    assert cpu_int.w8a8_product(torch.zeros(2, 65536 + 64, dtype=torch.uint8), torch.ones(2)) is None
+    kernel rather than to the op's error; a per-4 layer of that width still fits. The op's own check (the last
+    guard for a direct caller) draws the line at the same width as the Python bound."""
+    widest = cpu_int.MAX_TOKEN_FEATURES
+    assert widest * 127 * 255 < 2**31
+    assert cpu_int.w8_fits(widest, widest, act_order=False, per_token=True)
+    assert not cpu_int.w8_fits(widest + 64, widest + 64, act_order=False, per_token=True)
+    assert cpu_int.w8_fits(widest + 64, widest + 64, act_order=False)
+    assert cpu_int.w8a8_product(torch.zeros(2, widest + 64, dtype=torch.uint8), torch.ones(2)) is None
+    zeros = torch.full((2, 1), 128.0)
+    fits = cpu_int.W8A8RowLinear(torch.full((2, widest), 129, dtype=torch.uint8), torch.ones(2, 1), zeros, None,
+                                 per_token=True)  # fmt: skip
+    torch.testing.assert_close(fits(torch.ones(1, widest)), torch.full((1, 2), float(widest)))
+    wider = cpu_int.W8A8RowLinear(torch.zeros(2, widest + 64, dtype=torch.uint8), torch.ones(2, 1), zeros, None,
+                                  per_token=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match=f"in_features at most {widest}"):
+        wider(torch.ones(1, widest + 64))
 
 
 def test_w8_per_token_with_zero_points_sums_exactly_against_int64():

@@ -192,7 +192,7 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
         from lmpress.runtime.kernels.int8 import W8A8Linear
 
         return W8A8Linear(layer)
-    if layer.scheme.activations == "int8":  # a weight-only kernel would drop the activations' quantization
+    if per_token_activations(layer):  # a weight-only kernel would drop the activations' quantization
         return dense_linear(layer, dtype, Int8ActivationsLinear)
     prepared = layer._prepare_kernel()  # the same repacking QuantizedLinear's own kernel path uses
     if prepared is not None and prepared[0] == "int4":
@@ -200,6 +200,11 @@ def cpu_linear(layer: QuantizedLinear, dtype: torch.dtype, activations: str = DE
     if prepared is not None and prepared[0] == "int8":
         return Int8Linear(prepared, layer.in_features, layer.out_features, bias)
     return dense_linear(layer, dtype, DenseLinear)
+
+
+def per_token_activations(layer: QuantizedLinear) -> bool:
+    """Whether ``layer``'s own scheme quantizes its activations (W4A8, W8A8: one int8 scale per token)."""
+    return layer.scheme.activations == "int8"
 
 
 def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> bool:
@@ -214,9 +219,8 @@ def int8_activation_kernel_fits(layer: QuantizedLinear, activations: str) -> boo
         return False
     if layer.qweight.device.type != "cpu":
         return False
-    per_token = scheme.activations == "int8"
     fits = (scheme.bits == 4 and cpu_int.w4_fits(k, width, act_order)) or (
-        scheme.bits == 8 and cpu_int.w8_fits(k, width, act_order, per_token)
+        scheme.bits == 8 and cpu_int.w8_fits(k, width, act_order, per_token_activations(layer))
     )
     return fits and cpu_int.available()
 
@@ -229,7 +233,7 @@ def int8_activation_kernel(layer: QuantizedLinear, bias: torch.Tensor | None, ac
     kernel = cpu_int.W4A8Linear if layer.scheme.bits == 4 else cpu_int.W8A8RowLinear
     scales = layer.scales.detach()
     choice = choose_int8_kernel(kernel, layer.out_features, layer.in_features, scales.reshape(len(scales), -1).shape[1])
-    per_token = layer.scheme.activations == "int8"  # a W4A8 or W8A8 scheme's
+    per_token = per_token_activations(layer)
     return kernel(layer.codes(), scales, layer.zeros.float(), bias, choice.isa, choice.prefetch, per_token)
 
 

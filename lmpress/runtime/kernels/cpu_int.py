@@ -239,7 +239,9 @@ def w4_fits(in_features: int, group_width: int, act_order: bool) -> bool:
     return not act_order and in_features % BLOCK == 0 and group_width % BLOCK == 0 and in_features % group_width == 0
 
 
-MAX_TOKEN_FEATURES = 65536  # w8_token_linear sums a row's products in int32: 65536 * 127 * 255 < 2**31
+# w8_token_linear sums a row's products in int32: 65536 * 127 * 255 < 2**31 (cpu_int.cpp's w8_linear checks the same
+# width, the last guard for a direct caller; a test holds the two together)
+MAX_TOKEN_FEATURES = 65536
 
 
 def w8_fits(in_features: int, group_width: int, act_order: bool, per_token: bool = False) -> bool:
@@ -301,9 +303,12 @@ class Int8ActivationLinear(nn.Module):
             flat, self.codes, self.scales, self.zeros, self.isa, self.prefetch, per_token
         )
 
+    def finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The product's float32 rows ``y`` as the layer returns them (``finish_output``)."""
+        return finish_output(y, x, self.bias, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        return finish_output(self.product(flat), x, self.bias, self.out_features)
+        return self.finish(self.product(x.reshape(-1, self.in_features).float().contiguous()), x)
 
 
 class W4A8Linear(Int8ActivationLinear):
@@ -348,11 +353,11 @@ class W8A8RowLinear(Int8ActivationLinear):
             return repack_w8_t16(codes, scales, zeros)
         return codes.to(torch.uint8).contiguous(), scales.contiguous(), zeros.contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if not self.per_token:
-            return super().forward(x)
+            return super().finish(y, x)
         # torch._int_mm's tail (w8a8_linear): the bias added in float32, so a bfloat16 layer gives its bits too
-        return w8a8_output(self.product(x.reshape(-1, self.in_features).float().contiguous()), x, self.bias)
+        return w8a8_output(y, x, self.bias)
 
     def rows(self, rows: torch.Tensor) -> W8A8RowLinear:
         """A copy computing only output rows ``rows``."""
