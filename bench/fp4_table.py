@@ -76,8 +76,8 @@ DISTILL = next(
 
 
 def learned(scheme: dict) -> dict:
-    """Learned rounding on the CPU budget of recipes/learned-w4.yaml: 110 sign-gradient steps of 4 samples from
-    round-to-nearest."""
+    """Learned rounding on the CPU budget recipes/learned-w4.yaml took until 2026-12-08 (now 90 steps): 110
+    sign-gradient steps of 4 samples from round-to-nearest."""
     return {"method": "learned", **scheme, "iterations": 110, "batch_size": 4, "init": "rtn"}
 
 

@@ -16,7 +16,7 @@ only.
 Sample:
 
     eval:
-      speculation: {prompts: 8, prompt_tokens: 64, new_tokens: 64, k: 3}
+      speculation: {prompts: 32, prompt_tokens: 64, new_tokens: 64, k: 3}
     gates:
       - accept_length >= 2.5
 """
@@ -40,7 +40,9 @@ from lmpress.runtime.speculative import K_MAX, SpeculativeStats, speculative_dec
 
 
 class SpeculationConfig(EvalConfig):
-    prompts: int = Field(8, ge=1)
+    # 32: on one SmolLM2 head 8 prompts scored 1.448 tokens per pass, 16 and 32 scored 1.615 and 1.596
+    # (bench/accept_by_length.py, docs/methods/draft-heads.md)
+    prompts: int = Field(32, ge=1)
     prompt_tokens: int = Field(64, ge=1)
     new_tokens: int = Field(64, ge=2)
     k: int = Field(3, ge=1, le=K_MAX)  # drafts a round for accept_length (3: the draft_head stage's default steps)
