@@ -11,9 +11,10 @@ the length alone may explain part of the gap; this measures it on one head.
 Protocol: the run's compressed-tensors export and its ``draft-head/`` on lmpress's runtime (CPU kernels, this
 machine's threads, as ``lmpress generate --draft-head`` loads them), ``eval.speculation``'s prompts
 (``--prompts`` windows of ``--prompt-tokens`` spread over ``--text``), greedy, a fixed ``--k`` drafts a round
-(``accept_length``'s protocol). Each prompt is decoded once per length; ``tokens_per_pass`` = tokens / target
-passes. The row ``beyond the first`` is the span past the shortest length (its extra tokens over its extra
-passes): what the later tokens alone score. Writes bench/results/accept_by_length.json (one entry per run).
+(``accept_length``'s protocol; at the eval's settings it gives the run's ``accept_length``). Each prompt is decoded
+once per length; ``per_pass`` = tokens / target passes. ``beyond_first`` is the span past the shortest length (the
+longest length's extra tokens over its extra passes): what the later tokens alone score, to within the round the
+shorter decode cut at its end. Writes bench/results/accept_by_length.json (one entry per run).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from quant_table import cpu_description  # noqa: E402
 
 from lmpress.data import load_text  # noqa: E402
-from lmpress.evals.speculation import eval_prompts  # noqa: E402
+from lmpress.evals.speculation import SpeculationConfig, eval_prompts  # noqa: E402
 from lmpress.runtime.speculative import SpeculativeStats, speculative_decode  # noqa: E402
 from lmpress.runtime.text import draft_head_for, load_runtime  # noqa: E402
 
@@ -61,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a run folder with compressed-tensors/ and draft-head/")
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 192])
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=SpeculationConfig().prompts)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--text", default="builtin:wikitext2:test")
